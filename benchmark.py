@@ -1,0 +1,222 @@
+"""Train Stable Diffusion 2 base from scratch with Composer and measure images/sec.
+
+    composer benchmark.py --use_ema --use_synth_data --device_train_microbatch_size 4   # 1 node, all GPUs
+    python benchmark.py --model_config tiny --use_synth_data --batch_size 8 --image_size 64 \
+        --max_duration 10ba --results_json results.json                                 # CPU-sized
+
+The UNet is built from the SD2-base config with random weights; the VAE and the OpenCLIP text
+encoder are frozen (loaded from `--model_name` when available). Data is synthetic
+(`--use_synth_data`) or LAION-style MDS shards streamed from `--remote` into `--local`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from composer import Trainer
+from composer.callbacks import SpeedMonitor
+from composer.loggers import WandBLogger
+from composer.utils import dist, reproducibility
+
+import data
+from model import MODEL_CONFIGS, StableDiffusion, build_components, sd2_meta_components
+from throughput import Throughput, count_flops_per_image
+
+PRECISIONS = ("auto", "fp32", "amp_bf16", "amp_fp16")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # The flags of the 2023 benchmark, same names and defaults.
+    p.add_argument("--batch_size", type=int, default=2048, help="global batch size, images per step over all devices")
+    p.add_argument("--image_size", type=int, default=512, help="training resolution in pixels (multiple of 8)")
+    p.add_argument("--remote", type=str, default=None, help="MDS shards to stream: s3://, gs://, oci://, ... or a path")
+    p.add_argument("--local", type=str, default="/tmp/mds-cache/", help="local cache folder for --remote shards")
+    p.add_argument("--use_synth_data", action="store_true", help="random images and captions (measures the model only)")
+    p.add_argument("--model_name", type=str, default="stabilityai/stable-diffusion-2-base",
+                   help="hub id or local diffusers folder with pretrained vae/, text_encoder/, tokenizer/")
+    p.add_argument("--use_ema", action="store_true", help="keep an EMA of the UNet weights (half-life 1000 batches)")
+    p.add_argument("--wandb_name", type=str, default=None, help="W&B run name (enables W&B logging)")
+    p.add_argument("--wandb_project", type=str, default=None, help="W&B project (enables W&B logging)")
+    p.add_argument("--device_train_microbatch_size", type=str, default="auto",
+                   help="images per device per forward/backward, or 'auto' (GPU: largest that fits; CPU: no accumulation)")
+    # Added by this project.
+    p.add_argument("--max_duration", type=str, default="1ep", help="Composer time string: 20ba, 1ep, 100000sp")
+    p.add_argument("--model_config", type=str, default="sd2-base", help=f"one of {sorted(MODEL_CONFIGS)}")
+    p.add_argument("--precision", type=str, default="auto", help=f"one of {PRECISIONS}; auto: amp_bf16 on GPU, fp32 on CPU")
+    p.add_argument("--seed", type=int, default=17)
+    p.add_argument("--num_workers", type=int, default=8, help="DataLoader worker processes per device")
+    p.add_argument("--results_json", type=str, default=None, help="write the throughput summary to this JSON file")
+    p.add_argument("--num_synthetic_samples", type=int, default=100_000, help="size of the synthetic dataset")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (constant)")
+    p.add_argument("--weight_decay", type=float, default=1e-3, help="AdamW weight decay")
+    p.add_argument("--warmup_batches", type=int, default=5, help="batches left out of the throughput measurement")
+    p.add_argument("--peak_tflops", type=float, default=None,
+                   help="peak TFLOP/s of one device for MFU (default: Composer's table for A100/H100/H200)")
+    p.add_argument("--allow_random_encoders", action="store_true",
+                   help="train on real data even when the pretrained VAE/text encoder cannot be loaded")
+    p.add_argument("--log_interval", type=str, default="10ba", help="console log interval (Composer time string)")
+    p.add_argument("--xformers", action="store_true", help="use xFormers attention in the UNet (default: PyTorch SDPA)")
+    return p.parse_args(argv)
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    """Fail at once, with a one-line message naming the flag, on values that would fail later."""
+    def fail(message: str) -> None:
+        raise SystemExit(f"benchmark.py: error: {message}")
+
+    if args.model_config not in MODEL_CONFIGS:
+        fail(f"--model_config '{args.model_config}' is unknown; choose one of {sorted(MODEL_CONFIGS)}")
+    if args.precision not in PRECISIONS:
+        fail(f"--precision '{args.precision}' is unknown; choose one of {PRECISIONS}")
+    if args.image_size <= 0 or args.image_size % 8:
+        fail(f"--image_size {args.image_size} must be a positive multiple of 8 (the VAE downsamples by 8)")
+    if args.batch_size <= 0 or args.batch_size % world_size:
+        fail(f"--batch_size {args.batch_size} must be a positive multiple of the world size {world_size}")
+    per_device = args.batch_size // world_size
+    if args.device_train_microbatch_size != "auto":
+        try:
+            micro = int(args.device_train_microbatch_size)
+        except ValueError:
+            fail(f"--device_train_microbatch_size '{args.device_train_microbatch_size}' must be an integer or 'auto'")
+        if micro <= 0 or per_device % micro:
+            fail(f"--batch_size {args.batch_size} over {world_size} device(s) gives {per_device} per device, "
+                 f"which --device_train_microbatch_size {micro} does not divide")
+        args.device_train_microbatch_size = micro
+    if not args.use_synth_data and not args.remote and not (args.local and Path(args.local).is_dir()):
+        fail("no data: pass --use_synth_data, or --remote (with --local as cache), or --local with MDS shards already there")
+    if args.num_workers < 0:
+        fail(f"--num_workers {args.num_workers} must be >= 0")
+    if args.warmup_batches < 0:
+        fail(f"--warmup_batches {args.warmup_batches} must be >= 0")
+    from composer.core import Time
+    try:
+        Time.from_timestring(args.max_duration)
+    except (ValueError, TypeError):
+        fail(f"--max_duration '{args.max_duration}' is not a Composer time string such as 20ba, 1ep or 1000sp")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    world_size = dist.get_world_size()
+    validate(args, world_size)
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        # Before anything touches CUDA: otherwise every rank creates a context on GPU 0.
+        torch.cuda.set_device(dist.get_local_rank())
+    precision = args.precision if args.precision != "auto" else ("amp_bf16" if on_gpu else "fp32")
+    microbatch = args.device_train_microbatch_size
+    if microbatch == "auto" and not on_gpu:
+        microbatch = args.batch_size // world_size  # Composer's auto microbatching needs a GPU
+    reproducibility.seed_all(args.seed)
+
+    components = build_components(args.model_config, args.model_name)
+    if components.random:
+        missing = " and ".join(components.random)
+        if not args.use_synth_data and args.model_config != "tiny" and not args.allow_random_encoders:
+            raise SystemExit(
+                f"benchmark.py: error: pretrained {missing} not found for --model_name {args.model_name}: "
+                "training on real data needs them (download the model to a local folder and pass it), "
+                "or pass --allow_random_encoders to measure throughput anyway")
+        if dist.get_global_rank() == 0:
+            why = ("the tiny configuration has no pretrained weights" if args.model_config == "tiny" else
+                   f"--model_name {args.model_name}: pretrained {missing} not available here (offline or not downloaded)")
+            warnings.warn(f"{why}; using randomly initialized {missing} (throughput does not depend on the weights).",
+                          stacklevel=1)
+    model = StableDiffusion(components.unet, components.vae, components.text_encoder, components.noise_scheduler)
+    if args.xformers:
+        model.unet.enable_xformers_memory_efficient_attention()
+
+    # FLOPs per image, counted once on meta-device copies: nothing is computed.
+    meta_unet, meta_vae, meta_text = sd2_meta_components(args.model_config)
+    flops = count_flops_per_image(meta_unet, meta_vae, meta_text, args.image_size)
+    model.flops_per_image = flops["total"]
+
+    per_device = args.batch_size // world_size
+    if args.use_synth_data:
+        train_dataloader = data.synthetic_dataloader(args.image_size, per_device, args.num_workers,
+                                                     args.num_synthetic_samples, args.seed)
+    else:
+        train_dataloader = data.laion_dataloader(
+            remote=args.remote, local=args.local, tokenizer=components.tokenizer, image_size=args.image_size,
+            batch_size_per_device=per_device, num_workers=args.num_workers, seed=args.seed)
+
+    optimizer = torch.optim.AdamW(model.unet.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
+    throughput = Throughput(args.warmup_batches, flops["total"], peak_flops)
+    loggers = []
+    if args.wandb_project or args.wandb_name:
+        loggers.append(WandBLogger(project=args.wandb_project, name=args.wandb_name))
+    algorithms = []
+    if args.use_ema:
+        from ema import EMA
+        algorithms.append(EMA(half_life="1000ba"))
+
+    trainer = Trainer(
+        model=model,
+        train_dataloader=train_dataloader,
+        optimizers=optimizer,
+        max_duration=args.max_duration,
+        algorithms=algorithms,
+        callbacks=[SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), throughput],
+        loggers=loggers,
+        precision=precision,
+        device_train_microbatch_size=microbatch,
+        seed=args.seed,
+        progress_bar=False,
+        log_to_console=True,
+        console_log_interval=args.log_interval,
+    )
+    trainer.fit()
+
+    results = {
+        **throughput.summary,
+        "world_size": world_size,
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "precision": precision,
+        "image_size": args.image_size,
+        "global_batch_size": args.batch_size,
+        "device_train_microbatch_size": trainer.state.device_train_microbatch_size,
+        "model_config": args.model_config,
+        "data": "synthetic" if args.use_synth_data else (args.remote or args.local),
+        "use_ema": args.use_ema,
+        "pretrained_parts": components.pretrained,
+        "random_parts": components.random,
+        "flops_per_image_breakdown": flops,
+        "final_loss": float(trainer.state.loss.item()) if isinstance(trainer.state.loss, torch.Tensor) else None,
+        "torch_version": torch.__version__,
+    }
+    trainer.close()
+    if dist.get_global_rank() == 0:
+        print_summary(results)
+        if args.results_json:
+            Path(args.results_json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.results_json).write_text(json.dumps(results, indent=2) + "\n")
+            print(f"results written to {args.results_json}")
+    return results
+
+
+def print_summary(r: dict) -> None:
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a (unknown device peak; pass --peak_tflops)"
+    print(
+        "\n=== Stable Diffusion benchmark ===\n"
+        f"model {r['model_config']} at {r['image_size']}x{r['image_size']}, {r['precision']}, "
+        f"{r['world_size']} x {r['device']}, global batch {r['global_batch_size']}, "
+        f"microbatch {r['device_train_microbatch_size']}\n"
+        f"throughput   {r['images_per_sec']:.2f} images/s ({r['images_per_sec_per_device']:.2f} per device) "
+        f"over {r['measured_batches']} batches after {r['warmup_batches']} warm-up\n"
+        f"MFU          {mfu} at {r['flops_per_image'] / 1e9:.1f} GFLOP/image\n"
+        f"data wait    {100 * r['data_wait_fraction']:.1f}% of step time\n"
+        f"peak memory  {r['peak_memory_bytes'] / 2**30:.2f} GiB ({r['peak_memory_kind']})\n"
+        f"final loss   {r['final_loss']}\n",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,446 @@
+"""Time and cost to train Stable Diffusion 2 base, from measured training throughput.
+
+The 2023 MosaicML benchmark turned images/sec on 8..128 A100s into days, GPU-hours and dollars
+for the whole training run (2,867,200,000 images = 1.4M steps x 2048, at $2 per A100-hour),
+and extrapolated to 256 GPUs. This script does the same for any set of measurements:
+
+    python cost.py results/*.json --plot cost.png
+    python cost.py --gpus 8 16 32 64 128 --images_per_sec 128.2 254.0 485.7 912.2 1618.4 \
+        --num_gpus 8 16 32 64 128 256 --plot cost.png --csv cost.csv --markdown cost.md
+
+For each GPU count n in the table:
+    days      = samples / images_per_sec(n) / 86400
+    GPU-hours = days * 24 * n
+    cost ($)  = GPU-hours * usd_per_gpu_hour
+
+Measured counts use the measurement (several at the same count are averaged). Other counts are
+predicted by a scaling model on per-GPU throughput t(n) = images_per_sec(n) / n:
+  1. Efficiency per doubling: least-squares fit of ln t(n) linear in log2(n) over the measured
+     counts; exp(slope) is the factor by which per-GPU throughput changes each time the GPU count
+     doubles (0.943 for the 2023 numbers). It is clamped to [0.5, 1]: scaling is never better
+     than linear, and adding GPUs never makes the whole job slower.
+  2. Between two measured counts, t(n) is interpolated linearly in (log2 n, ln t), so the table
+     passes through every measurement; outside the measured range, t(n) starts from the nearest
+     measured count and changes by the fitted factor per doubling. Anchoring at the measured
+     point (rather than reading the fitted line) keeps the table continuous: the 2023 fit line
+     alone is 3.8% above the measured 128-GPU throughput.
+  3. Whatever the data, a prediction never has higher per-GPU throughput than the nearest
+     measured count below it (never better than linear scaling from there), and never lower
+     total throughput than any smaller measured count.
+With one measured count there is nothing to fit: predictions assume linear scaling (constant
+per-GPU throughput), which is an upper bound, and a note says so.
+
+Real scaling usually degrades faster at larger counts (the 2023 doublings kept 99%, 96%, 94% and
+89% of per-GPU throughput), so predictions beyond the largest measured count lean optimistic;
+the blog's own 256-GPU figure (2,589.4) implies 80% for that last doubling.
+
+Results JSON files need `images_per_sec` (global, all GPUs together) and `world_size` (number of
+GPUs); `device` and `image_size` are used when present (mixing them is an error).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+from dataclasses import dataclass
+
+# Assumptions of the 2023 table: 1.4M steps at global batch 2048, and $2 per A100-hour.
+SAMPLES = 1_400_000 * 2048  # 2,867,200,000 images
+USD_PER_GPU_HOUR = 2.0
+SECONDS_PER_DAY = 86_400
+# The default table runs at least to this count, the largest one in the 2023 table.
+DEFAULT_MAX_GPUS = 256
+
+
+@dataclass
+class Measurement:
+    """One throughput measurement: `images_per_sec` is global (all `num_gpus` GPUs together)."""
+    num_gpus: int
+    images_per_sec: float
+    source: str = "--images_per_sec"  # the results file it came from, or the flag
+    device: str | None = None
+    image_size: int | None = None
+
+
+@dataclass
+class Row:
+    """One line of the table. days in days, gpu_hours in GPU-hours, cost_usd in US dollars."""
+    num_gpus: int
+    images_per_sec: float
+    days: float
+    gpu_hours: float
+    cost_usd: float
+    source: str  # "measured" or "predicted"
+
+
+@dataclass
+class ScalingModel:
+    """Per-GPU throughput model. `measured` maps GPU count -> global images/s (averaged);
+    `per_doubling` is the factor applied to per-GPU images/s for each doubling of the GPU count
+    outside the measured range (already clamped to [0.5, 1])."""
+    measured: dict[int, float]
+    per_doubling: float
+    fitted_per_doubling: float  # before clamping, for the report
+
+
+# -----------------------------------------------------------------------------
+# arithmetic
+
+def days_to_train(samples: float, images_per_sec: float) -> float:
+    """Wall-clock days to push `samples` images through at `images_per_sec` (global)."""
+    return samples / images_per_sec / SECONDS_PER_DAY
+
+
+def make_row(num_gpus: int, images_per_sec: float, samples: float, usd_per_gpu_hour: float,
+             source: str) -> Row:
+    """Days, GPU-hours (days * 24 * num_gpus) and dollars (GPU-hours * price) for one GPU count."""
+    days = days_to_train(samples, images_per_sec)
+    gpu_hours = days * 24 * num_gpus
+    return Row(num_gpus, images_per_sec, days, gpu_hours, gpu_hours * usd_per_gpu_hour, source)
+
+
+# -----------------------------------------------------------------------------
+# inputs
+
+def load_results(path: str) -> Measurement:
+    """Read one results JSON file. Raises ValueError with a message that names the file."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such file")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object with 'images_per_sec' and 'world_size'")
+    for key in ("images_per_sec", "world_size"):
+        if key not in data:
+            raise ValueError(f"{path}: missing '{key}' (need 'images_per_sec' and 'world_size')")
+    ips, n = data["images_per_sec"], data["world_size"]
+    # bool is an int in Python, and a JSON true is never a GPU count
+    if isinstance(ips, bool) or not isinstance(ips, (int, float)) or not math.isfinite(ips) or ips <= 0:
+        raise ValueError(f"{path}: 'images_per_sec' must be a positive number, got {ips!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ValueError(f"{path}: 'world_size' must be a positive integer, got {n!r}")
+    return Measurement(n, float(ips), path, data.get("device"), data.get("image_size"))
+
+
+def check_consistent(measurements: list[Measurement]) -> None:
+    """Refuse to fit one scaling curve through different GPUs or image sizes."""
+    for key in ("device", "image_size"):
+        seen = {}
+        for m in measurements:
+            value = getattr(m, key)
+            if value is not None:
+                seen.setdefault(value, m.source)
+        if len(seen) > 1:
+            detail = ", ".join(f"{v!r} in {src}" for v, src in seen.items())
+            raise ValueError(f"results mix different '{key}' values ({detail}); give one at a time")
+
+
+def average_by_gpus(measurements: list[Measurement]) -> tuple[dict[int, float], list[str]]:
+    """Average global images/s per GPU count. Returns {num_gpus: images/s} and notes on averaging."""
+    groups: dict[int, list[float]] = {}
+    for m in measurements:
+        groups.setdefault(m.num_gpus, []).append(m.images_per_sec)
+    notes = []
+    for n, values in sorted(groups.items()):
+        if len(values) > 1:
+            listed = ", ".join(f"{v:,.1f}" for v in values)
+            notes.append(f"averaged {len(values)} measurements at {n} GPUs "
+                         f"({listed}) -> {sum(values) / len(values):,.1f} images/s")
+    return {n: sum(v) / len(v) for n, v in sorted(groups.items())}, notes
+
+
+# -----------------------------------------------------------------------------
+# scaling model
+
+def fit_scaling(measured: dict[int, float]) -> ScalingModel:
+    """Least-squares fit of ln(per-GPU images/s) against log2(num_gpus) over the measured counts.
+    With a single count the slope is 0, i.e. linear scaling."""
+    xs = [math.log2(n) for n in measured]
+    ys = [math.log(ips / n) for n, ips in measured.items()]
+    slope = 0.0
+    if len(xs) > 1:
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    fitted = math.exp(slope)
+    return ScalingModel(dict(sorted(measured.items())), min(max(fitted, 0.5), 1.0), fitted)
+
+
+def predict_images_per_sec(model: ScalingModel, num_gpus: int) -> float:
+    """Global images/s predicted at `num_gpus` (equal to the measurement at a measured count)."""
+    if num_gpus in model.measured:
+        return model.measured[num_gpus]
+    counts = list(model.measured)
+    per_gpu = {n: ips / n for n, ips in model.measured.items()}
+    x = math.log2(num_gpus)
+    below = [n for n in counts if n < num_gpus]
+    above = [n for n in counts if n > num_gpus]
+    if below and above:  # interpolate between the two measured neighbours
+        lo, hi = below[-1], above[0]
+        w = (x - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+        log_t = (1 - w) * math.log(per_gpu[lo]) + w * math.log(per_gpu[hi])
+    else:  # extrapolate from the nearest measured count by the fitted factor per doubling
+        anchor = below[-1] if below else above[0]
+        log_t = math.log(per_gpu[anchor]) + math.log(model.per_doubling) * (x - math.log2(anchor))
+    t = math.exp(log_t)
+    if below:
+        # never beat linear scaling from the nearest measured count below (noisy data can
+        # make the interpolation rise)...
+        t = min(t, per_gpu[below[-1]])
+        # ...and never let extra GPUs make the whole job slower than a smaller measured count
+        t = max(t, max(model.measured[n] for n in below) / num_gpus)
+    return t * num_gpus
+
+
+def cost_table(measured: dict[int, float], num_gpus: list[int], samples: float = SAMPLES,
+               usd_per_gpu_hour: float = USD_PER_GPU_HOUR) -> list[Row]:
+    """Rows for each requested GPU count: measured ones from `measured` ({gpus: images/s}),
+    the rest predicted by `fit_scaling`. samples in images, price in USD per GPU-hour."""
+    model = fit_scaling(measured)
+    rows = []
+    for n in sorted(set(num_gpus)):
+        source = "measured" if n in measured else "predicted"
+        rows.append(make_row(n, predict_images_per_sec(model, n), samples, usd_per_gpu_hour, source))
+    return rows
+
+
+def default_num_gpus(measured: dict[int, float]) -> list[int]:
+    """The measured counts, plus powers of two from the smallest measured count up to twice the
+    largest one (and at least to 256, to line up with the 2023 table)."""
+    top = max(2 * max(measured), DEFAULT_MAX_GPUS)
+    n = 1 << (min(measured) - 1).bit_length()  # smallest power of two >= the smallest count
+    counts = set(measured)
+    while n <= top:
+        counts.add(n)
+        n *= 2
+    return sorted(counts)
+
+
+def model_notes(model: ScalingModel) -> list[str]:
+    """Human-readable lines about what the prediction assumes."""
+    counts = list(model.measured)
+    if len(counts) == 1:
+        return [f"only one measured GPU count ({counts[0]}): predictions assume linear scaling "
+                f"(constant images/s per GPU), an upper bound on real throughput"]
+    line = (f"scaling fit over {len(counts)} measured counts ({counts[0]}..{counts[-1]} GPUs): "
+            f"per-GPU images/s x{model.fitted_per_doubling:.3f} per doubling")
+    if model.per_doubling != model.fitted_per_doubling:
+        line += f", clamped to x{model.per_doubling:.3f}"
+    doublings = [(a, b) for a, b in zip(counts, counts[1:]) if b == 2 * a]
+    if doublings:
+        per_gpu = {n: ips / n for n, ips in model.measured.items()}
+        kept = ", ".join(f"{b}: {per_gpu[b] / per_gpu[a]:.3f}" for a, b in doublings)
+        line += f" (measured doublings -> {kept})"
+    return [line]
+
+
+# -----------------------------------------------------------------------------
+# outputs
+
+COLUMNS = ("GPUs", "images/s", "days", "GPU-hours", "cost ($)", "source")
+
+
+def format_cells(row: Row) -> list[str]:
+    """The printed form of one row: days to 2 decimals, hours and dollars to the unit."""
+    return [f"{row.num_gpus}", f"{row.images_per_sec:,.1f}", f"{row.days:,.2f}",
+            f"{row.gpu_hours:,.0f}", f"{row.cost_usd:,.0f}", row.source]
+
+
+def format_table(rows: list[Row]) -> str:
+    """Plain-text table, numbers right-aligned, for the terminal."""
+    cells = [list(COLUMNS)] + [format_cells(r) for r in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    lines = []
+    for line in cells:
+        numbers = [c.rjust(w) for c, w in zip(line[:-1], widths)]
+        lines.append("  ".join(numbers + [line[-1].ljust(widths[-1])]).rstrip())
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[Row], path: str) -> None:
+    """Machine-readable table: unformatted numbers, one row per GPU count."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["num_gpus", "images_per_sec", "days", "gpu_hours", "cost_usd", "source"])
+        for r in rows:
+            w.writerow([r.num_gpus, f"{r.images_per_sec:.2f}", f"{r.days:.4f}",
+                        f"{r.gpu_hours:.1f}", f"{r.cost_usd:.2f}", r.source])
+
+
+def write_markdown(rows: list[Row], path: str, caption: str) -> None:
+    """Markdown table (same cells as the terminal table) followed by its assumptions."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---:|" * (len(COLUMNS) - 1) + "---|"]
+    lines += ["| " + " | ".join(format_cells(r)) + " |" for r in rows]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + f"\n\n{caption}\n")
+
+
+def plot(rows: list[Row], path: str, title: str) -> None:
+    """Two panels against GPU count (log2 axis): days to train (log axis) and cost in dollars.
+    Measured rows are filled markers, predicted ones hollow markers on a dashed line."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    gpus = [r.num_gpus for r in rows]
+    predicted = [i for i, r in enumerate(rows) if r.source == "predicted"]
+    measured = [i for i, r in enumerate(rows) if r.source == "measured"]
+    fig, (ax_days, ax_cost) = plt.subplots(1, 2, figsize=(12, 4.8))
+    panels = [(ax_days, [r.days for r in rows], "days to train", lambda v: f"{v:,.1f} d"),
+              (ax_cost, [r.cost_usd / 1000 for r in rows], "cost (thousand US$)",
+               lambda v: f"${v:,.0f}k")]
+    for ax, ys, ylabel, label in panels:
+        # solid between two measurements, dashed wherever a prediction is involved
+        for i in range(len(rows) - 1):
+            both = rows[i].source == rows[i + 1].source == "measured"
+            ax.plot(gpus[i:i + 2], ys[i:i + 2], color="C0", lw=1.2, ls="-" if both else "--")
+        ax.plot([gpus[i] for i in measured], [ys[i] for i in measured], ls="none", marker="o",
+                color="C0")
+        ax.plot([gpus[i] for i in predicted], [ys[i] for i in predicted], ls="none", marker="o",
+                color="C0", mfc="white")
+        handles = [Line2D([], [], color="C0", marker="o", ls="-", label="measured")]
+        if predicted:
+            handles.append(Line2D([], [], color="C0", marker="o", mfc="white", ls="--",
+                                  label="predicted"))
+        ax.legend(handles=handles)
+        for x, y in zip(gpus, ys):
+            ax.annotate(label(y), (x, y), textcoords="offset points", xytext=(5, 6), fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(gpus)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("number of GPUs")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.set_xlim(min(gpus) / 1.4, max(gpus) * 1.4)  # room for the labels at both ends
+    ax_days.set_yscale("log")
+    ax_days.set_ylim(min(r.days for r in rows) / 1.5, max(r.days for r in rows) * 1.5)
+    ax_days.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax_days.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax_days.yaxis.set_minor_formatter(NullFormatter())
+    ax_days.set_title("days to train (log scale)", fontsize=10)
+    ax_cost.set_ylim(bottom=0, top=max(r.cost_usd for r in rows) / 1000 * 1.15)
+    ax_cost.set_title("cost of the run", fontsize=10)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+def positive(kind: type):
+    """argparse type: a number of `kind` that is > 0 (argparse names the flag in the error)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a valid {kind.__name__}: {text!r}") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+        return value
+    return parse
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # one line that names the flag or file; the full usage is in --help
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        description="Time and cost to train SD2 base from measured images/sec, as in the 2023 "
+                    "MosaicML table. days = samples / images_per_sec / 86400; GPU-hours = "
+                    "days * 24 * GPUs; cost = GPU-hours * price.",
+        epilog="Prediction for unmeasured GPU counts: per-GPU images/s is fitted as ln(t) linear "
+               "in log2(GPUs) by least squares over the measured counts, giving a factor per "
+               "doubling (clamped to [0.5, 1]). Between measured counts t is interpolated; "
+               "beyond them it starts from the nearest measurement and changes by that factor "
+               "per doubling. Never better than linear scaling from the nearest smaller measured "
+               "count, never slower in total than a smaller measured count. "
+               "With one measured count: linear scaling. Several measurements at one count are "
+               "averaged.")
+    p.add_argument("files", nargs="*", metavar="RESULTS.json",
+                   help="results JSON files with images_per_sec (global) and world_size (GPUs)")
+    p.add_argument("--results", nargs="+", action="extend", default=[], metavar="FILE",
+                   help="more results JSON files")
+    p.add_argument("--gpus", nargs="+", action="extend", type=positive(int), default=[],
+                   metavar="N", help="measured GPU counts, paired with --images_per_sec")
+    p.add_argument("--images_per_sec", nargs="+", action="extend", type=positive(float),
+                   default=[], metavar="X", help="measured global images/s, one per --gpus")
+    p.add_argument("--num_gpus", nargs="+", type=positive(int), metavar="N",
+                   help="GPU counts for the table (default: the measured counts plus powers of "
+                        "two up to 2x the largest measured, at least to 256)")
+    p.add_argument("--samples", type=positive(float), default=SAMPLES,
+                   help=f"images seen in the whole run (default {SAMPLES:,} = 1.4M steps x 2048)")
+    p.add_argument("--usd_per_gpu_hour", type=positive(float), default=USD_PER_GPU_HOUR,
+                   help=f"price of one GPU-hour in US dollars (default {USD_PER_GPU_HOUR})")
+    p.add_argument("--plot", metavar="PATH.png", help="save a plot of days and cost vs GPUs")
+    p.add_argument("--csv", metavar="PATH", help="also write the table as CSV")
+    p.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
+    p.add_argument("--title", help="plot title (default: describes samples, price and device)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)  # files may come before or after the flags
+
+    if len(args.gpus) != len(args.images_per_sec):
+        parser.error(f"--gpus has {len(args.gpus)} value(s) but --images_per_sec has "
+                     f"{len(args.images_per_sec)}; give one --images_per_sec per --gpus")
+    for flag in ("plot", "csv", "markdown"):  # fail before any work, not after it
+        path = getattr(args, flag)
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"--{flag}: directory of {path} does not exist")
+    try:
+        measurements = [load_results(path) for path in args.files + args.results]
+        check_consistent(measurements)
+    except ValueError as e:
+        parser.error(str(e))
+    measurements += [Measurement(n, x) for n, x in zip(args.gpus, args.images_per_sec)]
+    if not measurements:
+        parser.error("no measurements: give results JSON files or --gpus N --images_per_sec X")
+
+    measured, notes = average_by_gpus(measurements)
+    model = fit_scaling(measured)
+    notes += model_notes(model)
+    num_gpus = args.num_gpus or default_num_gpus(measured)
+    rows = cost_table(measured, num_gpus, args.samples, args.usd_per_gpu_hour)
+
+    device = next((m.device for m in measurements if m.device), None)
+    caption = (f"{args.samples:,.0f} images at ${args.usd_per_gpu_hour:,.2f} per GPU-hour"
+               + (f" ({device})" if device else "")
+               + "; days = samples / images/s / 86400, GPU-hours = days x 24 x GPUs.")
+    title = args.title or (f"Time and cost to train SD2 base: {args.samples / 1e9:.2f}B images, "
+                           f"${args.usd_per_gpu_hour:,.2f}/GPU-hour" + (f", {device}" if device else ""))
+    print(caption)
+    for note in notes:
+        print(f"note: {note}")
+    print()
+    print(format_table(rows))
+
+    if args.csv:
+        write_csv(rows, args.csv)
+        print(f"wrote {args.csv}")
+    if args.markdown:
+        write_markdown(rows, args.markdown, caption)
+        print(f"wrote {args.markdown}")
+    if args.plot:
+        plot(rows, args.plot, title)
+        print(f"wrote {args.plot}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Stable Diffusion 2 base as a Composer model: UNet trained from scratch, VAE and text encoder frozen.
+
+The architecture is defined here as plain config dicts (`sd2-base` mirrors the diffusers /
+transformers configs of stabilityai/stable-diffusion-2-base; `tiny` keeps its structure at a few
+million parameters for CPUs and tests), so the model builds offline. Pretrained VAE, text encoder
+and tokenizer come from `--model_name` when that folder or cached hub id is available.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from composer.models import ComposerModel
+from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+from tokenizer import bundled_tokenizer
+
+_CROSS_DOWN = ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"]
+_CROSS_UP = ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3
+
+SD2_BASE = {
+    "unet": dict(
+        sample_size=64, in_channels=4, out_channels=4, block_out_channels=(320, 640, 1280, 1280),
+        layers_per_block=2, attention_head_dim=(5, 10, 20, 20), cross_attention_dim=1024,
+        use_linear_projection=True, down_block_types=_CROSS_DOWN, up_block_types=_CROSS_UP,
+        norm_num_groups=32, act_fn="silu", flip_sin_to_cos=True, freq_shift=0,
+    ),
+    "vae": dict(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512),
+        layers_per_block=2, down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+        norm_num_groups=32, act_fn="silu", sample_size=512,
+    ),
+    "text_encoder": dict(
+        hidden_size=1024, intermediate_size=4096, num_hidden_layers=23, num_attention_heads=16,
+        hidden_act="gelu", vocab_size=49408, max_position_embeddings=77, projection_dim=512,
+    ),
+}
+
+TINY = {
+    "unet": dict(
+        SD2_BASE["unet"], sample_size=8, block_out_channels=(32, 64, 64, 64), layers_per_block=1,
+        attention_head_dim=(2, 4, 4, 4), cross_attention_dim=64, norm_num_groups=16,
+    ),
+    "vae": dict(SD2_BASE["vae"], block_out_channels=(16, 32, 32, 32), layers_per_block=1, norm_num_groups=8, sample_size=64),
+    "text_encoder": dict(
+        SD2_BASE["text_encoder"], hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        projection_dim=64,
+    ),
+}
+
+MODEL_CONFIGS = {"sd2-base": SD2_BASE, "tiny": TINY}
+
+# The DDPM training schedule of SD2 base (1000 steps, scaled_linear betas 0.00085..0.012).
+SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+    prediction_type="epsilon", clip_sample=False, steps_offset=1,
+)
+LATENT_SCALE = 0.18215  # SD2's VAE scaling_factor: latents * 0.18215 have roughly unit variance
+
+
+@dataclass
+class Components:
+    """The parts of Stable Diffusion, plus what was loaded pretrained and what was not."""
+
+    unet: UNet2DConditionModel
+    vae: AutoencoderKL
+    text_encoder: CLIPTextModel
+    tokenizer: CLIPTokenizer
+    noise_scheduler: DDPMScheduler
+    pretrained: list[str] = field(default_factory=list)
+    random: list[str] = field(default_factory=list)
+
+
+def _load_pretrained(cls, model_name: str | None, subfolder: str):
+    """`cls.from_pretrained(model_name, subfolder)`, or None when unavailable offline.
+
+    A local folder is read directly. A hub id is looked up in the local hub cache first and only
+    downloaded when HF_HUB_OFFLINE is not set, so that runs on air-gapped clusters do not hang.
+    """
+    if not model_name:
+        return None
+    attempts = [dict(local_files_only=True)]
+    if not Path(model_name).is_dir() and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
+        attempts.append(dict(local_files_only=False))
+    for kwargs in attempts:
+        try:
+            return cls.from_pretrained(model_name, subfolder=subfolder, **kwargs)
+        except Exception:  # noqa: BLE001 - missing files, no network, bad repo: all mean "not available"
+            continue
+    return None
+
+
+def build_components(model_config: str, model_name: str | None = None) -> Components:
+    """Build SD2's parts: a random UNet from `model_config`, frozen VAE/text encoder (pretrained if found).
+
+    `model_name` (hub id or local diffusers folder) is only consulted for `sd2-base`: there are no
+    pretrained weights of the `tiny` shapes.
+    """
+    if model_config not in MODEL_CONFIGS:
+        raise ValueError(f"--model_config: unknown '{model_config}', choose from {sorted(MODEL_CONFIGS)}")
+    cfg = MODEL_CONFIGS[model_config]
+    lookup = model_name if model_config == "sd2-base" else None
+    pretrained, random = [], []
+
+    def part(name: str, cls, build):
+        module = _load_pretrained(cls, lookup, name)
+        (pretrained if module is not None else random).append(name)
+        return module if module is not None else build()
+
+    vae = part("vae", AutoencoderKL, lambda: AutoencoderKL(**cfg["vae"]))
+    text_encoder = part("text_encoder", CLIPTextModel, lambda: CLIPTextModel(CLIPTextConfig(**cfg["text_encoder"])))
+    tokenizer = part("tokenizer", CLIPTokenizer, bundled_tokenizer)
+    if "tokenizer" in random:  # the bundled tokenizer is SD2's own: not a random part
+        random.remove("tokenizer")
+    scheduler = _load_pretrained(DDPMScheduler, lookup, "scheduler") or DDPMScheduler(**SCHEDULER_CONFIG)
+    unet = UNet2DConditionModel(**cfg["unet"])  # always from scratch: that is the benchmark
+    return Components(unet, vae, text_encoder, tokenizer, scheduler, pretrained, random)
+
+
+def sd2_meta_components(model_config: str = "sd2-base") -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    """UNet, VAE and text encoder on the meta device: shapes and parameter counts without memory."""
+    cfg = MODEL_CONFIGS[model_config]
+    with torch.device("meta"):
+        return (
+            UNet2DConditionModel(**cfg["unet"]),
+            AutoencoderKL(**cfg["vae"]),
+            CLIPTextModel(CLIPTextConfig(**cfg["text_encoder"])),
+        )
+
+
+class StableDiffusion(ComposerModel):
+    """Noise-prediction training of the UNet on VAE latents conditioned on text-encoder outputs.
+
+    Batches are dicts: `image` (B, 3, H, W) float in [-1, 1] and `captions` (B, 77) token ids.
+    The loss is the MSE between the UNet output and the scheduler's target: the noise for
+    `prediction_type="epsilon"`, the velocity for `"v_prediction"`.
+    """
+
+    def __init__(self, unet: torch.nn.Module, vae: torch.nn.Module, text_encoder: torch.nn.Module,
+                 noise_scheduler: DDPMScheduler, latent_scale: float = LATENT_SCALE):
+        super().__init__()
+        self.unet, self.vae, self.text_encoder = unet, vae, text_encoder
+        self.noise_scheduler = copy.deepcopy(noise_scheduler)
+        self.latent_scale = latent_scale
+        self.num_timesteps = self.noise_scheduler.config.num_train_timesteps
+        self.prediction_type = self.noise_scheduler.config.prediction_type
+        if self.prediction_type not in ("epsilon", "v_prediction"):
+            raise ValueError(f"scheduler prediction_type '{self.prediction_type}' is not supported for training")
+        for frozen in (self.vae, self.text_encoder):
+            frozen.requires_grad_(False)
+            frozen.eval()
+
+    def train(self, mode: bool = True) -> "StableDiffusion":
+        # Composer calls model.train() every epoch: the frozen encoders must stay in eval mode.
+        super().train(mode)
+        self.vae.eval()
+        self.text_encoder.eval()
+        return self
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor, captions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scaled VAE latents (sampled from the posterior) and text-encoder hidden states."""
+        latents = self.vae.encode(images).latent_dist.sample() * self.latent_scale
+        text_states = self.text_encoder(captions)[0]
+        return latents, text_states
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        latents, text_states = self.encode(batch["image"], batch["captions"])
+        noise = torch.randn_like(latents)
+        timesteps = torch.randint(0, self.num_timesteps, (latents.shape[0],), device=latents.device)
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        if self.prediction_type == "epsilon":
+            target = noise
+        else:
+            target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
+        prediction = self.unet(noisy, timesteps, text_states).sample
+        return prediction, target
+
+    def loss(self, outputs: tuple[torch.Tensor, torch.Tensor], batch: dict) -> torch.Tensor:
+        prediction, target = outputs
+        return F.mse_loss(prediction.float(), target.float())
+
+
+def count_parameters(module: torch.nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+def warn_about_random_parts(components: Components) -> None:
+    if components.random:
+        warnings.warn(
+            f"Pretrained {' and '.join(components.random)} not found; using randomly initialized ones "
+            "(throughput does not depend on the weights).", stacklevel=2,
+        )
