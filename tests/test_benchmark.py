@@ -1,0 +1,130 @@
+"""The benchmark end to end on CPU: model shapes, the CLI, a two-rank launch, learning, the tokenizer."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from model import StableDiffusion, build_components, count_parameters, sd2_meta_components  # noqa: E402
+from tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize  # noqa: E402
+
+TINY_RUN = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
+            "--max_duration", "4ba", "--num_workers", "0", "--warmup_batches", "1"]
+
+
+def offline_env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+
+
+def run_cli(args: list[str], launcher: list[str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = (launcher or [sys.executable]) + [str(ROOT / "benchmark.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sd2_base_parameter_counts():
+    unet, vae, text_encoder = sd2_meta_components("sd2-base")
+    assert round(count_parameters(unet) / 1e6, 1) == 865.9
+    assert round(count_parameters(vae) / 1e6, 1) == 83.7
+    assert round(count_parameters(text_encoder) / 1e6) == 340
+    assert next(unet.parameters()).device.type == "meta"
+
+
+def test_tokenizer_offline_77_ids_with_start_and_end():
+    tok = bundled_tokenizer()
+    ids = tokenize(tok, ["a photo of an astronaut riding a horse", "x " * 200])
+    assert ids.shape == (2, MAX_LENGTH) and ids.dtype == torch.long
+    start, end = tok.bos_token_id, tok.eos_token_id
+    assert (start, end) == (49406, 49407)
+    # The well-known CLIP ids of these words: the vocabulary is CLIP's, not a look-alike.
+    assert ids[0, :9].tolist() == [start, 320, 1125, 539, 550, 18376, 6765, 320, 4558]
+    assert ids[0, 9] == end and (ids[0, 10:] == tok.pad_token_id).all()
+    assert ids[1, 0] == start and ids[1, -1] == end  # truncated, still ends with the end token
+
+
+@pytest.mark.parametrize("use_ema", [False, True])
+def test_tiny_synthetic_run_writes_results(tmp_path, use_ema):
+    out = tmp_path / "results.json"
+    result = run_cli(TINY_RUN + ["--results_json", str(out)] + (["--use_ema"] if use_ema else []))
+    assert result.returncode == 0, result.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["images_per_sec"] > 0 and r["images_per_sec_per_device"] == r["images_per_sec"]
+    assert r["world_size"] == 1 and r["device"] == "cpu" and r["precision"] == "fp32"
+    assert (r["image_size"], r["global_batch_size"], r["device_train_microbatch_size"]) == (32, 4, 4)
+    assert r["model_config"] == "tiny" and r["use_ema"] is use_ema
+    assert r["measured_batches"] == 3 and r["flops_per_image"] > 0
+    assert "throughput" in result.stdout and "images/s" in result.stdout
+
+
+def test_two_ranks_through_composer_launcher(tmp_path):
+    out = tmp_path / "results.json"
+    launcher = ["composer", "-n", "2", "--master_port", str(free_port())]
+    result = run_cli(TINY_RUN + ["--results_json", str(out)], launcher=launcher)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["world_size"] == 2 and r["global_batch_size"] == 4 and r["device_train_microbatch_size"] == 2
+    assert r["images_per_sec_per_device"] == pytest.approx(r["images_per_sec"] / 2)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--batch_size", "6", "--device_train_microbatch_size", "4"], "--device_train_microbatch_size"),
+    (["--image_size", "60"], "--image_size"),
+    (["--model_config", "huge"], "--model_config"),
+    (["--precision", "fp8"], "--precision"),
+    (["--max_duration", "ten"], "--max_duration"),
+    (["--device_train_microbatch_size", "big"], "--device_train_microbatch_size"),
+])
+def test_bad_flags_fail_at_once_naming_the_flag(args, flag):
+    import benchmark
+
+    with pytest.raises(SystemExit) as exit_info:  # validation runs before anything is built
+        benchmark.main(TINY_RUN + args)
+    message = str(exit_info.value.code)
+    assert flag in message and "\n" not in message
+
+
+def test_real_data_without_pretrained_encoders_names_the_flag(tmp_path):
+    result = run_cli(["--remote", str(tmp_path), "--local", str(tmp_path / "cache"), "--model_name",
+                      str(tmp_path / "missing"), "--max_duration", "1ba"], timeout=120)
+    assert result.returncode != 0
+    assert "--allow_random_encoders" in result.stderr.strip().splitlines()[-1]
+
+
+def test_overfitting_one_batch_lowers_the_loss():
+    from composer import Trainer
+
+    torch.manual_seed(0)
+    parts = build_components("tiny")
+    model = StableDiffusion(parts.unet, parts.vae, parts.text_encoder, parts.noise_scheduler)
+    g = torch.Generator().manual_seed(0)
+    batch = {"image": torch.rand(8, 3, 32, 32, generator=g) * 2 - 1,
+             "captions": tokenize(parts.tokenizer, [f"a photo of a number {i}" for i in range(8)])}
+    losses: list[float] = []
+
+    from composer.core import Callback
+
+    class RecordLoss(Callback):
+        def batch_end(self, state, logger):
+            losses.append(float(state.loss))
+
+    trainer = Trainer(model=model, train_dataloader=[batch] * 40, max_duration="40ba", device_train_microbatch_size=8,
+                      optimizers=torch.optim.AdamW(model.unet.parameters(), lr=2e-3),
+                      callbacks=[RecordLoss()], seed=0, progress_bar=False)
+    trainer.fit()
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    # A random UNet predicts noise with MSE ~1; fitting one batch must clearly beat that.
+    assert last < 0.6 * first, (first, last)
