@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 from composer import Trainer
-from composer.callbacks import SpeedMonitor
+from composer.callbacks import CheckpointSaver, SpeedMonitor
+from composer.core import Callback, State, Time
+from composer.loggers import Logger
 from composer.loggers import WandBLogger
 from composer.utils import dist, reproducibility
 
@@ -60,6 +62,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="peak TFLOP/s of one device for MFU (default: Composer's table for A100/H100/H200)")
     p.add_argument("--allow_random_encoders", action="store_true",
                    help="train on real data even when the pretrained VAE/text encoder cannot be loaded")
+    # Checkpoints (Composer's machinery): local paths or object-store URIs (s3://, gs://, oci://).
+    p.add_argument("--save_folder", type=str, default=None, help="where to save checkpoints (path or s3://... URI)")
+    p.add_argument("--save_interval", type=str, default="1000ba", help="checkpoint every this long (20ba, 1ep)")
+    p.add_argument("--save_num_checkpoints_to_keep", type=int, default=-1,
+                   help="local checkpoints to keep (-1: all); object-store copies are kept")
+    p.add_argument("--load_path", type=str, default=None, help="checkpoint to start from (path or URI)")
+    p.add_argument("--autoresume", action="store_true",
+                   help="resume from the latest checkpoint in --save_folder if there is one (needs --run_name)")
+    p.add_argument("--run_name", type=str, default=None, help="run name; fixed names let --autoresume find the run")
     p.add_argument("--log_interval", type=str, default="10ba", help="console log interval (Composer time string)")
     p.add_argument("--xformers", action="store_true", help="use xFormers attention in the UNet (default: PyTorch SDPA)")
     return p.parse_args(argv)
@@ -94,14 +105,44 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         fail(f"--num_workers {args.num_workers} must be >= 0")
     if args.warmup_batches < 0:
         fail(f"--warmup_batches {args.warmup_batches} must be >= 0")
-    from composer.core import Time
-    try:
-        Time.from_timestring(args.max_duration)
-    except (ValueError, TypeError):
-        fail(f"--max_duration '{args.max_duration}' is not a Composer time string such as 20ba, 1ep or 1000sp")
+    for flag in ("max_duration", "save_interval", "log_interval"):
+        try:
+            Time.from_timestring(getattr(args, flag))
+        except (ValueError, TypeError):
+            fail(f"--{flag} '{getattr(args, flag)}' is not a Composer time string such as 20ba, 1ep or 1000sp")
+    if args.autoresume and not (args.save_folder and args.run_name):
+        fail("--autoresume needs --save_folder and --run_name (the same on every restart) to find the latest checkpoint")
 
 
-def main(argv: list[str] | None = None) -> dict:
+class StopOnNonFiniteLoss(Callback):
+    """Stop the run at the first NaN/inf loss, before the checkpoint of that batch is written.
+
+    Checked at BATCH_END, which comes before Composer's checkpoint event, so no broken state is
+    saved. The flag is all-reduced so that every rank stops at the same batch instead of the
+    healthy ranks waiting in the next collective until the timeout.
+    """
+
+    def __init__(self, load_path: str | None = None):
+        self.load_path = load_path
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        losses = state.loss if isinstance(state.loss, (list, tuple)) else [state.loss]
+        bad = torch.zeros(1, device=losses[0].device)
+        for loss in losses:
+            bad += (~torch.isfinite(loss.detach())).any().float()
+        dist.all_reduce(bad, reduce_operation="MAX")
+        if bad.item() == 0:
+            return
+        saved = [c for cb in state.callbacks if isinstance(cb, CheckpointSaver) for c in cb.saved_checkpoints]
+        last_good = saved[-1] if saved else self.load_path
+        where = f"last good checkpoint: {last_good}" if last_good else "no checkpoint was saved yet (see --save_folder)"
+        raise RuntimeError(
+            f"non-finite loss at batch {int(state.timestamp.batch)} (ba{int(state.timestamp.batch) + 1}); "
+            f"stopped before saving it; {where}. Resume from it (--load_path or --autoresume), "
+            "perhaps with a lower --lr or --precision fp32.")
+
+
+def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None = None) -> dict:
     args = parse_args(argv)
     world_size = dist.get_world_size()
     validate(args, world_size)
@@ -163,11 +204,19 @@ def main(argv: list[str] | None = None) -> dict:
         optimizers=optimizer,
         max_duration=args.max_duration,
         algorithms=algorithms,
-        callbacks=[SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), throughput],
+        callbacks=[SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), throughput,
+                   StopOnNonFiniteLoss(args.load_path), *(extra_callbacks or [])],
         loggers=loggers,
         precision=precision,
         device_train_microbatch_size=microbatch,
         seed=args.seed,
+        run_name=args.run_name,
+        save_folder=args.save_folder,
+        save_interval=args.save_interval,
+        save_num_checkpoints_to_keep=args.save_num_checkpoints_to_keep,
+        save_overwrite=args.autoresume,
+        load_path=args.load_path,
+        autoresume=args.autoresume,
         progress_bar=False,
         log_to_console=True,
         console_log_interval=args.log_interval,
