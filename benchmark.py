@@ -1,8 +1,7 @@
 """Train Stable Diffusion 2 base from scratch with Composer and measure images/sec.
 
     composer benchmark.py --use_ema --use_synth_data --device_train_microbatch_size 4   # 1 node, all GPUs
-    python benchmark.py --model_config tiny --use_synth_data --batch_size 8 --image_size 64 \
-        --max_duration 10ba --results_json results.json                                 # CPU-sized
+    python benchmark.py --model_config tiny --use_synth_data --batch_size 8 --image_size 64 --max_duration 20ba
 
 The UNet is built from the SD2-base config with random weights; the VAE and the OpenCLIP text
 encoder are frozen (loaded from `--model_name` when available). Data is synthetic
@@ -30,6 +29,7 @@ from model import MODEL_CONFIGS, StableDiffusion, build_components, sd2_meta_com
 from throughput import Throughput, count_flops_per_image
 
 PRECISIONS = ("auto", "fp32", "amp_bf16", "amp_fp16")
+DEFAULT_LOCAL = "/tmp/mds-cache"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=2048, help="global batch size, images per step over all devices")
     p.add_argument("--image_size", type=int, default=512, help="training resolution in pixels (multiple of 8)")
     p.add_argument("--remote", type=str, default=None, help="MDS shards to stream: s3://, gs://, oci://, ... or a path")
-    p.add_argument("--local", type=str, default="/tmp/mds-cache/", help="local cache folder for --remote shards")
+    p.add_argument("--local", type=str, default=None,
+                   help=f"local cache for --remote shards (default {DEFAULT_LOCAL}), or shards already on disk")
     p.add_argument("--use_synth_data", action="store_true", help="random images and captions (measures the model only)")
     p.add_argument("--model_name", type=str, default="stabilityai/stable-diffusion-2-base",
                    help="hub id or local diffusers folder with pretrained vae/, text_encoder/, tokenizer/")
@@ -99,8 +100,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             fail(f"--batch_size {args.batch_size} over {world_size} device(s) gives {per_device} per device, "
                  f"which --device_train_microbatch_size {micro} does not divide")
         args.device_train_microbatch_size = micro
-    if not args.use_synth_data and not args.remote and not (args.local and Path(args.local).is_dir()):
+    if not args.use_synth_data and not args.remote and not args.local:
         fail("no data: pass --use_synth_data, or --remote (with --local as cache), or --local with MDS shards already there")
+    if not args.use_synth_data and not args.remote and not Path(args.local).is_dir():
+        fail(f"--local {args.local} is not a folder; give --remote to stream shards into it")
     if args.num_workers < 0:
         fail(f"--num_workers {args.num_workers} must be >= 0")
     if args.warmup_batches < 0:
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
                                                      args.num_synthetic_samples, args.seed)
     else:
         train_dataloader = data.laion_dataloader(
-            remote=args.remote, local=args.local, tokenizer=components.tokenizer, image_size=args.image_size,
+            remote=args.remote, local=args.local or DEFAULT_LOCAL, tokenizer=components.tokenizer, image_size=args.image_size,
             batch_size_per_device=per_device, num_workers=args.num_workers, seed=args.seed)
 
     optimizer = torch.optim.AdamW(model.unet.parameters(), lr=args.lr, weight_decay=args.weight_decay)
