@@ -73,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="resume from the latest checkpoint in --save_folder if there is one (needs --run_name)")
     p.add_argument("--run_name", type=str, default=None, help="run name; fixed names let --autoresume find the run")
     p.add_argument("--log_interval", type=str, default="10ba", help="console log interval (Composer time string)")
+    # Speed (issue: fastest correct step). Defaults are the plain step until GPU measurements say otherwise.
+    p.add_argument("--precomputed", action="store_true",
+                   help="train from precomputed VAE latents and text-encoder outputs (latents.py): skips both encoders")
+    p.add_argument("--channels_last", action="store_true", help="UNet and VAE in channels-last memory format")
+    p.add_argument("--compile", action="store_true", help="torch.compile the UNet (in place: checkpoint keys unchanged)")
+    p.add_argument("--fused_adamw", type=str, default="auto", choices=("auto", "on", "off"),
+                   help="fused AdamW kernel; auto: on with CUDA")
     p.add_argument("--xformers", action="store_true", help="use xFormers attention in the UNet (default: PyTorch SDPA)")
     return p.parse_args(argv)
 
@@ -175,14 +182,28 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     model = StableDiffusion(components.unet, components.vae, components.text_encoder, components.noise_scheduler)
     if args.xformers:
         model.unet.enable_xformers_memory_efficient_attention()
+    if args.channels_last:
+        model.unet.to(memory_format=torch.channels_last)
+        model.vae.to(memory_format=torch.channels_last)
+    if args.compile:
+        model.unet.compile()  # nn.Module.compile keeps parameter names, so checkpoints and EMA are unaffected
 
     # FLOPs per image, counted once on meta-device copies: nothing is computed.
     meta_unet, meta_vae, meta_text = sd2_meta_components(args.model_config)
+    if args.precomputed:
+        meta_vae = meta_text = None  # their outputs are read from disk
     flops = count_flops_per_image(meta_unet, meta_vae, meta_text, args.image_size)
     model.flops_per_image = flops["total"]
 
     per_device = args.batch_size // world_size
-    if args.use_synth_data:
+    if args.precomputed:
+        import latents
+        train_dataloader = latents.dataloader(
+            synthetic=args.use_synth_data, remote=args.remote, local=args.local or DEFAULT_LOCAL,
+            image_size=args.image_size, text_dim=model.unet.config.cross_attention_dim,
+            batch_size_per_device=per_device, num_workers=args.num_workers,
+            num_samples=args.num_synthetic_samples, seed=args.seed)
+    elif args.use_synth_data:
         train_dataloader = data.synthetic_dataloader(args.image_size, per_device, args.num_workers,
                                                      args.num_synthetic_samples, args.seed)
     else:
@@ -190,7 +211,8 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
             remote=args.remote, local=args.local or DEFAULT_LOCAL, tokenizer=components.tokenizer, image_size=args.image_size,
             batch_size_per_device=per_device, num_workers=args.num_workers, seed=args.seed)
 
-    optimizer = torch.optim.AdamW(model.unet.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    fused = args.fused_adamw == "on" or (args.fused_adamw == "auto" and on_gpu)
+    optimizer = torch.optim.AdamW(model.unet.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused)
     peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
     throughput = Throughput(args.warmup_batches, flops["total"], peak_flops)
     loggers = []
@@ -237,6 +259,11 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         "model_config": args.model_config,
         "data": "synthetic" if args.use_synth_data else (args.remote or args.local),
         "use_ema": args.use_ema,
+        "precomputed": args.precomputed,
+        "channels_last": args.channels_last,
+        "compile": args.compile,
+        "fused_adamw": fused,
+        "xformers": args.xformers,
         "pretrained_parts": components.pretrained,
         "random_parts": components.random,
         "flops_per_image_breakdown": flops,

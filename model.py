@@ -137,7 +137,9 @@ def sd2_meta_components(model_config: str = "sd2-base") -> tuple[torch.nn.Module
 class StableDiffusion(ComposerModel):
     """Noise-prediction training of the UNet on VAE latents conditioned on text-encoder outputs.
 
-    Batches are dicts: `image` (B, 3, H, W) float in [-1, 1] and `captions` (B, 77) token ids.
+    Batches are dicts: `image` (B, 3, H, W) float in [-1, 1] and `captions` (B, 77) token ids, or,
+    with encoder outputs precomputed (`latents.py`), `latent_mean` and `latent_logvar` (B, 4, H/8, W/8,
+    the VAE posterior before scaling) and `text_states` (B, 77, D); then neither encoder runs.
     The loss is the MSE between the UNet output and the scheduler's target: the noise for
     `prediction_type="epsilon"`, the velocity for `"v_prediction"`.
     """
@@ -148,6 +150,7 @@ class StableDiffusion(ComposerModel):
         self.unet, self.vae, self.text_encoder = unet, vae, text_encoder
         self.noise_scheduler = copy.deepcopy(noise_scheduler)
         self.latent_scale = latent_scale
+        self.flops_per_image = 0.0  # set by the benchmark from throughput.count_flops_per_image
         self.num_timesteps = self.noise_scheduler.config.num_train_timesteps
         self.prediction_type = self.noise_scheduler.config.prediction_type
         if self.prediction_type not in ("epsilon", "v_prediction"):
@@ -171,7 +174,13 @@ class StableDiffusion(ComposerModel):
         return latents, text_states
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        latents, text_states = self.encode(batch["image"], batch["captions"])
+        if "latent_mean" in batch:
+            # Sample the stored posterior as the VAE would: mean + std * eps, then scale.
+            mean, logvar = batch["latent_mean"].float(), batch["latent_logvar"].float()
+            latents = (mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * torch.randn_like(mean)) * self.latent_scale
+            text_states = batch["text_states"].to(latents.dtype)
+        else:
+            latents, text_states = self.encode(batch["image"], batch["captions"])
         noise = torch.randn_like(latents)
         timesteps = torch.randint(0, self.num_timesteps, (latents.shape[0],), device=latents.device)
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
@@ -181,6 +190,11 @@ class StableDiffusion(ComposerModel):
             target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
         prediction = self.unet(noisy, timesteps, text_states).sample
         return prediction, target
+
+    def flops_per_batch(self, batch: dict) -> float:
+        """Model FLOPs of one training step on `batch` (read by Composer's SpeedMonitor for MFU)."""
+        key = "latent_mean" if "latent_mean" in batch else "image"
+        return self.flops_per_image * batch[key].shape[0]
 
     def loss(self, outputs: tuple[torch.Tensor, torch.Tensor], batch: dict) -> torch.Tensor:
         prediction, target = outputs

@@ -62,9 +62,13 @@ def write_tokenizer_files(folder: Path) -> None:
     assert len(tokens) == VOCAB_SIZE, len(tokens)
     folder.mkdir(parents=True, exist_ok=True)
     # Several ranks or loader workers may build the cache at once: write to temp files, then rename.
+    # SD2's tokenizer settings: "!" pads (SD1 padded with the end token), 77 tokens.
+    config = {"model_max_length": MAX_LENGTH, "pad_token": "!", "bos_token": "<|startoftext|>",
+              "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "tokenizer_class": "CLIPTokenizer"}
     for name, text in (
         ("merges.txt", "#version: 0.2\n" + "\n".join(merges) + "\n"),
         ("vocab.json", json.dumps({t: i for i, t in enumerate(tokens)}, ensure_ascii=False)),
+        ("tokenizer_config.json", json.dumps(config, indent=2)),
     ):
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -74,14 +78,11 @@ def write_tokenizer_files(folder: Path) -> None:
 
 def bundled_tokenizer() -> CLIPTokenizer:
     """SD2's tokenizer (pad token "!", 77 tokens) built from the locally installed BPE vocabulary."""
-    if not (CACHE_DIR / "vocab.json").is_file() or not (CACHE_DIR / "merges.txt").is_file():
+    if not all((CACHE_DIR / name).is_file() for name in ("vocab.json", "merges.txt", "tokenizer_config.json")):
         write_tokenizer_files(CACHE_DIR)
-    return CLIPTokenizer(
-        vocab_file=str(CACHE_DIR / "vocab.json"),
-        merges_file=str(CACHE_DIR / "merges.txt"),
-        pad_token="!",
-        model_max_length=MAX_LENGTH,
-    )
+    # from_pretrained on a folder reads the files the same way in transformers 4 and 5
+    # (their constructors differ: file paths in 4, vocab dict and merges list in 5).
+    return CLIPTokenizer.from_pretrained(str(CACHE_DIR))
 
 
 def tokenize(tokenizer: CLIPTokenizer, captions: list[str]) -> "torch.Tensor":  # noqa: F821
