@@ -10,6 +10,7 @@ encoder are frozen (loaded from `--model_name` when available). Data is syntheti
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -32,6 +33,12 @@ PRECISIONS = ("auto", "fp32", "amp_bf16", "amp_fp16")
 DEFAULT_LOCAL = "/tmp/mds-cache"
 
 
+def default_local(remote: str | None) -> str:
+    """A cache folder per remote: Streaming trusts an index.json already in the cache, so one shared
+    default folder would silently serve the previous remote's samples."""
+    return f"{DEFAULT_LOCAL}/{hashlib.sha1(str(remote).encode()).hexdigest()[:12]}"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # The flags of the 2023 benchmark, same names and defaults.
@@ -39,11 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image_size", type=int, default=512, help="training resolution in pixels (multiple of 8)")
     p.add_argument("--remote", type=str, default=None, help="MDS shards to stream: s3://, gs://, oci://, ... or a path")
     p.add_argument("--local", type=str, default=None,
-                   help=f"local cache for --remote shards (default {DEFAULT_LOCAL}), or shards already on disk")
+                   help=f"local cache for --remote shards (default {DEFAULT_LOCAL}/<hash of remote>), or shards already on disk")
     p.add_argument("--use_synth_data", action="store_true", help="random images and captions (measures the model only)")
     p.add_argument("--model_name", type=str, default="stabilityai/stable-diffusion-2-base",
                    help="hub id or local diffusers folder with pretrained vae/, text_encoder/, tokenizer/")
     p.add_argument("--use_ema", action="store_true", help="keep an EMA of the UNet weights (half-life 1000 batches)")
+    p.add_argument("--ema_export_dir", type=str, default=None,
+                   help="with --use_ema: write the EMA UNet here at the end as a diffusers folder (from_pretrained)")
     p.add_argument("--wandb_name", type=str, default=None, help="W&B run name (enables W&B logging)")
     p.add_argument("--wandb_project", type=str, default=None, help="W&B project (enables W&B logging)")
     p.add_argument("--device_train_microbatch_size", type=str, default="auto",
@@ -63,6 +72,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="peak TFLOP/s of one device for MFU (default: Composer's table for A100/H100/H200)")
     p.add_argument("--allow_random_encoders", action="store_true",
                    help="train on real data even when the pretrained VAE/text encoder cannot be loaded")
+    # Real data (data.py): MDS columns, streaming and bad-sample settings.
+    p.add_argument("--image_key", type=str, default="jpg", help="MDS column holding the encoded image bytes")
+    p.add_argument("--caption_key", type=str, default="caption", help="MDS column holding the caption text")
+    p.add_argument("--no_shuffle", dest="shuffle", action="store_false",
+                   help="stream samples in stored order (default: shuffled, seeded by --seed)")
+    p.add_argument("--predownload", type=int, default=None,
+                   help="samples each loader worker downloads ahead (default: 8 x per-device batch)")
+    p.add_argument("--download_retry", type=int, default=2, help="download attempts per shard before failing")
+    p.add_argument("--download_timeout", type=float, default=60.0, help="seconds before a shard download fails")
+    p.add_argument("--cache_limit", type=str, default=None,
+                   help="evict cached shards beyond this size, e.g. 500gb (default: keep all)")
+    p.add_argument("--validate_hash", type=str, default=None,
+                   help="check downloaded shards with this hash from index.json: sha1 or xxh64")
+    p.add_argument("--max_bad_fraction", type=float, default=0.01,
+                   help="stop when more than this fraction of the images one loader worker decoded failed "
+                        "(checked after 1000)")
     # Checkpoints (Composer's machinery): local paths or object-store URIs (s3://, gs://, oci://).
     p.add_argument("--save_folder", type=str, default=None, help="where to save checkpoints (path or s3://... URI)")
     p.add_argument("--save_interval", type=str, default="1000ba", help="checkpoint every this long (20ba, 1ep)")
@@ -113,6 +138,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         fail(f"--local {args.local} is not a folder; give --remote to stream shards into it")
     if args.num_workers < 0:
         fail(f"--num_workers {args.num_workers} must be >= 0")
+    if args.ema_export_dir and not args.use_ema:
+        fail("--ema_export_dir needs --use_ema")
     if args.warmup_batches < 0:
         fail(f"--warmup_batches {args.warmup_batches} must be >= 0")
     for flag in ("max_duration", "save_interval", "log_interval"):
@@ -132,8 +159,8 @@ class StopOnNonFiniteLoss(Callback):
     healthy ranks waiting in the next collective until the timeout.
     """
 
-    def __init__(self, load_path: str | None = None):
-        self.load_path = load_path
+    def __init__(self, load_path: str | None = None, save_folder: str | None = None):
+        self.load_path, self.save_folder = load_path, save_folder
 
     def batch_end(self, state: State, logger: Logger) -> None:
         losses = state.loss if isinstance(state.loss, (list, tuple)) else [state.loss]
@@ -143,20 +170,62 @@ class StopOnNonFiniteLoss(Callback):
         dist.all_reduce(bad, reduce_operation="MAX")
         if bad.item() == 0:
             return
-        saved = [c for cb in state.callbacks if isinstance(cb, CheckpointSaver) for c in cb.saved_checkpoints]
-        last_good = saved[-1] if saved else self.load_path
-        where = f"last good checkpoint: {last_good}" if last_good else "no checkpoint was saved yet (see --save_folder)"
+        # The timestamp already counts this batch: it is the N of the console's [batch=N/...] and of
+        # the ep*-baN checkpoint this batch would have written.
+        batch = int(state.timestamp.batch)
+        # Only rank 0 writes (and remembers) checkpoint files: every rank reports rank 0's answer.
+        box = [self.last_good_checkpoint(state) if dist.get_global_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        where = f"last good checkpoint: {box[0]}" if box[0] else "no checkpoint was saved yet (see --save_folder)"
         raise RuntimeError(
-            f"non-finite loss at batch {int(state.timestamp.batch)} (ba{int(state.timestamp.batch) + 1}); "
-            f"stopped before saving it; {where}. Resume from it (--load_path or --autoresume), "
-            "perhaps with a lower --lr or --precision fp32.")
+            f"non-finite loss at batch {batch} (ba{batch}); stopped before saving it; {where}. "
+            "Resume from it (--load_path or --autoresume), perhaps with a lower --lr or --precision fp32.")
+
+    def last_good_checkpoint(self, state: State) -> str | None:
+        saver = next((cb for cb in state.callbacks if isinstance(cb, CheckpointSaver)), None)
+        if saver is not None and saver.saved_checkpoints:  # written by this process
+            path = saver.saved_checkpoints[-1]
+        elif self.load_path:  # started from --load_path, nothing saved since
+            return self.load_path
+        elif saver is not None and saver.all_saved_checkpoints_to_timestamp:
+            # --autoresume: the saver's history came back with the checkpoint it loaded.
+            path = max(saver.all_saved_checkpoints_to_timestamp.items(), key=lambda item: int(item[1].batch))[0]
+        else:
+            return None
+        if self.save_folder and "://" in self.save_folder:  # locally there was only a temporary copy
+            return f"{self.save_folder.rstrip('/')}/{os.path.basename(path)}"
+        return path
+
+
+def per_node_signal_files() -> None:
+    """Make Composer's node signal files per node, so --autoresume works when nodes share --save_folder.
+
+    Composer 0.32.1 (autoresume, checkpoint loading) names the file by which each node's local rank 0
+    tells the node's other ranks it is done after node 0 plus a random suffix broadcast from rank 0,
+    so every node uses the same name in the same folder, and every node's local rank 0 deletes it:
+    on a file system shared by the nodes the second delete fails (FileNotFoundError) and the run
+    dies before training. Adding this node's rank keeps the name equal within a node only.
+    """
+    original = dist.get_node_signal_file_name
+    if getattr(original, "per_node", False):
+        return
+
+    def per_node(rng=None) -> str:
+        return f"{original(rng)}_n{dist.get_node_rank()}"
+
+    per_node.per_node = True
+    dist.get_node_signal_file_name = per_node
 
 
 def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None = None) -> dict:
     args = parse_args(argv)
+    per_node_signal_files()
     world_size = dist.get_world_size()
     validate(args, world_size)
     on_gpu = torch.cuda.is_available()
+    if not on_gpu and "OMP_NUM_THREADS" not in os.environ:
+        # Composer's launcher leaves every CPU rank using all cores: N ranks oversubscribe N-fold.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_local_world_size()))
     if on_gpu:
         # Before anything touches CUDA: otherwise every rank creates a context on GPU 0.
         torch.cuda.set_device(dist.get_local_rank())
@@ -166,7 +235,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         microbatch = args.batch_size // world_size  # Composer's auto microbatching needs a GPU
     reproducibility.seed_all(args.seed)
 
-    components = build_components(args.model_config, args.model_name)
+    components = build_components(args.model_config, args.model_name, with_encoders=not args.precomputed)
     if components.random:
         missing = " and ".join(components.random)
         if not args.use_synth_data and args.model_config != "tiny" and not args.allow_random_encoders:
@@ -184,7 +253,8 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         model.unet.enable_xformers_memory_efficient_attention()
     if args.channels_last:
         model.unet.to(memory_format=torch.channels_last)
-        model.vae.to(memory_format=torch.channels_last)
+        if model.vae is not None:
+            model.vae.to(memory_format=torch.channels_last)
     if args.compile:
         model.unet.compile()  # nn.Module.compile keeps parameter names, so checkpoints and EMA are unaffected
 
@@ -199,7 +269,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     if args.precomputed:
         import latents
         train_dataloader = latents.dataloader(
-            synthetic=args.use_synth_data, remote=args.remote, local=args.local or DEFAULT_LOCAL,
+            synthetic=args.use_synth_data, remote=args.remote, local=args.local or default_local(args.remote),
             image_size=args.image_size, text_dim=model.unet.config.cross_attention_dim,
             batch_size_per_device=per_device, num_workers=args.num_workers,
             num_samples=args.num_synthetic_samples, seed=args.seed)
@@ -208,8 +278,11 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
                                                      args.num_synthetic_samples, args.seed)
     else:
         train_dataloader = data.laion_dataloader(
-            remote=args.remote, local=args.local or DEFAULT_LOCAL, tokenizer=components.tokenizer, image_size=args.image_size,
-            batch_size_per_device=per_device, num_workers=args.num_workers, seed=args.seed)
+            remote=args.remote, local=args.local or default_local(args.remote), tokenizer=components.tokenizer, image_size=args.image_size,
+            batch_size_per_device=per_device, num_workers=args.num_workers, seed=args.seed,
+            image_key=args.image_key, caption_key=args.caption_key, shuffle=args.shuffle, predownload=args.predownload,
+            download_retry=args.download_retry, download_timeout=args.download_timeout,
+            cache_limit=args.cache_limit, validate_hash=args.validate_hash, max_bad_fraction=args.max_bad_fraction)
 
     fused = args.fused_adamw == "on" or (args.fused_adamw == "auto" and on_gpu)
     optimizer = torch.optim.AdamW(model.unet.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused)
@@ -221,7 +294,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     algorithms = []
     if args.use_ema:
         from ema import EMA
-        algorithms.append(EMA(half_life="1000ba"))
+        algorithms.append(EMA(half_life="1000ba", export_dir=args.ema_export_dir))
 
     trainer = Trainer(
         model=model,
@@ -230,7 +303,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         max_duration=args.max_duration,
         algorithms=algorithms,
         callbacks=[SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), throughput,
-                   StopOnNonFiniteLoss(args.load_path), *(extra_callbacks or [])],
+                   StopOnNonFiniteLoss(args.load_path, args.save_folder), *(extra_callbacks or [])],
         loggers=loggers,
         precision=precision,
         device_train_microbatch_size=microbatch,

@@ -5,11 +5,21 @@ token ids, which is what `model.StableDiffusion` consumes.
 """
 from __future__ import annotations
 
+import io
+import json
+import logging
+import os
+from collections import Counter
+from typing import Any
+
+import numpy as np
 import torch
 from composer.utils import dist
+from PIL import Image, ImageOps
+from streaming import StreamingDataLoader, StreamingDataset
 from torch.utils.data import DataLoader, Dataset
 
-from tokenizer import MAX_LENGTH, VOCAB_SIZE
+from tokenizer import MAX_LENGTH, VOCAB_SIZE, tokenize
 
 
 class SyntheticImageCaptions(Dataset):
@@ -46,3 +56,220 @@ def synthetic_dataloader(image_size: int, batch_size_per_device: int, num_worker
     dataset = SyntheticImageCaptions(image_size, num_samples, seed)
     sampler = dist.get_sampler(dataset, shuffle=True, drop_last=True)
     return DataLoader(dataset, batch_size=batch_size_per_device, sampler=sampler, **loader_kwargs(num_workers))
+
+
+# -----------------------------------------------------------------------------------------------
+# LAION-style image-caption data: MDS shards streamed with MosaicML Streaming.
+#
+# `convert.py` writes the shards (columns `jpg`: encoded image bytes, `caption`: str, `key`: str).
+# Every rank and every loader worker streams its own part of them from `remote` (s3://, gs://,
+# oci://, a path...) into the `local` cache, decodes images by content (JPEG, PNG, WebP...), and
+# turns each sample into the same dict the synthetic set yields.
+# -----------------------------------------------------------------------------------------------
+
+log = logging.getLogger(__name__)
+
+# Bad data policy. A worker stops the run when more than this fraction of the images it decoded
+# failed, once it has decoded at least BAD_CHECK_AFTER of them (the minimum keeps one bad image
+# early in an epoch from counting as "100% bad"). Dataloader workers are separate processes, so
+# the counts (and the check) are per worker: with 8 workers each sees about 1/8 of the samples.
+MAX_BAD_FRACTION = 0.01
+BAD_CHECK_AFTER = 1000
+_ALPHA_MODES = {"RGBA", "RGBa", "LA", "La", "PA"}
+
+
+class BadDataError(RuntimeError):
+    """Too many samples of the dataset could not be decoded: the data, not the run, needs fixing."""
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Any Pillow image as 8-bit RGB: transparency composited on white, grayscale/CMYK/16-bit converted.
+
+    Composite on white (not black, and not by dropping alpha) because transparent areas of logos
+    and product photos are meant to be seen on a white page; dropping alpha would expose whatever
+    colors the encoder left under the transparent pixels.
+    """
+    if image.mode == "I" or image.mode.startswith("I;16"):
+        # 16-bit grayscale PNG/TIFF: Pillow's convert("RGB") clips at 255; scale 0..65535 to 0..255.
+        image = Image.fromarray((np.asarray(image, dtype=np.float32) / 257.0).clip(0, 255).astype(np.uint8))
+    if "transparency" in image.info and image.mode in ("P", "L", "RGB"):
+        image = image.convert("RGBA")  # a palette entry or one gray/RGB value (PNG tRNS) is transparent
+    if image.mode in _ALPHA_MODES:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        white.alpha_composite(rgba)
+        return white.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def load_image(data: bytes) -> Image.Image:
+    """Decode encoded image bytes (format detected from the content, never from a file name)."""
+    image = Image.open(io.BytesIO(data))
+    image.load()  # decode now: a truncated or corrupt file fails here, not later in a resize
+    return image
+
+
+def decode_image(data: bytes, size: int) -> torch.Tensor:
+    """Encoded image bytes -> (3, size, size) float32 tensor in [-1, 1].
+
+    The image is oriented by its EXIF tag, converted to RGB (`to_rgb`), resized so that its shorter
+    side is `size` pixels (bicubic, antialiased: Pillow filters over the whole footprint when it
+    downsamples) and center-cropped to a square. Resize and crop are one `resize(box=...)` call,
+    which only resamples the pixels that survive the crop.
+    """
+    image = Image.open(io.BytesIO(data))
+    width, height = image.size
+    if min(width, height) >= 4 * size:
+        # A big JPEG can be decoded at 1/2, 1/4 or 1/8 scale by the IDCT itself, several times
+        # faster. Stay at >= 2x the target so the bicubic filter still does the final antialiasing
+        # (the same rule as Pillow's thumbnail(), reducing_gap=2).
+        scale = 2 * size / min(width, height)
+        image.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))
+    image.load()
+    ImageOps.exif_transpose(image, in_place=True)  # phone photos are stored sideways plus a tag
+    image = to_rgb(image)
+    width, height = image.size
+    side = min(width, height)
+    left, top = (width - side) / 2, (height - side) / 2
+    image = image.resize((size, size), Image.Resampling.BICUBIC, box=(left, top, left + side, top + side))
+    pixels = torch.from_numpy(np.array(image, dtype=np.uint8))  # (size, size, 3), a writable copy
+    return pixels.permute(2, 0, 1).contiguous().float().div_(127.5).sub_(1.0)  # channels first, in [-1, 1]
+
+
+def _check_local_only(local: str) -> None:
+    """Refuse a cache that a run with a remote filled, before Streaming deletes its shards.
+
+    Streaming deletes each compressed shard after decompressing it into a remote's cache. Without
+    a remote, Streaming expects the compressed shard next to the decompressed one (as convert.py's
+    output has, once read), calls a decompressed shard without it inconsistent, deletes it, and
+    then fails for lack of a remote to download it from.
+    """
+    index_path = os.path.join(local, "index.json")
+    if not os.path.isfile(index_path):
+        return  # Streaming says what is missing
+    with open(index_path) as f:
+        shards = json.load(f).get("shards", [])
+    for shard in shards:
+        raw, zipped = shard.get("raw_data") or {}, shard.get("zip_data") or {}
+        if zipped and raw and not os.path.exists(os.path.join(local, zipped["basename"])) \
+                and os.path.exists(os.path.join(local, raw["basename"])):
+            raise ValueError(
+                f"{local} is the cache of a run that streamed from a remote (it holds {raw['basename']} but not "
+                f"{zipped['basename']}): pass that remote again (--remote; shards already cached are not "
+                "downloaded again), or point --local at the converted dataset itself")
+
+
+class StreamingImageCaptions(StreamingDataset):
+    """Image-caption pairs streamed from MDS shards: yields {"image": (3,S,S) in [-1,1], "captions": (77,)}.
+
+    Args:
+        remote: where the shards live (s3://bucket/path, gs://, oci://, azure://, hf://, a local
+            path...), or None when `local` already holds them (index.json plus shards).
+        local: cache folder the shards are downloaded to (or the shards themselves if remote is None).
+        tokenizer: CLIP tokenizer; it is pickled into every dataloader worker.
+        image_size: output side S in pixels.
+        batch_size: per-device batch size. Streaming partitions samples over ranks and workers
+            batch by batch, which makes the order deterministic and resumable mid-epoch.
+        shuffle, shuffle_seed: shuffle every epoch (Streaming's py1e block shuffle), reproducibly.
+        predownload: samples each worker downloads ahead of the one it yields (None: 8 x batch_size).
+        download_retry, download_timeout: per-shard download attempts and seconds before failing.
+        cache_limit: evict least-recently-used shards to keep `local` under this size ("500gb"),
+            None to keep everything.
+        validate_hash: check each downloaded shard against this hash from index.json ("xxh64").
+        image_key, caption_key: MDS column names of the encoded image and of the caption.
+        max_bad_fraction, bad_check_after: the bad-data policy (see MAX_BAD_FRACTION above).
+        **streaming_kwargs: any other StreamingDataset argument (num_canonical_nodes, epoch_size...).
+
+    A sample whose image cannot be decoded (or whose caption is not a string) is replaced by the
+    next index (index + 1, wrapping around), which is the same on every rank and every run; each
+    replacement is logged with the sample index and shard name, and counted in `bad_samples`.
+    """
+
+    def __init__(self, *, remote: str | None, local: str | None, tokenizer: Any, image_size: int,
+                 batch_size: int, shuffle: bool = True, shuffle_seed: int = 9176, predownload: int | None = None,
+                 download_retry: int = 2, download_timeout: float = 60.0, cache_limit: int | str | None = None,
+                 validate_hash: str | None = None, image_key: str = "jpg", caption_key: str = "caption",
+                 max_bad_fraction: float = MAX_BAD_FRACTION, bad_check_after: int = BAD_CHECK_AFTER,
+                 **streaming_kwargs: Any):
+        if not remote and local:
+            _check_local_only(local)
+        super().__init__(remote=remote, local=local, batch_size=batch_size, shuffle=shuffle,
+                         shuffle_seed=shuffle_seed, predownload=predownload, download_retry=download_retry,
+                         download_timeout=download_timeout, cache_limit=cache_limit,
+                         validate_hash=validate_hash, **streaming_kwargs)
+        self.tokenizer, self.image_size = tokenizer, image_size
+        self.image_key, self.caption_key = image_key, caption_key
+        self.max_bad_fraction, self.bad_check_after = max_bad_fraction, bad_check_after
+        # Per process (the main process, or each dataloader worker after it gets its pickled copy).
+        self.decoded = 0
+        self.bad_samples: Counter[str] = Counter()  # shard name -> samples that failed to decode
+        columns = getattr(self.shards[0], "column_names", None)  # MDS readers list their columns
+        for flag, key in (("image_key", image_key), ("caption_key", caption_key)):
+            if columns is not None and key not in columns:
+                raise ValueError(f"{flag}={key!r} is not a column of the shards in {remote or local}; "
+                                 f"their columns are {columns}")
+
+    def shard_name(self, index: int) -> str:
+        """Where sample `index` lives, for messages: '<remote or local>/shard.00012.mds.zstd'."""
+        shard_id, _ = self.spanner[index]
+        shard = self.shards[shard_id]
+        stream = self.streams[self.stream_per_shard[shard_id]]
+        info = getattr(shard, "zip_data", None) or getattr(shard, "raw_data", None)
+        name = info.basename if info is not None else f"shard {shard_id}"
+        return f"{(stream.remote or stream.local).rstrip('/')}/{name}"
+
+    def _decode(self, sample: dict[str, Any]) -> dict[str, torch.Tensor]:
+        caption = sample[self.caption_key]
+        if not isinstance(caption, str):
+            raise TypeError(f"caption is {type(caption).__name__}, not str")
+        image = decode_image(sample[self.image_key], self.image_size)
+        return {"image": image, "captions": tokenize(self.tokenizer, [caption])[0]}
+
+    def get_item(self, index: int) -> dict[str, torch.Tensor]:
+        """Sample `index`, decoded; an undecodable one is replaced by the next index (see class doc)."""
+        for attempt in range(self.num_samples):  # at most every sample once; the policy stops us sooner
+            candidate = (index + attempt) % self.num_samples
+            sample = super().get_item(candidate)  # download errors are not bad data: they propagate
+            self.decoded += 1
+            try:
+                return self._decode(sample)
+            except Exception as error:  # noqa: BLE001  Pillow raises OSError, ValueError, SyntaxError...
+                shard = self.shard_name(candidate)
+                self.bad_samples[shard] += 1
+                failed = sum(self.bad_samples.values())
+                log.warning("sample %d in %s cannot be used (%s: %s); replaced by sample %d. "
+                            "%d of %d samples decoded by this process failed.", candidate, shard,
+                            type(error).__name__, error, (candidate + 1) % self.num_samples, failed, self.decoded)
+                if self.decoded >= self.bad_check_after and failed > self.max_bad_fraction * self.decoded:
+                    worst, worst_count = self.bad_samples.most_common(1)[0]
+                    raise BadDataError(
+                        f"{failed} of the {self.decoded} samples decoded by this data loader process failed "
+                        f"(more than max_bad_fraction={self.max_bad_fraction:g}); most failures ({worst_count}) "
+                        f"in shard {worst}; latest: sample {candidate} in shard {shard} ({type(error).__name__}: "
+                        f"{error}). Check or re-convert that data (convert.py skips undecodable images).") from error
+        raise BadDataError(f"none of the {self.num_samples} samples could be decoded "
+                           f"(the first tried: sample {index} in {self.shard_name(index)})")
+
+
+def laion_dataloader(remote: str | None, local: str | None, tokenizer: Any, image_size: int,
+                     batch_size_per_device: int, num_workers: int, seed: int = 17, *,
+                     image_key: str = "jpg", caption_key: str = "caption", shuffle: bool = True,
+                     predownload: int | None = None, download_retry: int = 2, download_timeout: float = 60.0,
+                     cache_limit: int | str | None = None, validate_hash: str | None = None,
+                     max_bad_fraction: float = MAX_BAD_FRACTION, bad_check_after: int = BAD_CHECK_AFTER,
+                     **streaming_kwargs: Any) -> StreamingDataLoader:
+    """LAION-style MDS shards as batches {"image": (B,3,S,S) in [-1,1], "captions": (B,77)} for this rank.
+
+    `remote` None means the shards are already in `local`. The loader is a StreamingDataLoader, so
+    Composer checkpoints its position and resumes mid-epoch. `seed` seeds the shuffle (the same on
+    every rank, as Streaming requires).
+    """
+    if not remote and not local:
+        raise ValueError("laion_dataloader needs remote (where the shards are) and/or local (the cache)")
+    dataset = StreamingImageCaptions(
+        remote=remote or None, local=local, tokenizer=tokenizer, image_size=image_size,
+        batch_size=batch_size_per_device, shuffle=shuffle, shuffle_seed=seed, predownload=predownload,
+        download_retry=download_retry, download_timeout=download_timeout, cache_limit=cache_limit,
+        validate_hash=validate_hash, image_key=image_key, caption_key=caption_key,
+        max_bad_fraction=max_bad_fraction, bad_check_after=bad_check_after, **streaming_kwargs)
+    return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **loader_kwargs(num_workers))

@@ -68,10 +68,10 @@ LATENT_SCALE = 0.18215  # SD2's VAE scaling_factor: latents * 0.18215 have rough
 class Components:
     """The parts of Stable Diffusion, plus what was loaded pretrained and what was not."""
 
-    unet: UNet2DConditionModel
-    vae: AutoencoderKL
-    text_encoder: CLIPTextModel
-    tokenizer: CLIPTokenizer
+    unet: UNet2DConditionModel | None
+    vae: AutoencoderKL | None
+    text_encoder: CLIPTextModel | None
+    tokenizer: CLIPTokenizer | None
     noise_scheduler: DDPMScheduler
     pretrained: list[str] = field(default_factory=list)
     random: list[str] = field(default_factory=list)
@@ -96,11 +96,14 @@ def _load_pretrained(cls, model_name: str | None, subfolder: str):
     return None
 
 
-def build_components(model_config: str, model_name: str | None = None) -> Components:
+def build_components(model_config: str, model_name: str | None = None, *, with_unet: bool = True,
+                     with_encoders: bool = True) -> Components:
     """Build SD2's parts: a random UNet from `model_config`, frozen VAE/text encoder (pretrained if found).
 
     `model_name` (hub id or local diffusers folder) is only consulted for `sd2-base`: there are no
-    pretrained weights of the `tiny` shapes.
+    pretrained weights of the `tiny` shapes. `with_encoders=False` (training on precomputed
+    latents) skips the VAE, text encoder and tokenizer; `with_unet=False` (precomputing) the UNet.
+    The encoders are built before the UNet, so under one seed they are the same either way.
     """
     if model_config not in MODEL_CONFIGS:
         raise ValueError(f"--model_config: unknown '{model_config}', choose from {sorted(MODEL_CONFIGS)}")
@@ -113,13 +116,16 @@ def build_components(model_config: str, model_name: str | None = None) -> Compon
         (pretrained if module is not None else random).append(name)
         return module if module is not None else build()
 
-    vae = part("vae", AutoencoderKL, lambda: AutoencoderKL(**cfg["vae"]))
-    text_encoder = part("text_encoder", CLIPTextModel, lambda: CLIPTextModel(CLIPTextConfig(**cfg["text_encoder"])))
-    tokenizer = part("tokenizer", CLIPTokenizer, bundled_tokenizer)
-    if "tokenizer" in random:  # the bundled tokenizer is SD2's own: not a random part
-        random.remove("tokenizer")
+    vae = text_encoder = tokenizer = unet = None
+    if with_encoders:
+        vae = part("vae", AutoencoderKL, lambda: AutoencoderKL(**cfg["vae"]))
+        text_encoder = part("text_encoder", CLIPTextModel, lambda: CLIPTextModel(CLIPTextConfig(**cfg["text_encoder"])))
+        tokenizer = part("tokenizer", CLIPTokenizer, bundled_tokenizer)
+        if "tokenizer" in random:  # the bundled tokenizer is SD2's own: not a random part
+            random.remove("tokenizer")
     scheduler = _load_pretrained(DDPMScheduler, lookup, "scheduler") or DDPMScheduler(**SCHEDULER_CONFIG)
-    unet = UNet2DConditionModel(**cfg["unet"])  # always from scratch: that is the benchmark
+    if with_unet:
+        unet = UNet2DConditionModel(**cfg["unet"])  # always from scratch: that is the benchmark
     return Components(unet, vae, text_encoder, tokenizer, scheduler, pretrained, random)
 
 
@@ -144,7 +150,7 @@ class StableDiffusion(ComposerModel):
     `prediction_type="epsilon"`, the velocity for `"v_prediction"`.
     """
 
-    def __init__(self, unet: torch.nn.Module, vae: torch.nn.Module, text_encoder: torch.nn.Module,
+    def __init__(self, unet: torch.nn.Module, vae: torch.nn.Module | None, text_encoder: torch.nn.Module | None,
                  noise_scheduler: DDPMScheduler, latent_scale: float = LATENT_SCALE):
         super().__init__()
         self.unet, self.vae, self.text_encoder = unet, vae, text_encoder
@@ -155,16 +161,20 @@ class StableDiffusion(ComposerModel):
         self.prediction_type = self.noise_scheduler.config.prediction_type
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise ValueError(f"scheduler prediction_type '{self.prediction_type}' is not supported for training")
-        for frozen in (self.vae, self.text_encoder):
+        for frozen in self._frozen():
             frozen.requires_grad_(False)
             frozen.eval()
 
     def train(self, mode: bool = True) -> "StableDiffusion":
         # Composer calls model.train() every epoch: the frozen encoders must stay in eval mode.
         super().train(mode)
-        self.vae.eval()
-        self.text_encoder.eval()
+        for frozen in self._frozen():
+            frozen.eval()
         return self
+
+    def _frozen(self) -> list[torch.nn.Module]:
+        """The encoders; absent when training on precomputed latents."""
+        return [m for m in (self.vae, self.text_encoder) if m is not None]
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor, captions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,6 +189,8 @@ class StableDiffusion(ComposerModel):
             mean, logvar = batch["latent_mean"].float(), batch["latent_logvar"].float()
             latents = (mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * torch.randn_like(mean)) * self.latent_scale
             text_states = batch["text_states"].to(latents.dtype)
+        elif self.vae is None or self.text_encoder is None:
+            raise ValueError("this model was built without encoders (--precomputed) but got an image batch")
         else:
             latents, text_states = self.encode(batch["image"], batch["captions"])
         noise = torch.randn_like(latents)

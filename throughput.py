@@ -87,6 +87,7 @@ class Throughput(Callback):
         self._samples_seen: list[int] = []  # global samples trained at the end of every batch
         self._data_start = 0.0
         self._fit_start = 0.0
+        self._fit_start_samples = 0
 
     def fit_start(self, state: State, logger: Logger) -> None:
         if self.peak_flops_per_device is None:
@@ -94,6 +95,7 @@ class Throughput(Callback):
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
         self._fit_start = time.perf_counter()
+        self._fit_start_samples = int(state.timestamp.sample.value)  # nonzero after a resume
 
     def before_dataloader(self, state: State, logger: Logger) -> None:
         self._data_start = time.perf_counter()
@@ -118,7 +120,7 @@ class Throughput(Callback):
         warmup = self.warmup_batches if num_batches > self.warmup_batches else min(1, num_batches - 1)
         start = self._batch_times[warmup - 1] if warmup > 0 else self._fit_start
         seconds = self._batch_times[-1] - start
-        samples = self._samples_seen[-1] - (self._samples_seen[warmup - 1] if warmup > 0 else 0)
+        samples = self._samples_seen[-1] - (self._samples_seen[warmup - 1] if warmup > 0 else self._fit_start_samples)
         world_size = dist.get_world_size()
         images_per_sec = samples / seconds
         # Every rank waits for data on its own; the slowest loader sets the pace, so report the max.

@@ -1,0 +1,749 @@
+"""Precomputed VAE latents and text-encoder outputs: encode the dataset once, then train on them.
+
+    python latents.py --local /data/mds/laion --out /data/mds/laion-latents-512 \
+        --model_name /path/to/stable-diffusion-2-base --image_size 512 --batch_size 32
+    composer -n 8 latents.py --remote s3://bucket/laion/mds --local /tmp/laion-cache \
+        --out s3://bucket/laion/latents-512 --model_name /path/to/stable-diffusion-2-base
+    composer benchmark.py --precomputed --remote s3://bucket/laion/latents-512 --local /tmp/latents-cache
+
+The UNet is the only part of Stable Diffusion that trains; the VAE encoder and the text encoder are
+frozen, yet online training runs both on every image of every epoch (about a third of the FLOPs at
+512x512). This script runs them once over image-caption MDS shards (the `jpg`/`caption` columns
+that convert.py writes and data.StreamingImageCaptions reads) and writes MDS shards with, per sample:
+
+    index          int64                  position of the sample in the source dataset
+    latent_mean    ndarray (4, S/8, S/8)  the VAE posterior's mean (unscaled, before x 0.18215)
+    latent_logvar  ndarray (4, S/8, S/8)  the VAE posterior's log-variance (clamped to [-30, 20])
+    text_states    ndarray (77, D)        the text encoder's last hidden state (what the UNet attends to)
+    caption        str                    the caption (left out with --no_captions)
+
+Why the distribution and not a latent: the VAE encoder outputs a Gaussian, and online training
+draws a fresh latent from it every time it sees the image. Storing the mean and log-variance lets
+`model.StableDiffusion.forward` do the same draw (mean + exp(logvar / 2) * noise) each epoch, so
+training on precomputed data is the same training, not training on one frozen noise sample.
+
+Storage dtype (--storage_dtype, default fp16). fp16 keeps 11 significant bits (relative error
+below 5e-4) up to +-65504; bf16 keeps only 8 bits (4e-3), its wider range is not needed here, and
+NumPy, hence MDS, has no bfloat16 (it would have to be stored as raw bytes). The values fit fp16
+with a wide margin: the log-variance is clamped to [-30, 20] by the VAE itself (fp16 spacing there
+is 1/64 or finer: at most 0.4% on the standard deviation, itself tiny), the latent means
+have a spread of about 1/0.18215 = 5.5, and the text states come out of a final layer norm. That
+is the expectation for the pretrained SD2 encoders; what was measured (tiny random-weight model:
+|mean| < 1.1, logvar in [-1.3, 1], |text| < 3.3) says little about them, so the run checks every
+value and stops, naming --storage_dtype fp32, if one is not finite or would overflow fp16; its
+final report prints the largest magnitudes it saw. At 512x512 with SD2 (D = 1024) a sample is
+2 x 4 x 64 x 64 x 2 + 77 x 1024 x 2 + 8 = 223,240 bytes before compression (plus the caption),
+446,472 in fp32. Training batches keep the stored dtype, so fp16 also halves the host-to-device
+copy; the model casts the inputs itself (to fp32, then autocast).
+
+Every sample is encoded exactly once. The source is cut into chunks of --chunk_size consecutive
+sample indices; chunk k holds samples [k * chunk_size, (k + 1) * chunk_size) and is written as its
+own MDS dataset `OUT/chunk{k:06d}/` (shards plus index.json, which MDSWriter writes last). The
+chunks still to do are dealt round-robin to the ranks, which read their samples by index (no
+shuffling, no padding of ranks to equal lengths, so nothing is repeated; each chunk also checks
+that it got every index of its range once). A chunk with a readable index.json is complete and is
+skipped on a rerun, so an interrupted job is resumed by running the same command again (on any
+number of GPUs: chunks do not depend on the world size). When all chunks are complete, rank 0
+merges their indexes into `OUT/index.json` (streaming.base.util.merge_index). The settings that
+decide the content (source, chunk size, image size, model...) are kept in `OUT/precompute.json`;
+a rerun with other settings is refused. Samples whose image cannot be decoded (or whose caption is
+not a string) are skipped and logged; more than --max_bad_fraction of them stops the run.
+With several nodes, --out must be a shared folder or an object-store URI (s3://, gs://, oci://...).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+import urllib.parse
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from composer.utils import dist, reproducibility
+from streaming import MDSWriter, StreamingDataLoader, StreamingDataset
+from torch.utils.data import DataLoader, Dataset
+
+import data
+from model import LATENT_SCALE, MODEL_CONFIGS, build_components
+from tokenizer import MAX_LENGTH, tokenize
+
+log = logging.getLogger(__name__)
+
+LATENT_KEYS = ("latent_mean", "latent_logvar", "text_states")
+STORAGE_DTYPES = {"fp16": "float16", "fp32": "float32"}
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FP16_MAX = float(np.finfo(np.float16).max)  # 65504
+DEFAULT_SOURCE_CACHE = "/tmp/latents-source-cache"
+SETTINGS_FILE = "precompute.json"
+INDEX_FILE = "index.json"
+
+
+def chunk_name(k: int) -> str:
+    return f"chunk{k:06d}"
+
+
+def mds_columns(latent_channels: int, latent_size: int, text_dim: int, storage_dtype: str = "fp16",
+                captions: bool = True) -> dict[str, str]:
+    """MDS columns of a precomputed dataset; the shapes are fixed, so no per-sample shape header."""
+    dtype = STORAGE_DTYPES[storage_dtype]
+    latent = f"ndarray:{dtype}:{latent_channels},{latent_size},{latent_size}"
+    columns = {"index": "int64", "latent_mean": latent, "latent_logvar": latent,
+               "text_states": f"ndarray:{dtype}:{MAX_LENGTH},{text_dim}"}
+    if captions:
+        columns["caption"] = "str"
+    return columns
+
+
+def bytes_per_sample(image_size: int, text_dim: int, storage_dtype: str = "fp16", latent_channels: int = 4) -> int:
+    """Bytes of one sample's arrays and index before compression (captions and MDS offsets not counted)."""
+    itemsize = np.dtype(STORAGE_DTYPES[storage_dtype]).itemsize
+    latent = latent_channels * (image_size // 8) ** 2
+    return (2 * latent + MAX_LENGTH * text_dim) * itemsize + 8
+
+
+# -----------------------------------------------------------------------------------------------
+# Training from precomputed shards, or from synthetic tensors of the same shapes.
+# -----------------------------------------------------------------------------------------------
+
+def _column_shapes(shard: Any) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+    """{column: (dtype, shape)} of the ndarray columns of an MDS shard, from their encodings."""
+    shapes = {}
+    for name, encoding in zip(getattr(shard, "column_names", []), getattr(shard, "column_encodings", [])):
+        parts = encoding.split(":")
+        if parts[0] == "ndarray" and len(parts) >= 2:
+            shape = tuple(int(x) for x in parts[2].split(",")) if len(parts) == 3 else None
+            shapes[name] = (parts[1], shape)
+    return shapes
+
+
+class StreamingLatents(StreamingDataset):
+    """Precomputed shards (written by this script) streamed for training.
+
+    Yields {"latent_mean": (4, S/8, S/8), "latent_logvar": (4, S/8, S/8), "text_states": (77, D)} in the
+    stored dtype (fp16 by default: `model.StableDiffusion.forward` casts them). `image_size` and
+    `text_dim`, when given, are checked against the shapes the shards were written with, so that a
+    run at another resolution or with another text encoder fails at once with a clear message.
+    Other arguments are StreamingDataset's (remote, local, batch_size, shuffle, shuffle_seed...).
+    """
+
+    def __init__(self, *, remote: str | None, local: str | None, batch_size: int, image_size: int | None = None,
+                 text_dim: int | None = None, shuffle: bool = True, shuffle_seed: int = 9176, **streaming_kwargs: Any):
+        super().__init__(remote=remote, local=local, batch_size=batch_size, shuffle=shuffle,
+                         shuffle_seed=shuffle_seed, **streaming_kwargs)
+        where = remote or local
+        shapes = _column_shapes(self.shards[0])
+        missing = [k for k in LATENT_KEYS if k not in getattr(self.shards[0], "column_names", LATENT_KEYS)]
+        if missing:
+            raise ValueError(f"{where} holds no precomputed latents (columns {missing} are missing): "
+                             "write them with `python latents.py --out ...`, or train without --precomputed")
+        latent_shape = shapes.get("latent_mean", (None, None))[1]
+        text_shape = shapes.get("text_states", (None, None))[1]
+        if image_size is not None and latent_shape is not None and latent_shape[1:] != (image_size // 8,) * 2:
+            raise ValueError(f"{where} holds latents of {latent_shape[1] * 8}x{latent_shape[2] * 8} images, "
+                             f"not {image_size}x{image_size}: precompute at --image_size {image_size} "
+                             f"(or train at --image_size {latent_shape[1] * 8})")
+        if text_dim is not None and text_shape is not None and text_shape != (MAX_LENGTH, text_dim):
+            raise ValueError(f"{where} holds text states of shape {text_shape}, but the UNet attends to "
+                             f"({MAX_LENGTH}, {text_dim}): they were computed with another text encoder")
+
+    def get_item(self, index: int) -> dict[str, torch.Tensor]:
+        sample = super().get_item(index)
+        # MDS decodes arrays as read-only views of the shard: copy into tensors the batch can own.
+        return {key: torch.from_numpy(np.array(sample[key])) for key in LATENT_KEYS}
+
+
+class SyntheticLatents(Dataset):
+    """Random latent distributions and text states of the right shapes: the model without the data.
+
+    Like data.SyntheticImageCaptions, samples are generated from their index (same data for the same
+    index on every rank and epoch, nothing stored). Means have the spread of SD2's latents (unit
+    variance after scaling by 0.18215), log-variances are around -10, text states standard normal;
+    all in `dtype` (fp16, as the precomputed shards store them).
+    """
+
+    def __init__(self, image_size: int, text_dim: int, num_samples: int = 100_000, seed: int = 0,
+                 latent_channels: int = 4, dtype: torch.dtype = torch.float16):
+        self.latent_shape = (latent_channels, image_size // 8, image_size // 8)
+        self.text_dim, self.num_samples, self.seed, self.dtype = text_dim, num_samples, seed, dtype
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        mean = torch.randn(self.latent_shape, generator=g) / LATENT_SCALE
+        logvar = torch.randn(self.latent_shape, generator=g) * 0.5 - 10.0
+        text_states = torch.randn(MAX_LENGTH, self.text_dim, generator=g)
+        return {"latent_mean": mean.to(self.dtype), "latent_logvar": logvar.to(self.dtype),
+                "text_states": text_states.to(self.dtype)}
+
+
+def dataloader(*, synthetic: bool, remote: str | None, local: str | None, image_size: int, text_dim: int,
+               batch_size_per_device: int, num_workers: int, num_samples: int = 100_000, seed: int = 17,
+               latent_channels: int = 4, shuffle: bool = True, **streaming_kwargs: Any) -> DataLoader:
+    """Batches {"latent_mean", "latent_logvar", "text_states"} for this rank (what benchmark.py --precomputed uses).
+
+    synthetic: SyntheticLatents sharded over ranks with Composer's distributed sampler. Otherwise the
+    shards written by this script, streamed from `remote` into `local` (or read from `local` when
+    `remote` is None) by a StreamingDataLoader, which Composer checkpoints and resumes mid-epoch;
+    `seed` seeds the shuffle. Extra keyword arguments go to StreamingDataset (cache_limit, predownload...).
+    """
+    kwargs = data.loader_kwargs(num_workers)
+    if synthetic:
+        dataset = SyntheticLatents(image_size, text_dim, num_samples, seed, latent_channels)
+        sampler = dist.get_sampler(dataset, shuffle=shuffle, drop_last=True, seed=seed)
+        return DataLoader(dataset, batch_size=batch_size_per_device, sampler=sampler, **kwargs)
+    if not remote and not local:
+        raise ValueError("latents.dataloader needs remote (where the precomputed shards are) and/or local (the cache)")
+    dataset = StreamingLatents(remote=remote or None, local=local, batch_size=batch_size_per_device,
+                               image_size=image_size, text_dim=text_dim, shuffle=shuffle, shuffle_seed=seed,
+                               **streaming_kwargs)
+    return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **kwargs)
+
+
+# -----------------------------------------------------------------------------------------------
+# Reading the source: image-caption shards by sample index.
+# -----------------------------------------------------------------------------------------------
+
+class IndexedImageCaptions(data.StreamingImageCaptions):
+    """data.StreamingImageCaptions read by index for encoding: yields the index, and flags bad samples.
+
+    Training replaces an undecodable sample by the next one; here that would store one sample
+    twice, so the sample is flagged (`ok` False) and left out of the output instead. Images and
+    captions are prepared exactly as for online training (data.decode_image, tokenizer.tokenize).
+    """
+
+    def get_item(self, index: int) -> dict[str, Any]:
+        sample = StreamingDataset.get_item(self, index)  # the raw columns: download errors propagate
+        caption = sample.get(self.caption_key)
+        try:
+            if not isinstance(caption, str):
+                raise TypeError(f"caption is {type(caption).__name__}, not str")
+            image = data.decode_image(sample[self.image_key], self.image_size)
+            ids = tokenize(self.tokenizer, [caption])[0]
+            return {"index": index, "ok": True, "image": image, "captions": ids, "caption": caption}
+        except Exception as error:  # noqa: BLE001  Pillow raises OSError, ValueError, SyntaxError...
+            log.warning("sample %d in %s cannot be used (%s: %s); left out of the precomputed data",
+                        index, self.shard_name(index), type(error).__name__, error)
+            return {"index": index, "ok": False, "image": torch.zeros(3, self.image_size, self.image_size),
+                    "captions": torch.zeros(MAX_LENGTH, dtype=torch.long), "caption": ""}
+
+    def shards_of(self, start: int, stop: int) -> range:
+        """Shard ids holding samples [start, stop)."""
+        offsets = self.sample_offset_per_shard
+        first = int(np.searchsorted(offsets, start, side="right")) - 1
+        last = int(np.searchsorted(offsets, stop - 1, side="right")) - 1
+        return range(first, last + 1)
+
+
+class _ByIndex(Dataset):
+    """Map-style view of a StreamingDataset (an IterableDataset) for a DataLoader with a batch sampler."""
+
+    def __init__(self, source: IndexedImageCaptions):
+        self.source = source
+
+    def __len__(self) -> int:
+        return self.source.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.source.get_item(index)
+
+
+# -----------------------------------------------------------------------------------------------
+# The output folder: local path or object-store URI.
+# -----------------------------------------------------------------------------------------------
+
+def is_remote(out: str) -> bool:
+    return urllib.parse.urlparse(out).scheme not in ("", "file")
+
+
+def join(out: str, *names: str) -> str:
+    return "/".join([out.rstrip("/"), *names]) if is_remote(out) else os.path.join(out, *names)
+
+
+def read_json(out: str, name: str) -> dict | None:
+    """OUT/name parsed, or None if it is missing or not valid JSON (an interrupted write)."""
+    try:
+        if not is_remote(out):
+            return json.loads(Path(out, name).read_text())
+        from streaming.base.storage import CloudDownloader
+
+        with tempfile.TemporaryDirectory() as tmp:
+            CloudDownloader.direct_download(join(out, name), os.path.join(tmp, "file.json"), 60)
+            return json.loads(Path(tmp, "file.json").read_text())
+    except Exception:  # noqa: BLE001  missing (local or remote) or truncated
+        return None
+
+
+def write_json(out: str, name: str, obj: dict) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+    if not is_remote(out):
+        Path(out).mkdir(parents=True, exist_ok=True)
+        tmp = Path(out, f".{name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, Path(out, name))  # atomic: never a half-written file
+        return
+    from streaming.base.storage.upload import CloudUploader
+
+    uploader = CloudUploader.get(out, keep_local=False, exist_ok=True)
+    try:
+        Path(uploader.local, name).write_text(text)
+        uploader.upload_file(name)
+    finally:
+        shutil.rmtree(uploader.local, ignore_errors=True)
+
+
+def completed_chunks(out: str, num_chunks: int) -> set[int]:
+    """Chunks whose MDS dataset is complete: index.json readable (local: and all its shard files there)."""
+    names = {chunk_name(k): k for k in range(num_chunks)}
+    if not is_remote(out):
+        done = set()
+        for name, k in names.items():
+            index = read_json(join(out, name), INDEX_FILE)
+            if index is None:
+                continue
+            # MDSWriter keeps the compressed file when it compresses, else the raw one.
+            files = [(s.get("zip_data") or s["raw_data"])["basename"] for s in index.get("shards", [])]
+            if all(Path(out, name, f).is_file() for f in files):
+                done.add(k)
+        return done
+    from streaming.base.storage.upload import CloudUploader
+
+    # One listing instead of one request per chunk. MDSWriter uploads index.json after the shards
+    # (this script uses one upload thread for remote output, so it is strictly last).
+    uploader = CloudUploader.get(out, keep_local=False, exist_ok=True)
+    try:
+        keys = uploader.list_objects() or []
+    except NotImplementedError:
+        return {k for name, k in names.items() if read_json(join(out, name), INDEX_FILE) is not None}
+    finally:
+        shutil.rmtree(uploader.local, ignore_errors=True)
+    done = set()
+    for key in keys:
+        parts = key.rstrip("/").split("/")
+        if len(parts) >= 2 and parts[-1] == INDEX_FILE and parts[-2] in names:
+            done.add(names[parts[-2]])
+    return done
+
+
+def check_settings(existing: dict | None, settings: dict) -> str | None:
+    """Why `settings` cannot continue the precompute recorded in `existing`, or None if it can."""
+    if existing is None:
+        return None
+    keys = sorted(set(existing) | set(settings))
+    diffs = [f"{k}: {existing.get(k)!r} there, {settings.get(k)!r} now" for k in keys if existing.get(k) != settings.get(k)]
+    if not diffs:
+        return None
+    return ("the output folder holds latents computed with other settings (" + "; ".join(diffs) +
+            "): use another --out, the same settings, or --overwrite")
+
+
+def clear_output(out: str) -> None:
+    """--overwrite on a local folder: delete a precomputed dataset there (and only that)."""
+    path = Path(out)
+    if not path.is_dir() or not any(path.iterdir()):
+        return
+    if not (path / SETTINGS_FILE).is_file():  # an index.json alone could be any dataset, the source even
+        raise SystemExit(f"latents.py: error: --out {out} is not empty and holds no precomputed latents "
+                         f"(no {SETTINGS_FILE}): refusing to delete it; choose a new or empty folder")
+    shutil.rmtree(path)
+
+
+def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int) -> list[int]:
+    """Rank 0: check --out, record the settings there, and return the chunks still to do."""
+    def fail(message: str) -> None:
+        raise SystemExit(f"latents.py: error: --out {args.out}: {message}")
+
+    if args.overwrite and not is_remote(args.out):
+        clear_output(args.out)
+    existing = read_json(args.out, SETTINGS_FILE)
+    if existing is None:
+        # Never mix chunks into (and later replace the index.json of) some other dataset.
+        path = Path(args.out)
+        foreign = (path.is_dir() and any(path.iterdir())) if not is_remote(args.out) else \
+            read_json(args.out, INDEX_FILE) is not None
+        if foreign:
+            fail(f"not empty and holds no precomputed latents (no {SETTINGS_FILE}); choose a new or empty folder")
+    elif not args.overwrite:
+        problem = check_settings(existing, settings)
+        if problem:
+            fail(problem)
+    write_json(args.out, SETTINGS_FILE, settings)
+    done = set() if args.overwrite and is_remote(args.out) else completed_chunks(args.out, num_chunks)
+    return [k for k in range(num_chunks) if k not in done]
+
+
+# -----------------------------------------------------------------------------------------------
+# Encoding.
+# -----------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def encode(vae: torch.nn.Module, text_encoder: torch.nn.Module, images: torch.Tensor, ids: torch.Tensor,
+           device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """VAE posterior mean and log-variance, and text-encoder last hidden states, as float32 on `device`."""
+    images = images.to(device, non_blocking=True)
+    ids = ids.to(device, non_blocking=True)
+    if device.type == "cuda":
+        images = images.contiguous(memory_format=torch.channels_last)
+    autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
+                else contextlib.nullcontext())
+    with autocast:
+        posterior = vae.encode(images).latent_dist
+        text_states = text_encoder(input_ids=ids).last_hidden_state
+    return posterior.mean.float(), posterior.logvar.float(), text_states.float()
+
+
+STAT_NAMES = ("max_abs_mean", "min_logvar", "max_logvar", "max_abs_text")
+
+
+class Stats:
+    """What this rank wrote, and the value ranges it saw (evidence that the storage dtype fits)."""
+
+    def __init__(self):
+        self.written = self.bad = 0
+        self.max_abs_mean = self.max_abs_text = 0.0
+        self.min_logvar, self.max_logvar = math.inf, -math.inf
+
+    def update(self, values: list[float]) -> None:
+        for name, value in zip(STAT_NAMES, values):
+            pick = min if name.startswith("min") else max
+            setattr(self, name, pick(getattr(self, name), value))
+
+
+class Encoded:
+    """One batch's outputs on their way to the host: copied asynchronously (pinned memory on GPU),
+    so that the GPU encodes the next batch while this process writes this one."""
+
+    def __init__(self, indices: list[int], captions: list[str], outputs: tuple[torch.Tensor, ...],
+                 storage_dtype: str, device: torch.device):
+        mean, logvar, text = outputs
+        self.indices, self.captions = indices, captions
+        dtype = getattr(torch, STORAGE_DTYPES[storage_dtype])
+        ranges = torch.stack([mean.abs().amax(), logvar.amin(), logvar.amax(), text.abs().amax()])
+        pinned = device.type == "cuda"
+        self.host = [torch.empty(t.shape, dtype=t.dtype if t is ranges else dtype, pin_memory=pinned)
+                     for t in (mean, logvar, text, ranges)]
+        for host, tensor in zip(self.host, (mean, logvar, text, ranges)):
+            host.copy_(tensor.to(host.dtype), non_blocking=pinned)
+        self.event = None
+        if pinned:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def arrays(self, storage_dtype: str, compute_dtype: str) -> tuple[list[np.ndarray], list[float]]:
+        """Wait for the copies; the three arrays and the value ranges. Stops on a value that is not
+        finite or does not fit the storage dtype (it would be stored as inf)."""
+        if self.event is not None:
+            self.event.synchronize()
+        arrays = [t.numpy() for t in self.host[:3]]
+        ranges = self.host[3].tolist()
+        for key, array in zip(LATENT_KEYS, arrays):
+            rows = ~np.isfinite(array.reshape(len(array), -1)).all(axis=1)
+            if not rows.any():
+                continue
+            which = [self.indices[i] for i in np.flatnonzero(rows)][:10]
+            if np.isfinite(ranges).all():  # finite in float32, so too big for the storage dtype
+                raise OverflowError(f"{key} of samples {which} exceeds the {storage_dtype} range "
+                                    f"(+-{FP16_MAX:g}): rerun with --storage_dtype fp32")
+            raise FloatingPointError(f"{key} of samples {which} is not finite (computed in {compute_dtype}): "
+                                     "rerun with --dtype bf16 or --dtype fp32")
+        return arrays, ranges
+
+
+def _writer(out: str, name: str, columns: dict[str, str], args: argparse.Namespace) -> MDSWriter:
+    kwargs: dict[str, Any] = dict(exist_ok=True)  # removes what an interrupted attempt left locally
+    if is_remote(out):
+        kwargs["max_workers"] = 1  # uploads in order: index.json strictly after the shards
+    return MDSWriter(out=join(out, name), columns=columns, compression=args.compression,
+                     hashes=args.hashes, size_limit=args.size_limit, **kwargs)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--remote", type=str, default=None, help="image-caption MDS shards to read: s3://, gs://, ... or a path")
+    p.add_argument("--local", type=str, default=None,
+                   help=f"cache for --remote (default {DEFAULT_SOURCE_CACHE}), or the shards themselves without --remote")
+    p.add_argument("--out", type=str, required=True, help="output folder, or s3:// gs:// oci:// ... URI")
+    p.add_argument("--model_name", type=str, default="stabilityai/stable-diffusion-2-base",
+                   help="hub id or local diffusers folder with the pretrained vae/ and text_encoder/")
+    p.add_argument("--model_config", type=str, default="sd2-base", help=f"one of {sorted(MODEL_CONFIGS)}")
+    p.add_argument("--image_size", type=int, default=512, help="resolution the images are resized to (multiple of 8)")
+    p.add_argument("--batch_size", type=int, default=32, help="images per encoder call on each device")
+    p.add_argument("--dtype", type=str, default="bf16", choices=sorted(COMPUTE_DTYPES),
+                   help="autocast dtype of the encoders on GPU (CPU: always fp32)")
+    p.add_argument("--storage_dtype", type=str, default="fp16", choices=sorted(STORAGE_DTYPES),
+                   help="dtype of the stored arrays (fp16: half the size, relative error < 5e-4)")
+    p.add_argument("--chunk_size", type=int, default=10_000,
+                   help="samples per chunk, the unit of work and of resumption (a chunk is redone if interrupted)")
+    p.add_argument("--num_workers", type=int, default=8, help="DataLoader processes decoding images, per device")
+    p.add_argument("--seed", type=int, default=17, help="seeds randomly initialized encoders (as benchmark.py --seed)")
+    p.add_argument("--allow_random_encoders", action="store_true",
+                   help="go on when the pretrained VAE/text encoder cannot be loaded (the output is then useless for quality)")
+    p.add_argument("--no_captions", action="store_true", help="do not store the caption strings")
+    p.add_argument("--compression", type=str, default="zstd", help="shard compression: zstd, zstd:<level>, gz, none")
+    p.add_argument("--hashes", type=str, default="xxh64", help="comma-separated shard hashes stored in the index ('' for none)")
+    p.add_argument("--size_limit", type=str, default="64mb", help="shard size before compression")
+    p.add_argument("--cache_limit", type=str, default=None, help="keep the --local cache of source shards under this size")
+    p.add_argument("--image_key", type=str, default="jpg", help="source column of the encoded images")
+    p.add_argument("--caption_key", type=str, default="caption", help="source column of the captions")
+    p.add_argument("--max_bad_fraction", type=float, default=data.MAX_BAD_FRACTION,
+                   help="stop when more than this fraction of a rank's samples cannot be decoded")
+    p.add_argument("--max_chunks", type=int, default=0,
+                   help="do at most this many chunks per rank in this run, then stop (0: all); rerun to continue")
+    p.add_argument("--overwrite", action="store_true", help="start over: discard the chunks already in --out")
+    p.add_argument("--dist_timeout", type=float, default=3 * 3600.0, help="seconds a rank may wait for the others")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    args.compression = None if args.compression.lower() in ("", "none") else args.compression
+    args.hashes = [h.strip() for h in args.hashes.split(",") if h.strip()]
+    return args
+
+
+def validate(args: argparse.Namespace) -> None:
+    def fail(message: str) -> None:
+        raise SystemExit(f"latents.py: error: {message}")
+
+    if args.model_config not in MODEL_CONFIGS:
+        fail(f"--model_config '{args.model_config}' is unknown; choose one of {sorted(MODEL_CONFIGS)}")
+    if args.image_size <= 0 or args.image_size % 8:
+        fail(f"--image_size {args.image_size} must be a positive multiple of 8 (the VAE downsamples by 8)")
+    for flag in ("batch_size", "chunk_size"):
+        if getattr(args, flag) <= 0:
+            fail(f"--{flag} {getattr(args, flag)} must be positive")
+    if args.num_workers < 0 or args.max_chunks < 0:
+        fail("--num_workers and --max_chunks must be >= 0")
+    if not args.remote and not args.local:
+        fail("no input: pass --remote (with --local as cache) or --local with the image-caption MDS shards")
+    if not args.remote and not Path(args.local).is_dir():
+        fail(f"--local {args.local} is not a folder; give --remote to stream shards into it")
+    if not is_remote(args.out) and Path(args.out).exists() and not Path(args.out).is_dir():
+        fail(f"--out {args.out} is a file, not a folder")
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    args = parse_args(argv)
+    validate(args)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    world, rank = dist.get_world_size(), dist.get_global_rank()
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(dist.get_local_rank())  # before any CUDA work: one GPU per rank
+    device = torch.device("cuda", dist.get_local_rank()) if on_gpu else torch.device("cpu")
+    if world > 1:
+        dist.initialize_dist("gpu" if on_gpu else "cpu", timeout=args.dist_timeout)
+    reproducibility.seed_all(args.seed)  # the same seed as benchmark.py gives the same random encoders
+
+    parts = build_components(args.model_config, args.model_name, with_unet=False)
+    random_encoders = [p for p in parts.random if p in ("vae", "text_encoder")]
+    if random_encoders and args.model_config != "tiny" and not args.allow_random_encoders:
+        raise SystemExit(
+            f"latents.py: error: pretrained {' and '.join(random_encoders)} not found for --model_name "
+            f"{args.model_name}: latents of random encoders are useless for training (download the model to a "
+            "local folder and pass it), or pass --allow_random_encoders to measure the pipeline anyway")
+    if random_encoders and rank == 0:
+        warnings.warn(f"using randomly initialized {' and '.join(random_encoders)} (seed {args.seed})", stacklevel=1)
+    vae, text_encoder, tokenizer = parts.vae, parts.text_encoder, parts.tokenizer
+    del parts  # the UNet is not needed
+    for module in (vae, text_encoder):
+        module.requires_grad_(False).eval().to(device)
+    if on_gpu:
+        vae.to(memory_format=torch.channels_last)
+    latent_channels, text_dim = vae.config.latent_channels, text_encoder.config.hidden_size
+    columns = mds_columns(latent_channels, args.image_size // 8, text_dim, args.storage_dtype, not args.no_captions)
+
+    source = IndexedImageCaptions(
+        remote=args.remote or None, local=args.local or DEFAULT_SOURCE_CACHE, tokenizer=tokenizer,
+        image_size=args.image_size, batch_size=args.batch_size, shuffle=False, cache_limit=args.cache_limit,
+        image_key=args.image_key, caption_key=args.caption_key)
+    num_samples = source.num_samples
+    num_chunks = math.ceil(num_samples / args.chunk_size)
+    settings = {
+        "source": args.remote or os.path.abspath(args.local), "source_samples": num_samples,
+        "chunk_size": args.chunk_size, "image_size": args.image_size, "model_config": args.model_config,
+        "model_name": args.model_name if args.model_config == "sd2-base" else None,
+        "random_encoders": random_encoders, "seed": args.seed if random_encoders else None,
+        "columns": columns, "image_key": args.image_key, "caption_key": args.caption_key,
+    }
+
+    # Rank 0 decides what is left to do; everyone gets the same list (or the same error).
+    plan: list[Any] = [None]
+    if rank == 0:
+        try:
+            plan[0] = plan_work(args, settings, num_chunks)
+        except SystemExit as error:
+            plan[0] = str(error.code)
+        except Exception as error:  # noqa: BLE001  e.g. no access to a remote --out: fail on every rank
+            plan[0] = f"latents.py: error: --out {args.out}: {type(error).__name__}: {error}"
+    dist.broadcast_object_list(plan, src=0)
+    if isinstance(plan[0], str):
+        raise SystemExit(plan[0])
+    todo: list[int] = plan[0]
+    mine = todo[rank::world]
+    if args.max_chunks:
+        mine = mine[:args.max_chunks]
+    if rank == 0:
+        print(f"{num_samples:,} source samples in {num_chunks} chunk(s) of {args.chunk_size:,}: "
+              f"{num_chunks - len(todo)} already complete, {len(todo)} to do over {world} rank(s)", flush=True)
+
+    stats = Stats()
+    started = time.perf_counter()
+    if mine:
+        encode_chunks(args, source, vae, text_encoder, device, columns, mine, stats, show_progress=rank == 0)
+    elapsed = time.perf_counter() - started
+
+    dist.barrier()
+    all_stats = dist.all_gather_object(vars(stats))
+    if rank != 0:
+        return None
+    return finish(args, num_samples, num_chunks, all_stats, elapsed, world, device)
+
+
+def encode_chunks(args: argparse.Namespace, source: IndexedImageCaptions, vae: torch.nn.Module,
+                  text_encoder: torch.nn.Module, device: torch.device, columns: dict[str, str],
+                  chunks: list[int], stats: Stats, show_progress: bool) -> None:
+    """Encode `chunks` of the source, each into its own MDS dataset OUT/chunkNNNNNN."""
+    from tqdm import tqdm
+
+    n = source.num_samples
+    ranges = {k: (k * args.chunk_size, min(n, (k + 1) * args.chunk_size)) for k in chunks}
+    # Batches never cross a chunk boundary, so a chunk is finished by the batch that ends it.
+    batches = [list(range(i, min(stop, i + args.batch_size))) for k in chunks
+               for start, stop in [ranges[k]] for i in range(start, stop, args.batch_size)]
+    loader = DataLoader(_ByIndex(source), batch_sampler=batches, num_workers=args.num_workers,
+                        pin_memory=device.type == "cuda", prefetch_factor=4 if args.num_workers else None)
+    compute_dtype = COMPUTE_DTYPES[args.dtype]
+
+    # Download the source shards of the next chunk while this one is encoded (remote sources).
+    prefetcher = ThreadPoolExecutor(max_workers=2) if args.remote else None
+
+    def prefetch(k: int) -> None:
+        if prefetcher is not None:
+            for shard_id in source.shards_of(*ranges[k]):
+                prefetcher.submit(source.prepare_shard, shard_id, False)
+
+    total = sum(stop - start for start, stop in ranges.values())
+    bar = tqdm(total=total, unit=" img", desc="encode", disable=not show_progress or args.no_progress,
+               mininterval=1.0, dynamic_ncols=True)
+    writer: MDSWriter | None = None
+    pending: Encoded | None = None  # the previous batch, written while the GPU encodes the next one
+    current, position, seen, decoded = -1, 0, set(), 0
+
+    def write(encoded: Encoded | None) -> None:
+        if encoded is None:
+            return
+        arrays, value_ranges = encoded.arrays(args.storage_dtype, args.dtype)
+        stats.update(value_ranges)
+        for row, index in enumerate(encoded.indices):
+            sample = {"index": index, "latent_mean": arrays[0][row], "latent_logvar": arrays[1][row],
+                      "text_states": arrays[2][row]}
+            if "caption" in columns:
+                sample["caption"] = encoded.captions[row]
+            writer.write(sample)
+        stats.written += len(encoded.indices)
+
+    def close_chunk() -> None:
+        start, stop = ranges[current]
+        if seen != set(range(start, stop)):
+            raise RuntimeError(f"{chunk_name(current)}: expected samples {start}..{stop - 1} once each, "
+                               f"got {len(seen)} distinct (missing: {sorted(set(range(start, stop)) - seen)[:10]})")
+        writer.finish()  # writes the chunk's index.json last: from now on the chunk counts as complete
+
+    try:
+        for batch in loader:
+            indices = batch["index"].tolist()
+            k = indices[0] // args.chunk_size
+            if k != current:
+                write(pending)
+                pending = None
+                if writer is not None:
+                    close_chunk()
+                current, seen = k, set()
+                writer = _writer(args.out, chunk_name(k), columns, args)
+                if position + 1 < len(chunks):
+                    prefetch(chunks[position + 1])
+                position += 1
+            fresh = [i for i, index in enumerate(indices) if index not in seen]  # never write a sample twice
+            seen.update(indices)
+            ok = [i for i in fresh if bool(batch["ok"][i])]
+            stats.bad += len(fresh) - len(ok)
+            decoded += len(fresh)
+            encoded = None
+            if ok:
+                rows = torch.tensor(ok)
+                outputs = encode(vae, text_encoder, batch["image"][rows], batch["captions"][rows], device, compute_dtype)
+                encoded = Encoded([indices[i] for i in ok], [batch["caption"][i] for i in ok], outputs,
+                                  args.storage_dtype, device)
+            write(pending)  # on GPU this overlaps with the encoding just launched
+            pending = encoded
+            if decoded >= data.BAD_CHECK_AFTER and stats.bad > args.max_bad_fraction * decoded:
+                raise data.BadDataError(
+                    f"{stats.bad} of the {decoded} samples read by this rank could not be decoded (more than "
+                    f"--max_bad_fraction {args.max_bad_fraction:g}); see the warnings above for which")
+            bar.update(len(indices))
+        if writer is not None:
+            write(pending)
+            close_chunk()
+            writer = None
+    except BaseException:
+        if writer is not None:
+            writer.cancel_future_jobs()  # no index.json: the chunk stays incomplete and is redone
+        raise
+    finally:
+        bar.close()
+        if prefetcher is not None:
+            prefetcher.shutdown(wait=False, cancel_futures=True)
+
+
+def finish(args: argparse.Namespace, num_samples: int, num_chunks: int, all_stats: list[dict], elapsed: float,
+           world: int, device: torch.device) -> dict:
+    """Rank 0, after every rank is done: merge the chunk indexes when all chunks are complete; report."""
+    from streaming.base.util import merge_index
+
+    written_now = sum(s["written"] for s in all_stats)
+    report: dict[str, Any] = {"out": args.out, "source_samples": num_samples, "chunks": num_chunks,
+                              "written_this_run": written_now, "skipped_this_run": sum(s["bad"] for s in all_stats),
+                              "seconds": round(elapsed, 2), "world_size": world, "device": str(device.type)}
+    seen = [s for s in all_stats if s["written"]]
+    if seen:
+        report.update(
+            images_per_sec=round(written_now / max(elapsed, 1e-9), 2),
+            max_abs_latent_mean=max(s["max_abs_mean"] for s in seen),
+            latent_logvar_range=[min(s["min_logvar"] for s in seen), max(s["max_logvar"] for s in seen)],
+            max_abs_text_states=max(s["max_abs_text"] for s in seen))
+    left = num_chunks - len(completed_chunks(args.out, num_chunks))
+    if left:
+        if not args.max_chunks:
+            raise RuntimeError(f"{left} chunk(s) of {args.out} are incomplete after every rank finished")
+        report["chunks_left"] = left
+        print(f"{left} of {num_chunks} chunk(s) left (--max_chunks {args.max_chunks}): run the same command "
+              "again to continue", flush=True)
+        print(json.dumps(report), flush=True)
+        return report
+
+    if not is_remote(args.out):
+        Path(args.out, INDEX_FILE).unlink(missing_ok=True)  # merge_index will not replace an existing file
+    merge_index([join(args.out, chunk_name(k), INDEX_FILE) for k in range(num_chunks)], args.out)
+    index = read_json(args.out, INDEX_FILE) or {"shards": []}
+    samples = sum(s["samples"] for s in index["shards"])
+    stored = sum((s.get("zip_data") or s["raw_data"])["bytes"] for s in index["shards"])
+    report.update(samples=samples, skipped=num_samples - samples, shards=len(index["shards"]),
+                  bytes_per_sample_stored=round(stored / max(samples, 1)),
+                  bytes_per_sample_raw=round(sum(s["raw_data"]["bytes"] for s in index["shards"]) / max(samples, 1)))
+    print(f"done: {samples:,} of {num_samples:,} samples in {args.out} ({num_samples - samples:,} skipped: "
+          f"undecodable), {report['bytes_per_sample_stored']:,} bytes per sample stored", flush=True)
+    print(json.dumps(report), flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

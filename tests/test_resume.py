@@ -1,0 +1,368 @@
+"""Long runs survive: resume after SIGKILL, stop on a non-finite loss, launch on SLURM, mcloud.yaml.
+
+Every training run here goes through Composer's launcher with two CPU ranks and the tiny model:
+
+* a reference run that trains 8 batches without interruption, saving every 2;
+* the same run (same seed) SIGKILLed, launcher and ranks together, right after its checkpoint at
+  batch 4, then relaunched with --autoresume: its last checkpoint must equal the reference's
+  bit for bit (UNet, EMA, optimizer, RNG), and so must the final loss;
+* a run whose loss turns NaN at batch 3 on one rank: both ranks stop, the message names the batch
+  and the last good checkpoint, nothing is saved for batch 3; relaunched with --autoresume it
+  meets the NaN again and must name the checkpoint it resumed from;
+* scripts/slurm.sbatch run as a job of 2 nodes x 1 process, with stand-ins for `srun` (one task
+  per "node", SLURM_NODEID set) and `scontrol`: two Composer launchers on loopback, --world_size 2,
+  --node_rank 0 and 1, sharing the save folder as nodes on a shared file system do. Its checkpoint
+  at batch 2 must equal the reference's.
+
+The runs are started together by one module fixture (each spends most of its time importing, so
+running them side by side roughly halves the wall time) and the tests check their results.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The tiny model on 32x32 synthetic images, 2 images per rank. --use_ema puts the EMA in the checkpoints.
+# 12 samples: an epoch is 3 batches, so runs cross epochs (the sampler reshuffles) and resume mid-epoch.
+TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
+        "--num_workers", "0", "--num_synthetic_samples", "12", "--use_ema", "--seed", "17",
+        "--warmup_batches", "1", "--log_interval", "1ba"]
+RESUME_RUN = TINY + ["--max_duration", "8ba", "--save_interval", "2ba", "--run_name", "resume-test", "--autoresume"]
+KILL_AFTER = "ep1-ba4-rank0.pt"  # the checkpoint after which the run is killed (batch 1 of epoch 1)
+FINAL = "ep2-ba8-rank0.pt"
+NAN_BATCH = 3  # the loss of this (1-based) batch is poisoned, on rank 1 only
+NAN_RUN = TINY + ["--max_duration", "5ba", "--save_interval", "1ba", "--run_name", "nan-test", "--autoresume",
+                  "--nan_at_batch", str(NAN_BATCH), "--nan_rank", "1"]
+# The sbatch script adds --use_ema --device_train_microbatch_size 4 --run_name --autoresume --save_folder;
+# these come after and override (2 images per rank: microbatch 2, as the reference's automatic choice).
+SLURM_RUN = TINY + ["--max_duration", "2ba", "--save_interval", "2ba", "--device_train_microbatch_size", "2"]
+SLURM_RUN_NAME = "slurm-test"
+TIMEOUT = 420  # seconds for any one launch; a healthy one takes about a minute on two busy cores
+
+# Stand-ins for SLURM's commands, enough for scripts/slurm.sbatch on one machine.
+FAKE_SRUN = """#!/bin/bash
+# srun [--options...] command...: one task per "node", all here, with SLURM_NODEID set.
+ntasks=1
+while [[ $1 == --* ]]; do [[ $1 == --ntasks=* ]] && ntasks=${1#--ntasks=}; shift; done
+pids=()
+for ((i = 0; i < ntasks; i++)); do SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 "$@" & pids+=($!); done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+FAKE_SCONTROL = """#!/bin/bash
+# scontrol show hostnames LIST: the job's hosts, one per line (both "nodes" are this machine).
+if [[ $1 == show && $2 == hostnames ]]; then printf '127.0.0.1\\nlocalhost\\n'; else echo "scontrol $*"; fi
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_env(**extra: str) -> dict[str, str]:
+    # OMP_NUM_THREADS=1: two ranks on a two-core machine; with a thread per core each, a step is ~10x slower.
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def two_ranks(script: str, *args: str) -> list[str]:
+    """`composer -n 2` on this machine."""
+    return ["composer", "-n", "2", "--master_port", str(free_port()), str(ROOT / script), *args]
+
+
+@dataclass
+class Launch:
+    """A command (launcher and ranks) in its own session, so the whole process tree can be killed."""
+
+    cmd: list[str]
+    log: Path
+    env: dict[str, str] = field(default_factory=run_env)
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+
+    def start(self) -> "Launch":
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.started = time.monotonic()
+        return self
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def check_time(self) -> None:
+        if self.running() and time.monotonic() - self.started > TIMEOUT:
+            self.kill()
+            raise TimeoutError(f"{' '.join(self.cmd)} ran over {TIMEOUT}s\n{self.tail()}")
+
+    def kill(self) -> None:
+        if self.running():
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher and every rank, no chance to clean up
+            self.proc.wait()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tail(self, chars: int = 6000) -> str:
+        return self.output()[-chars:]
+
+
+def latest(folder: Path) -> str | None:
+    try:
+        return os.readlink(folder / "latest-rank0.pt")
+    except OSError:
+        return None
+
+
+def slurm_job(tmp: Path) -> Launch:
+    """scripts/slurm.sbatch as job 4242 on 2 "nodes" of 1 process each, with fake srun/scontrol on PATH."""
+    bin_dir = tmp / "fake-slurm-bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = run_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2",
+                  SLURM_JOB_NODELIST="node[1-2]", SLURM_CPUS_ON_NODE="1", GPUS_PER_NODE="1",
+                  MASTER_PORT=str(free_port()), RUN_NAME=SLURM_RUN_NAME, SAVE_FOLDER=str(tmp / "slurm"))
+    args = SLURM_RUN + ["--results_json", str(tmp / "slurm.json")]
+    return Launch(["bash", str(ROOT / "scripts" / "slurm.sbatch"), *args], tmp / "slurm.log", env=env)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Start every launch, kill and relaunch as planned, and return them once all have exited."""
+    tmp = tmp_path_factory.mktemp("resume")
+    ref_dir, killed_dir, nan_dir = tmp / "reference", tmp / "killed", tmp / "nan"
+
+    def resume_run(folder: Path, name: str) -> Launch:
+        args = RESUME_RUN + ["--save_folder", str(folder), "--results_json", str(tmp / f"{name}.json")]
+        return Launch(two_ranks("benchmark.py", *args), tmp / f"{name}.log")
+
+    def nan_run(name: str) -> Launch:
+        args = NAN_RUN + ["--save_folder", str(nan_dir), "--report", str(tmp / name)]
+        return Launch(two_ranks("tests/nan_run.py", *args), tmp / f"{name}.log")
+
+    reference, killed = resume_run(ref_dir, "reference"), resume_run(killed_dir, "killed")
+    nan_first, slurm = nan_run("nan-first"), slurm_job(tmp)
+    launches = [launch.start() for launch in (reference, killed, nan_first, slurm)]
+    resumed = nan_again = killed_at = nan_checkpoints = None
+    try:
+        while True:
+            if killed_at is None:
+                if latest(killed_dir) == KILL_AFTER:
+                    killed.kill()
+                    killed_at = sorted(p.name for p in killed_dir.iterdir())
+                    resumed = resume_run(killed_dir, "resumed")
+                    launches.append(resumed.start())
+                elif not killed.running():
+                    pytest.fail(f"the run to kill exited ({killed.proc.returncode}) before writing {KILL_AFTER}:\n"
+                                f"{killed.tail()}")
+            if nan_again is None and not nan_first.running():
+                # What the first run left, to tell a resume from a fresh start that rewrites it all.
+                nan_checkpoints = {p.name: p.stat().st_mtime_ns for p in nan_dir.glob("ep*.pt")}
+                nan_again = nan_run("nan-again")
+                launches.append(nan_again.start())
+            if killed_at is not None and nan_again is not None and not any(r.running() for r in launches):
+                break
+            for launch in launches:
+                launch.check_time()
+            time.sleep(0.2)
+    finally:
+        for launch in launches:
+            launch.kill()
+    return dict(tmp=tmp, reference=reference, killed=killed, resumed=resumed, killed_at=killed_at, ref_dir=ref_dir,
+                killed_dir=killed_dir, nan_first=nan_first, nan_again=nan_again, nan_checkpoints=nan_checkpoints,
+                nan_dir=nan_dir, slurm=slurm)
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def ema_state(checkpoint: dict) -> dict:
+    algorithms = dict(checkpoint["state"]["algorithms"])  # [(class name, state dict), ...]
+    return algorithms["EMA"]
+
+
+def assert_tensors_equal(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), f"{what}: different keys"
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{what}: {len(differ)} of {len(a)} tensors differ, e.g. {differ[:3]}"
+
+
+def test_killed_run_resumes_to_the_same_weights_ema_and_loss(runs):
+    reference, killed, resumed = runs["reference"], runs["killed"], runs["resumed"]
+    assert reference.proc.returncode == 0, reference.tail()
+    assert killed.proc.returncode == -signal.SIGKILL, "the launcher should have died by SIGKILL"
+    assert FINAL not in runs["killed_at"], f"the run was killed too late: {runs['killed_at']}"
+    assert resumed.proc.returncode == 0, resumed.tail()
+
+    # It resumed from batch 4 rather than starting over.
+    out = resumed.output()
+    assert "[batch=5/8]" in out and "[batch=1/8]" not in out, resumed.tail()
+
+    ref, res = load(runs["ref_dir"] / FINAL), load(runs["killed_dir"] / FINAL)
+    assert latest(runs["killed_dir"]) == FINAL
+    for ckpt in (ref, res):
+        time_ = ckpt["state"]["timestamp"]["Timestamp"]
+        assert (time_["epoch"], time_["batch"], time_["batch_in_epoch"], time_["sample"]) == (2, 8, 2, 32)
+    assert_tensors_equal(ref["state"]["model"], res["state"]["model"], "model weights")
+    unet = [k for k in ref["state"]["model"] if k.startswith("unet.")]
+    assert len(unet) > 100
+
+    ema_ref, ema_res = ema_state(ref), ema_state(res)
+    assert ema_ref["initialized"] and ema_res["initialized"]
+    assert ema_ref["num_updates"] == ema_res["num_updates"] == 7  # copied at batch 1, averaged at 2..8
+    assert_tensors_equal(ema_ref["shadow"], ema_res["shadow"], "EMA shadow")
+    assert sorted(ema_ref["shadow"]) == sorted(unet)  # the UNet, and only the UNet
+    # The average is not just the current weights (it really was carried through the restart).
+    assert not all(torch.equal(ema_ref["shadow"][k], ref["state"]["model"][k]) for k in unet)
+
+    opt_ref, opt_res = ref["state"]["optimizers"]["AdamW"], res["state"]["optimizers"]["AdamW"]
+    assert opt_ref["state"].keys() == opt_res["state"].keys()
+    for key in opt_ref["state"]:
+        assert_tensors_equal(opt_ref["state"][key], opt_res["state"][key], f"AdamW state {key}")
+    # Same random draws (noise, timesteps, VAE posterior samples) after the restart as without it.
+    for rank in range(2):
+        assert torch.equal(ref["rng"][rank]["torch"], res["rng"][rank]["torch"]), f"torch RNG of rank {rank}"
+
+    final_ref = json.loads((runs["tmp"] / "reference.json").read_text())["final_loss"]
+    final_res = json.loads((runs["tmp"] / "resumed.json").read_text())["final_loss"]
+    assert final_ref == final_res and final_ref == final_ref  # exact (and not NaN)
+    # The logged (all-reduced) losses of the batches after the restart match too.
+    ref_losses, res_losses = logged_losses(reference.output()), logged_losses(out)
+    assert set(res_losses) == {5, 6, 7, 8}, res_losses
+    assert all(res_losses[b] == ref_losses[b] for b in res_losses), (ref_losses, res_losses)
+
+
+def logged_losses(console: str) -> dict[int, str]:
+    """{batch: loss as printed} from Composer's console logger (rank 0)."""
+    losses = {}
+    for block in re.split(r"\[batch=", console)[1:]:
+        batch = int(block.split("/", 1)[0])
+        found = re.search(r"loss/train/total: (\S+)", block)
+        if found:
+            losses[batch] = found.group(1)
+    return losses
+
+
+def rank_reports(folder: Path) -> dict[int, list[str]]:
+    """What each rank of a tests/nan_run.py launch wrote with --report."""
+    return {int(p.stem[4:]): p.read_text().splitlines() for p in sorted(folder.glob("rank*.txt"))}
+
+
+def assert_stopped_at_nan_batch(launch: Launch, report: Path, good: Path) -> None:
+    """Non-zero exit; every rank stopped with a message naming the batch and the last good checkpoint."""
+    assert launch.proc.returncode not in (0, None), launch.tail()
+    shown = [line for line in launch.output().splitlines() if "RuntimeError: non-finite loss" in line]
+    assert shown, f"no stop message in the launcher's output:\n{launch.tail()}"
+    reports = rank_reports(report)
+    assert sorted(reports) == [0, 1], reports
+    assert reports[1][0] == f"poisoned the loss of batch {NAN_BATCH}" and len(reports[0]) == 1, reports
+    stops = [lines[-1] for lines in reports.values()] + shown
+    for message in stops:
+        assert f"non-finite loss at batch {NAN_BATCH} (ba{NAN_BATCH})" in message, message
+        assert f"last good checkpoint: {good}" in message, message
+    # Nothing was written for the NaN batch, and `latest` still points at the good checkpoint.
+    assert latest(good.parent) == good.name
+    assert not list(good.parent.glob(f"*-ba{NAN_BATCH}-*")), sorted(p.name for p in good.parent.iterdir())
+
+
+def test_nan_loss_stops_every_rank_naming_the_batch_and_last_good_checkpoint(runs):
+    folder = runs["nan_dir"]
+    good = folder / f"ep0-ba{NAN_BATCH - 1}-rank0.pt"
+    assert_stopped_at_nan_batch(runs["nan_first"], runs["tmp"] / "nan-first", good)
+    assert sorted(runs["nan_checkpoints"]) == ["ep0-ba1-rank0.pt", "ep0-ba2-rank0.pt"]
+    checkpoint = load(good)
+    assert all(torch.isfinite(t).all() for t in checkpoint["state"]["model"].values())
+    assert all(torch.isfinite(t).all() for t in ema_state(checkpoint)["shadow"].values())
+
+
+def test_nan_after_autoresume_names_the_checkpoint_it_resumed_from(runs):
+    folder, again = runs["nan_dir"], runs["nan_again"]
+    good = folder / f"ep0-ba{NAN_BATCH - 1}-rank0.pt"
+    assert_stopped_at_nan_batch(again, runs["tmp"] / "nan-again", good)
+    # It resumed from the good checkpoint: it neither trained batch 1 again nor rewrote a checkpoint.
+    assert "[batch=1/5]" not in again.output(), again.tail()
+    assert {p.name: p.stat().st_mtime_ns for p in folder.glob("ep*.pt")} == runs["nan_checkpoints"]
+
+
+def test_slurm_script_launches_two_nodes_that_compute_what_one_node_does(runs):
+    slurm = runs["slurm"]
+    out = slurm.output()
+    assert slurm.proc.returncode == 0, slurm.tail()
+    assert "job 4242 (restart 0): 2 nodes x 1 GPUs, master 127.0.0.1:" in out, out[:2000]
+    result = json.loads((runs["tmp"] / "slurm.json").read_text())
+    assert result["world_size"] == 2 and result["use_ema"] and result["device_train_microbatch_size"] == 2
+    folder = runs["tmp"] / "slurm" / SLURM_RUN_NAME  # SAVE_FOLDER/RUN_NAME, where a requeued job resumes from
+    assert latest(folder) == "ep0-ba2-rank0.pt"
+    ours, reference = load(folder / "ep0-ba2-rank0.pt"), load(runs["ref_dir"] / "ep0-ba2-rank0.pt")
+    assert ours["state"]["run_name"] == SLURM_RUN_NAME
+    assert_tensors_equal(reference["state"]["model"], ours["state"]["model"], "model weights")
+    assert_tensors_equal(ema_state(reference)["shadow"], ema_state(ours)["shadow"], "EMA shadow")
+
+
+# ------------------------------------------------------------------------------------ mcloud.yaml
+
+README_COMMAND = "composer benchmark.py --use_ema --use_synth_data --device_train_microbatch_size 4"
+
+
+@pytest.mark.parametrize("name, gpus", [("mcloud.yaml", 8), ("mcloud-multinode.yaml", 16)])
+def test_mcloud_yaml_loads_with_mosaicml_cli(name, gpus):
+    from mcli.models.run_config import FinalRunConfig, RunConfig
+
+    path = ROOT / name
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # unknown or deprecated keys are warnings in mcli: fail on them
+        config = RunConfig.from_file(path)
+    # What `mcli run -f` does before it sends the run: finalize (name and image checks), then build
+    # the API payload (integration and compute translation).
+    final = FinalRunConfig.finalize_config(config)
+    payload = final.to_create_run_api_input()["runInput"]
+    assert final.name == config.name  # a valid RFC 1123 name, not silently rewritten
+    assert payload["image"].startswith("mosaicml/pytorch:2.7.0_cu128")
+    assert payload["compute"]["gpus"] == gpus and payload["compute"]["gpuType"]
+    repos = [i for i in payload["integrations"] if i["type"] == "git_repo"]
+    assert len(repos) == 1 and repos[0]["params"]["gitRepo"].count("/") == 1
+    command = " ".join(payload["command"].split())
+    assert "pip install -r requirements.txt" in command
+    assert README_COMMAND in command
+    assert "--autoresume" in command and "--save_folder" in command and "--run_name" in command
+    # The command runs in the directory the integration clones into.
+    assert f"cd {repos[0]['params']['path']}" in command
+
+    # Run the command's shell text with stand-ins for cd, pip and composer: the exact arguments the
+    # launcher would get, which benchmark.py must accept for this many GPUs.
+    stand_ins = 'cd() { :; }; pip() { :; }; composer() { printf "%s\\0" "$@"; }\n'
+    env = {**os.environ, **final.env_variables, "RUN_NAME": "sd2-benchmark-a1b2c3"}
+    shell = subprocess.run(["bash", "-c", stand_ins + payload["command"]], env=env, capture_output=True, text=True)
+    assert shell.returncode == 0, shell.stderr
+    argv = shell.stdout.split("\0")[:-1]
+    assert argv[0] == "benchmark.py", argv
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import benchmark
+
+    args = benchmark.parse_args(argv[1:])
+    benchmark.validate(args, world_size=gpus)
+    assert args.use_ema and args.use_synth_data and args.device_train_microbatch_size == 4
+    assert args.autoresume and args.run_name == "sd2-benchmark-a1b2c3"
+    assert args.save_folder == final.env_variables["SAVE_FOLDER"] + "/sd2-benchmark-a1b2c3"
