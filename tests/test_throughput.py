@@ -1,0 +1,75 @@
+"""FLOPs per image and the Throughput callback: warm-up excluded, data wait measured."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from composer import Trainer
+from composer.models import ComposerClassifier
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model import sd2_meta_components  # noqa: E402
+from throughput import Throughput, count_flops_per_image  # noqa: E402
+
+
+def test_sd2_base_flops_per_512_image_match_the_reference():
+    unet, vae, text_encoder = sd2_meta_components("sd2-base")
+    flops = count_flops_per_image(unet, vae, text_encoder, image_size=512)
+    # Reference (torch.utils.flop_counter on the SD2-base configs): 2,409 GFLOP UNet fwd+bwd,
+    # 1,117 VAE encoder, 45 text encoder, 3,570 online total.
+    assert flops["unet_fwd_bwd"] == pytest.approx(2409e9, rel=0.02)
+    assert flops["unet_fwd"] == pytest.approx(804e9, rel=0.02)
+    assert flops["vae_encoder"] == pytest.approx(1117e9, rel=0.02)
+    assert flops["total"] == pytest.approx(3570e9, rel=0.02)
+    precomputed = count_flops_per_image(unet, None, None, image_size=512)
+    assert precomputed["total"] == precomputed["unet_fwd_bwd"] == pytest.approx(flops["unet_fwd_bwd"])
+
+
+class SlowLoader:
+    """Batches of 4 tiny images; sleeps `slow_s` before each of the first `slow_batches`, then `every_s`."""
+
+    def __init__(self, num_batches: int, slow_batches: int, slow_s: float, every_s: float = 0.0):
+        self.num_batches, self.slow_batches, self.slow_s, self.every_s = num_batches, slow_batches, slow_s, every_s
+        self.batch_size = 4
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self):
+        for i in range(self.num_batches):
+            time.sleep(self.slow_s if i < self.slow_batches else self.every_s)
+            yield torch.randn(4, 8), torch.randint(0, 2, (4,))
+
+
+def fit(loader: SlowLoader, callback: Throughput) -> dict:
+    model = ComposerClassifier(torch.nn.Linear(8, 2), num_classes=2)
+    Trainer(model=model, train_dataloader=loader, max_duration=f"{loader.num_batches}ba", callbacks=[callback],
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1), progress_bar=False).fit()
+    return callback.summary
+
+
+def test_warmup_batches_are_left_out():
+    # 3 slow warm-up batches (0.4 s each), then 10 fast ones: the figure must be the fast rate.
+    summary = fit(SlowLoader(13, slow_batches=3, slow_s=0.4), Throughput(warmup_batches=3, flops_per_image=1e6,
+                                                                        peak_flops_per_device=1e9))
+    assert summary["warmup_batches"] == 3 and summary["measured_batches"] == 10
+    assert summary["measured_seconds"] < 0.4  # none of the slow batches inside
+    assert summary["images_per_sec"] == pytest.approx(40 / summary["measured_seconds"])
+    assert summary["mfu"] == pytest.approx(summary["images_per_sec_per_device"] * 1e6 / 1e9)
+
+
+def test_data_wait_fraction_measures_a_slow_loader():
+    summary = fit(SlowLoader(6, slow_batches=0, slow_s=0.0, every_s=0.1), Throughput(warmup_batches=1))
+    assert 0.7 < summary["data_wait_fraction"] <= 1.0
+    assert summary["images_per_sec"] < 4 / 0.1  # bounded by the loader
+    assert summary["peak_memory_bytes"] > 0 and summary["mfu"] is None  # no FLOPs given: no MFU
+
+
+def test_short_run_excludes_only_the_first_batch():
+    summary = fit(SlowLoader(3, slow_batches=1, slow_s=0.3), Throughput(warmup_batches=5))
+    assert summary["warmup_batches"] == 1 and summary["measured_batches"] == 2
+    assert summary["measured_seconds"] < 0.3
