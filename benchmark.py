@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
 
 
 def print_summary(r: dict) -> None:
-    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a (unknown device peak; pass --peak_tflops)"
+    mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_flops_per_device'] / 1e12:.0f} TFLOP/s peak per device" if r.get("mfu")
+           else "n/a (unknown device peak; pass --peak_tflops)")
     print(
         "\n=== Stable Diffusion benchmark ===\n"
         f"model {r['model_config']} at {r['image_size']}x{r['image_size']}, {r['precision']}, "

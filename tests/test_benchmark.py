@@ -128,3 +128,22 @@ def test_overfitting_one_batch_lowers_the_loss():
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     # A random UNet predicts noise with MSE ~1; fitting one batch must clearly beat that.
     assert last < 0.6 * first, (first, last)
+
+
+def test_pretrained_parts_load_from_a_local_diffusers_folder(tmp_path):
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel
+
+    from model import _load_pretrained
+
+    parts = build_components("tiny")
+    parts.vae.save_pretrained(tmp_path / "vae")
+    parts.text_encoder.save_pretrained(tmp_path / "text_encoder")
+    vae = _load_pretrained(AutoencoderKL, str(tmp_path), "vae")
+    text_encoder = _load_pretrained(CLIPTextModel, str(tmp_path), "text_encoder")
+    for loaded, saved in ((vae, parts.vae), (text_encoder, parts.text_encoder)):
+        assert loaded is not None
+        for (name, a), (_, b) in zip(loaded.state_dict().items(), saved.state_dict().items()):
+            assert torch.equal(a, b), name
+    assert _load_pretrained(AutoencoderKL, str(tmp_path / "nowhere"), "vae") is None  # missing: None, no raise
+    assert _load_pretrained(AutoencoderKL, None, "vae") is None
