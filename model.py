@@ -187,13 +187,17 @@ class StableDiffusion(ComposerModel):
         if "latent_mean" in batch:
             # Sample the stored posterior as the VAE would: mean + std * eps, then scale.
             mean, logvar = batch["latent_mean"].float(), batch["latent_logvar"].float()
-            latents = (mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * torch.randn_like(mean)) * self.latent_scale
+            eps = torch.randn(mean.shape, device=mean.device)
+            latents = (mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * eps) * self.latent_scale
             text_states = batch["text_states"].to(latents.dtype)
         elif self.vae is None or self.text_encoder is None:
             raise ValueError("this model was built without encoders (--precomputed) but got an image batch")
         else:
             latents, text_states = self.encode(batch["image"], batch["captions"])
-        noise = torch.randn_like(latents)
+        # Noise is added in fp32 whatever the autocast dtype of the VAE output, and drawn with
+        # torch.randn, not randn_like, so the draws do not depend on dtype or memory format.
+        latents = latents.float()
+        noise = torch.randn(latents.shape, device=latents.device)
         timesteps = torch.randint(0, self.num_timesteps, (latents.shape[0],), device=latents.device)
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         if self.prediction_type == "epsilon":

@@ -147,3 +147,12 @@ def test_pretrained_parts_load_from_a_local_diffusers_folder(tmp_path):
             assert torch.equal(a, b), name
     assert _load_pretrained(AutoencoderKL, str(tmp_path / "nowhere"), "vae") is None  # missing: None, no raise
     assert _load_pretrained(AutoencoderKL, None, "vae") is None
+
+
+def test_fast_step_settings_match_the_fp32_step():
+    # Same weights, batch, noise and timesteps: channels-last and bf16 autocast must agree with fp32.
+    result = subprocess.run([sys.executable, str(ROOT / "check_step.py"), "--settings", "fp32-cl", "bf16-cl"],
+                            cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()[1:]}
+    assert float(rows["fp32-cl"][1]) < 1e-5  # layout alone changes nothing but rounding
