@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import sys
@@ -138,6 +139,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         fail(f"--local {args.local} is not a folder; give --remote to stream shards into it")
     if args.num_workers < 0:
         fail(f"--num_workers {args.num_workers} must be >= 0")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        fail(f"--peak_tflops {args.peak_tflops} must be positive (TFLOP/s of one device)")
+    if args.xformers and importlib.util.find_spec("xformers") is None:
+        fail("--xformers: xformers is not installed; on a GPU machine `pip install xformers==0.0.30`, or drop the flag")
     if args.ema_export_dir and not args.use_ema:
         fail("--ema_export_dir needs --use_ema")
     if args.warmup_batches < 0:
