@@ -154,6 +154,13 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             fail(f"--{flag} '{getattr(args, flag)}' is not a Composer time string such as 20ba, 1ep or 1000sp")
     if args.autoresume and not (args.save_folder and args.run_name):
         fail("--autoresume needs --save_folder and --run_name (the same on every restart) to find the latest checkpoint")
+    if args.autoresume and "://" not in args.save_folder and Path(args.save_folder).is_dir():
+        # Composer replaces `latest` by delete-then-link: a kill in between leaves checkpoints but no
+        # `latest`, and autoresume would silently start over and overwrite them.
+        saved = sorted(Path(args.save_folder).glob("ep*-ba*-rank0.pt"), key=lambda p: p.stat().st_mtime)
+        if saved and not (Path(args.save_folder) / "latest-rank0.pt").exists():
+            fail(f"--autoresume: {args.save_folder} holds checkpoints but no latest-rank0.pt; "
+                 f"resume explicitly with --load_path {saved[-1]} (or move the old checkpoints away)")
 
 
 class StopOnNonFiniteLoss(Callback):

@@ -156,3 +156,13 @@ def test_fast_step_settings_match_the_fp32_step():
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()[1:]}
     assert float(rows["fp32-cl"][1]) < 1e-5  # layout alone changes nothing but rounding
+
+
+def test_autoresume_refuses_to_start_over_when_latest_is_missing(tmp_path):
+    import benchmark
+
+    (tmp_path / "ep0-ba2-rank0.pt").write_bytes(b"checkpoint")  # as if killed while `latest` was relinked
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(TINY_RUN + ["--autoresume", "--save_folder", str(tmp_path), "--run_name", "r"])
+    message = str(exit_info.value.code)
+    assert "--load_path" in message and "ep0-ba2-rank0.pt" in message
