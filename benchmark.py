@@ -137,6 +137,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         fail("no data: pass --use_synth_data, or --remote (with --local as cache), or --local with MDS shards already there")
     if not args.use_synth_data and not args.remote and not Path(args.local).is_dir():
         fail(f"--local {args.local} is not a folder; give --remote to stream shards into it")
+    if not args.use_synth_data and args.remote and "://" not in args.remote and not Path(args.remote, "index.json").is_file():
+        fail(f"--remote {args.remote} holds no MDS dataset (no index.json); write one with convert.py first")
     if args.num_workers < 0:
         fail(f"--num_workers {args.num_workers} must be >= 0")
     if args.peak_tflops is not None and args.peak_tflops <= 0:

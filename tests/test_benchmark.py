@@ -97,7 +97,16 @@ def test_bad_flags_fail_at_once_naming_the_flag(args, flag):
     assert flag in message and "\n" not in message
 
 
+def test_remote_without_mds_dataset_names_the_flag():
+    import benchmark
+
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(["--model_config", "tiny", "--remote", "/nonexistent/mds", "--batch_size", "4"])
+    assert "--remote" in str(exit_info.value.code) and "convert.py" in str(exit_info.value.code)
+
+
 def test_real_data_without_pretrained_encoders_names_the_flag(tmp_path):
+    (tmp_path / "index.json").write_text('{"version": 2, "shards": []}')  # passes the --remote check
     result = run_cli(["--remote", str(tmp_path), "--local", str(tmp_path / "cache"), "--model_name",
                       str(tmp_path / "missing"), "--max_duration", "1ba"], timeout=120)
     assert result.returncode != 0
