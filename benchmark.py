@@ -281,8 +281,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
 
     per_device = args.batch_size // world_size
     if args.precomputed:
-        import latents
-        train_dataloader = latents.dataloader(
+        train_dataloader = data.latents_dataloader(
             synthetic=args.use_synth_data, remote=args.remote, local=args.local or default_local(args.remote),
             image_size=args.image_size, text_dim=model.unet.config.cross_attention_dim,
             batch_size_per_device=per_device, num_workers=args.num_workers,

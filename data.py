@@ -1,7 +1,13 @@
-"""Training data: the synthetic dataset of the 2023 benchmark, and (below) LAION-style MDS shards.
+"""Training data: everything `benchmark.py` reads, in one place.
 
-Every dataset yields dicts with `image` (3, S, S) float in [-1, 1] and `captions` (77,) int64
-token ids, which is what `model.StableDiffusion` consumes.
+- the synthetic dataset of the 2023 benchmark;
+- LAION-style image-caption MDS shards (written by convert.py), streamed with MosaicML Streaming;
+- precomputed VAE latents and text states (written by latents.py): their on-disk format, defined
+  here once, and the datasets that train from them.
+
+Image datasets yield dicts with `image` (3, S, S) float in [-1, 1] and `captions` (77,) int64
+token ids; precomputed ones `latent_mean`, `latent_logvar` and `text_states`. Both are what
+`model.StableDiffusion` consumes.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from PIL import Image, ImageOps
 from streaming import StreamingDataLoader, StreamingDataset
 from torch.utils.data import DataLoader, Dataset
 
+from model import LATENT_SCALE
 from tokenizer import MAX_LENGTH, VOCAB_SIZE, tokenize
 
 
@@ -273,3 +280,128 @@ def laion_dataloader(remote: str | None, local: str | None, tokenizer: Any, imag
         validate_hash=validate_hash, image_key=image_key, caption_key=caption_key,
         max_bad_fraction=max_bad_fraction, bad_check_after=bad_check_after, **streaming_kwargs)
     return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **loader_kwargs(num_workers))
+
+
+# -----------------------------------------------------------------------------------------------
+# Precomputed latents (written by latents.py): the on-disk format, and training from it.
+# -----------------------------------------------------------------------------------------------
+
+LATENT_KEYS = ("latent_mean", "latent_logvar", "text_states")
+STORAGE_DTYPES = {"fp16": "float16", "fp32": "float32"}
+
+
+def mds_columns(latent_channels: int, latent_size: int, text_dim: int, storage_dtype: str = "fp16",
+                captions: bool = True) -> dict[str, str]:
+    """MDS columns of a precomputed dataset; the shapes are fixed, so no per-sample shape header."""
+    dtype = STORAGE_DTYPES[storage_dtype]
+    latent = f"ndarray:{dtype}:{latent_channels},{latent_size},{latent_size}"
+    columns = {"index": "int64", "latent_mean": latent, "latent_logvar": latent,
+               "text_states": f"ndarray:{dtype}:{MAX_LENGTH},{text_dim}"}
+    if captions:
+        columns["caption"] = "str"
+    return columns
+
+
+def bytes_per_sample(image_size: int, text_dim: int, storage_dtype: str = "fp16", latent_channels: int = 4) -> int:
+    """Bytes of one sample's arrays and index before compression (captions and MDS offsets not counted)."""
+    itemsize = np.dtype(STORAGE_DTYPES[storage_dtype]).itemsize
+    latent = latent_channels * (image_size // 8) ** 2
+    return (2 * latent + MAX_LENGTH * text_dim) * itemsize + 8
+
+
+# -----------------------------------------------------------------------------------------------
+
+def _column_shapes(shard: Any) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+    """{column: (dtype, shape)} of the ndarray columns of an MDS shard, from their encodings."""
+    shapes = {}
+    for name, encoding in zip(getattr(shard, "column_names", []), getattr(shard, "column_encodings", [])):
+        parts = encoding.split(":")
+        if parts[0] == "ndarray" and len(parts) >= 2:
+            shape = tuple(int(x) for x in parts[2].split(",")) if len(parts) == 3 else None
+            shapes[name] = (parts[1], shape)
+    return shapes
+
+
+class StreamingLatents(StreamingDataset):
+    """Precomputed shards (written by latents.py) streamed for training.
+
+    Yields {"latent_mean": (4, S/8, S/8), "latent_logvar": (4, S/8, S/8), "text_states": (77, D)} in the
+    stored dtype (fp16 by default: `model.StableDiffusion.forward` casts them). `image_size` and
+    `text_dim`, when given, are checked against the shapes the shards were written with, so that a
+    run at another resolution or with another text encoder fails at once with a clear message.
+    Other arguments are StreamingDataset's (remote, local, batch_size, shuffle, shuffle_seed...).
+    """
+
+    def __init__(self, *, remote: str | None, local: str | None, batch_size: int, image_size: int | None = None,
+                 text_dim: int | None = None, shuffle: bool = True, shuffle_seed: int = 9176, **streaming_kwargs: Any):
+        super().__init__(remote=remote, local=local, batch_size=batch_size, shuffle=shuffle,
+                         shuffle_seed=shuffle_seed, **streaming_kwargs)
+        where = remote or local
+        shapes = _column_shapes(self.shards[0])
+        missing = [k for k in LATENT_KEYS if k not in getattr(self.shards[0], "column_names", LATENT_KEYS)]
+        if missing:
+            raise ValueError(f"{where} holds no precomputed latents (columns {missing} are missing): "
+                             "write them with `python latents.py --out ...`, or train without --precomputed")
+        latent_shape = shapes.get("latent_mean", (None, None))[1]
+        text_shape = shapes.get("text_states", (None, None))[1]
+        if image_size is not None and latent_shape is not None and latent_shape[1:] != (image_size // 8,) * 2:
+            raise ValueError(f"{where} holds latents of {latent_shape[1] * 8}x{latent_shape[2] * 8} images, "
+                             f"not {image_size}x{image_size}: precompute at --image_size {image_size} "
+                             f"(or train at --image_size {latent_shape[1] * 8})")
+        if text_dim is not None and text_shape is not None and text_shape != (MAX_LENGTH, text_dim):
+            raise ValueError(f"{where} holds text states of shape {text_shape}, but the UNet attends to "
+                             f"({MAX_LENGTH}, {text_dim}): they were computed with another text encoder")
+
+    def get_item(self, index: int) -> dict[str, torch.Tensor]:
+        sample = super().get_item(index)
+        # MDS decodes arrays as read-only views of the shard: copy into tensors the batch can own.
+        return {key: torch.from_numpy(np.array(sample[key])) for key in LATENT_KEYS}
+
+
+class SyntheticLatents(Dataset):
+    """Random latent distributions and text states of the right shapes: the model without the data.
+
+    Like SyntheticImageCaptions, samples are generated from their index (same data for the same
+    index on every rank and epoch, nothing stored). Means have the spread of SD2's latents (unit
+    variance after scaling by 0.18215), log-variances are around -10, text states standard normal;
+    all in `dtype` (fp16, as the precomputed shards store them).
+    """
+
+    def __init__(self, image_size: int, text_dim: int, num_samples: int = 100_000, seed: int = 0,
+                 latent_channels: int = 4, dtype: torch.dtype = torch.float16):
+        self.latent_shape = (latent_channels, image_size // 8, image_size // 8)
+        self.text_dim, self.num_samples, self.seed, self.dtype = text_dim, num_samples, seed, dtype
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        mean = torch.randn(self.latent_shape, generator=g) / LATENT_SCALE
+        logvar = torch.randn(self.latent_shape, generator=g) * 0.5 - 10.0
+        text_states = torch.randn(MAX_LENGTH, self.text_dim, generator=g)
+        return {"latent_mean": mean.to(self.dtype), "latent_logvar": logvar.to(self.dtype),
+                "text_states": text_states.to(self.dtype)}
+
+
+def latents_dataloader(*, synthetic: bool, remote: str | None, local: str | None, image_size: int, text_dim: int,
+               batch_size_per_device: int, num_workers: int, num_samples: int = 100_000, seed: int = 17,
+               latent_channels: int = 4, shuffle: bool = True, **streaming_kwargs: Any) -> DataLoader:
+    """Batches {"latent_mean", "latent_logvar", "text_states"} for this rank (what benchmark.py --precomputed uses).
+
+    synthetic: SyntheticLatents sharded over ranks with Composer's distributed sampler. Otherwise the
+    shards written by latents.py, streamed from `remote` into `local` (or read from `local` when
+    `remote` is None) by a StreamingDataLoader, which Composer checkpoints and resumes mid-epoch;
+    `seed` seeds the shuffle. Extra keyword arguments go to StreamingDataset (cache_limit, predownload...).
+    """
+    kwargs = loader_kwargs(num_workers)
+    if synthetic:
+        dataset = SyntheticLatents(image_size, text_dim, num_samples, seed, latent_channels)
+        sampler = dist.get_sampler(dataset, shuffle=shuffle, drop_last=True, seed=seed)
+        return DataLoader(dataset, batch_size=batch_size_per_device, sampler=sampler, **kwargs)
+    if not remote and not local:
+        raise ValueError("latents_dataloader needs remote (where the precomputed shards are) and/or local (the cache)")
+    dataset = StreamingLatents(remote=remote or None, local=local, batch_size=batch_size_per_device,
+                               image_size=image_size, text_dim=text_dim, shuffle=shuffle, shuffle_seed=seed,
+                               **streaming_kwargs)
+    return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **kwargs)

@@ -160,7 +160,7 @@ def test_pretrained_parts_load_from_a_local_diffusers_folder(tmp_path):
 
 def test_fast_step_settings_match_the_fp32_step():
     # Same weights, batch, noise and timesteps: channels-last and bf16 autocast must agree with fp32.
-    result = subprocess.run([sys.executable, str(ROOT / "check_step.py"), "--settings", "fp32-cl", "bf16-cl"],
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "check_step.py"), "--settings", "fp32-cl", "bf16-cl"],
                             cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()[1:]}

@@ -488,6 +488,7 @@ def test_benchmark_trains_on_converted_shards(shards, tmp_path):
 
 
 def test_bench_data_times_the_loader_on_generated_photos(capsys):
+    sys.path.insert(0, str(ROOT / "bench"))
     import bench_data
     rows = bench_data.main(["--num_samples", "24", "--source_size", "160x120", "--image_size", str(SIZE),
                             "--batch_size", "4", "--num_workers", "0"])

@@ -19,6 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import data  # noqa: E402
 import latents  # noqa: E402
 
 NUM_SAMPLES, BAD_INDEX, IMAGE_SIZE, CHUNK, SEED = 20, 7, 64, 6, 17
@@ -102,11 +103,11 @@ def reference(source):
 
 
 def test_sizes_and_columns():
-    assert latents.bytes_per_sample(512, 1024) == 2 * 4 * 64 * 64 * 2 + 77 * 1024 * 2 + 8 == 223_240
-    assert latents.bytes_per_sample(512, 1024, "fp32") == 2 * 4 * 64 * 64 * 4 + 77 * 1024 * 4 + 8
-    columns = latents.mds_columns(4, 64, 1024)
+    assert data.bytes_per_sample(512, 1024) == 2 * 4 * 64 * 64 * 2 + 77 * 1024 * 2 + 8 == 223_240
+    assert data.bytes_per_sample(512, 1024, "fp32") == 2 * 4 * 64 * 64 * 4 + 77 * 1024 * 4 + 8
+    columns = data.mds_columns(4, 64, 1024)
     assert columns["latent_mean"] == "ndarray:float16:4,64,64" and columns["text_states"] == "ndarray:float16:77,1024"
-    assert "caption" not in latents.mds_columns(4, 64, 1024, captions=False)
+    assert "caption" not in data.mds_columns(4, 64, 1024, captions=False)
 
 
 def test_precompute_stores_every_sample_once_as_the_encoders_compute_it(single, reference):
@@ -144,7 +145,7 @@ def test_two_ranks_store_every_sample_exactly_once(source, single, tmp_path):
     samples, expected = read_samples(out), read_samples(single[0])
     assert sorted(samples) == GOOD
     for index in GOOD:
-        for key in latents.LATENT_KEYS:
+        for key in data.LATENT_KEYS:
             np.testing.assert_allclose(samples[index][key].astype(np.float32),
                                        expected[index][key].astype(np.float32), rtol=1e-3, atol=1e-3)
 
@@ -172,7 +173,7 @@ def test_interrupted_run_resumes_and_skips_complete_chunks(source, single, tmp_p
     samples, expected = read_samples(out), read_samples(single[0])
     assert sorted(samples) == GOOD
     for index in GOOD:
-        for key in latents.LATENT_KEYS:
+        for key in data.LATENT_KEYS:
             np.testing.assert_array_equal(samples[index][key], expected[index][key])
 
 
@@ -200,24 +201,24 @@ def test_values_that_cannot_be_stored_stop_the_run(storage, bad, error):
 
 
 def test_training_dataset_reads_the_shards_and_checks_their_shapes(single):
-    loader = latents.dataloader(synthetic=False, remote=None, local=str(single[0]), image_size=IMAGE_SIZE, text_dim=64,
+    loader = data.latents_dataloader(synthetic=False, remote=None, local=str(single[0]), image_size=IMAGE_SIZE, text_dim=64,
                                 batch_size_per_device=4, num_workers=0, seed=SEED)
     batch = next(iter(loader))
-    assert set(batch) == set(latents.LATENT_KEYS)
+    assert set(batch) == set(data.LATENT_KEYS)
     assert batch["latent_mean"].shape == batch["latent_logvar"].shape == (4, 4, 8, 8)
     assert batch["text_states"].shape == (4, 77, 64) and batch["latent_mean"].dtype == torch.float16
     with pytest.raises(ValueError, match="64x64 images, not 128x128"):
-        latents.StreamingLatents(remote=None, local=str(single[0]), batch_size=4, image_size=128)
+        data.StreamingLatents(remote=None, local=str(single[0]), batch_size=4, image_size=128)
     with pytest.raises(ValueError, match="another text encoder"):
-        latents.StreamingLatents(remote=None, local=str(single[0]), batch_size=4, text_dim=1024)
+        data.StreamingLatents(remote=None, local=str(single[0]), batch_size=4, text_dim=1024)
 
 
 def test_synthetic_latents_are_deterministic_and_shaped_like_the_shards():
-    dataset = latents.SyntheticLatents(image_size=64, text_dim=32, num_samples=10, seed=3)
+    dataset = data.SyntheticLatents(image_size=64, text_dim=32, num_samples=10, seed=3)
     a, b = dataset[4], dataset[4]
-    assert all(torch.equal(a[k], b[k]) for k in latents.LATENT_KEYS)
+    assert all(torch.equal(a[k], b[k]) for k in data.LATENT_KEYS)
     assert not torch.equal(a["latent_mean"], dataset[5]["latent_mean"])
-    loader = latents.dataloader(synthetic=True, remote=None, local=None, image_size=64, text_dim=32,
+    loader = data.latents_dataloader(synthetic=True, remote=None, local=None, image_size=64, text_dim=32,
                                 batch_size_per_device=4, num_workers=0, num_samples=10, seed=3)
     batches = list(loader)
     assert len(batches) == 2  # drop_last

@@ -325,7 +325,7 @@ def test_slurm_script_launches_two_nodes_that_compute_what_one_node_does(runs):
 README_COMMAND = "composer benchmark.py --use_ema --use_synth_data --device_train_microbatch_size 4"
 
 
-@pytest.mark.parametrize("name, gpus", [("mcloud.yaml", 8), ("mcloud-multinode.yaml", 16)])
+@pytest.mark.parametrize("name, gpus", [("mcloud.yaml", 8), ("scripts/mcloud-multinode.yaml", 16)])
 def test_mcloud_yaml_loads_with_mosaicml_cli(name, gpus):
     from mcli.models.run_config import FinalRunConfig, RunConfig
 

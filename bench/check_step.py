@@ -1,7 +1,7 @@
 """Is the fast training step still correct? Loss and gradients of each speed setting vs plain fp32.
 
-    python check_step.py                                   # tiny model, CPU: fp32 vs channels-last (+ bf16 if asked)
-    python check_step.py --model_config sd2-base --image_size 512 --batch_size 8 --settings bf16 bf16-cl bf16-compile
+    python bench/check_step.py                                   # tiny model, CPU: fp32 vs channels-last (+ bf16 if asked)
+    python bench/check_step.py --model_config sd2-base --image_size 512 --batch_size 8 --settings bf16 bf16-cl bf16-compile
 
 Every setting starts from the same weights and sees the same batch, noise, timesteps and VAE
 sample (the RNG is reseeded before each step), so the only differences are numerical. Printed per
@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
 from model import StableDiffusion, build_components
 from tokenizer import tokenize

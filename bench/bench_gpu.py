@@ -1,13 +1,12 @@
 """GPU throughput matrix: SD2 base at 512x512 with EMA, one `benchmark.py` run per setting.
 
-    python bench_gpu.py --out $OUT                      # the default matrix, about 8 minutes on one H100
-    python bench_gpu.py --out /tmp/b --quick            # two settings, a smoke test
-    python bench_gpu.py --out /tmp/b --only online-bf16-mb32 precomputed-bf16-compile-mb32
+    python bench/bench_gpu.py --out $OUT                      # the default matrix, about 8 minutes on one H100
+    python bench/bench_gpu.py --out /tmp/b --quick            # two settings, a smoke test
+    python bench/bench_gpu.py --out /tmp/b --only online-bf16-mb32 precomputed-bf16-compile-mb32
 
 Each setting runs in its own process (a fresh CUDA context: peak memory and compile caches do
 not leak between settings), writes `<out>/<name>.json` and `<out>/<name>.log`, and the table
 of images/sec, MFU and peak memory is printed last and written to `<out>/table.md`.
-`bench_gpu.sh` installs what the GPU host lacks and then calls this script.
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the project root
 
 # name -> extra benchmark.py flags. Every run: sd2-base, 512x512, --use_ema, synthetic data.
 MATRIX: dict[str, list[str]] = {

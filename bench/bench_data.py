@@ -1,8 +1,8 @@
 """How many images per second the data loader alone delivers, so you can check it outruns the GPUs.
 
-    python bench_data.py                                              # generated photos, 1 and all cores
-    python bench_data.py --num_workers 1,4,8 --local /data/mds/laion  # your shards, already local
-    python bench_data.py --num_workers 8 --remote s3://bucket/laion/mds --local /tmp/bench-cache
+    python bench/bench_data.py                                              # generated photos, 1 and all cores
+    python bench/bench_data.py --num_workers 1,4,8 --local /data/mds/laion  # your shards, already local
+    python bench/bench_data.py --num_workers 8 --remote s3://bucket/laion/mds --local /tmp/bench-cache
 
 It times the real training loader (`data.laion_dataloader`: Streaming, JPEG decode, resize, center
 crop, tokenization, collation, transfer from the worker processes) on MDS shards, with no model.
@@ -18,6 +18,7 @@ another machine (one worker per free CPU core; workers beyond the cores only sha
 from __future__ import annotations
 
 import argparse
+import sys
 import gc
 import io
 import os
@@ -30,6 +31,8 @@ import numpy as np
 import torch
 from PIL import Image
 from streaming import MDSWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
 import data
 from convert import COLUMNS

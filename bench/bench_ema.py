@@ -22,7 +22,7 @@ holds both EMAs and alternates their updates, so that both see the same machine 
 runs minutes apart can see very different load). `--no_interleaved` skips that run; it needs memory
 for the model plus both copies (about 12-16 GB for sd2-base in fp32).
 
-Usage: python bench_ema.py [--model_config sd2-base|tiny] [--device cpu|cuda] [--updates N]
+Usage: python bench/bench_ema.py [--model_config sd2-base|tiny] [--device cpu|cuda] [--updates N]
                            [--dtype float32|bfloat16] [--threads N] [--no_interleaved] [--json PATH]
 """
 from __future__ import annotations
@@ -36,8 +36,11 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
 VARIANTS = ("ours", "composer")
 
@@ -262,7 +265,7 @@ def main(argv=None) -> None:
                "--device", args.device, "--updates", str(updates), "--dtype", args.dtype]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
         found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not found:
             sys.exit(f"{variant} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
