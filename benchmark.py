@@ -15,7 +15,6 @@ import importlib.util
 import json
 import os
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from composer.loggers import WandBLogger
 from composer.utils import dist, reproducibility
 
 import data
+from console import ConsoleProgress
 from model import MODEL_CONFIGS, StableDiffusion, build_components, sd2_meta_components
 from throughput import Throughput, count_flops_per_image
 
@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--autoresume", action="store_true",
                    help="resume from the latest checkpoint in --save_folder if there is one (needs --run_name)")
     p.add_argument("--run_name", type=str, default=None, help="run name; fixed names let --autoresume find the run")
-    p.add_argument("--log_interval", type=str, default="10ba", help="console log interval (Composer time string)")
+    p.add_argument("--log_interval", type=str, default="10ba", help="in a log file, print a progress line this often (20ba, 1ep); on a terminal the line updates in place")
     # Speed (issue: fastest correct step). Defaults are the plain step until GPU measurements say otherwise.
     p.add_argument("--precomputed", action="store_true",
                    help="train from precomputed VAE latents and text-encoder outputs (latents.py): skips both encoders")
@@ -260,8 +260,8 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         if dist.get_global_rank() == 0:
             why = ("the tiny configuration has no pretrained weights" if args.model_config == "tiny" else
                    f"--model_name {args.model_name}: pretrained {missing} not available here (offline or not downloaded)")
-            warnings.warn(f"{why}; using randomly initialized {missing} (throughput does not depend on the weights).",
-                          stacklevel=1)
+            print(f"note: {why}; using randomly initialized {missing} (throughput does not depend on the weights).",
+                  file=sys.stderr, flush=True)
     model = StableDiffusion(components.unet, components.vae, components.text_encoder, components.noise_scheduler)
     if args.xformers:
         model.unet.enable_xformers_memory_efficient_attention()
@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         max_duration=args.max_duration,
         algorithms=algorithms,
         callbacks=[SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), throughput,
-                   StopOnNonFiniteLoss(args.load_path, args.save_folder), *(extra_callbacks or [])],
+                   StopOnNonFiniteLoss(args.load_path, args.save_folder), ConsoleProgress(args.log_interval),
+                   *(extra_callbacks or [])],
         loggers=loggers,
         precision=precision,
         device_train_microbatch_size=microbatch,
@@ -328,9 +329,8 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         save_overwrite=args.autoresume,
         load_path=args.load_path,
         autoresume=args.autoresume,
-        progress_bar=False,
-        log_to_console=True,
-        console_log_interval=args.log_interval,
+        progress_bar=False,  # console.ConsoleProgress prints the progress line instead
+        log_to_console=False,
     )
     trainer.fit()
 

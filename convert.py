@@ -42,6 +42,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import tarfile
 import tempfile
@@ -383,7 +384,7 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
     pool = None
     if workers > 1:
         context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        pool = context.Pool(workers)
+        pool = context.Pool(workers, initializer=_pool_worker_init)
     try:
         writer = MDSWriter(out=out, columns=COLUMNS, compression=compression or None,
                            hashes=sorted(hashes), size_limit=size_limit)
@@ -402,10 +403,23 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
                 bar.update(len(batch))
                 bar.set_postfix(written=report.written, skipped=sum(report.skipped.values()), refresh=False)
         report.shards = len(writer.shards)
+        if pool is not None:
+            pool.close()
+            pool.join()
     finally:
         if pool is not None:
             pool.terminate()
     return report
+
+
+def _pool_worker_init() -> None:
+    """Pool workers die on SIGTERM and leave Ctrl-C to the parent.
+
+    Composer, imported through data.py, turns SIGTERM into sys.exit(), which a worker blocked on the
+    pool's task queue never reaches: Pool.terminate() then waits for it forever.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
