@@ -230,7 +230,7 @@ def check_locations(args: argparse.Namespace) -> None:
             if not schemes:
                 fail(f"--{flag} takes a local path, not a URI ({location})")
             fail(f"--{flag} {location}: unsupported scheme '{scheme}://'; use a local path or one of "
-                 + ", ".join(f"{s}://" for s in schemes))
+                 + ", ".join("dbfs:/Volumes/" if s == "dbfs" else f"{s}://" for s in schemes))
         else:
             one_slash = re.match(r"([A-Za-z][\w+.-]*):/(?!/)", location)
             if one_slash and one_slash.group(1).lower() in [*schemes, "file"] and not scheme:
@@ -430,7 +430,8 @@ def record_cache(local: str, remote: str) -> None:
 def check_data(args: argparse.Namespace) -> None:
     """The dataset the flags name: it exists, is MDS, has the columns asked for and >= one global batch."""
     if args.use_synth_data:
-        check_dataset_size(args.num_synthetic_samples, f"--num_synthetic_samples {args.num_synthetic_samples}", args)
+        check_dataset_size(args.num_synthetic_samples,
+                           f"the synthetic dataset (--num_synthetic_samples {args.num_synthetic_samples})", args)
         return
     local = args.local or default_local(args.remote)
     if Path(local).exists() and not Path(local).is_dir():
