@@ -429,6 +429,9 @@ def record_cache(local: str, remote: str) -> None:
 
 def check_data(args: argparse.Namespace) -> None:
     """The dataset the flags name: it exists, is MDS, has the columns asked for and >= one global batch."""
+    if args.use_synth_data and (args.remote or args.local):
+        fail("--use_synth_data trains on random samples and would ignore " + ("--remote" if args.remote else "--local")
+             + "; pass one or the other")
     if args.use_synth_data:
         check_dataset_size(args.num_synthetic_samples,
                            f"the synthetic dataset (--num_synthetic_samples {args.num_synthetic_samples})", args)
@@ -495,6 +498,9 @@ def user_error(error: BaseException) -> str | None:
         last = lines[-1]
         if re.match(r"(data\.BadDataError|botocore\.exceptions\.\w+|google\.\S+|FileNotFoundError): ", last):
             return last
+    if type(error).__module__.startswith("wandb.errors"):
+        return (f"W&B (--wandb_project/--wandb_name): {lines[0] if lines else type(error).__name__}; "
+                "run `wandb login` or set WANDB_API_KEY, or log offline with WANDB_MODE=offline")
     if isinstance(error, RuntimeError) and text.startswith("Error(s) in loading state_dict"):
         return (f"the checkpoint does not fit this model ({lines[0]}...): it was saved with another "
                 "--model_config; pass the same flags as the run that saved it")

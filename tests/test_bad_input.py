@@ -118,6 +118,7 @@ def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: int = 1
     (["--validate_hash", "md6"], "--validate_hash"),
     (["--save_num_checkpoints_to_keep", "-2"], "--save_num_checkpoints_to_keep"),
     (["--precision", "amp_fp16"], "--precision"),  # CPU only here
+    (["--remote", "/data/mds"], "--use_synth_data"),  # would be ignored silently
 ])
 def test_bad_numbers_and_units_fail_at_once(args, flag):
     assert flag in error_of(TINY + args)
@@ -313,6 +314,19 @@ def test_s3_problems_are_one_line_naming_remote(s3_endpoint, images, tmp_path, m
     message = error_of(REAL + ["--remote", remote, "--local", str(tmp_path / "cache"), "--download_timeout", "20",
                                *extra])
     assert expect in message and ("--remote" in message or "--image_key" in message)
+
+
+def test_debug_shows_the_original_error(s3_endpoint, tmp_path, monkeypatch):
+    from botocore.exceptions import NoCredentialsError
+    s3_env(monkeypatch, s3_endpoint, credentials=False)
+    with pytest.raises(NoCredentialsError):
+        benchmark.main(REAL + ["--remote", "s3://laion/mds", "--local", str(tmp_path / "cache"), "--debug"])
+
+
+def test_wandb_login_error_is_one_line():
+    import wandb.errors
+    line = benchmark.user_error(wandb.errors.UsageError("api_key not configured (no-tty)"))
+    assert "--wandb_project" in line and "WANDB_MODE=offline" in line and "\n" not in line
 
 
 def test_s3_without_credentials_on_the_command_line(s3_endpoint, tmp_path, monkeypatch):
