@@ -329,6 +329,13 @@ def check_outputs(args: argparse.Namespace) -> None:
             why = unwritable(location, folder)
             if why:
                 fail(f"--{flag} {location} {why}; choose a writable location")
+    if args.save_folder and not uri_scheme(args.save_folder) and not (args.autoresume or args.load_path):
+        # Composer refuses (at start) to save where a checkpoint of another run could be overwritten.
+        saved = sorted(Path(args.save_folder).glob("ep*-ba*-rank*.pt"))
+        if saved:
+            fail(f"--save_folder {args.save_folder} holds checkpoints of an earlier run ({saved[0].name}...): "
+                 "continue it with --autoresume --run_name NAME, start from one with --load_path, "
+                 "or use a new --save_folder")
 
 
 def check_checkpoint(args: argparse.Namespace) -> None:
@@ -409,7 +416,9 @@ def check_cache(local: str, remote: str) -> None:
     elif index.is_file():
         same = not uri_scheme(remote) and Path(remote, "index.json").is_file() \
             and Path(remote, "index.json").read_bytes() == index.read_bytes()
-        if not same and os.path.abspath(local) != cache_source(remote):
+        # The default cache is named by a hash of the remote: an index there came from that remote.
+        mine = os.path.abspath(local) in (cache_source(remote), os.path.abspath(default_local(remote)))
+        if not same and not mine:
             fail(f"--local {local} already holds an MDS dataset that was not streamed from --remote {remote} "
                  f"(no {CACHE_RECORD}); Streaming would train on it instead: pass an empty or new --local")
 
@@ -498,6 +507,8 @@ def user_error(error: BaseException) -> str | None:
         last = lines[-1]
         if re.match(r"(data\.BadDataError|botocore\.exceptions\.\w+|google\.\S+|FileNotFoundError): ", last):
             return last
+    if isinstance(error, FileExistsError) and "may conflict with a future checkpoint" in text:
+        return f"--save_folder: {lines[0]}"
     if type(error).__module__.startswith("wandb.errors"):
         return (f"W&B (--wandb_project/--wandb_name): {lines[0] if lines else type(error).__name__}; "
                 "run `wandb login` or set WANDB_API_KEY, or log offline with WANDB_MODE=offline")

@@ -124,6 +124,13 @@ def test_bad_numbers_and_units_fail_at_once(args, flag):
     assert flag in error_of(TINY + args)
 
 
+def test_saving_over_an_earlier_runs_checkpoints_is_refused(tmp_path):
+    (tmp_path / "ep0-ba2-rank0.pt").write_bytes(b"an earlier run's checkpoint")
+    message = error_of(TINY + ["--save_folder", str(tmp_path)])
+    assert "--save_folder" in message and "--autoresume" in message
+    assert (tmp_path / "ep0-ba2-rank0.pt").read_bytes() == b"an earlier run's checkpoint"
+
+
 def test_keeping_zero_local_checkpoints_is_refused(tmp_path):
     message = error_of(TINY + ["--save_folder", str(tmp_path), "--save_num_checkpoints_to_keep", "0"])
     assert "--save_num_checkpoints_to_keep" in message and "-1" in message
