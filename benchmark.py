@@ -317,7 +317,8 @@ def unwritable(path: str, folder: bool) -> str | None:
         with tempfile.TemporaryFile(dir=parent):
             pass
     except OSError as error:
-        return f"cannot be created in {parent} ({error.strerror})"
+        return f"is not writable ({error.strerror})" if parent == target else \
+            f"cannot be created in {parent} ({error.strerror})"
     return None
 
 

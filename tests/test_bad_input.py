@@ -375,6 +375,16 @@ def test_rerun_of_a_finished_autoresume_job_exits_0_with_its_summary(tmp_path, c
     assert "kept " in capsys.readouterr().out
 
 
+def test_rerun_of_a_finished_epoch_run_reports_it_too(tmp_path):
+    # With an epoch duration the last checkpoint is taken before the epoch counter moves on, so
+    # Composer's fit() runs and trains 0 batches: the same summary, not a crash on empty figures.
+    run = TINY + ["--max_duration", "1ep", "--num_synthetic_samples", "8", "--save_folder", str(tmp_path),
+                  "--run_name", "epoch", "--autoresume", "--save_interval", "1ba"]
+    assert benchmark.main(run)["measured_batches"] == 1
+    again = benchmark.main(run)
+    assert again["already_complete"] is True and again["trained_batches"] == 2 and again["final_loss"] is None
+
+
 def wandb_records(run_file: Path) -> dict[str, str]:
     """History and summary values of an offline W&B run, read with wandb's own file reader."""
     from wandb.proto import wandb_internal_pb2
