@@ -471,7 +471,7 @@ def check_data(args: argparse.Namespace) -> None:
                 CloudDownloader.direct_download(f"{args.remote.rstrip('/')}/index.json", f"{folder}/index.json",
                                                 args.download_timeout)
             except Exception as error:  # noqa: BLE001  any store's client error: reported, not hidden
-                if args.debug:
+                if getattr(args, "debug", False):
                     raise
                 fail(f"--remote {args.remote}: cannot read index.json: {storage_error(error) or error}")
             check_index(read_index(Path(folder, "index.json"), args.remote), f"--remote {args.remote}", args)
