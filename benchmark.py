@@ -147,7 +147,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         fail("no data: pass --use_synth_data, or --remote (with --local as cache), or --local with MDS shards already there")
     if not args.use_synth_data and not args.remote and not Path(args.local).is_dir():
         fail(f"--local {args.local} is not a folder; give --remote to stream shards into it")
-    if not args.use_synth_data and args.remote and "://" not in args.remote and not Path(args.remote, "index.json").is_file():
+    if not args.use_synth_data and args.remote and not uri_scheme(args.remote) and not Path(args.remote, "index.json").is_file():
         fail(f"--remote {args.remote} holds no MDS dataset (no index.json); write one with convert.py first")
     if args.num_workers < 0:
         fail(f"--num_workers {args.num_workers} must be >= 0")
@@ -166,14 +166,14 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             fail(f"--{flag} '{getattr(args, flag)}' is not a Composer time string such as 20ba, 1ep or 1000sp")
     if args.autoresume and not (args.save_folder and args.run_name):
         fail("--autoresume needs --save_folder and --run_name (the same on every restart) to find the latest checkpoint")
-    if args.autoresume and "://" not in args.save_folder and Path(args.save_folder).is_dir():
+    if args.autoresume and not uri_scheme(args.save_folder) and Path(args.save_folder).is_dir():
         # Composer replaces `latest` by delete-then-link: a kill in between leaves checkpoints but no
         # `latest`, and autoresume would silently start over and overwrite them.
         saved = sorted(Path(args.save_folder).glob("ep*-ba*-rank0.pt"), key=lambda p: p.stat().st_mtime)
         if saved and not (Path(args.save_folder) / "latest-rank0.pt").exists():
             fail(f"--autoresume: {args.save_folder} holds checkpoints but no latest-rank0.pt; "
                  f"resume explicitly with --load_path {saved[-1]} (or move the old checkpoints away)")
-    check_numbers(args, world_size)
+    check_numbers(args)
     check_outputs(args)
     check_checkpoint(args)
     check_data(args)
@@ -238,7 +238,7 @@ def check_locations(args: argparse.Namespace) -> None:
                      f"{one_slash.group(1)}://{location[one_slash.end():]}")
 
 
-def check_numbers(args: argparse.Namespace, world_size: int) -> None:
+def check_numbers(args: argparse.Namespace) -> None:
     """Counts, rates and time strings: refuse values that hang, crash later or mean nothing."""
     if not 0 <= args.seed < 2**32:
         fail(f"--seed {args.seed} must be in 0..{2**32 - 1}")
@@ -452,7 +452,10 @@ def check_data(args: argparse.Namespace) -> None:
     if args.remote:
         check_cache(local, args.remote)
     elif Path(local, CACHE_RECORD).is_file():
-        cached = json.loads(Path(local, CACHE_RECORD).read_text()).get("remote")
+        try:
+            cached = json.loads(Path(local, CACHE_RECORD).read_text())["remote"]
+        except (OSError, ValueError, KeyError, TypeError):
+            cached = "that filled it"
         fail(f"--local {local} is the cache of --remote {cached}: pass --remote {cached} again "
              "(shards already cached are not downloaded again)")
     if Path(local, "index.json").is_file():  # Streaming reads the cached index rather than the remote's
