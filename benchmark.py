@@ -13,9 +13,16 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import math
 import os
+import re
 import sys
+import tarfile
+import tempfile
+import urllib.parse
+import zipfile
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from composer import Trainer
@@ -107,6 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fused_adamw", type=str, default="auto", choices=("auto", "on", "off"),
                    help="fused AdamW kernel; auto: on with CUDA")
     p.add_argument("--xformers", action="store_true", help="use xFormers attention in the UNet (default: PyTorch SDPA)")
+    # Errors (issue 10): user errors are one line; --debug shows the traceback as well.
+    p.add_argument("--debug", action="store_true", help="on an error, also print the Python traceback")
     return p.parse_args(argv)
 
 
@@ -115,6 +124,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     def fail(message: str) -> None:
         raise SystemExit(f"benchmark.py: error: {message}")
 
+    check_locations(args)  # first: it turns file:// URIs into the paths the checks below look at
     if args.model_config not in MODEL_CONFIGS:
         fail(f"--model_config '{args.model_config}' is unknown; choose one of {sorted(MODEL_CONFIGS)}")
     if args.precision not in PRECISIONS:
@@ -137,7 +147,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         fail("no data: pass --use_synth_data, or --remote (with --local as cache), or --local with MDS shards already there")
     if not args.use_synth_data and not args.remote and not Path(args.local).is_dir():
         fail(f"--local {args.local} is not a folder; give --remote to stream shards into it")
-    if not args.use_synth_data and args.remote and "://" not in args.remote and not Path(args.remote, "index.json").is_file():
+    if not args.use_synth_data and args.remote and not uri_scheme(args.remote) and not Path(args.remote, "index.json").is_file():
         fail(f"--remote {args.remote} holds no MDS dataset (no index.json); write one with convert.py first")
     if args.num_workers < 0:
         fail(f"--num_workers {args.num_workers} must be >= 0")
@@ -156,13 +166,389 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             fail(f"--{flag} '{getattr(args, flag)}' is not a Composer time string such as 20ba, 1ep or 1000sp")
     if args.autoresume and not (args.save_folder and args.run_name):
         fail("--autoresume needs --save_folder and --run_name (the same on every restart) to find the latest checkpoint")
-    if args.autoresume and "://" not in args.save_folder and Path(args.save_folder).is_dir():
+    if args.autoresume and not uri_scheme(args.save_folder) and Path(args.save_folder).is_dir():
         # Composer replaces `latest` by delete-then-link: a kill in between leaves checkpoints but no
         # `latest`, and autoresume would silently start over and overwrite them.
         saved = sorted(Path(args.save_folder).glob("ep*-ba*-rank0.pt"), key=lambda p: p.stat().st_mtime)
         if saved and not (Path(args.save_folder) / "latest-rank0.pt").exists():
             fail(f"--autoresume: {args.save_folder} holds checkpoints but no latest-rank0.pt; "
                  f"resume explicitly with --load_path {saved[-1]} (or move the old checkpoints away)")
+    check_numbers(args)
+    check_outputs(args)
+    check_checkpoint(args)
+    check_data(args)
+
+
+# -----------------------------------------------------------------------------------------------
+# Bad input (issue 10): what can be checked before the model, the data or the Trainer is built.
+# Every check ends the run with one line that names the flag or file and says what to do.
+# -----------------------------------------------------------------------------------------------
+
+def fail(message: str) -> NoReturn:
+    raise SystemExit(f"benchmark.py: error: {message}")
+
+
+# Composer's object stores (checkpoints; Composer also fetches --load_path over http(s)).
+CHECKPOINT_SCHEMES = ("s3", "gs", "oci", "azure", "dbfs")
+# Time units the run counts: tokens are never counted here, and Composer refuses `dur` and
+# wall-clock `sec` for max_duration and anything but ep/ba for the console log.
+TIME_UNITS = {"max_duration": ("ba", "ep", "sp"), "save_interval": ("ba", "ep", "sp", "dur"),
+              "log_interval": ("ba", "ep")}
+# Written into a --remote's cache folder: the remote it holds (Streaming trusts any index.json there).
+CACHE_RECORD = "remote.json"
+
+
+def data_schemes() -> list[str]:
+    """URI schemes Streaming can download --remote shards from (its own downloader table)."""
+    from streaming.base.storage.download import DOWNLOADER_MAPPINGS
+    return sorted(s for s in DOWNLOADER_MAPPINGS if s and s != "dbfs-uc")  # dbfs-uc is dbfs:/Volumes
+
+
+def uri_scheme(location: str) -> str:
+    """'s3' for s3://bucket/x, 'dbfs' for dbfs:/Volumes/x, '' for a local path."""
+    if "://" in location:
+        return location.split("://", 1)[0].lower()
+    return "dbfs" if location.startswith("dbfs:/") else ""
+
+
+def check_locations(args: argparse.Namespace) -> None:
+    """file:// URIs become local paths; other URIs must use a scheme the flag supports."""
+    supported = {"remote": data_schemes(), "save_folder": list(CHECKPOINT_SCHEMES),
+                 "load_path": [*CHECKPOINT_SCHEMES, "http", "https"],
+                 "local": [], "results_json": [], "ema_export_dir": []}
+    for flag, schemes in supported.items():
+        location = getattr(args, flag)
+        if not location:
+            continue
+        scheme = uri_scheme(location)
+        if scheme == "file":
+            parsed = urllib.parse.urlparse(location)
+            if parsed.netloc not in ("", "localhost"):
+                fail(f"--{flag} {location}: a file:// URI names a path on this machine; write file:///path or the path")
+            setattr(args, flag, urllib.parse.unquote(parsed.path))
+        elif scheme and scheme not in schemes:
+            if not schemes:
+                fail(f"--{flag} takes a local path, not a URI ({location})")
+            fail(f"--{flag} {location}: unsupported scheme '{scheme}://'; use a local path or one of "
+                 + ", ".join("dbfs:/Volumes/" if s == "dbfs" else f"{s}://" for s in schemes))
+        else:
+            one_slash = re.match(r"([A-Za-z][\w+.-]*):/(?!/)", location)
+            if one_slash and one_slash.group(1).lower() in [*schemes, "file"] and not scheme:
+                fail(f"--{flag} {location} looks like a URI with one slash; write "
+                     f"{one_slash.group(1)}://{location[one_slash.end():]}")
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Counts, rates and time strings: refuse values that hang, crash later or mean nothing."""
+    if not 0 <= args.seed < 2**32:
+        fail(f"--seed {args.seed} must be in 0..{2**32 - 1}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        fail(f"--lr {args.lr} must be a positive number, e.g. 1e-4")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        fail(f"--weight_decay {args.weight_decay} must be a number >= 0")
+    if args.num_synthetic_samples <= 0:
+        fail(f"--num_synthetic_samples {args.num_synthetic_samples} must be positive")
+    if args.predownload is not None and args.predownload < 1:
+        fail(f"--predownload {args.predownload} must be >= 1 sample (leave it out for 8 x the per-device batch)")
+    if args.download_retry < 0:
+        fail(f"--download_retry {args.download_retry} must be >= 0")
+    if not (math.isfinite(args.download_timeout) and args.download_timeout > 0):
+        fail(f"--download_timeout {args.download_timeout} must be a positive number of seconds")
+    if not 0 <= args.max_bad_fraction <= 1:
+        fail(f"--max_bad_fraction {args.max_bad_fraction} must be a fraction between 0 and 1")
+    if args.cache_limit is not None:
+        from streaming.base.util import bytes_to_int
+        try:
+            limit = bytes_to_int(args.cache_limit)
+        except ValueError:
+            fail(f"--cache_limit '{args.cache_limit}' is not a size such as 500gb or 20mb")
+        if limit <= 0:
+            fail(f"--cache_limit '{args.cache_limit}' must be a positive size such as 500gb")
+    if args.validate_hash is not None:
+        from streaming.base.hashing import get_hashes
+        if args.validate_hash not in get_hashes():
+            fail(f"--validate_hash '{args.validate_hash}' is unknown; choose one of {sorted(get_hashes())} "
+                 "(and one that index.json lists, as convert.py's sha1 and xxh64)")
+    if args.save_num_checkpoints_to_keep < -1:
+        fail(f"--save_num_checkpoints_to_keep {args.save_num_checkpoints_to_keep}: use -1 to keep all, or N >= 1")
+    if args.save_num_checkpoints_to_keep == 0 and args.save_folder and not uri_scheme(args.save_folder):
+        # Composer's 0 means "keep no local copy", which only makes sense when an object store keeps them.
+        fail(f"--save_num_checkpoints_to_keep 0 keeps no checkpoint in the local --save_folder {args.save_folder}; "
+             "use -1 to keep all, or N >= 1 to keep the newest N")
+    for flag, units in TIME_UNITS.items():
+        value = getattr(args, flag)
+        time = Time.from_timestring(value)  # validate() has checked that it parses
+        if time.unit.value not in units:
+            fail(f"--{flag} {value}: unit '{time.unit.value}' is not counted here; use "
+                 + " or ".join(units) + " (e.g. 20ba, 1ep)")
+        if not time.value > 0 or (time.unit.value == "dur" and time.value > 1):
+            fail(f"--{flag} {value} must be positive" + (" and at most 1dur" if time.unit.value == "dur" else ""))
+        if flag == "max_duration" and time.unit.value == "sp" and time.value < args.batch_size:
+            fail(f"--max_duration {value} is less than one global batch (--batch_size {args.batch_size}): "
+                 "no step would run")
+    if args.precision.startswith("amp_") and not torch.cuda.is_available():
+        # Composer's CPU path runs amp_* steps in fp32 without saying so: the result would be mislabeled.
+        fail(f"--precision {args.precision} needs a GPU (no CUDA device here); use fp32 or auto on CPU")
+
+
+def unwritable(path: str, folder: bool) -> str | None:
+    """Why `path` (a file, or a folder if `folder`) cannot be written, or None if it can.
+
+    Probes by doing what the run will do, without leaving anything: a temporary file in the
+    nearest existing folder, or opening an existing file for appending (which changes nothing).
+    """
+    target = Path(path).expanduser().absolute()
+    if target.exists():
+        if folder != target.is_dir():
+            return f"is {'a file, not a folder' if folder else 'a folder, not a file'}"
+        if not folder:
+            try:
+                with open(target, "a"):
+                    pass
+            except OSError as error:
+                return f"cannot be written ({error.strerror})"
+            return None
+    parent = target if target.is_dir() else target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot be created: {parent} is a file"
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as error:
+        return f"is not writable ({error.strerror})" if parent == target else \
+            f"cannot be created in {parent} ({error.strerror})"
+    return None
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Output locations are checked before training, not found unwritable after the last batch."""
+    for flag, folder in (("results_json", False), ("ema_export_dir", True), ("save_folder", True)):
+        location = getattr(args, flag)
+        if location and not uri_scheme(location):
+            why = unwritable(location, folder)
+            if why:
+                fail(f"--{flag} {location} {why}; choose a writable location")
+    if args.save_folder and not uri_scheme(args.save_folder) and not (args.autoresume or args.load_path):
+        # Composer refuses (at start) to save where a checkpoint of another run could be overwritten.
+        saved = sorted(Path(args.save_folder).glob("ep*-ba*-rank*.pt"))
+        if saved:
+            fail(f"--save_folder {args.save_folder} holds checkpoints of an earlier run ({saved[0].name}...): "
+                 "continue it with --autoresume --run_name NAME, start from one with --load_path, "
+                 "or use a new --save_folder")
+
+
+def check_checkpoint(args: argparse.Namespace) -> None:
+    """A local --load_path must be a checkpoint file (Composer's: a torch zip archive, or compressed)."""
+    if not args.load_path or uri_scheme(args.load_path):
+        return
+    path = Path(args.load_path)
+    if not path.exists():
+        fail(f"--load_path {path}: no such file; give a checkpoint written with --save_folder (e.g. latest-rank0.pt)")
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.pt"))[:3]
+        fail(f"--load_path {path} is a folder; give a checkpoint file in it"
+             + (f" (it holds {', '.join(found)})" if found else " (it holds no *.pt files)"))
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            if any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist()):
+                return
+    elif path.suffix in (".gz", ".bz2", ".xz", ".lz4", ".zst", ".lzma", ".tar") or tarfile.is_tarfile(path):
+        return  # Composer's compressed and DeepSpeed checkpoints: Composer checks them when it loads
+    fail(f"--load_path {path} is not a checkpoint (not a PyTorch checkpoint archive); "
+         "give a file written with --save_folder, such as ep0-ba100-rank0.pt or latest-rank0.pt")
+
+
+def read_index(index_file: Path, label: str) -> dict:
+    """An MDS index.json, or a one-line error naming `label` (the flag and location)."""
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        fail(f"{label}: {index_file} is not a readable MDS index ({error}); re-create the dataset with convert.py")
+    if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
+        fail(f"{label}: {index_file} is not an MDS index (no list of shards); re-create the dataset with convert.py")
+    return index
+
+
+def check_index(index: dict, label: str, args: argparse.Namespace) -> None:
+    """Columns and size of an MDS dataset against the flags: the right kind of shards, enough samples."""
+    shards = index["shards"]
+    num_samples = sum(int(shard.get("samples", 0)) for shard in shards)
+    columns = list(shards[0].get("column_names", [])) if shards else []
+    if num_samples == 0:
+        fail(f"{label} holds no samples; convert some data into it with convert.py")
+    if args.precomputed and "latent_mean" not in columns:
+        fail(f"--precomputed: {label} holds image shards (columns {columns}), not precomputed latents; "
+             "drop --precomputed, or write latents from them with latents.py")
+    if not args.precomputed and "latent_mean" in columns:
+        fail(f"{label} holds precomputed latents (columns {columns}); add --precomputed to train from them")
+    if not args.precomputed:
+        for flag in ("image_key", "caption_key"):
+            if getattr(args, flag) not in columns:
+                fail(f"--{flag} {getattr(args, flag)} is not a column of {label}; its columns are {columns}")
+    check_dataset_size(num_samples, label, args)
+
+
+def check_dataset_size(num_samples: int, label: str, args: argparse.Namespace) -> None:
+    """Every rank drops its last partial batch: fewer samples than one global batch means no step at
+    all (Composer then loops over empty epochs forever, or 'finishes' 1ep after 0 batches)."""
+    if num_samples < args.batch_size:
+        fail(f"{label} holds {num_samples} samples, fewer than one global batch (--batch_size {args.batch_size}): "
+             f"no step could run; pass a --batch_size of at most {num_samples}, or use more data")
+
+
+def cache_source(remote: str) -> str:
+    """The form of a --remote recorded in its cache: absolute for paths, no trailing slash."""
+    return remote.rstrip("/") if uri_scheme(remote) else os.path.abspath(remote)
+
+
+def check_cache(local: str, remote: str) -> None:
+    """Refuse a cache folder filled from another remote: Streaming would serve its samples silently."""
+    record, index = Path(local, CACHE_RECORD), Path(local, "index.json")
+    if record.is_file():
+        try:
+            cached = json.loads(record.read_text())["remote"]
+        except (OSError, ValueError, KeyError, TypeError):
+            cached = f"an unreadable {record}"
+        if cached != cache_source(remote):
+            fail(f"--local {local} is the cache of --remote {cached}, not {remote}: pass another --local "
+                 "(or leave it out: the default cache is one folder per remote)")
+    elif index.is_file():
+        same = not uri_scheme(remote) and Path(remote, "index.json").is_file() \
+            and Path(remote, "index.json").read_bytes() == index.read_bytes()
+        # The default cache is named by a hash of the remote: an index there came from that remote.
+        mine = os.path.abspath(local) in (cache_source(remote), os.path.abspath(default_local(remote)))
+        if not same and not mine:
+            fail(f"--local {local} already holds an MDS dataset that was not streamed from --remote {remote} "
+                 f"(no {CACHE_RECORD}); Streaming would train on it instead: pass an empty or new --local")
+
+
+def record_cache(local: str, remote: str) -> None:
+    """Write the cache's remote (once per node, atomically: other ranks may be reading it)."""
+    if os.path.abspath(local) == cache_source(remote) or dist.get_local_rank() != 0:
+        return
+    record = Path(local, CACHE_RECORD)
+    if record.is_file():
+        return
+    record.parent.mkdir(parents=True, exist_ok=True)
+    partial = record.with_name(f"{CACHE_RECORD}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps({"remote": cache_source(remote)}) + "\n")
+    os.replace(partial, record)
+
+
+def check_data(args: argparse.Namespace) -> None:
+    """The dataset the flags name: it exists, is MDS, has the columns asked for and >= one global batch."""
+    if args.use_synth_data and (args.remote or args.local):
+        fail("--use_synth_data trains on random samples and would ignore " + ("--remote" if args.remote else "--local")
+             + "; pass one or the other")
+    if args.use_synth_data:
+        check_dataset_size(args.num_synthetic_samples,
+                           f"the synthetic dataset (--num_synthetic_samples {args.num_synthetic_samples})", args)
+        return
+    local = args.local or default_local(args.remote)
+    if Path(local).exists() and not Path(local).is_dir():
+        fail(f"--local {local} is a file, not a folder")
+    if args.remote:
+        check_cache(local, args.remote)
+    elif Path(local, CACHE_RECORD).is_file():
+        try:
+            cached = json.loads(Path(local, CACHE_RECORD).read_text())["remote"]
+        except (OSError, ValueError, KeyError, TypeError):
+            cached = "that filled it"
+        fail(f"--local {local} is the cache of --remote {cached}: pass --remote {cached} again "
+             "(shards already cached are not downloaded again)")
+    if Path(local, "index.json").is_file():  # Streaming reads the cached index rather than the remote's
+        check_index(read_index(Path(local, "index.json"), local), f"--local {local}", args)
+    elif not args.remote:
+        fail(f"--local {local} holds no MDS dataset (no index.json): write one with convert.py, "
+             "or pass --remote to stream one into it")
+    elif not uri_scheme(args.remote):
+        check_index(read_index(Path(args.remote, "index.json"), args.remote), f"--remote {args.remote}", args)
+    else:
+        # The index is small: fetch it with Streaming's own downloader to check it before anything
+        # is built; credentials, endpoint and path errors surface here, as one line.
+        from streaming.base.storage import CloudDownloader
+        with tempfile.TemporaryDirectory() as folder:
+            try:
+                CloudDownloader.direct_download(f"{args.remote.rstrip('/')}/index.json", f"{folder}/index.json",
+                                                args.download_timeout)
+            except Exception as error:  # noqa: BLE001  any store's client error: reported, not hidden
+                if getattr(args, "debug", False):
+                    raise
+                fail(f"--remote {args.remote}: cannot read index.json: {storage_error(error) or error}")
+            check_index(read_index(Path(folder, "index.json"), args.remote), f"--remote {args.remote}", args)
+
+
+def storage_error(error: BaseException) -> str | None:
+    """One line for an object-store failure (credentials, endpoint, missing object), else None."""
+    seen = error
+    while seen is not None:
+        module = type(seen).__module__
+        if module.startswith(("botocore", "boto3", "google", "oci", "azure", "libcloud", "paramiko")):
+            line = f"{type(seen).__name__}: {str(seen).splitlines()[0] if str(seen) else ''}"
+            if type(seen).__name__ == "NoCredentialsError":
+                line += " (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
+            elif type(seen).__name__ in ("EndpointConnectionError", "ConnectTimeoutError"):
+                line += " (check S3_ENDPOINT_URL and the network)"
+            return line
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def user_error(error: BaseException) -> str | None:
+    """One line for an exception caused by the input (data, storage, checkpoint), None for a bug."""
+    text = str(error)
+    lines = [line for line in text.splitlines() if line.strip()]
+    if isinstance(error, data.BadDataError):
+        return lines[-1] if lines else text
+    line = storage_error(error)
+    if line:
+        return line
+    # A DataLoader worker's exception comes back re-created from its message: the original type and
+    # message are the last line of that message ("Caught X in DataLoader worker process 0 ...").
+    if lines and text.startswith("Caught ") and " in DataLoader worker process " in lines[0]:
+        last = lines[-1]
+        if re.match(r"(data\.BadDataError|botocore\.exceptions\.\w+|google\.\S+|FileNotFoundError): ", last):
+            return last
+    if isinstance(error, FileExistsError) and "may conflict with a future checkpoint" in text:
+        return f"--save_folder: {lines[0]}"
+    if type(error).__module__.startswith("wandb.errors"):
+        return (f"W&B (--wandb_project/--wandb_name): {lines[0] if lines else type(error).__name__}; "
+                "run `wandb login` or set WANDB_API_KEY, or log offline with WANDB_MODE=offline")
+    if isinstance(error, RuntimeError) and text.startswith("Error(s) in loading state_dict"):
+        return (f"the checkpoint does not fit this model ({lines[0]}...): it was saved with another "
+                "--model_config; pass the same flags as the run that saved it")
+    return None
+
+
+def run_already_complete(trainer: Trainer, args: argparse.Namespace) -> bool:
+    """True when the loaded checkpoint is already at --max_duration (a retried --autoresume job).
+
+    Composer's fit() raises then ("No training would occur"); the job instead finishes what the
+    killed one may not have: the EMA export. The summary and results say the run was complete.
+    """
+    state = trainer.state
+    if state.timestamp.get(state.max_duration.unit) < state.max_duration:
+        return False
+    if args.use_ema and args.ema_export_dir:
+        from ema import EMA
+        ema = next((a for a in state.algorithms if isinstance(a, EMA)), None)
+        if ema is not None and ema.initialized:
+            ema.export_unet(state.model, args.ema_export_dir)
+    return True
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """The command line: main(), with user errors that surface during the run as one line."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        main(argv)
+    except Exception as error:  # noqa: BLE001
+        line = user_error(error)
+        if line is None or "--debug" in argv:
+            raise  # a bug, or asked for: the traceback
+        raise SystemExit(f"benchmark.py: error: {line} (--debug shows the traceback)") from None
 
 
 class StopOnNonFiniteLoss(Callback):
@@ -280,6 +666,8 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     model.flops_per_image = flops["total"]
 
     per_device = args.batch_size // world_size
+    if args.remote and not args.use_synth_data:
+        record_cache(args.local or default_local(args.remote), args.remote)
     if args.precomputed:
         train_dataloader = data.latents_dataloader(
             synthetic=args.use_synth_data, remote=args.remote, local=args.local or default_local(args.remote),
@@ -332,7 +720,9 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         progress_bar=False,  # console.ConsoleProgress prints the progress line instead
         log_to_console=False,
     )
-    trainer.fit()
+    trained_before = int(trainer.state.timestamp.batch)
+    if not run_already_complete(trainer, args):
+        trainer.fit()
 
     results = {
         **throughput.summary,
@@ -353,13 +743,20 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         "pretrained_parts": components.pretrained,
         "random_parts": components.random,
         "flops_per_image_breakdown": flops,
-        "final_loss": float(trainer.state.loss.item()) if isinstance(trainer.state.loss, torch.Tensor) else None,
+        "final_loss": (float(trainer.state.loss.item())  # empty when nothing was trained (already complete)
+                       if isinstance(trainer.state.loss, torch.Tensor) and trainer.state.loss.numel() == 1 else None),
         "torch_version": torch.__version__,
     }
+    if int(trainer.state.timestamp.batch) == trained_before:
+        # A retried --autoresume job whose run had finished: nothing was trained or measured here.
+        results.update(already_complete=True, images_per_sec=None, images_per_sec_per_device=None,
+                       measured_batches=0, trained_batches=trained_before, save_folder=args.save_folder)
     trainer.close()
     if dist.get_global_rank() == 0:
         print_summary(results)
-        if args.results_json:
+        if results.get("already_complete") and args.results_json and Path(args.results_json).exists():
+            print(f"kept {args.results_json} (written by the run that trained)")
+        elif args.results_json:
             Path(args.results_json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.results_json).write_text(json.dumps(results, indent=2) + "\n")
             print(f"results written to {args.results_json}")
@@ -367,6 +764,12 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
 
 
 def print_summary(r: dict) -> None:
+    if r.get("already_complete"):
+        print("\n=== Stable Diffusion benchmark ===\n"
+              f"model {r['model_config']} at {r['image_size']}x{r['image_size']}: the run was already complete "
+              f"({r['trained_batches']} batches, checkpoint in {r['save_folder']}); nothing trained or measured "
+              "in this run (its figures are those of the run that trained)\n", flush=True)
+        return
     mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_flops_per_device'] / 1e12:.0f} TFLOP/s peak per device" if r.get("mfu")
            else "n/a (unknown device peak; pass --peak_tflops)")
     print(
@@ -385,4 +788,4 @@ def print_summary(r: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -35,7 +35,9 @@ Real scaling usually degrades faster at larger counts (the 2023 doublings kept 9
 the blog's own 256-GPU figure (2,589.4) implies 80% for that last doubling.
 
 Results JSON files need `images_per_sec` (global, all GPUs together) and `world_size` (number of
-GPUs); `device` and `image_size` are used when present (mixing them is an error).
+GPUs); `device`, `image_size`, `model_config` and `precomputed` are used when present: mixing
+them is an error, and a result that is not SD2 base at 512x512 gives a table labeled for what it
+measured (the cost of training that model at that size), never "the cost to train SD2 base".
 """
 from __future__ import annotations
 
@@ -62,6 +64,8 @@ class Measurement:
     source: str = "--images_per_sec"  # the results file it came from, or the flag
     device: str | None = None
     image_size: int | None = None
+    model_config: str | None = None
+    precomputed: bool | None = None  # trained from precomputed latents (no VAE/text encoder in the step)
 
 
 @dataclass
@@ -117,6 +121,9 @@ def load_results(path: str) -> Measurement:
         raise ValueError(f"{path}: cannot read ({e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object with 'images_per_sec' and 'world_size'")
+    if data.get("already_complete"):
+        raise ValueError(f"{path}: written by a retried run that was already complete, so nothing was measured; "
+                         "use the results of the run that trained")
     for key in ("images_per_sec", "world_size"):
         if key not in data:
             raise ValueError(f"{path}: missing '{key}' (need 'images_per_sec' and 'world_size')")
@@ -126,12 +133,13 @@ def load_results(path: str) -> Measurement:
         raise ValueError(f"{path}: 'images_per_sec' must be a positive number, got {ips!r}")
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise ValueError(f"{path}: 'world_size' must be a positive integer, got {n!r}")
-    return Measurement(n, float(ips), path, data.get("device"), data.get("image_size"))
+    return Measurement(n, float(ips), path, data.get("device"), data.get("image_size"), data.get("model_config"),
+                       data.get("precomputed"))
 
 
 def check_consistent(measurements: list[Measurement]) -> None:
-    """Refuse to fit one scaling curve through different GPUs or image sizes."""
-    for key in ("device", "image_size"):
+    """Refuse to fit one scaling curve through different GPUs, image sizes, models or latents modes."""
+    for key in ("device", "image_size", "model_config", "precomputed"):
         seen = {}
         for m in measurements:
             value = getattr(m, key)
@@ -392,6 +400,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The model the 2023 table is for: results of anything else are labeled as such.
+SD2_BASE = ("sd2-base", 512)
+
+
+def describe(measurements: list[Measurement]) -> tuple[str, str | None]:
+    """(what was measured, a note when it is not SD2 base at 512x512 trained from images).
+
+    The first part names the model in titles and captions. Fields a result lacks (and --gpus /
+    --images_per_sec values) are taken to be the 2023 benchmark's: SD2 base, 512x512, images.
+    """
+    model = next((m.model_config for m in measurements if m.model_config), SD2_BASE[0])
+    size = next((m.image_size for m in measurements if m.image_size), SD2_BASE[1])
+    precomputed = any(m.precomputed for m in measurements)
+    name = "SD2 base" if model == SD2_BASE[0] else f"model '{model}'"
+    what = f"{name} at {size}x{size}" + (" from precomputed latents" if precomputed else "")
+    if (model, size) != SD2_BASE:
+        return what, (f"these results are for {what}, not SD2 base at 512x512: the table is the time and cost "
+                      "of training that model, not Stable Diffusion 2 base")
+    if precomputed:
+        return what, ("these results train from precomputed latents: encoding the images and captions "
+                      "(VAE and text encoder, once per image) is not included in the table")
+    return what, None
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)  # files may come before or after the flags
@@ -412,6 +444,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if not measurements:
         parser.error("no measurements: give results JSON files or --gpus N --images_per_sec X")
 
+    what, warning = describe(measurements)
     measured, notes = average_by_gpus(measurements)
     model = fit_scaling(measured)
     notes += model_notes(model)
@@ -419,12 +452,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rows = cost_table(measured, num_gpus, args.samples, args.usd_per_gpu_hour)
 
     device = next((m.device for m in measurements if m.device), None)
-    caption = (f"{args.samples:,.0f} images at ${args.usd_per_gpu_hour:,.2f} per GPU-hour"
+    caption = (f"{what}: {args.samples:,.0f} images at ${args.usd_per_gpu_hour:,.2f} per GPU-hour"
                + (f" ({device})" if device else "")
                + "; days = samples / images/s / 86400, GPU-hours = days x 24 x GPUs.")
-    title = args.title or (f"Time and cost to train SD2 base: {args.samples / 1e9:.2f}B images, "
+    title = args.title or (f"Time and cost to train {what}: {args.samples / 1e9:.2f}B images, "
                            f"${args.usd_per_gpu_hour:,.2f}/GPU-hour" + (f", {device}" if device else ""))
     print(caption)
+    if warning:
+        print(f"WARNING: {warning}")
     for note in notes:
         print(f"note: {note}")
     print()

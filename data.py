@@ -211,6 +211,9 @@ class StreamingImageCaptions(StreamingDataset):
         self.decoded = 0
         self.bad_samples: Counter[str] = Counter()  # shard name -> samples that failed to decode
         columns = getattr(self.shards[0], "column_names", None)  # MDS readers list their columns
+        if columns is not None and "latent_mean" in columns:
+            raise ValueError(f"{remote or local} holds precomputed latents, not images: train from them with "
+                             "--precomputed (benchmark.py) or latents_dataloader")
         for flag, key in (("image_key", image_key), ("caption_key", caption_key)):
             if columns is not None and key not in columns:
                 raise ValueError(f"{flag}={key!r} is not a column of the shards in {remote or local}; "

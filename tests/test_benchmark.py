@@ -106,9 +106,13 @@ def test_remote_without_mds_dataset_names_the_flag():
 
 
 def test_real_data_without_pretrained_encoders_names_the_flag(tmp_path):
-    (tmp_path / "index.json").write_text('{"version": 2, "shards": []}')  # passes the --remote check
-    result = run_cli(["--remote", str(tmp_path), "--local", str(tmp_path / "cache"), "--model_name",
-                      str(tmp_path / "missing"), "--max_duration", "1ba"], timeout=120)
+    from streaming import MDSWriter
+
+    with MDSWriter(out=str(tmp_path / "mds"), columns={"jpg": "bytes", "caption": "str"}) as writer:
+        for i in range(4):  # a real dataset of one global batch: passes the data checks
+            writer.write({"jpg": b"\xff\xd8 never decoded", "caption": f"sample {i}"})
+    result = run_cli(["--remote", str(tmp_path / "mds"), "--local", str(tmp_path / "cache"), "--model_name",
+                      str(tmp_path / "missing"), "--max_duration", "1ba", "--batch_size", "4"], timeout=120)
     assert result.returncode != 0
     assert "--allow_random_encoders" in result.stderr.strip().splitlines()[-1]
 

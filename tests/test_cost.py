@@ -152,6 +152,10 @@ def test_cli_writes_plot_csv_markdown(tmp_path):
     ("zero_world_size", "'world_size' must be a positive integer"),
     ("bad_json", "not valid JSON"),
     ("mixed_devices", "mix different 'device'"),
+    ("mixed_models", "mix different 'model_config'"),
+    ("mixed_sizes", "mix different 'image_size'"),
+    ("mixed_latents_modes", "mix different 'precomputed'"),
+    ("already_complete", "already complete"),
     ("mismatched", "--gpus has 2 value(s) but --images_per_sec has 1"),
     ("negative_gpus", "argument --gpus"),
     ("zero_price", "argument --usd_per_gpu_hour"),
@@ -174,6 +178,13 @@ def test_errors(tmp_path, case, expect):
         "bad_json": lambda: [bad_json()],
         "mixed_devices": lambda: [j("a.json", images_per_sec=1.0, world_size=1, device="A100"),
                                   j("b.json", images_per_sec=2.0, world_size=1, device="H100")],
+        "mixed_models": lambda: [j("a.json", images_per_sec=1.0, world_size=1, model_config="sd2-base"),
+                                 j("b.json", images_per_sec=2.0, world_size=8, model_config="tiny")],
+        "mixed_sizes": lambda: [j("a.json", images_per_sec=1.0, world_size=1, image_size=512),
+                                j("b.json", images_per_sec=2.0, world_size=8, image_size=256)],
+        "mixed_latents_modes": lambda: [j("a.json", images_per_sec=1.0, world_size=1, precomputed=False),
+                                        j("b.json", images_per_sec=2.0, world_size=8, precomputed=True)],
+        "already_complete": lambda: [j("x.json", images_per_sec=None, world_size=1, already_complete=True)],
         "mismatched": ["--gpus", 8, 16, "--images_per_sec", 100.0],
         "negative_gpus": ["--gpus", -8, "--images_per_sec", 100.0],
         "zero_price": ["--gpus", 8, "--images_per_sec", 100.0, "--usd_per_gpu_hour", 0],
@@ -185,5 +196,28 @@ def test_errors(tmp_path, case, expect):
     p = run_cli(*args)
     assert p.returncode != 0
     assert expect in p.stderr, p.stderr
-    if case in ("missing_file", "no_images_per_sec", "zero_world_size", "bad_json"):
+    if case in ("missing_file", "no_images_per_sec", "zero_world_size", "bad_json", "already_complete"):
         assert str(args[0]) in p.stderr  # the message names the file
+
+
+def test_a_result_that_is_not_sd2_base_at_512_is_labeled_as_such(tmp_path, capsys):
+    tiny = write_json(tmp_path / "tiny.json", images_per_sec=81.0, world_size=1, device="cpu", image_size=64,
+                      model_config="tiny", precomputed=False)
+    md = tmp_path / "cost.md"
+    cost.main([tiny, "--num_gpus", "1", "--markdown", str(md)])
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("model 'tiny' at 64x64:") and "SD2 base" not in first
+    assert "WARNING: these results are for model 'tiny' at 64x64, not SD2 base at 512x512" in out
+    assert "model 'tiny' at 64x64" in md.read_text()  # the written table's caption too
+    # SD2 base at 512 from precomputed latents: labeled, and the encoding cost not included is said.
+    sd2 = write_json(tmp_path / "sd2.json", images_per_sec=300.0, world_size=8, image_size=512,
+                     model_config="sd2-base", precomputed=True)
+    cost.main([sd2, "--num_gpus", "8"])
+    out = capsys.readouterr().out
+    assert out.startswith("SD2 base at 512x512 from precomputed latents:") and "not included" in out
+    # The 2023 benchmark's own case: no warning.
+    cost.main([write_json(tmp_path / "a100.json", images_per_sec=128.2, world_size=8, image_size=512,
+                          model_config="sd2-base", precomputed=False), "--num_gpus", "8"])
+    out = capsys.readouterr().out
+    assert out.startswith("SD2 base at 512x512:") and "WARNING" not in out

@@ -1,0 +1,417 @@
+"""Bad input to benchmark.py (issue 10): each class of mistake stops at once, before anything is built,
+with one line naming the flag or file; user errors print no traceback; nothing hangs. Also: a retried
+--autoresume job that already finished exits 0, and an offline W&B run records the benchmark's metrics.
+
+Most cases call `benchmark.main` in this process (validation runs before the model, the data or the
+Trainer is built); a few run the command line to check exit codes and that no traceback is printed.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import benchmark  # noqa: E402
+import data  # noqa: E402
+
+TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
+        "--max_duration", "2ba", "--num_workers", "0", "--warmup_batches", "1"]
+REAL = ["--model_config", "tiny", "--batch_size", "4", "--image_size", "32", "--max_duration", "2ba",
+        "--num_workers", "0"]
+
+
+def error_of(argv: list[str]) -> str:
+    """The one-line message benchmark.main stops with (it must stop before building anything)."""
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(argv)
+    message = str(exit_info.value.code)
+    assert message.startswith("benchmark.py: error: ") and "\n" not in message, message
+    return message
+
+
+def jpeg(seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (24, 24, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG")
+    return buffer.getvalue()
+
+
+def write_images(out: Path, count: int) -> Path:
+    """A real image-caption MDS dataset (the columns convert.py writes)."""
+    from streaming import MDSWriter
+    with MDSWriter(out=str(out), columns={"jpg": "bytes", "caption": "str", "key": "str"}) as writer:
+        for i in range(count):
+            writer.write({"jpg": jpeg(i), "caption": f"photo {i}", "key": str(i)})
+    return out
+
+
+def write_latents(out: Path, count: int) -> Path:
+    """A real precomputed-latents MDS dataset in the format data.py defines."""
+    from streaming import MDSWriter
+    columns = data.mds_columns(latent_channels=4, latent_size=4, text_dim=8)
+    rng = np.random.default_rng(0)
+    with MDSWriter(out=str(out), columns=columns) as writer:
+        for i in range(count):
+            writer.write({"index": i, "latent_mean": rng.standard_normal((4, 4, 4)).astype(np.float16),
+                          "latent_logvar": rng.standard_normal((4, 4, 4)).astype(np.float16),
+                          "text_states": rng.standard_normal((77, 8)).astype(np.float16), "caption": "x"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return write_images(tmp_path_factory.mktemp("images") / "mds", 6)
+
+
+@pytest.fixture(scope="module")
+def latents(tmp_path_factory) -> Path:
+    return write_latents(tmp_path_factory.mktemp("latents") / "mds", 6)
+
+
+def offline_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", **extra}
+
+
+def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmark.py"), *args], cwd=ROOT, env=env or offline_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# -----------------------------------------------------------------------------------------------
+# Flags: counts, rates, time strings, precision.
+# -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, flag", [
+    (["--num_synthetic_samples", "3"], "--num_synthetic_samples"),  # fewer than one batch: used to hang
+    (["--num_synthetic_samples", "3", "--max_duration", "1ep"], "--num_synthetic_samples"),  # 0 batches
+    (["--num_synthetic_samples", "0"], "--num_synthetic_samples"),
+    (["--max_duration", "10tok"], "--max_duration"),  # tokens are never counted: used to hang
+    (["--max_duration", "0ba"], "--max_duration"),
+    (["--max_duration", "0.5dur"], "--max_duration"),
+    (["--max_duration", "2sp"], "--max_duration"),  # less than one global batch of 4
+    (["--save_interval", "0ba"], "--save_interval"),  # used to save nothing
+    (["--save_interval", "100tok"], "--save_interval"),
+    (["--log_interval", "0ba"], "--log_interval"),
+    (["--log_interval", "8sp"], "--log_interval"),
+    (["--predownload", "-5"], "--predownload"),  # used to hang
+    (["--seed", "-1"], "--seed"),
+    (["--seed", str(2**32)], "--seed"),
+    (["--lr", "nan"], "--lr"),
+    (["--lr", "inf"], "--lr"),
+    (["--lr", "0"], "--lr"),
+    (["--weight_decay", "-1"], "--weight_decay"),
+    (["--download_retry", "-1"], "--download_retry"),
+    (["--download_timeout", "0"], "--download_timeout"),
+    (["--max_bad_fraction", "1.5"], "--max_bad_fraction"),
+    (["--cache_limit", "lots"], "--cache_limit"),
+    (["--validate_hash", "md6"], "--validate_hash"),
+    (["--save_num_checkpoints_to_keep", "-2"], "--save_num_checkpoints_to_keep"),
+    (["--precision", "amp_fp16"], "--precision"),  # CPU only here
+    (["--remote", "/data/mds"], "--use_synth_data"),  # would be ignored silently
+])
+def test_bad_numbers_and_units_fail_at_once(args, flag):
+    assert flag in error_of(TINY + args)
+
+
+def test_saving_over_an_earlier_runs_checkpoints_is_refused(tmp_path):
+    (tmp_path / "ep0-ba2-rank0.pt").write_bytes(b"an earlier run's checkpoint")
+    message = error_of(TINY + ["--save_folder", str(tmp_path)])
+    assert "--save_folder" in message and "--autoresume" in message
+    assert (tmp_path / "ep0-ba2-rank0.pt").read_bytes() == b"an earlier run's checkpoint"
+
+
+def test_keeping_zero_local_checkpoints_is_refused(tmp_path):
+    message = error_of(TINY + ["--save_folder", str(tmp_path), "--save_num_checkpoints_to_keep", "0"])
+    assert "--save_num_checkpoints_to_keep" in message and "-1" in message
+
+
+# -----------------------------------------------------------------------------------------------
+# Locations: outputs, URI schemes, checkpoints.
+# -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag, where", [
+    ("--results_json", "proc"), ("--results_json", "folder"), ("--results_json", "under_file"),
+    ("--ema_export_dir", "proc"), ("--ema_export_dir", "file"), ("--save_folder", "proc"), ("--save_folder", "file"),
+])
+def test_unwritable_outputs_fail_before_training(tmp_path, flag, where):
+    (tmp_path / "file").write_text("mine")
+    location = {"proc": "/proc/benchmark-out/x", "folder": str(tmp_path), "file": str(tmp_path / "file"),
+                "under_file": str(tmp_path / "file" / "r.json")}[where]
+    extra = ["--use_ema"] if flag == "--ema_export_dir" else []
+    assert flag in error_of(TINY + extra + [flag, location])
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+@pytest.mark.parametrize("args, flag, expect", [
+    (["--remote", "s4://bucket/mds"], "--remote", "s3://"),  # mistyped scheme: the supported ones listed
+    (["--remote", "s3:/bucket/mds"], "--remote", "s3://bucket/mds"),  # one slash
+    (["--save_folder", "s4://bucket/ckpt"], "--save_folder", "s3://"),
+    (["--load_path", "ftp://host/x.pt"], "--load_path", "s3://"),
+    (["--results_json", "s3://bucket/r.json"], "--results_json", "local path"),
+    (["--remote", "file://otherhost/data"], "--remote", "file:///path"),
+])
+def test_uri_schemes(args, flag, expect):
+    message = error_of(TINY + args)
+    assert flag in message and expect in message
+
+
+def test_file_uri_is_a_local_path(images, tmp_path):
+    args = benchmark.parse_args(REAL + ["--remote", f"file://{images}", "--local", str(tmp_path / "cache"),
+                                        "--results_json", f"file://{tmp_path}/r.json"])
+    benchmark.validate(args, 1)
+    assert args.remote == str(images) and args.results_json == f"{tmp_path}/r.json"
+
+
+@pytest.mark.parametrize("case", ["missing", "folder", "text", "zip"])
+def test_load_path_must_be_a_checkpoint(tmp_path, case):
+    path = tmp_path / "ckpt.pt"
+    if case == "folder":
+        path.mkdir()
+    elif case == "text":
+        path.write_text("not a checkpoint")
+    elif case == "zip":
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("notes.txt", "a zip, but not a torch checkpoint")
+    message = error_of(TINY + ["--load_path", str(path)])
+    assert "--load_path" in message and str(path) in message
+
+
+# -----------------------------------------------------------------------------------------------
+# Data: MDS folders, columns, size against the global batch, caches.
+# -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case, expect", [
+    ("empty_local", "--local"),
+    ("local_is_file", "--local"),
+    ("garbage_index", "index.json"),
+    ("image_key", "--image_key"),
+    ("caption_key", "--caption_key"),
+    ("precomputed_on_images", "--precomputed"),
+    ("latents_without_precomputed", "--precomputed"),
+    ("smaller_than_batch", "--batch_size"),  # 6 samples, global batch 8: used to hang
+    ("smaller_than_batch_1ep", "--batch_size"),  # used to 'finish' after 0 batches
+])
+def test_bad_data_fails_at_once(images, latents, tmp_path, case, expect):
+    empty, junk = tmp_path / "empty", tmp_path / "junk"
+    empty.mkdir()
+    junk.mkdir()
+    (junk / "index.json").write_text("{not json")
+    (tmp_path / "a_file").write_text("x")
+    args = {
+        "empty_local": ["--local", str(empty)],
+        "local_is_file": ["--local", str(tmp_path / "a_file")],
+        "garbage_index": ["--local", str(junk)],
+        "image_key": ["--remote", str(images), "--image_key", "png"],
+        "caption_key": ["--remote", str(images), "--caption_key", "txt"],
+        "precomputed_on_images": ["--remote", str(images), "--precomputed"],
+        "latents_without_precomputed": ["--remote", str(latents)],
+        "smaller_than_batch": ["--remote", str(images), "--batch_size", "8"],
+        "smaller_than_batch_1ep": ["--remote", str(images), "--batch_size", "8", "--max_duration", "1ep"],
+    }[case]
+    if "--remote" in args:
+        args += ["--local", str(tmp_path / "cache")]
+    assert expect in error_of(REAL + args)
+    assert not (tmp_path / "cache").exists()  # nothing was written or downloaded
+
+
+def test_a_cache_filled_from_another_remote_is_refused(images, latents, tmp_path):
+    cache = tmp_path / "cache"
+    first = benchmark.parse_args(REAL + ["--remote", str(images), "--local", str(cache)])
+    benchmark.validate(first, 1)
+    benchmark.record_cache(str(cache), str(images))
+    (cache / "index.json").write_bytes((images / "index.json").read_bytes())  # as Streaming leaves it
+    benchmark.validate(benchmark.parse_args(REAL + ["--remote", f"{images}/", "--local", str(cache)]), 1)  # same
+    message = error_of(REAL + ["--remote", str(latents), "--precomputed", "--local", str(cache)])
+    assert "--local" in message and str(images) in message
+    message = error_of(REAL + ["--local", str(cache)])  # the cache alone: Streaming would delete its shards
+    assert f"--remote {images}" in message
+    # A folder holding some other dataset with no record: refused, not trusted.
+    other = write_images(tmp_path / "other", 5)
+    message = error_of(REAL + ["--remote", str(images), "--local", str(other)])
+    assert "--local" in message and "remote.json" in message
+
+
+def test_latent_shards_without_the_flag_suggest_it_in_data_too(latents, tmp_path):
+    from tokenizer import bundled_tokenizer
+    with pytest.raises(ValueError, match="--precomputed"):
+        data.StreamingImageCaptions(remote=None, local=str(latents), tokenizer=bundled_tokenizer(), image_size=32,
+                                    batch_size=1)
+
+
+def test_too_many_bad_images_is_one_line(tmp_path):
+    from streaming import MDSWriter
+    from tokenizer import bundled_tokenizer
+    with MDSWriter(out=str(tmp_path / "rotten"), columns={"jpg": "bytes", "caption": "str", "key": "str"}) as w:
+        for i in range(6):
+            w.write({"jpg": b"not an image %d" % i, "caption": "x", "key": str(i)})
+    loader = data.laion_dataloader(remote=None, local=str(tmp_path / "rotten"), tokenizer=bundled_tokenizer(),
+                                   image_size=32, batch_size_per_device=2, num_workers=1, bad_check_after=2)
+    with pytest.raises(Exception) as error:  # raised in the worker, re-created by the DataLoader
+        next(iter(loader))
+    line = benchmark.user_error(error.value)
+    assert line is not None and "\n" not in line and "max_bad_fraction" in line
+    del loader
+
+
+# -----------------------------------------------------------------------------------------------
+# S3 on loopback (moto's server): no credentials, unreachable endpoint.
+# -----------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def s3_env(monkeypatch, endpoint: str, credentials: bool) -> None:
+    monkeypatch.setenv("S3_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")  # no ~/.aws fallback
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata probe
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    if credentials:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    else:
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("no_credentials", "AWS_ACCESS_KEY_ID"),
+    ("unreachable", "S3_ENDPOINT_URL"),
+    ("missing_dataset", "not found"),
+    ("image_key", "--image_key"),  # checked against the remote's index.json before anything is built
+])
+def test_s3_problems_are_one_line_naming_remote(s3_endpoint, images, tmp_path, monkeypatch, case, expect):
+    import boto3
+    s3_env(monkeypatch, s3_endpoint, credentials=True)
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    s3.create_bucket(Bucket="laion")
+    for f in images.iterdir():
+        s3.upload_file(str(f), "laion", f"mds/{f.name}")
+    s3_env(monkeypatch, f"http://127.0.0.1:{free_port()}" if case == "unreachable" else s3_endpoint,
+           credentials=case != "no_credentials")
+    remote = "s3://laion/missing" if case == "missing_dataset" else "s3://laion/mds"
+    extra = ["--image_key", "png"] if case == "image_key" else []
+    message = error_of(REAL + ["--remote", remote, "--local", str(tmp_path / "cache"), "--download_timeout", "20",
+                               *extra])
+    assert expect in message and ("--remote" in message or "--image_key" in message)
+
+
+def test_debug_shows_the_original_error(s3_endpoint, tmp_path, monkeypatch):
+    from botocore.exceptions import NoCredentialsError
+    s3_env(monkeypatch, s3_endpoint, credentials=False)
+    with pytest.raises(NoCredentialsError):
+        benchmark.main(REAL + ["--remote", "s3://laion/mds", "--local", str(tmp_path / "cache"), "--debug"])
+
+
+def test_wandb_login_error_is_one_line():
+    import wandb.errors
+    line = benchmark.user_error(wandb.errors.UsageError("api_key not configured (no-tty)"))
+    assert "--wandb_project" in line and "WANDB_MODE=offline" in line and "\n" not in line
+
+
+def test_s3_without_credentials_on_the_command_line(s3_endpoint, tmp_path, monkeypatch):
+    s3_env(monkeypatch, s3_endpoint, credentials=False)
+    result = run_cli(REAL + ["--remote", "s3://laion/mds", "--local", str(tmp_path / "cache")],
+                     env=offline_env(**{k: v for k, v in os.environ.items() if k.startswith(("AWS_", "S3_"))}),
+                     timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("benchmark.py: error: --remote s3://laion/mds") and "AWS_ACCESS_KEY_ID" in lines[-1]
+
+
+# -----------------------------------------------------------------------------------------------
+# The command line: exit codes, no traceback, no hang; a finished --autoresume job; W&B offline.
+# -----------------------------------------------------------------------------------------------
+
+def test_rerun_of_a_finished_autoresume_job_exits_0_with_its_summary(tmp_path, capsys):
+    run = TINY + ["--save_folder", str(tmp_path / "ckpt"), "--run_name", "done", "--autoresume",
+                  "--save_interval", "1ba", "--use_ema", "--ema_export_dir", str(tmp_path / "ema")]
+    measured = benchmark.main(run + ["--results_json", str(tmp_path / "first.json")])  # the job that trained
+    assert measured["images_per_sec"] > 0 and measured["measured_batches"] == 1
+    kept = (tmp_path / "first.json").read_text()
+    (tmp_path / "ema" / "diffusion_pytorch_model.safetensors").unlink()  # as if killed before the export
+
+    # The retried job, same command line but its own results file: exit 0, the summary says why.
+    retry = run_cli(run + ["--results_json", str(tmp_path / "retry.json")])
+    assert retry.returncode == 0, retry.stderr[-3000:]
+    assert "already complete" in retry.stdout and "Traceback" not in retry.stderr
+    written = json.loads((tmp_path / "retry.json").read_text())
+    assert written["already_complete"] is True and written["images_per_sec"] is None
+    assert written["trained_batches"] == 2 and written["measured_batches"] == 0
+    assert (tmp_path / "ema" / "diffusion_pytorch_model.safetensors").is_file()  # the retry exported it
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("ep*.pt")) == ["ep0-ba1-rank0.pt", "ep0-ba2-rank0.pt"]
+
+    # Retried with the same results file: the measured figures are kept, not replaced by nulls.
+    capsys.readouterr()
+    again = benchmark.main(run + ["--results_json", str(tmp_path / "first.json")])
+    assert again["already_complete"] is True and (tmp_path / "first.json").read_text() == kept
+    assert "kept " in capsys.readouterr().out
+
+
+def test_rerun_of_a_finished_epoch_run_reports_it_too(tmp_path):
+    # With an epoch duration the last checkpoint is taken before the epoch counter moves on, so
+    # Composer's fit() runs and trains 0 batches: the same summary, not a crash on empty figures.
+    run = TINY + ["--max_duration", "1ep", "--num_synthetic_samples", "8", "--save_folder", str(tmp_path),
+                  "--run_name", "epoch", "--autoresume", "--save_interval", "1ba"]
+    assert benchmark.main(run)["measured_batches"] == 1
+    again = benchmark.main(run)
+    assert again["already_complete"] is True and again["trained_batches"] == 2 and again["final_loss"] is None
+
+
+def wandb_records(run_file: Path) -> dict[str, str]:
+    """History and summary values of an offline W&B run, read with wandb's own file reader."""
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal.datastore import DataStore
+
+    store = DataStore()
+    store.open_for_scan(str(run_file))
+    values = {}
+    while (raw := store.scan_data()) is not None:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        kind = record.WhichOneof("record_type")
+        items = record.history.item if kind == "history" else record.summary.update if kind == "summary" else []
+        for item in items:
+            values[f"{kind}:{item.key or '/'.join(item.nested_key)}"] = item.value_json
+    return values
+
+
+def test_wandb_offline_run_records_the_benchmark_metrics(tmp_path):
+    results = tmp_path / "results.json"
+    env = offline_env(WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
+    result = run_cli(TINY + ["--wandb_project", "sd2-benchmark", "--wandb_name", "offline-test",
+                             "--results_json", str(results)], env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    values = wandb_records(run_file)
+    measured = json.loads(results.read_text())
+    for kind in ("history", "summary"):
+        assert float(values[f"{kind}:benchmark/images_per_sec"]) == pytest.approx(measured["images_per_sec"])
+    assert float(values["summary:benchmark/measured_batches"]) == measured["measured_batches"] == 1
