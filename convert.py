@@ -243,8 +243,9 @@ def webdataset_candidates(path: Path, report: Report) -> Iterator[Candidate]:
             groups.setdefault(found[0], []).append((found[1], member))
             last[found[0]] = position
     if scan.problem:
-        report.warnings.append(f"{path} {scan.problem}: its {scan.samples:,} sample(s) before that point were "
-                               "read, the rest of the file is lost (re-download it)")
+        report.warnings.append(f"{path} {scan.problem}: {scan.samples:,} sample key(s) were found before that "
+                               "point; the samples after it are lost, and an incomplete last one is counted among "
+                               "the skipped (re-download the file)")
     if not groups:
         return
     with tarfile.open(path, "r:*") as tar:
