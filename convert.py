@@ -508,6 +508,8 @@ def prepare_output(out: str, overwrite: bool) -> Output:
             raise ConvertError(f"--out {out} already holds an MDS dataset (index.json); pass --overwrite to replace it")
         return Output(out, out)  # remote objects are overwritten shard by shard; index.json last, by MDSWriter
     path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConvertError(f"--out {out} is a file, not a folder")
     staging = path / STAGING
     if staging.is_dir():  # left by a conversion that was killed: ours, unless something else is in it
         foreign = sorted(set(os.listdir(staging)) - _dataset_files(staging))
