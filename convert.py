@@ -330,6 +330,12 @@ def find_sources(inputs: list[str], fmt: str, image_column: str | None = None,
     Raises ConvertError when an input is missing or holds nothing to convert.
     """
     report = report if report is not None else Report(out="")
+    resolved = [(name, Path(name).expanduser().resolve()) for name in inputs if not paths.scheme(name)]
+    for i, (name, path) in enumerate(resolved):
+        for other, other_path in resolved[i + 1:]:
+            if path == other_path or path in other_path.parents or other_path in path.parents:
+                raise ConvertError(f"inputs {name} and {other} overlap: their common files would be converted "
+                                   "twice; give each folder once")
     sources: list[Source] = []
     total: int | None = 0
     damaged: list[str] = []

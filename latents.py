@@ -45,8 +45,10 @@ that it got every index of its range once). A chunk with a readable index.json i
 skipped on a rerun, so an interrupted job is resumed by running the same command again (on any
 number of GPUs: chunks do not depend on the world size). When all chunks are complete, rank 0
 merges their indexes into `OUT/index.json` (streaming.base.util.merge_index). The settings that
-decide the content (source, chunk size, image size, model...) are kept in `OUT/precompute.json`;
-a rerun with other settings is refused. Samples whose image cannot be decoded (or whose caption is
+decide the content (source, chunk size, image size, model...) and a fingerprint of the source
+(SHA-256 of its index.json shard list) are kept in `OUT/precompute.json`; a rerun with other
+settings, or over a source replaced at the same path, is refused. --out may not overlap --local
+or a local --remote, and --overwrite deletes only what this script writes there. Samples whose image cannot be decoded (or whose caption is
 not a string) are skipped and logged; more than --max_bad_fraction of them stops the run.
 With several nodes, --out must be a shared folder or an object-store URI (s3://, gs://, oci://...).
 """
