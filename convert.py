@@ -56,7 +56,6 @@ import shutil
 import sys
 import tarfile
 import tempfile
-import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path

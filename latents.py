@@ -48,8 +48,9 @@ merges their indexes into `OUT/index.json` (streaming.base.util.merge_index). Th
 decide the content (source, chunk size, image size, model...) and a fingerprint of the source
 (SHA-256 of its index.json shard list) are kept in `OUT/precompute.json`; a rerun with other
 settings, or over a source replaced at the same path, is refused. --out may not overlap --local
-or a local --remote, and --overwrite deletes only what this script writes there. Samples whose image cannot be decoded (or whose caption is
-not a string) are skipped and logged; more than --max_bad_fraction of them stops the run.
+or a local --remote, and --overwrite deletes only what this script writes there. Samples whose
+image cannot be decoded (or whose caption is not a string) are skipped and logged; more than
+--max_bad_fraction of them stops the run.
 With several nodes, --out must be a shared folder or an object-store URI (s3://, gs://, oci://...).
 """
 from __future__ import annotations
