@@ -53,6 +53,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
 import tarfile
 import tempfile
@@ -441,6 +442,13 @@ def prepare(candidate: Candidate, min_size: int = 0, max_size: int = 0,
     return Candidate(candidate.key, buffer.getvalue(), caption), None, True
 
 
+def _default_sigterm() -> None:
+    """Pool worker start: the default SIGTERM action (exit at once). Importing Composer (data.py
+    does) installs a handler that raises SystemExit instead; a forked worker inherits it and was
+    seen to outlive Pool.terminate(), which then waits for it forever."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _batches(items: Iterator[Candidate], size: int) -> Iterator[list[Candidate]]:
     batch = []
     for item in items:
@@ -526,12 +534,15 @@ def prepare_output(out: str, overwrite: bool) -> Output:
     entries = set(os.listdir(path)) if path.is_dir() else set()
     replaced: list[Path] = []
     if entries:
-        if not (path / "index.json").is_file():
+        owned = _dataset_files(path)
+        # Shard files alone: a dataset whose publishing was cut short (publish() removes index.json first).
+        if not (path / "index.json").is_file() and not entries <= owned:
             raise ConvertError(f"--out {out} is not empty and holds no MDS dataset (no index.json): "
                                + ("refusing to delete it; " if overwrite else "") + "choose a new or empty folder")
         if not overwrite:
-            raise ConvertError(f"--out {out} already holds an MDS dataset (index.json); pass --overwrite to replace it")
-        foreign = sorted(entries - _dataset_files(path))
+            raise ConvertError(f"--out {out} already holds an MDS dataset (index.json or shards); pass --overwrite "
+                               "to replace it")
+        foreign = sorted(entries - owned)
         if foreign:
             raise ConvertError(f"--out {out} holds files that are not part of its MDS dataset ({', '.join(foreign[:3])}"
                                f"{'...' if len(foreign) > 3 else ''}): --overwrite deletes only what convert.py "
@@ -611,7 +622,7 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
     try:
         if workers > 1:
             context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-            pool = context.Pool(workers)
+            pool = context.Pool(workers, initializer=_default_sigterm)
         writer = MDSWriter(out=output.writer_out, columns=COLUMNS, compression=compression or None,
                            hashes=sorted(hashes), size_limit=size_limit)
         with tqdm(total=total, unit=" img", desc="convert", disable=not progress,
@@ -636,6 +647,10 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
         report.shards = len(writer.shards)
         writer = None
         publish(output)
+        if pool is not None:
+            pool.close()  # the workers finish their loop and exit; no signals needed
+            pool.join()
+            pool = None
     except BaseException:
         # No index.json for a dataset that is not whole: MDSWriter's context manager would write one.
         if writer is not None:

@@ -291,6 +291,10 @@ def test_failed_conversion_leaves_no_index_and_the_rerun_works(tmp_path, monkeyp
     (out / convert.STAGING / "shard.00000.mds").write_bytes(b"partial")
     report = convert_main(str(photos), "--out", str(out))
     assert report.written == 4 and sorted(os.listdir(out)) == ["index.json", "shard.00000.mds.zstd"]
+    # Killed while publishing (old index.json already deleted): shards alone, which --overwrite replaces.
+    (out / "index.json").unlink()
+    assert "--overwrite" in error_of(convert.main, [str(photos), "--out", str(out)])
+    assert convert_main(str(photos), "--out", str(out), "--overwrite").written == 4
 
 
 def test_captions_that_are_not_utf8_are_decoded_and_counted(tmp_path):
