@@ -297,6 +297,23 @@ def test_failed_conversion_leaves_no_index_and_the_rerun_works(tmp_path, monkeyp
     assert convert_main(str(photos), "--out", str(out), "--overwrite").written == 4
 
 
+REAL_PREPARE = convert.prepare
+
+
+def prepare_or_fail_on_p02(candidate, **kwargs):
+    """convert.prepare, except that sample p02.jpg meets a full disk (in a worker process)."""
+    if candidate.key == "p02.jpg":
+        raise OSError(28, "No space left on device")
+    return REAL_PREPARE(candidate, **kwargs)
+
+
+def test_failure_in_a_worker_process_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    photos = write_photos(tmp_path / "photos", 4)
+    monkeypatch.setattr(convert, "prepare", prepare_or_fail_on_p02)  # workers are forked after this
+    message = error_of(convert.main, [str(photos), "--out", str(tmp_path / "mds"), "--workers", "2", "--no_progress"])
+    assert "No space left on device" in message and not (tmp_path / "mds").exists()
+
+
 def test_captions_that_are_not_utf8_are_decoded_and_counted(tmp_path):
     photos = write_photos(tmp_path / "photos", 3)
     (photos / "p01.txt").write_bytes("café crème".encode("cp1252"))
