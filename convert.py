@@ -11,14 +11,23 @@ INPUT, any mix of (folders are searched recursively):
     (.jpg .jpeg .png .webp .bmp .gif .tif .tiff);
   * webdataset tar shards as img2dataset writes them (--output_format webdataset): a folder of
     *.tar or .tar files, members KEY.jpg + KEY.txt (+ KEY.json, whose "caption" is used when KEY.txt
-    is missing); the members of one sample must be adjacent, as webdataset requires;
+    is missing), grouped by KEY over the whole tar (they need not be adjacent). A truncated tar
+    (an interrupted download) is refused before anything is written; --allow_truncated converts
+    its readable part and reports the loss;
   * parquet files that hold the images (img2dataset --output_format parquet: `jpg`/`png`/`webp` bytes
     and a `txt` caption, or an `image` struct with `bytes`); needs `pip install pyarrow`. The
     parquet files next to img2dataset's tar shards hold metadata only: a folder with tar shards is
     read as webdataset.
+  A folder holding several kinds (tar shards and loose images, say) is converted whole; with
+  --format only that kind is read, and the files left out are counted in the report.
+  Caption files are UTF-8; any that is not is read as Windows-1252 and counted in the report.
 OUT: a local folder (new or empty), or a URI MDSWriter uploads to (s3://bucket/path, gs://,
   oci://, azure://...) with the credentials Streaming uses (for S3: the AWS variables and
-  S3_ENDPOINT_URL for other S3-compatible stores). --overwrite replaces an existing dataset.
+  S3_ENDPOINT_URL for other S3-compatible stores). It may not lie inside an INPUT, nor an INPUT
+  inside it. --overwrite replaces an existing MDS dataset there: it deletes index.json and the
+  shard files only, and refuses when the folder holds anything else. A local dataset is written
+  in OUT/.convert-partial and moved into place when complete (index.json last), so a failed or
+  interrupted run leaves no index.json behind (and the old dataset, with --overwrite, in place).
 
 Output columns: `jpg` (encoded image bytes), `caption` (str), `key` (str: the source file or key).
 Every image is decoded once to check it. JPEG bytes are stored unchanged (no second lossy
@@ -36,17 +45,18 @@ then one index for the whole root, which is what --remote ROOT streams:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import io
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import sys
 import tarfile
 import tempfile
-import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +69,7 @@ from streaming.base.hashing import get_hashes
 from streaming.base.util import bytes_to_int
 from tqdm import tqdm
 
+import paths
 from data import load_image, to_rgb
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
@@ -75,6 +86,13 @@ EMPTY_CAPTION = "empty caption"
 MISSING_IMAGE = "missing image"
 UNDECODABLE = "undecodable image"
 TOO_SMALL = "smaller than --min_size"
+TRUNCATED = "cut off by the end of a truncated tar"
+
+# The files MDSWriter names shards (shard.00000.mds, shard.00000.mds.zstd): with index.json, the
+# only files --overwrite deletes. A local output is written in STAGING inside --out and moved into
+# place when complete, so a failed or interrupted conversion never leaves a dataset that looks whole.
+SHARD_NAME = re.compile(r"shard\.\d{5,}\.mds(\.[a-z0-9:]+)?")
+STAGING = ".convert-partial"
 
 
 class ConvertError(Exception):
@@ -88,6 +106,7 @@ class Candidate:
     key: str
     image: bytes | None
     caption: str | None
+    skip: str | None = None  # a reason to skip it found while reading (TRUNCATED)
 
 
 @dataclass
@@ -99,38 +118,63 @@ class Report:
     reencoded: int = 0  # written samples whose image was not stored byte for byte (not JPEG, or resized)
     shards: int = 0
     skipped: Counter = field(default_factory=Counter)  # reason -> samples
+    not_read: Counter = field(default_factory=Counter)  # kind of input file left out -> files
+    non_utf8_captions: int = 0  # caption files decoded as Windows-1252 (see _text)
     warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         skipped = sum(self.skipped.values())
         reasons = ", ".join(f"{n:,} {reason}" for reason, n in self.skipped.most_common())
-        return (f"wrote {self.written:,} samples in {self.shards} shard(s) to {self.out} "
+        text = (f"wrote {self.written:,} samples in {self.shards} shard(s) to {self.out} "
                 f"({self.written - self.reencoded:,} JPEGs stored as they were, {self.reencoded:,} re-encoded "
                 f"as JPEG); skipped {skipped:,}" + (f": {reasons}" if reasons else ""))
+        if self.not_read:
+            text += "; not read: " + ", ".join(f"{n:,} {what}" for what, n in self.not_read.most_common())
+        if self.non_utf8_captions:
+            text += (f"; {self.non_utf8_captions:,} caption file(s) were not UTF-8 and were read as "
+                     "Windows-1252 (cp1252)")
+        return text
 
 
 # -----------------------------------------------------------------------------------------------
 # Reading the inputs: each source yields Candidates in a deterministic order.
 # -----------------------------------------------------------------------------------------------
 
-def _text(data: bytes) -> str:
-    return data.decode("utf-8", errors="replace")  # a stray byte should not cost us the sample
+def _text(data: bytes, report: Report) -> str:
+    """A caption file's text: UTF-8 (a byte-order mark is dropped); any other bytes are read as
+    Windows-1252 (the usual legacy encoding of scraped captions; Latin-1 for its 5 undefined bytes),
+    and counted in the report: never replaced silently."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        report.non_utf8_captions += 1
+        try:
+            return data.decode("cp1252")
+        except UnicodeDecodeError:
+            return data.decode("latin-1")
 
 
-def folder_candidates(root: Path, images: list[Path]) -> Iterator[Candidate]:
+def folder_candidates(root: Path, images: list[Path], report: Report) -> Iterator[Candidate]:
     """Images under `root` with their same-named .txt captions (photos/cat.jpg + photos/cat.txt)."""
     for path in images:
         caption_path = path.with_suffix(".txt")
-        caption = _text(caption_path.read_bytes()) if caption_path.is_file() else None
+        caption = _text(_read(caption_path), report) if caption_path.is_file() else None
         # Without a caption the sample is skipped anyway: do not read the image.
-        image = path.read_bytes() if caption is not None else None
+        image = _read(path) if caption is not None else None
         key = path.relative_to(root).as_posix()
         yield Candidate(key, image, caption)
 
 
-def _webdataset_sample(key: str, files: dict[str, bytes]) -> Candidate:
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise ConvertError(f"cannot read {path}: {error.strerror or error}") from None
+
+
+def _webdataset_sample(key: str, files: dict[str, bytes], report: Report) -> Candidate:
     image = next((files[ext] for ext in files if "." + ext in IMAGE_EXTENSIONS), None)
-    caption = _text(files["txt"]) if "txt" in files else None
+    caption = _text(files["txt"], report) if "txt" in files else None
     if caption is None and "json" in files:
         try:
             meta = json.loads(files["json"])
@@ -140,34 +184,80 @@ def _webdataset_sample(key: str, files: dict[str, bytes]) -> Candidate:
     return Candidate(key, image, caption)
 
 
-def webdataset_candidates(path: Path, report: Report) -> Iterator[Candidate]:
-    """Samples of one webdataset tar: members KEY.EXT grouped by KEY (the name up to the first dot).
+def _member_key(member: tarfile.TarInfo) -> tuple[str, str] | None:
+    """(KEY, ext) of a webdataset member KEY.EXT (KEY: the name up to the first dot), or None."""
+    if not member.isfile():
+        return None
+    folder, _, name = member.name.rpartition("/")
+    stem, dot, ext = name.partition(".")
+    if not stem or not dot:
+        return None  # "._KEY.jpg" (macOS metadata) or a member without an extension
+    return (f"{folder}/{stem}" if folder else stem), ext.lower()
 
-    The tar is read as a stream (`r|*`, gzip allowed), so a 10 GB shard never sits in memory;
-    that is why a sample's members must be adjacent, which webdataset writers guarantee.
+
+@dataclass
+class TarScan:
+    """A tar shard's members (headers only) and, if it is damaged, what is wrong with it."""
+
+    members: list[tarfile.TarInfo]
+    samples: int  # distinct keys
+    problem: str | None
+
+
+def scan_tar(path: Path) -> TarScan:
+    """Read the headers of a tar shard (seeks past the data of an uncompressed tar) and check its end.
+
+    tarfile stops without a word at a missing or partial header, which is how a tar cut at a
+    member boundary looks (an interrupted download); a complete tar ends with a zero block after
+    its last member, so its absence, or data cut short, means samples were lost.
     """
-    key, files = None, {}
+    members: list[tarfile.TarInfo] = []
+    problem = None
     try:
-        with tarfile.open(path, "r|*") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                folder, _, name = member.name.rpartition("/")
-                stem, dot, ext = name.partition(".")
-                if not stem or not dot:
-                    continue  # "._KEY.jpg" (macOS metadata) or a member without an extension
-                member_key = f"{folder}/{stem}" if folder else stem
-                if member_key != key:
-                    if key is not None:
-                        yield _webdataset_sample(key, files)
-                    key, files = member_key, {}
-                files[ext.lower()] = tar.extractfile(member).read()
-    except (tarfile.TarError, OSError, EOFError) as error:
-        # A truncated last shard is common after an interrupted download: keep what was read.
-        report.warnings.append(f"{path}: stopped reading ({type(error).__name__}: {error}); "
-                               f"the samples before that point were converted")
-    if key is not None:
-        yield _webdataset_sample(key, files)
+        with tarfile.open(path, "r:*") as tar:
+            while (member := tar.next()) is not None:  # not getmembers(): keep what came before an error
+                members.append(member)
+            tar.fileobj.seek(tar.offset)
+            end = tar.fileobj.read(tarfile.BLOCKSIZE)
+            if len(end) < tarfile.BLOCKSIZE or end.count(0) != tarfile.BLOCKSIZE:
+                last = f"after member {members[-1].name}" if members else "before its first member"
+                problem = f"is truncated {last} (no end-of-archive block)"
+    except (tarfile.TarError, OSError, EOFError, ValueError) as error:
+        problem = f"cannot be read to its end ({type(error).__name__}: {error})"
+    keys = {k[0] for m in members if (k := _member_key(m)) is not None}
+    return TarScan(members, len(keys), problem)
+
+
+def webdataset_candidates(path: Path, report: Report) -> Iterator[Candidate]:
+    """Samples of one webdataset tar: members KEY.EXT grouped by KEY over the whole tar.
+
+    The headers are read first (scan_tar), then each sample is read once its last member is
+    reached: the members of a sample need not be adjacent, and only one sample's data is in
+    memory at a time. An adjacent tar (what webdataset writers produce) is read front to back.
+    """
+    scan = scan_tar(path)
+    groups: dict[str, list[tuple[str, tarfile.TarInfo]]] = {}
+    last: dict[str, int] = {}
+    for position, member in enumerate(scan.members):
+        if (found := _member_key(member)) is not None:
+            groups.setdefault(found[0], []).append((found[1], member))
+            last[found[0]] = position
+    if scan.problem:
+        report.warnings.append(f"{path} {scan.problem}: {scan.samples:,} sample key(s) were found before that "
+                               "point; the samples after it are lost, and an incomplete last one is counted among "
+                               "the skipped (re-download the file)")
+    if not groups:
+        return
+    with tarfile.open(path, "r:*") as tar:
+        for key in sorted(groups, key=last.__getitem__):
+            files = {}
+            try:
+                for ext, member in groups[key]:
+                    files[ext] = tar.extractfile(member).read()
+            except (tarfile.TarError, OSError, EOFError, ValueError):
+                yield Candidate(key, None, None, TRUNCATED)  # its data lies past the end of the file
+                continue
+            yield _webdataset_sample(key, files, report)
 
 
 def _parquet_file(path: Path):
@@ -175,7 +265,10 @@ def _parquet_file(path: Path):
         import pyarrow.parquet as pq
     except ImportError:
         raise ConvertError(f"reading {path} needs pyarrow: pip install pyarrow") from None
-    return pq.ParquetFile(path)
+    try:
+        return pq.ParquetFile(path)
+    except Exception as error:  # noqa: BLE001  pyarrow.ArrowInvalid (not a parquet file), OSError...
+        raise ConvertError(f"{path} is not a readable parquet file ({type(error).__name__}: {error})") from None
 
 
 def _parquet_columns(path: Path, image_column: str | None, caption_column: str | None) -> tuple[str, str]:
@@ -225,39 +318,80 @@ def _is_tar(path: Path) -> bool:
 
 
 def find_sources(inputs: list[str], fmt: str, image_column: str | None = None,
-                 caption_column: str | None = None) -> tuple[list[Source], int | None]:
-    """Resolve INPUT paths to sources and count their samples (None when unknown, as for tars).
+                 caption_column: str | None = None, report: Report | None = None,
+                 allow_truncated: bool = False) -> tuple[list[Source], int | None]:
+    """Resolve INPUT paths to sources and count their samples (None when unknown).
 
+    --format auto reads every kind found: tar shards, parquet files and loose images (a folder
+    may hold several); the parquet files next to tar shards are img2dataset's metadata and are
+    left out. Files of a kind that is not read are counted in the report. Every tar's headers are
+    read now, so a truncated shard is refused before anything is written (--allow_truncated
+    converts its readable part instead, and reports it).
     Raises ConvertError when an input is missing or holds nothing to convert.
     """
+    report = report if report is not None else Report(out="")
+    resolved = [(name, Path(name).expanduser().resolve()) for name in inputs if not paths.scheme(name)]
+    for i, (name, path) in enumerate(resolved):
+        for other, other_path in resolved[i + 1:]:
+            if path == other_path or path in other_path.parents or other_path in path.parents:
+                raise ConvertError(f"inputs {name} and {other} overlap: their common files would be converted "
+                                   "twice; give each folder once")
     sources: list[Source] = []
     total: int | None = 0
+    damaged: list[str] = []
+    names = {"webdataset": ".tar shard(s)", "parquet": ".parquet file(s)", "folder": "image(s)"}
     for name in inputs:
+        if paths.scheme(name):
+            raise ConvertError(f"input {name}: inputs are local files or folders (download remote data first)")
         path = Path(name).expanduser()
         if not path.exists():
             raise ConvertError(f"input {name} does not exist")
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        files = [p for p in files if STAGING not in p.parts]  # an interrupted conversion's own output
         found = {
             "webdataset": [p for p in files if _is_tar(p)],
             "parquet": [p for p in files if p.suffix.lower() == ".parquet"],
             "folder": [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS],
         }
-        kind = fmt if fmt != "auto" else next((k for k in ("webdataset", "parquet", "folder") if found[k]), None)
-        if kind is None or not found[kind]:
-            wanted = {"webdataset": ".tar shards", "parquet": ".parquet files", "folder": "images"}.get(
-                kind, f"images ({' '.join(sorted(IMAGE_EXTENSIONS))}), .tar shards or .parquet files")
+        if fmt == "auto":
+            kinds = [k for k in ("webdataset", "parquet", "folder") if found[k]]
+            if found["webdataset"] and found["parquet"]:
+                kinds.remove("parquet")
+                report.not_read[f"{names['parquet']} next to tar shards (img2dataset metadata; "
+                                "--format parquet reads them)"] += len(found["parquet"])
+        else:
+            kinds = [fmt] if found[fmt] else []
+            for other in found:
+                if other != fmt and found[other]:
+                    report.not_read[f"{names[other]} (--format {fmt})"] += len(found[other])
+        if not kinds:
+            wanted = names[fmt] if fmt != "auto" else \
+                f"images ({' '.join(sorted(IMAGE_EXTENSIONS))}), .tar shards or .parquet files"
             raise ConvertError(f"nothing to convert in {name}: no {wanted} found")
-        if kind == "folder":
-            sources.append(Source("folder", path if path.is_dir() else path.parent, found["folder"]))
-            total = None if total is None else total + len(found["folder"])
-            continue
-        for file in found[kind]:
-            sources.append(Source(kind, file))
-            if kind == "parquet":
+        if "webdataset" in kinds:
+            for file in found["webdataset"]:
+                scan = scan_tar(file)
+                if scan.problem:
+                    damaged.append(f"{file} {scan.problem}")
+                sources.append(Source("webdataset", file))
+                total = None if total is None else total + scan.samples
+        if "parquet" in kinds:
+            for file in found["parquet"]:
+                sources.append(Source("parquet", file))
                 _parquet_columns(file, image_column, caption_column)  # fail now, not after hours of work
                 total = None if total is None else total + _parquet_file(file).metadata.num_rows
-            else:
-                total = None  # a tar's sample count is only known after reading it
+        if "folder" in kinds:
+            images = found["folder"]
+            sources.append(Source("folder", path if path.is_dir() else path.parent, images))
+            total = None if total is None else total + len(images)
+            stems = {p.with_suffix("") for p in images}
+            orphans = [p for p in files if p.suffix == ".txt" and p.with_suffix("") not in stems]
+            if orphans and path.is_dir():
+                report.not_read[".txt file(s) without a same-named image"] += len(orphans)
+    if damaged and not allow_truncated:
+        raise ConvertError(f"{damaged[0]}" + (f" (and {len(damaged) - 1} more tar(s))" if len(damaged) > 1 else "")
+                           + ": re-download it, or pass --allow_truncated to convert the readable part "
+                           "(the loss is reported)")
     return sources, total
 
 
@@ -265,7 +399,7 @@ def iter_candidates(sources: list[Source], report: Report, image_column: str | N
                     caption_column: str | None) -> Iterator[Candidate]:
     for source in sources:
         if source.kind == "folder":
-            yield from folder_candidates(source.path, source.images)
+            yield from folder_candidates(source.path, source.images, report)
         elif source.kind == "webdataset":
             yield from webdataset_candidates(source.path, report)
         else:
@@ -279,6 +413,8 @@ def iter_candidates(sources: list[Source], report: Report, image_column: str | N
 def prepare(candidate: Candidate, min_size: int = 0, max_size: int = 0,
             quality: int = 95) -> tuple[Candidate, str | None, bool]:
     """Check a sample and produce what is stored: (sample, skip reason or None, re-encoded?)."""
+    if candidate.skip:
+        return candidate, candidate.skip, False
     if candidate.caption is None:
         return candidate, MISSING_CAPTION, False
     caption = candidate.caption.strip()
@@ -306,6 +442,13 @@ def prepare(candidate: Candidate, min_size: int = 0, max_size: int = 0,
     return Candidate(candidate.key, buffer.getvalue(), caption), None, True
 
 
+def _default_sigterm() -> None:
+    """Pool worker start: the default SIGTERM action (exit at once). Importing Composer (data.py
+    does) installs a handler that raises SystemExit instead; a forked worker inherits it and was
+    seen to outlive Pool.terminate(), which then waits for it forever."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _batches(items: Iterator[Candidate], size: int) -> Iterator[list[Candidate]]:
     batch = []
     for item in items:
@@ -322,47 +465,135 @@ def _batches(items: Iterator[Candidate], size: int) -> Iterator[list[Candidate]]
 # -----------------------------------------------------------------------------------------------
 
 def is_remote(out: str) -> bool:
-    return urllib.parse.urlparse(out).scheme not in ("", "file")
+    return paths.scheme(out) != ""
 
 
 def _remote_index_exists(out: str) -> bool:
+    """Whether the remote --out holds an index.json; a store that cannot be reached (no
+    credentials, unknown bucket or endpoint) is an error now, not after the conversion."""
     from streaming.base.storage import CloudDownloader
 
     with tempfile.TemporaryDirectory() as tmp:
         try:
             CloudDownloader.direct_download(f"{out.rstrip('/')}/index.json", os.path.join(tmp, "index.json"), 60)
-        except Exception:  # noqa: BLE001  not found (or not reachable: then the upload will say why)
+        except FileNotFoundError:
             return False
+        except Exception as error:  # noqa: BLE001  botocore, google, oci... each has its own errors
+            code = getattr(error, "response", {}).get("Error", {}).get("Code")
+            if code in ("404", "NoSuchKey"):  # botocore's ClientError for a missing object
+                return False
+            detail = (str(error).strip().splitlines() or [""])[0][:300]
+            raise ConvertError(f"--out {out} cannot be reached ({type(error).__name__}: {detail}); check the "
+                               "store's credentials and endpoint (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                               "S3_ENDPOINT_URL)") from None
     return True
 
 
-def prepare_output(out: str, overwrite: bool) -> None:
-    """Refuse to mix a new dataset into existing files; with --overwrite, replace an MDS dataset only."""
+def _dataset_files(folder: Path) -> set[str]:
+    """Names in `folder` that an MDS dataset written by this tool consists of: index.json, the shard
+    files it lists and shard-named files (a staging folder's partial shards)."""
+    owned = {name for name in os.listdir(folder) if SHARD_NAME.fullmatch(name)}
+    try:
+        index = json.loads((folder / "index.json").read_text())
+        for shard in index.get("shards", []):
+            owned.update(info["basename"] for info in (shard.get("raw_data"), shard.get("zip_data")) if info)
+        owned.add("index.json")
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        pass  # no (readable) index: nothing else is ours
+    return owned
+
+
+@dataclass
+class Output:
+    """Where MDSWriter writes, and what publishing the result replaces (local --out only)."""
+
+    out: str
+    writer_out: str  # the staging folder for a local --out; --out itself for a remote one
+    replaced: list[Path] = field(default_factory=list)  # the old dataset's files, deleted on publishing
+    created: bool = False  # --out did not exist before
+
+
+def prepare_output(out: str, overwrite: bool) -> Output:
+    """Refuse to mix a new dataset into existing files; with --overwrite, replace an MDS dataset
+    only: its index.json and shard files, and nothing else (any other file: refused)."""
     if is_remote(out):
         if _remote_index_exists(out) and not overwrite:
             raise ConvertError(f"--out {out} already holds an MDS dataset (index.json); pass --overwrite to replace it")
-        return  # remote objects are overwritten shard by shard; index.json last, by MDSWriter
+        return Output(out, out)  # remote objects are overwritten shard by shard; index.json last, by MDSWriter
     path = Path(out).expanduser()
     if path.exists() and not path.is_dir():
         raise ConvertError(f"--out {out} is a file, not a folder")
-    if path.is_dir() and any(path.iterdir()):
-        if not overwrite:
-            raise ConvertError(f"--out {out} is not empty; pass --overwrite to replace the dataset in it")
-        if not (path / "index.json").is_file():
+    staging = path / STAGING
+    if staging.is_dir():  # left by a conversion that was killed: ours, unless something else is in it
+        foreign = sorted(set(os.listdir(staging)) - _dataset_files(staging))
+        if foreign:
+            raise ConvertError(f"--out {out}: {staging} holds files convert.py did not write ({foreign[0]}...): "
+                               "move them away or choose another --out")
+        shutil.rmtree(staging)
+    created = not path.exists()
+    entries = set(os.listdir(path)) if path.is_dir() else set()
+    replaced: list[Path] = []
+    if entries:
+        owned = _dataset_files(path)
+        # Shard files alone: a dataset whose publishing was cut short (publish() removes index.json first).
+        if not (path / "index.json").is_file() and not entries <= owned:
             raise ConvertError(f"--out {out} is not empty and holds no MDS dataset (no index.json): "
-                               "refusing to delete it; choose a new or empty folder")
-        shutil.rmtree(path)
+                               + ("refusing to delete it; " if overwrite else "") + "choose a new or empty folder")
+        if not overwrite:
+            raise ConvertError(f"--out {out} already holds an MDS dataset (index.json or shards); pass --overwrite "
+                               "to replace it")
+        foreign = sorted(entries - owned)
+        if foreign:
+            raise ConvertError(f"--out {out} holds files that are not part of its MDS dataset ({', '.join(foreign[:3])}"
+                               f"{'...' if len(foreign) > 3 else ''}): --overwrite deletes only what convert.py "
+                               "wrote; move them away or choose another --out")
+        replaced = [path / name for name in sorted(entries)]
+    try:
+        staging.mkdir(parents=True)
+    except OSError as error:
+        raise ConvertError(f"--out {out} cannot be written ({error.strerror or error}): choose another folder") from None
+    return Output(out, str(staging), replaced, created)
+
+
+def publish(output: Output) -> None:
+    """Move a finished local dataset out of the staging folder, replacing the old one; index.json last."""
+    if output.writer_out == output.out:
+        return
+    staging, path = Path(output.writer_out), Path(output.writer_out).parent
+    for old in output.replaced:
+        old.unlink()
+    names = sorted(os.listdir(staging), key=lambda name: name == "index.json")
+    for name in names:
+        os.replace(staging / name, path / name)
+    staging.rmdir()
+
+
+def discard(output: Output) -> None:
+    """After a failure: remove the staging folder (and --out, if this run created it); the old
+    dataset, if any, is untouched."""
+    if output.writer_out == output.out:
+        return
+    staging = Path(output.writer_out)
+    shutil.rmtree(staging, ignore_errors=True)
+    if output.created:
+        with contextlib.suppress(OSError):
+            staging.parent.rmdir()  # only if empty
 
 
 def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str | None = "zstd",
             hashes: tuple[str, ...] = ("sha1", "xxh64"), size_limit: int | str = "64mb", min_size: int = 0,
             max_size: int = 0, quality: int = 95, overwrite: bool = False, workers: int = 1,
-            image_column: str | None = None, caption_column: str | None = None, progress: bool = True) -> Report:
+            image_column: str | None = None, caption_column: str | None = None, progress: bool = True,
+            allow_truncated: bool = False) -> Report:
     """Convert `inputs` to MDS shards in `out`; returns the report (also printed by main)."""
     if fmt not in ("auto", "folder", "webdataset", "parquet"):
         raise ConvertError(f"--format {fmt} is unknown; choose auto, folder, webdataset or parquet")
     if min_size < 0 or max_size < 0 or (max_size and max_size < min_size):
         raise ConvertError(f"--min_size {min_size} / --max_size {max_size}: need 0 <= min_size <= max_size (0: no limit)")
+    if not 1 <= quality <= 100:
+        raise ConvertError(f"--quality {quality} must be a JPEG quality from 1 to 100 (default 95)")
+    if workers < 1:
+        raise ConvertError(f"--workers {workers} must be at least 1")
     unknown = [c for c in [compression] if c and c not in get_compressions()]
     unknown += [h for h in hashes if h not in get_hashes()]
     if unknown:
@@ -374,22 +605,28 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
             raise ValueError
     except (ValueError, TypeError):
         raise ConvertError(f"--size_limit {size_limit} must be a size such as 64mb, below 4gb") from None
-    sources, total = find_sources(inputs, fmt, image_column, caption_column)
-    prepare_output(out, overwrite)
+    problem = paths.check_scheme("--out", out, paths.output_schemes())
+    problem = problem or paths.overlap("--out", out, [("INPUT", name) for name in inputs])
+    problem = problem or paths.check_upload_credentials("--out", out)
+    if problem:
+        raise ConvertError(problem)
     report = Report(out=out)
+    sources, total = find_sources(inputs, fmt, image_column, caption_column, report, allow_truncated)
+    output = prepare_output(out, overwrite)
     check = functools.partial(prepare, min_size=min_size, max_size=max_size, quality=quality)
     # Worker processes decode and re-encode; this process reads the inputs and writes shards in
     # input order. Batches bound the memory in flight (Pool.imap would read all inputs ahead).
     # The pool is started before MDSWriter and tqdm start threads, so forking is safe.
     pool = None
-    if workers > 1:
-        context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        pool = context.Pool(workers, initializer=_pool_worker_init)
+    writer = None
     try:
-        writer = MDSWriter(out=out, columns=COLUMNS, compression=compression or None,
+        if workers > 1:
+            context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+            pool = context.Pool(workers, initializer=_default_sigterm)
+        writer = MDSWriter(out=output.writer_out, columns=COLUMNS, compression=compression or None,
                            hashes=sorted(hashes), size_limit=size_limit)
-        with writer, tqdm(total=total, unit=" img", desc="convert", disable=not progress,
-                          mininterval=1.0, dynamic_ncols=True) as bar:
+        with tqdm(total=total, unit=" img", desc="convert", disable=not progress,
+                  mininterval=1.0, dynamic_ncols=True) as bar:
             candidates = iter_candidates(sources, report, image_column, caption_column)
             for batch in _batches(candidates, 64 * max(1, workers)):
                 results = pool.map(check, batch, chunksize=8) if pool else map(check, batch)
@@ -402,24 +639,28 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
                         report.reencoded += reencoded
                 bar.update(len(batch))
                 bar.set_postfix(written=report.written, skipped=sum(report.skipped.values()), refresh=False)
+        if report.written == 0:
+            raise ConvertError("no sample could be converted (" + (", ".join(
+                f"{n:,} {reason}" for reason, n in report.skipped.most_common()) or "no samples found") +
+                "); nothing was written")
+        writer.finish()  # index.json last
         report.shards = len(writer.shards)
+        writer = None
+        publish(output)
         if pool is not None:
-            pool.close()
+            pool.close()  # the workers finish their loop and exit; no signals needed
             pool.join()
+            pool = None
+    except BaseException:
+        # No index.json for a dataset that is not whole: MDSWriter's context manager would write one.
+        if writer is not None:
+            writer.cancel_future_jobs()
+        discard(output)
+        raise
     finally:
         if pool is not None:
             pool.terminate()
     return report
-
-
-def _pool_worker_init() -> None:
-    """Pool workers die on SIGTERM and leave Ctrl-C to the parent.
-
-    Composer, imported through data.py, turns SIGTERM into sys.exit(), which a worker blocked on the
-    pool's task queue never reaches: Pool.terminate() then waits for it forever.
-    """
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -440,6 +681,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--caption_column", default=None, help=f"parquet caption column (default: first of {PARQUET_CAPTION_COLUMNS})")
     p.add_argument("--overwrite", action="store_true", help="replace the MDS dataset already in --out")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    # Damaged input and debugging.
+    p.add_argument("--allow_truncated", action="store_true",
+                   help="convert the readable part of truncated tar shards instead of refusing (the loss is reported)")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     return p.parse_args(argv)
 
 
@@ -452,14 +697,15 @@ def main(argv: list[str] | None = None) -> Report:
                          size_limit=args.size_limit, min_size=args.min_size, max_size=args.max_size,
                          quality=args.quality, overwrite=args.overwrite, workers=args.workers,
                          image_column=args.image_column, caption_column=args.caption_column,
-                         progress=not args.no_progress)
-    except ConvertError as error:
-        raise SystemExit(f"convert.py: error: {error}") from None
+                         progress=not args.no_progress, allow_truncated=args.allow_truncated)
+    except (ConvertError, OSError) as error:  # OSError: a disk that fills up, a file that cannot be read...
+        if args.debug:
+            raise
+        detail = str(error) if isinstance(error, ConvertError) else f"{type(error).__name__}: {error}"
+        raise SystemExit(f"convert.py: error: {detail}") from None
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(report.summary(), flush=True)
-    if report.written == 0:
-        raise SystemExit("convert.py: error: no sample could be converted (see the skip reasons above)")
     return report
 
 

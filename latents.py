@@ -45,19 +45,24 @@ that it got every index of its range once). A chunk with a readable index.json i
 skipped on a rerun, so an interrupted job is resumed by running the same command again (on any
 number of GPUs: chunks do not depend on the world size). When all chunks are complete, rank 0
 merges their indexes into `OUT/index.json` (streaming.base.util.merge_index). The settings that
-decide the content (source, chunk size, image size, model...) are kept in `OUT/precompute.json`;
-a rerun with other settings is refused. Samples whose image cannot be decoded (or whose caption is
-not a string) are skipped and logged; more than --max_bad_fraction of them stops the run.
+decide the content (source, chunk size, image size, model...) and a fingerprint of the source
+(SHA-256 of its index.json shard list) are kept in `OUT/precompute.json`; a rerun with other
+settings, or over a source replaced at the same path, is refused. --out may not overlap --local
+or a local --remote, and --overwrite deletes only what this script writes there. Samples whose
+image cannot be decoded (or whose caption is not a string) are skipped and logged; more than
+--max_bad_fraction of them stops the run.
 With several nodes, --out must be a shared folder or an object-store URI (s3://, gs://, oci://...).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -71,9 +76,13 @@ import numpy as np
 import torch
 from composer.utils import dist, reproducibility
 from streaming import MDSWriter, StreamingDataset
+from streaming.base.compression import get_compressions
+from streaming.base.hashing import get_hashes
+from streaming.base.util import bytes_to_int
 from torch.utils.data import DataLoader, Dataset
 
 import data
+import paths
 from data import LATENT_KEYS, STORAGE_DTYPES, bytes_per_sample, mds_columns
 from model import MODEL_CONFIGS, build_components
 from tokenizer import MAX_LENGTH, tokenize
@@ -224,19 +233,44 @@ def check_settings(existing: dict | None, settings: dict) -> str | None:
     diffs = [f"{k}: {existing.get(k)!r} there, {settings.get(k)!r} now" for k in keys if existing.get(k) != settings.get(k)]
     if not diffs:
         return None
+    if existing.get("source_index_sha256") != settings.get("source_index_sha256") and len(diffs) == 1:
+        return ("the output folder holds latents of another version of the source: its index.json (shard names, "
+                "sizes, hashes) changed since they were computed, so resuming would mix two datasets: use "
+                "another --out, or --overwrite to start over")
     return ("the output folder holds latents computed with other settings (" + "; ".join(diffs) +
             "): use another --out, the same settings, or --overwrite")
 
 
+SHARD_NAME = re.compile(r"shard\.\d{5,}\.mds(\.[a-z0-9:]+)?")  # what MDSWriter names shard files
+
+
 def clear_output(out: str) -> None:
-    """--overwrite on a local folder: delete a precomputed dataset there (and only that)."""
+    """--overwrite on a local folder: delete a precomputed dataset there, and only what this script
+    writes (precompute.json, index.json, chunkNNNNNN folders of MDS files); anything else: refuse."""
     path = Path(out)
     if not path.is_dir() or not any(path.iterdir()):
         return
     if not (path / SETTINGS_FILE).is_file():  # an index.json alone could be any dataset, the source even
         raise SystemExit(f"latents.py: error: --out {out} is not empty and holds no precomputed latents "
                          f"(no {SETTINGS_FILE}): refusing to delete it; choose a new or empty folder")
-    shutil.rmtree(path)
+    ours = {SETTINGS_FILE, f".{SETTINGS_FILE}.tmp", INDEX_FILE}
+    chunk = re.compile(r"chunk\d{6}")
+    foreign = []
+    for entry in sorted(path.iterdir()):
+        if entry.is_dir() and not entry.is_symlink() and chunk.fullmatch(entry.name):
+            foreign += [f"{entry.name}/{f.name}" for f in sorted(entry.iterdir())
+                        if not (f.is_file() and (f.name == INDEX_FILE or SHARD_NAME.fullmatch(f.name)))]
+        elif not (entry.is_file() and entry.name in ours):
+            foreign.append(entry.name)
+    if foreign:
+        raise SystemExit(f"latents.py: error: --out {out} holds files latents.py did not write "
+                         f"({', '.join(foreign[:3])}{'...' if len(foreign) > 3 else ''}): --overwrite deletes only "
+                         "precomputed latents; move them away or choose another --out")
+    for entry in path.iterdir():
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int) -> list[int]:
@@ -383,6 +417,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="start over: discard the chunks already in --out")
     p.add_argument("--dist_timeout", type=float, default=3 * 3600.0, help="seconds a rank may wait for the others")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    # Debugging.
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     args = p.parse_args(argv)
     args.compression = None if args.compression.lower() in ("", "none") else args.compression
     args.hashes = [h.strip() for h in args.hashes.split(",") if h.strip()]
@@ -402,12 +438,51 @@ def validate(args: argparse.Namespace) -> None:
             fail(f"--{flag} {getattr(args, flag)} must be positive")
     if args.num_workers < 0 or args.max_chunks < 0:
         fail("--num_workers and --max_chunks must be >= 0")
+    if not 0 <= args.seed < 2**32:
+        fail(f"--seed {args.seed} must be from 0 to 2**32 - 1")
+    if not 0.0 <= args.max_bad_fraction <= 1.0:  # also refuses nan
+        fail(f"--max_bad_fraction {args.max_bad_fraction} must be a fraction from 0 to 1")
+    if not 0.0 < args.dist_timeout < math.inf:
+        fail(f"--dist_timeout {args.dist_timeout} must be a positive number of seconds")
+    for flag in ("size_limit", "cache_limit"):
+        value = getattr(args, flag)
+        try:
+            if value is not None and not 0 < bytes_to_int(value) < (2**32 if flag == "size_limit" else math.inf):
+                raise ValueError
+        except (ValueError, TypeError):
+            fail(f"--{flag} {value} must be a size such as 64mb" + (", below 4gb" if flag == "size_limit" else ""))
+    unknown = [c for c in [args.compression] if c and c not in get_compressions()]
+    unknown += [h for h in args.hashes if h not in get_hashes()]
+    if unknown:
+        fail(f"unknown compression or hash {unknown}: compressions are "
+             f"{sorted({c.split(':')[0] for c in get_compressions()})}, hashes are {sorted(get_hashes())}")
     if not args.remote and not args.local:
         fail("no input: pass --remote (with --local as cache) or --local with the image-caption MDS shards")
+    problem = (paths.check_scheme("--remote", args.remote, paths.input_schemes()) if args.remote else None) \
+        or paths.check_scheme("--out", args.out, paths.output_schemes()) \
+        or (paths.check_scheme("--local", args.local, []) if args.local else None)
+    if problem:
+        fail(problem)
     if not args.remote and not Path(args.local).is_dir():
         fail(f"--local {args.local} is not a folder; give --remote to stream shards into it")
-    if not is_remote(args.out) and Path(args.out).exists() and not Path(args.out).is_dir():
-        fail(f"--out {args.out} is a file, not a folder")
+    if not args.remote and not Path(args.local, INDEX_FILE).is_file():
+        fail(f"--local {args.local} holds no MDS dataset (no {INDEX_FILE}): point it at the image-caption shards "
+             "that convert.py wrote, or give --remote to stream them into it")
+    inputs = [("--local", args.local or DEFAULT_SOURCE_CACHE), ("--remote", args.remote)]
+    problem = paths.overlap("--out", args.out, inputs) or paths.check_upload_credentials("--out", args.out)
+    if not problem and not is_remote(args.out):
+        problem = paths.check_writable_folder("--out", args.out)
+    if not problem and args.remote:  # the cache Streaming downloads the source shards into
+        problem = paths.check_writable_folder("--local", args.local or DEFAULT_SOURCE_CACHE)
+    if problem:
+        fail(problem)
+
+
+def source_fingerprint(source: IndexedImageCaptions) -> str:
+    """SHA-256 of the source's index.json shard list (names, sizes, hashes, sample counts): a source
+    replaced at the same path, even with the same number of samples, gets another fingerprint."""
+    index = json.loads(Path(source.streams[0].local, INDEX_FILE).read_text())
+    return hashlib.sha256(json.dumps(index["shards"], sort_keys=True).encode()).hexdigest()
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -441,14 +516,24 @@ def main(argv: list[str] | None = None) -> dict | None:
     latent_channels, text_dim = vae.config.latent_channels, text_encoder.config.hidden_size
     columns = mds_columns(latent_channels, args.image_size // 8, text_dim, args.storage_dtype, not args.no_captions)
 
-    source = IndexedImageCaptions(
-        remote=args.remote or None, local=args.local or DEFAULT_SOURCE_CACHE, tokenizer=tokenizer,
-        image_size=args.image_size, batch_size=args.batch_size, shuffle=False, cache_limit=args.cache_limit,
-        image_key=args.image_key, caption_key=args.caption_key)
+    try:
+        source = IndexedImageCaptions(
+            remote=args.remote or None, local=args.local or DEFAULT_SOURCE_CACHE, tokenizer=tokenizer,
+            image_size=args.image_size, batch_size=args.batch_size, shuffle=False, cache_limit=args.cache_limit,
+            image_key=args.image_key, caption_key=args.caption_key)
+        fingerprint = source_fingerprint(source)
+    except Exception as error:  # noqa: BLE001  not MDS, a wrong column, no credentials, unreachable store...
+        if args.debug:
+            raise
+        detail = (str(error).strip().splitlines() or [""])[0][:300]
+        raise SystemExit(f"latents.py: error: cannot read the source {args.remote or args.local} "
+                         f"({type(error).__name__}: {detail})" + (
+                             "; check the store's credentials and endpoint" if args.remote else "")) from None
     num_samples = source.num_samples
     num_chunks = math.ceil(num_samples / args.chunk_size)
     settings = {
         "source": args.remote or os.path.abspath(args.local), "source_samples": num_samples,
+        "source_index_sha256": fingerprint,
         "chunk_size": args.chunk_size, "image_size": args.image_size, "model_config": args.model_config,
         "model_name": args.model_name if args.model_config == "sd2-base" else None,
         "random_encoders": random_encoders, "seed": args.seed if random_encoders else None,
