@@ -285,6 +285,11 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         # Fixed shapes every step: let cuDNN time its convolution algorithms once and keep the fastest.
         torch.backends.cudnn.benchmark = True
     precision = args.precision if args.precision != "auto" else ("amp_bf16" if on_gpu else "fp32")
+    if not on_gpu and precision == "amp_fp16":
+        raise SystemExit("benchmark.py: error: --precision amp_fp16 needs a CUDA GPU; on CPU use fp32 or amp_bf16 "
+                         "(CPU autocast)")
+    # Composer refuses AMP on CPU: there the model autocasts to bf16 itself and Composer runs "fp32".
+    trainer_precision = "fp32" if not on_gpu else precision
     microbatch = args.device_train_microbatch_size
     if microbatch == "auto" and not on_gpu:
         microbatch = args.batch_size // world_size  # Composer's auto microbatching needs a GPU
@@ -314,6 +319,8 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
             warnings.warn(f"{why}; using randomly initialized {missing} (throughput does not depend on the weights).",
                           stacklevel=1)
     model = StableDiffusion(components.unet, components.vae, components.text_encoder, components.noise_scheduler)
+    if not on_gpu and precision == "amp_bf16":
+        model.cpu_autocast_dtype = torch.bfloat16
     if args.xformers:
         model.unet.enable_xformers_memory_efficient_attention()
     if args.channels_last:
@@ -382,7 +389,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         callbacks=[SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), throughput,
                    StopOnNonFiniteLoss(args.load_path, args.save_folder), *(extra_callbacks or [])],
         loggers=loggers,
-        precision=precision,
+        precision=trainer_precision,
         device_train_microbatch_size=microbatch,
         seed=args.seed,
         run_name=args.run_name,

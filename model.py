@@ -169,6 +169,7 @@ class StableDiffusion(ComposerModel):
         self.noise_scheduler = copy.deepcopy(noise_scheduler)
         self.latent_scale = latent_scale
         self.vae_channels_last = False  # set with --channels_last: feed the VAE channels-last images
+        self.cpu_autocast_dtype: torch.dtype | None = None  # set for --precision amp_bf16 on CPU
         self.flops_per_image = 0.0  # set by the benchmark from throughput.count_flops_per_image
         self.num_timesteps = self.noise_scheduler.config.num_train_timesteps
         self.prediction_type = self.noise_scheduler.config.prediction_type
@@ -204,6 +205,13 @@ class StableDiffusion(ComposerModel):
         return latents, text_states
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cpu_autocast_dtype is not None:
+            # Composer autocasts on CUDA only (and refuses AMP on CPU): on CPU the model does it itself.
+            with torch.autocast("cpu", dtype=self.cpu_autocast_dtype):
+                return self._forward(batch)
+        return self._forward(batch)
+
+    def _forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if "latent_mean" in batch:
             # Sample the stored posterior as the VAE would: mean + std * eps, then scale.
             mean, logvar = batch["latent_mean"].float(), batch["latent_logvar"].float()
