@@ -1,6 +1,7 @@
 """benchmark.py with timing faults injected from outside: a slow checkpoint save, a slow rank.
 
-    composer -n 2 tests/fault_run.py --report DIR [--slow_save_s S] [--slow_rank R --slow_rank_s S] <benchmark.py flags>
+    composer -n 2 tests/fault_run.py --report DIR [--slow_save_s S] [--slow_rank R --slow_rank_s S]
+        [--compile_backend NAME] <benchmark.py flags>
 
 `--slow_save_s S` makes every checkpoint save sleep S seconds on global rank 0 (the rank that writes
 the file; the other ranks wait for it), by wrapping Composer's `save_checkpoint` in this process.
@@ -9,15 +10,20 @@ the batch's last collective, so the other ranks wait for it in the next batch's 
 (Composer's end-of-data all-reduce, between BEFORE_ and AFTER_DATALOADER). Every rank writes
 `DIR/rank<R>.json`: the perf_counter times at which saves started, and the Throughput callback's
 `window_end`, so a test can check which saves fell inside the measured window. Other flags go to
-`benchmark.main` unchanged.
+`benchmark.main` unchanged. `--compile_backend aot_eager` makes `--compile` trace with dynamo and AOT
+autograd (graphs, DDP, parameter names) but skip inductor's code generation, which on CPU compiles
+C++ with gcc for minutes on a busy two-core machine (and on a GPU generates Triton instead).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -70,12 +76,15 @@ class Report(Callback):
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(add_help=False)
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # --compile is benchmark.py's
     p.add_argument("--report", type=Path, required=True)
     p.add_argument("--slow_save_s", type=float, default=0.0)
     p.add_argument("--slow_rank", type=int, default=None)
     p.add_argument("--slow_rank_s", type=float, default=0.0)
+    p.add_argument("--compile_backend", type=str, default=None)
     ours, rest = p.parse_known_args(argv)
+    if ours.compile_backend:
+        torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile, backend=ours.compile_backend)
     if ours.slow_save_s:
         slow_saves(ours.slow_save_s)
     callbacks: list[Callback] = [Report(ours.report)]
