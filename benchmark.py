@@ -19,7 +19,9 @@ import re
 import sys
 import tarfile
 import tempfile
+import time
 import urllib.parse
+import warnings
 import zipfile
 from pathlib import Path
 from typing import NoReturn
@@ -286,9 +288,9 @@ def check_numbers(args: argparse.Namespace) -> None:
         if flag == "max_duration" and time.unit.value == "sp" and time.value < args.batch_size:
             fail(f"--max_duration {value} is less than one global batch (--batch_size {args.batch_size}): "
                  "no step would run")
-    if args.precision.startswith("amp_") and not torch.cuda.is_available():
-        # Composer's CPU path runs amp_* steps in fp32 without saying so: the result would be mislabeled.
-        fail(f"--precision {args.precision} needs a GPU (no CUDA device here); use fp32 or auto on CPU")
+    if args.precision == "amp_fp16" and not torch.cuda.is_available():
+        # amp_bf16 runs on CPU under torch's CPU autocast (see main); fp16 autocast has no CPU path here.
+        fail(f"--precision {args.precision} needs a GPU (no CUDA device here); use fp32, amp_bf16 or auto on CPU")
 
 
 def unwritable(path: str, folder: bool) -> str | None:
@@ -555,20 +557,27 @@ class StopOnNonFiniteLoss(Callback):
     """Stop the run at the first NaN/inf loss, before the checkpoint of that batch is written.
 
     Checked at BATCH_END, which comes before Composer's checkpoint event, so no broken state is
-    saved. The flag is all-reduced so that every rank stops at the same batch instead of the
-    healthy ranks waiting in the next collective until the timeout.
+    saved. `state.loss` is only the last microbatch's loss: a NaN in an earlier microbatch would
+    poison the step and pass. Composer's `total_loss_dict` sums every microbatch's loss and is
+    already all-reduced over ranks (a float, the same on every rank), so checking it catches a NaN
+    in any microbatch on any rank at its own batch, with no extra collective, and every rank stops
+    at the same batch instead of the healthy ones waiting in the next collective until the timeout.
     """
 
     def __init__(self, load_path: str | None = None, save_folder: str | None = None):
         self.load_path, self.save_folder = load_path, save_folder
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        losses = state.loss if isinstance(state.loss, (list, tuple)) else [state.loss]
-        bad = torch.zeros(1, device=losses[0].device)
-        for loss in losses:
-            bad += (~torch.isfinite(loss.detach())).any().float()
-        dist.all_reduce(bad, reduce_operation="MAX")
-        if bad.item() == 0:
+        total = state.total_loss_dict.get("loss/train/total")
+        if total is None:  # Composer did not fill it (no loss this batch): check this rank's last loss, synced
+            losses = state.loss if isinstance(state.loss, (list, tuple)) else [state.loss]
+            bad = torch.zeros(1, device=losses[0].device)
+            for loss in losses:
+                bad += (~torch.isfinite(loss.detach())).any().float()
+            dist.all_reduce(bad, reduce_operation="MAX")
+            if bad.item() == 0:
+                return
+        elif math.isfinite(total):
             return
         # The timestamp already counts this batch: it is the N of the console's [batch=N/...] and of
         # the ep*-baN checkpoint this batch would have written.
@@ -595,6 +604,36 @@ class StopOnNonFiniteLoss(Callback):
         if self.save_folder and "://" in self.save_folder:  # locally there was only a temporary copy
             return f"{self.save_folder.rstrip('/')}/{os.path.basename(path)}"
         return path
+
+
+# Recommended microbatch per GPU memory size, SD2 base at 512x512 with AdamW, EMA and DDP; from
+# memory arithmetic, NOT measured (README: "Microbatch sizes"). Per device: UNet fp32 weights,
+# gradients, DDP buckets, EMA copy and two AdamW moments, 6 x 3.46 GB = 20.8 GB, plus the frozen
+# encoders (0.85 GB in bf16) and about 1.4 GB of bf16 activations per image of microbatch
+# (less with precomputed latents: no VAE encoder activations, so twice the microbatch).
+MICROBATCH_BY_MEMORY_GIB = ((36, 8), (72, 32), (128, 64))  # (at least this much memory, microbatch)
+
+
+def safe_auto_microbatch(total_memory_bytes: int, per_device: int, precomputed: bool) -> int:
+    """`auto` for several ranks: a fixed microbatch from the GPU's memory size, not an OOM search.
+
+    Composer's auto microbatching catches an OOM and retries the batch with half the microbatch.
+    Under DDP an OOM in the backward pass leaves the gradient reducer mid-reduction (buckets marked
+    ready on one rank and not on another), and the size found on batch 1 ignores the AdamW and EMA
+    state that is only allocated after it; so with several ranks `auto` takes the largest power of
+    two that divides the per-device batch and is at most the table's size for this memory.
+    """
+    gib = total_memory_bytes / 2**30
+    limit = 4  # below 36 GiB: the 2023 benchmark's 4 on a 40 GB A100 was the smallest known to fit
+    for memory_gib, size in MICROBATCH_BY_MEMORY_GIB:
+        if gib >= memory_gib:
+            limit = size
+    if precomputed:
+        limit *= 2
+    size = 1
+    while size * 2 <= min(limit, per_device) and per_device % (size * 2) == 0:
+        size *= 2
+    return size
 
 
 def per_node_signal_files() -> None:
@@ -629,10 +668,27 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     if on_gpu:
         # Before anything touches CUDA: otherwise every rank creates a context on GPU 0.
         torch.cuda.set_device(dist.get_local_rank())
+        # Fixed shapes every step: let cuDNN time its convolution algorithms once and keep the fastest.
+        torch.backends.cudnn.benchmark = True
     precision = args.precision if args.precision != "auto" else ("amp_bf16" if on_gpu else "fp32")
+    if not on_gpu and precision == "amp_fp16":
+        raise SystemExit("benchmark.py: error: --precision amp_fp16 needs a CUDA GPU; on CPU use fp32 or amp_bf16 "
+                         "(CPU autocast)")
+    # Composer refuses AMP on CPU: there the model autocasts to bf16 itself and Composer runs "fp32".
+    trainer_precision = "fp32" if not on_gpu else precision
     microbatch = args.device_train_microbatch_size
     if microbatch == "auto" and not on_gpu:
         microbatch = args.batch_size // world_size  # Composer's auto microbatching needs a GPU
+    elif microbatch == "auto" and world_size > 1:
+        microbatch = safe_auto_microbatch(torch.cuda.get_device_properties(0).total_memory,
+                                          args.batch_size // world_size, args.precomputed)
+        if dist.get_global_rank() == 0:
+            print(f"--device_train_microbatch_size auto with {world_size} ranks: using {microbatch} "
+                  f"(from memory arithmetic for this GPU's memory; see README), not Composer's OOM search", flush=True)
+    if args.channels_last and not args.compile and dist.get_global_rank() == 0:
+        warnings.warn("--channels_last without --compile: eager GroupNorm returns contiguous tensors, so every "
+                      "convolution after a norm converts its input back to channels-last; add --compile "
+                      "(inductor keeps one layout), or measure before keeping the flag.", stacklevel=1)
     reproducibility.seed_all(args.seed)
 
     components = build_components(args.model_config, args.model_name, with_encoders=not args.precomputed)
@@ -649,14 +705,29 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
             print(f"note: {why}; using randomly initialized {missing} (throughput does not depend on the weights).",
                   file=sys.stderr, flush=True)
     model = StableDiffusion(components.unet, components.vae, components.text_encoder, components.noise_scheduler)
+    if not on_gpu and precision == "amp_bf16":
+        model.cpu_autocast_dtype = torch.bfloat16
     if args.xformers:
         model.unet.enable_xformers_memory_efficient_attention()
     if args.channels_last:
         model.unet.to(memory_format=torch.channels_last)
         if model.vae is not None:
             model.vae.to(memory_format=torch.channels_last)
+            model.vae_channels_last = True
     if args.compile:
+        if world_size > 1:
+            # Under DDP, dynamo's DDPOptimizer splits the compiled graph at every gradient bucket
+            # (~140 graphs for the SD2 UNet) so that all-reduces overlap the backward pass. With
+            # gradient accumulation Composer syncs gradients only on a batch's last microbatch, so
+            # that overlap is worth little, while the splits cost fusion and compile time.
+            torch._dynamo.config.optimize_ddp = False
         model.unet.compile()  # nn.Module.compile keeps parameter names, so checkpoints and EMA are unaffected
+    if precision in ("amp_bf16", "amp_fp16"):
+        # Frozen encoders stored in the autocast dtype: autocast would otherwise re-cast their fp32
+        # weights on every microbatch. Autocast still runs its fp32-listed ops (GroupNorm,
+        # LayerNorm, softmax) in fp32, so the numerics are those of fp32 weights under autocast.
+        for frozen in model._frozen():
+            frozen.to(torch.bfloat16 if precision == "amp_bf16" else torch.float16)
 
     # FLOPs per image, counted once on meta-device copies: nothing is computed.
     meta_unet, meta_vae, meta_text = sd2_meta_components(args.model_config)
@@ -707,7 +778,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
                    StopOnNonFiniteLoss(args.load_path, args.save_folder), ConsoleProgress(args.log_interval),
                    *(extra_callbacks or [])],
         loggers=loggers,
-        precision=precision,
+        precision=trainer_precision,
         device_train_microbatch_size=microbatch,
         seed=args.seed,
         run_name=args.run_name,
@@ -720,12 +791,20 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         progress_bar=False,  # console.ConsoleProgress prints the progress line instead
         log_to_console=False,
     )
+    if on_gpu and model.vae is not None:
+        # Training only encodes: the VAE decoder (~50M parameters) waits on the host. Anything that
+        # decodes during a run (sampling) moves it back to the device first.
+        model.vae.decoder.to("cpu")
+        model.vae.post_quant_conv.to("cpu")
     trained_before = int(trainer.state.timestamp.batch)
     if not run_already_complete(trainer, args):
         trainer.fit()
+    after_window_s = time.perf_counter() - throughput.window_end if throughput.window_end else None
 
     results = {
         **throughput.summary,
+        # From the end of the last batch to the return of fit: final checkpoint, EMA export, uploads.
+        "seconds_after_window": after_window_s,
         "world_size": world_size,
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
         "precision": precision,
@@ -743,8 +822,8 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         "pretrained_parts": components.pretrained,
         "random_parts": components.random,
         "flops_per_image_breakdown": flops,
-        "final_loss": (float(trainer.state.loss.item())  # empty when nothing was trained (already complete)
-                       if isinstance(trainer.state.loss, torch.Tensor) and trainer.state.loss.numel() == 1 else None),
+        # Mean over all ranks and all microbatches of the last batch (Composer's all-reduced total).
+        "final_loss": trainer.state.total_loss_dict.get("loss/train/total"),
         "torch_version": torch.__version__,
     }
     if int(trainer.state.timestamp.batch) == trained_before:
@@ -770,6 +849,13 @@ def print_summary(r: dict) -> None:
               f"({r['trained_batches']} batches, checkpoint in {r['save_folder']}); nothing trained or measured "
               "in this run (its figures are those of the run that trained)\n", flush=True)
         return
+    def percent(value: float | None) -> str:
+        return f"{100 * value:.1f}%" if value is not None else "n/a"
+
+    wait, wait_mean = percent(r["data_wait_fraction"]), percent(r["data_wait_fraction_mean"])
+    after = f"{r['seconds_after_window']:.1f} s" if r.get("seconds_after_window") is not None else "n/a"
+    reserved = (f", {r['peak_memory_reserved_bytes'] / 2**30:.2f} GiB reserved"
+                if r.get("peak_memory_reserved_bytes") else "")
     mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_flops_per_device'] / 1e12:.0f} TFLOP/s peak per device" if r.get("mfu")
            else "n/a (unknown device peak; pass --peak_tflops)")
     print(
@@ -780,8 +866,11 @@ def print_summary(r: dict) -> None:
         f"throughput   {r['images_per_sec']:.2f} images/s ({r['images_per_sec_per_device']:.2f} per device) "
         f"over {r['measured_batches']} batches after {r['warmup_batches']} warm-up\n"
         f"MFU          {mfu} at {r['flops_per_image'] / 1e9:.1f} GFLOP/image\n"
-        f"data wait    {100 * r['data_wait_fraction']:.1f}% of step time\n"
-        f"peak memory  {r['peak_memory_bytes'] / 2**30:.2f} GiB ({r['peak_memory_kind']})\n"
+        f"data wait    {wait} of measured time in the loader's next() (max over ranks; mean {wait_mean})\n"
+        f"checkpoints  {r['checkpoint_seconds_in_window']:.1f} s saving inside the measured "
+        f"{r['measured_seconds']:.1f} s, {r['checkpoint_seconds_after_window']:.1f} s after it; "
+        f"{after} from the last batch to the end of fit\n"
+        f"peak memory  {r['peak_memory_bytes'] / 2**30:.2f} GiB ({r['peak_memory_kind']}){reserved} after warm-up\n"
         f"final loss   {r['final_loss']}\n",
         flush=True,
     )

@@ -5,8 +5,10 @@
 - precomputed VAE latents and text states (written by latents.py): their on-disk format, defined
   here once, and the datasets that train from them.
 
-Image datasets yield dicts with `image` (3, S, S) float in [-1, 1] and `captions` (77,) int64
-token ids; precomputed ones `latent_mean`, `latent_logvar` and `text_states`. Both are what
+Image datasets yield dicts with `image` (3, S, S) uint8 pixels and `captions` (77,) int64
+token ids (images cross from the loader workers as bytes, a quarter of float32's shared memory,
+pinned memory and host-to-device traffic; `model.scale_images` maps them to [-1, 1] on the
+device); precomputed ones `latent_mean`, `latent_logvar` and `text_states`. Both are what
 `model.StableDiffusion` consumes.
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ class SyntheticImageCaptions(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        image = torch.rand(3, self.image_size, self.image_size, generator=g) * 2 - 1
+        image = torch.randint(0, 256, (3, self.image_size, self.image_size), generator=g, dtype=torch.uint8)
         captions = torch.randint(0, VOCAB_SIZE, (MAX_LENGTH,), generator=g)
         return {"image": image, "captions": captions}
 
@@ -117,7 +119,7 @@ def load_image(data: bytes) -> Image.Image:
 
 
 def decode_image(data: bytes, size: int) -> torch.Tensor:
-    """Encoded image bytes -> (3, size, size) float32 tensor in [-1, 1].
+    """Encoded image bytes -> (3, size, size) uint8 tensor (`model.scale_images` makes it [-1, 1]).
 
     The image is oriented by its EXIF tag, converted to RGB (`to_rgb`), resized so that its shorter
     side is `size` pixels (bicubic, antialiased: Pillow filters over the whole footprint when it
@@ -140,7 +142,7 @@ def decode_image(data: bytes, size: int) -> torch.Tensor:
     left, top = (width - side) / 2, (height - side) / 2
     image = image.resize((size, size), Image.Resampling.BICUBIC, box=(left, top, left + side, top + side))
     pixels = torch.from_numpy(np.array(image, dtype=np.uint8))  # (size, size, 3), a writable copy
-    return pixels.permute(2, 0, 1).contiguous().float().div_(127.5).sub_(1.0)  # channels first, in [-1, 1]
+    return pixels.permute(2, 0, 1).contiguous()  # channels first
 
 
 def _check_local_only(local: str) -> None:
@@ -167,7 +169,7 @@ def _check_local_only(local: str) -> None:
 
 
 class StreamingImageCaptions(StreamingDataset):
-    """Image-caption pairs streamed from MDS shards: yields {"image": (3,S,S) in [-1,1], "captions": (77,)}.
+    """Image-caption pairs streamed from MDS shards: yields {"image": (3,S,S) uint8, "captions": (77,)}.
 
     Args:
         remote: where the shards live (s3://bucket/path, gs://, oci://, azure://, hf://, a local
@@ -268,7 +270,7 @@ def laion_dataloader(remote: str | None, local: str | None, tokenizer: Any, imag
                      cache_limit: int | str | None = None, validate_hash: str | None = None,
                      max_bad_fraction: float = MAX_BAD_FRACTION, bad_check_after: int = BAD_CHECK_AFTER,
                      **streaming_kwargs: Any) -> StreamingDataLoader:
-    """LAION-style MDS shards as batches {"image": (B,3,S,S) in [-1,1], "captions": (B,77)} for this rank.
+    """LAION-style MDS shards as batches {"image": (B,3,S,S) uint8, "captions": (B,77)} for this rank.
 
     `remote` None means the shards are already in `local`. The loader is a StreamingDataLoader, so
     Composer checkpoints its position and resumes mid-epoch. `seed` seeds the shuffle (the same on

@@ -84,7 +84,7 @@ from torch.utils.data import DataLoader, Dataset
 import data
 import paths
 from data import LATENT_KEYS, STORAGE_DTYPES, bytes_per_sample, mds_columns
-from model import MODEL_CONFIGS, build_components
+from model import MODEL_CONFIGS, build_components, scale_images
 from tokenizer import MAX_LENGTH, tokenize
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,8 @@ class IndexedImageCaptions(data.StreamingImageCaptions):
         except Exception as error:  # noqa: BLE001  Pillow raises OSError, ValueError, SyntaxError...
             log.warning("sample %d in %s cannot be used (%s: %s); left out of the precomputed data",
                         index, self.shard_name(index), type(error).__name__, error)
-            return {"index": index, "ok": False, "image": torch.zeros(3, self.image_size, self.image_size),
+            return {"index": index, "ok": False,
+                    "image": torch.zeros(3, self.image_size, self.image_size, dtype=torch.uint8),
                     "captions": torch.zeros(MAX_LENGTH, dtype=torch.long), "caption": ""}
 
     def shards_of(self, start: int, stop: int) -> range:
@@ -305,7 +306,7 @@ def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int) -> list
 def encode(vae: torch.nn.Module, text_encoder: torch.nn.Module, images: torch.Tensor, ids: torch.Tensor,
            device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """VAE posterior mean and log-variance, and text-encoder last hidden states, as float32 on `device`."""
-    images = images.to(device, non_blocking=True)
+    images = scale_images(images.to(device, non_blocking=True))  # uint8 pixels -> [-1, 1] on the device
     ids = ids.to(device, non_blocking=True)
     if device.type == "cuda":
         images = images.contiguous(memory_format=torch.channels_last)

@@ -64,6 +64,17 @@ SCHEDULER_CONFIG = dict(
 LATENT_SCALE = 0.18215  # SD2's VAE scaling_factor: latents * 0.18215 have roughly unit variance
 
 
+def scale_images(images: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 pixels (as the loaders yield them) -> `dtype` in [-1, 1]; float input is taken as already scaled.
+
+    Done on the device, after the transfer, so loader workers, pinned memory and the host-to-device
+    copy carry one byte per pixel instead of four.
+    """
+    if images.dtype == torch.uint8:
+        return images.to(dtype).div_(127.5).sub_(1.0)
+    return images.to(dtype)
+
+
 @dataclass
 class Components:
     """The parts of Stable Diffusion, plus what was loaded pretrained and what was not."""
@@ -143,7 +154,8 @@ def sd2_meta_components(model_config: str = "sd2-base") -> tuple[torch.nn.Module
 class StableDiffusion(ComposerModel):
     """Noise-prediction training of the UNet on VAE latents conditioned on text-encoder outputs.
 
-    Batches are dicts: `image` (B, 3, H, W) float in [-1, 1] and `captions` (B, 77) token ids, or,
+    Batches are dicts: `image` (B, 3, H, W) uint8 pixels (or float already in [-1, 1]) and
+    `captions` (B, 77) token ids, or,
     with encoder outputs precomputed (`latents.py`), `latent_mean` and `latent_logvar` (B, 4, H/8, W/8,
     the VAE posterior before scaling) and `text_states` (B, 77, D); then neither encoder runs.
     The loss is the MSE between the UNet output and the scheduler's target: the noise for
@@ -156,6 +168,8 @@ class StableDiffusion(ComposerModel):
         self.unet, self.vae, self.text_encoder = unet, vae, text_encoder
         self.noise_scheduler = copy.deepcopy(noise_scheduler)
         self.latent_scale = latent_scale
+        self.vae_channels_last = False  # set with --channels_last: feed the VAE channels-last images
+        self.cpu_autocast_dtype: torch.dtype | None = None  # set for --precision amp_bf16 on CPU
         self.flops_per_image = 0.0  # set by the benchmark from throughput.count_flops_per_image
         self.num_timesteps = self.noise_scheduler.config.num_train_timesteps
         self.prediction_type = self.noise_scheduler.config.prediction_type
@@ -178,12 +192,26 @@ class StableDiffusion(ComposerModel):
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor, captions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scaled VAE latents (sampled from the posterior) and text-encoder hidden states."""
+        """Scaled VAE latents (sampled from the posterior) and text-encoder hidden states.
+
+        `images` are uint8 pixels or floats in [-1, 1]; they are scaled here, on their device, into
+        the VAE's dtype (the autocast dtype when the encoders are stored in it).
+        """
+        images = scale_images(images, next(self.vae.parameters()).dtype)
+        if self.vae_channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
         latents = self.vae.encode(images).latent_dist.sample() * self.latent_scale
         text_states = self.text_encoder(captions)[0]
         return latents, text_states
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cpu_autocast_dtype is not None:
+            # Composer autocasts on CUDA only (and refuses AMP on CPU): on CPU the model does it itself.
+            with torch.autocast("cpu", dtype=self.cpu_autocast_dtype):
+                return self._forward(batch)
+        return self._forward(batch)
+
+    def _forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if "latent_mean" in batch:
             # Sample the stored posterior as the VAE would: mean + std * eps, then scale.
             mean, logvar = batch["latent_mean"].float(), batch["latent_logvar"].float()

@@ -2,8 +2,9 @@
 
 Composer's `SpeedMonitor` logs rolling images/sec, FLOPs/sec and MFU from the model's
 `flops_per_batch`. `Throughput` adds the figures a benchmark needs over the whole run after
-warm-up: images/sec (global and per device), MFU, peak device memory and the share of step time
-spent waiting for data. Its `summary` is what `benchmark.py` prints and writes to JSON.
+warm-up: images/sec (global and per device), MFU, peak device memory, the share of step time
+spent waiting for the loader and the seconds spent saving checkpoints. Its `summary` is what
+`benchmark.py` prints and writes to JSON.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any
 
 import torch
 from composer.callbacks.speed_monitor import get_gpu_flops_available
-from composer.core import Callback, State
+from composer.callbacks import CheckpointSaver
+from composer.core import Callback, State, TimeUnit
 from composer.loggers import Logger
 from composer.utils import dist
 from torch.utils.flop_counter import FlopCounterMode
@@ -54,21 +56,84 @@ def count_flops_per_image(unet: torch.nn.Module, vae: torch.nn.Module | None, te
     return flops
 
 
-def peak_memory_bytes() -> tuple[int, str]:
-    """Peak memory of this process: device memory allocated on CUDA, else host resident set size."""
+def peak_memory_bytes() -> dict[str, Any]:
+    """Peak memory of this process since the last reset: on CUDA both the bytes the tensors held
+    (`max_memory_allocated`) and what the caching allocator took from the device
+    (`max_memory_reserved`, what an OOM is about); else the host's resident set size, which cannot
+    be reset, so it covers the whole process."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated(), "cuda_max_memory_allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host_max_rss"  # ru_maxrss is KiB on Linux
+        return {"peak_memory_bytes": torch.cuda.max_memory_allocated(),
+                "peak_memory_reserved_bytes": torch.cuda.max_memory_reserved(),
+                "peak_memory_kind": "cuda_max_memory_allocated"}
+    return {"peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
+            "peak_memory_reserved_bytes": None, "peak_memory_kind": "host_max_rss"}
+
+
+def _timed_subclass(cls: type) -> type:
+    """A subclass of the loader's class whose iterator times every `next()`, and nothing else.
+
+    Composer's BEFORE/AFTER_DATALOADER events also enclose an all-reduce of an end-of-data flag and
+    its `.item()`, so a rank waiting there for a slower rank (one saving a checkpoint, say) would be
+    counted as waiting for data. Only the loader's own `next()` is timed here. (A subclass with no
+    new base: Python only lets an instance change class between classes of the same layout.)
+    """
+
+    def __iter__(self):
+        iterator = cls.__iter__(self)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self.next_wait_seconds += time.perf_counter() - start
+            self.next_calls += 1
+            yield batch
+
+    return type(f"Timed{cls.__name__}", (cls,), {
+        "__iter__": __iter__, "__module__": cls.__module__, "times_next": True,
+        "next_wait_seconds": 0.0,  # cumulative over the life of the loader (per instance once it counts)
+        "next_calls": 0,
+    })
+
+
+_TIMED_CLASSES: dict[type, type] = {}
+
+
+def time_loader_next(loader: Any) -> bool:
+    """Make `loader` time its `next()` calls (see `_timed_subclass`); True if it could.
+
+    The loader keeps its class, as a subclass: Composer checks `isinstance(loader, DataLoader)` to
+    set the distributed sampler's epoch and to checkpoint a StreamingDataLoader's position, so a
+    wrapper object would silently break shuffling and mid-epoch resumption.
+    """
+    cls = type(loader)
+    if getattr(cls, "times_next", False):
+        return True
+    if cls not in _TIMED_CLASSES:
+        _TIMED_CLASSES[cls] = _timed_subclass(cls)
+    try:
+        object.__setattr__(loader, "__class__", _TIMED_CLASSES[cls])  # DataLoader's __setattr__ guards some names
+    except TypeError:  # built-in or __slots__ layouts cannot change class: data wait is then not reported
+        return False
+    return True
 
 
 class Throughput(Callback):
-    """Whole-run throughput after `warmup_batches`, plus MFU, peak memory and data-wait share.
+    """Whole-run throughput after `warmup_batches`, plus MFU, peak memory, data wait and save time.
 
     The clock starts at the end of batch `warmup_batches` (compilation, cuDNN autotuning and
-    allocator growth happen in the first batches) and stops at the end of training; CUDA is
-    synchronized at both ends only, so the measurement does not slow the steps it measures.
-    If the run is shorter than the warm-up, only the first batch is excluded (and
-    `warmup_batches` in the summary says so).
+    allocator growth happen in the first batches) and stops at the end of the last batch, so the
+    final checkpoint, the EMA export and whatever else runs at the end of fit are not in it. CUDA
+    is synchronized at those two batch ends only, so the measurement does not slow the steps it
+    measures. Peak device memory is reset at the start of the window: it is the steady state's.
+    If the run is shorter than the warm-up, only the first batch is excluded (and `warmup_batches`
+    in the summary says so).
+
+    Checkpoint saves (Composer's CheckpointSaver at BATCH/EPOCH_CHECKPOINT) inside the window are
+    part of the measured time, as they are of a real run; their seconds are reported, and so are
+    those of saves after the window. Data wait is the time in the loader's `next()` (see
+    `time_loader_next`, applied at fit start), reported as the max and the mean over ranks.
 
     Args:
         warmup_batches: batches excluded from the measurement.
@@ -83,39 +148,89 @@ class Throughput(Callback):
         self.peak_flops_per_device = peak_flops_per_device
         self.summary: dict[str, Any] = {}
         self._batch_times: list[float] = []  # wall clock at the end of every batch, seconds
-        self._data_wait: list[float] = []  # seconds spent in the dataloader, per batch
+        self._data_wait: list[float] = []  # cumulative loader next() seconds at the end of every batch
+        self._save_seconds: list[float] = []  # cumulative checkpoint-save seconds at the end of every batch
         self._samples_seen: list[int] = []  # global samples trained at the end of every batch
-        self._data_start = 0.0
+        self._loader: Any = None
         self._fit_start = 0.0
         self._fit_start_samples = 0
+        self._saves = 0.0  # cumulative seconds spent in checkpoint saves
+        self._save_pending: tuple[float, Any] | None = None  # (start, saver's last batch) at a *_CHECKPOINT event
+        self.window_end = 0.0  # perf_counter() at the end of the last batch (benchmark.py times what follows)
+
+    # -- checkpoint saves: our *_checkpoint handler runs just before Composer's CheckpointSaver (the
+    # Trainer appends the saver after the user's callbacks), and the next event we see just after it.
+    def _saver(self, state: State) -> CheckpointSaver | None:
+        return next((cb for cb in state.callbacks if isinstance(cb, CheckpointSaver)), None)
+
+    def _checkpoint_event(self, state: State) -> None:
+        saver = self._saver(state)
+        if saver is not None:
+            self._save_pending = (time.perf_counter(), saver.last_checkpoint_batch)
+
+    def _after_checkpoint_event(self, state: State) -> None:
+        if self._save_pending is None:
+            return
+        start, before = self._save_pending
+        self._save_pending = None
+        saver = self._saver(state)
+        if saver is not None and saver.last_checkpoint_batch != before:  # it saved (on every rank)
+            self._saves += time.perf_counter() - start
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        self._checkpoint_event(state)
+
+    def epoch_checkpoint(self, state: State, logger: Logger) -> None:
+        self._after_checkpoint_event(state)  # a batch checkpoint just before (the epoch's last batch)
+        self._checkpoint_event(state)
+
+    def epoch_end(self, state: State, logger: Logger) -> None:
+        self._after_checkpoint_event(state)
+
+    def epoch_start(self, state: State, logger: Logger) -> None:
+        self._after_checkpoint_event(state)
 
     def fit_start(self, state: State, logger: Logger) -> None:
         if self.peak_flops_per_device is None:
             self.peak_flops_per_device = float(get_gpu_flops_available(state))
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
+        self._loader = state.dataloader if time_loader_next(state.dataloader) else None
         self._fit_start = time.perf_counter()
         self._fit_start_samples = int(state.timestamp.sample.value)  # nonzero after a resume
 
     def before_dataloader(self, state: State, logger: Logger) -> None:
-        self._data_start = time.perf_counter()
+        self._after_checkpoint_event(state)
 
-    def after_dataloader(self, state: State, logger: Logger) -> None:
-        self._data_wait.append(time.perf_counter() - self._data_start)
+    def _is_last_batch(self, state: State) -> bool:
+        """At BATCH_END: will training stop after this batch? (Composer's own end-of-training test,
+        plus the last batch of the last epoch, whose epoch count is only incremented after it.)"""
+        if state.max_duration is None:
+            return False
+        if state.timestamp >= state.max_duration:
+            return True
+        return (state.max_duration.unit == TimeUnit.EPOCH and state.dataloader_len is not None
+                and int(state.timestamp.batch_in_epoch) >= int(state.dataloader_len)
+                and int(state.timestamp.epoch) + 1 >= state.max_duration.value)
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        if len(self._batch_times) == self.warmup_batches - 1 and torch.cuda.is_available():
-            torch.cuda.synchronize()  # the clock starts with no work queued
-        self._batch_times.append(time.perf_counter())
+        at_warmup_end = len(self._batch_times) == self.warmup_batches - 1
+        last = self._is_last_batch(state)
+        if (at_warmup_end or last) and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the clock starts and stops with no work queued
+        now = time.perf_counter()
+        if at_warmup_end and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()  # the steady state's peak, not the warm-up's
+        self._batch_times.append(now)
         self._samples_seen.append(int(state.timestamp.sample.value))
+        self._data_wait.append(self._loader.next_wait_seconds if self._loader is not None else 0.0)
+        self._save_seconds.append(self._saves)
+        self.window_end = now
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        end = time.perf_counter()
+        self._after_checkpoint_event(state)
         if not self._batch_times:
             return
-        self._batch_times[-1] = end
         num_batches = len(self._batch_times)
         warmup = self.warmup_batches if num_batches > self.warmup_batches else min(1, num_batches - 1)
         start = self._batch_times[warmup - 1] if warmup > 0 else self._fit_start
@@ -123,27 +238,38 @@ class Throughput(Callback):
         samples = self._samples_seen[-1] - (self._samples_seen[warmup - 1] if warmup > 0 else self._fit_start_samples)
         world_size = dist.get_world_size()
         images_per_sec = samples / seconds
-        # Every rank waits for data on its own; the slowest loader sets the pace, so report the max.
-        local_wait = torch.tensor([sum(self._data_wait[warmup:num_batches])], dtype=torch.float64)
-        peak_bytes, memory_kind = peak_memory_bytes()
-        local_peak = torch.tensor([float(peak_bytes)], dtype=torch.float64)
+        wait = self._data_wait[-1] - (self._data_wait[warmup - 1] if warmup > 0 else 0.0)
+        saves_in = self._save_seconds[-1] - (self._save_seconds[warmup - 1] if warmup > 0 else 0.0)
+        saves_after = self._saves - self._save_seconds[-1]  # so far: FIT_END work is timed by the caller
+        memory = peak_memory_bytes()
+        # Every rank waits for data on its own: the slowest loader sets the pace (max), the mean
+        # says whether that is one rank or all. Peak memory: the fullest device.
+        values = torch.tensor([wait, wait, float(memory["peak_memory_bytes"]),
+                               float(memory["peak_memory_reserved_bytes"] or 0)], dtype=torch.float64)
         if world_size > 1:
-            local_wait = state.device.tensor_to_device(local_wait)
-            local_peak = state.device.tensor_to_device(local_peak)
-            dist.all_reduce(local_wait, reduce_operation="MAX")
-            dist.all_reduce(local_peak, reduce_operation="MAX")
+            values = state.device.tensor_to_device(values)
+            summed = values.clone()
+            dist.all_reduce(values, reduce_operation="MAX")
+            dist.all_reduce(summed, reduce_operation="SUM")
+            values[1] = summed[1] / world_size
+            values = values.cpu()
         per_device = images_per_sec / world_size
         peak_flops = self.peak_flops_per_device or 0.0
         mfu = per_device * self.flops_per_image / peak_flops if peak_flops and self.flops_per_image else None
+        timed = self._loader is not None
         self.summary = {
             "images_per_sec": images_per_sec,
             "images_per_sec_per_device": per_device,
             "measured_batches": num_batches - warmup,
             "measured_seconds": seconds,
             "warmup_batches": warmup,
-            "data_wait_fraction": float(local_wait.item()) / seconds,
-            "peak_memory_bytes": int(local_peak.item()),
-            "peak_memory_kind": memory_kind,
+            "data_wait_fraction": float(values[0]) / seconds if timed else None,
+            "data_wait_fraction_mean": float(values[1]) / seconds if timed else None,
+            "checkpoint_seconds_in_window": saves_in,
+            "checkpoint_seconds_after_window": saves_after,
+            "peak_memory_bytes": int(values[2]),
+            "peak_memory_reserved_bytes": int(values[3]) if memory["peak_memory_reserved_bytes"] is not None else None,
+            "peak_memory_kind": memory["peak_memory_kind"],
             "flops_per_image": self.flops_per_image,
             "peak_flops_per_device": peak_flops or None,
             "mfu": mfu,

@@ -3,12 +3,15 @@
     python bench/bench_data.py                                              # generated photos, 1 and all cores
     python bench/bench_data.py --num_workers 1,4,8 --local /data/mds/laion  # your shards, already local
     python bench/bench_data.py --num_workers 8 --remote s3://bucket/laion/mds --local /tmp/bench-cache
+    python bench/bench_data.py --num_workers 2 --image_dtype uint8,float32   # bytes vs floats from the workers
 
 It times the real training loader (`data.laion_dataloader`: Streaming, JPEG decode, resize, center
 crop, tokenization, collation, transfer from the worker processes) on MDS shards, with no model.
 Without --remote/--local it first writes shards of photo-like JPEGs (1024x768 by default, about
 the file size of real photos; random pixels would be far larger and slower to decode, flat colors
 far faster) into a temporary folder, streams them from there, and deletes them at the end.
+`--image_dtype float32` makes the workers send float32 images in [-1, 1] (what the loader did
+before images crossed as uint8), to compare both in one run.
 
 What to compare with: the 2023 benchmark trained at 16 images/s per A100 (48 to 150 on an H100,
 depending on the code) with 8 loader workers per GPU, and claimed loading ran >= 30x ahead of the
@@ -21,6 +24,7 @@ import argparse
 import sys
 import gc
 import io
+import itertools
 import os
 import shutil
 import tempfile
@@ -30,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from torch.utils.data import default_collate
 from streaming import MDSWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
@@ -75,8 +80,15 @@ def write_photo_shards(out: Path, num_samples: int, width: int, height: int, dis
     return float(np.mean([len(j) for j in jpegs]))
 
 
+def float32_collate(samples: list[dict]) -> dict:
+    """Collate in the worker, then scale images to float32 [-1, 1] there: the previous loader's output."""
+    batch = default_collate(samples)
+    batch["image"] = batch["image"].float().div_(127.5).sub_(1.0)
+    return batch
+
+
 def measure(remote: str | None, local: str, tokenizer, image_size: int, batch_size: int, num_workers: int,
-            max_batches: int) -> tuple[int, float, float]:
+            max_batches: int, image_dtype: str = "uint8") -> tuple[int, float, float]:
     """Images timed, wall seconds and CPU seconds of this process, over one epoch (or `max_batches`).
 
     The clock starts when the first round of batches has arrived (one per worker: they are built
@@ -86,6 +98,8 @@ def measure(remote: str | None, local: str, tokenizer, image_size: int, batch_si
     """
     loader = data.laion_dataloader(remote=remote, local=local, tokenizer=tokenizer, image_size=image_size,
                                    batch_size_per_device=batch_size, num_workers=num_workers, seed=0)
+    if image_dtype == "float32":
+        loader.collate_fn = float32_collate  # read when the workers start, so this takes effect
     warmup = max(1, num_workers)
     if len(loader) <= warmup:
         raise SystemExit(f"bench_data.py: error: {len(loader)} batches per epoch is too few to time with "
@@ -115,7 +129,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--max_batches", type=int, default=0, help="timed batches per setting (0: one whole epoch)")
     p.add_argument("--num_samples", type=int, default=512, help="generated samples (without --remote/--local)")
     p.add_argument("--source_size", default="1024x768", help="generated image size WIDTHxHEIGHT")
+    p.add_argument("--image_dtype", default="uint8",
+                   help="comma-separated: uint8 (what training uses) and/or float32 (images scaled in the workers)")
     args = p.parse_args(argv)
+    dtypes = args.image_dtype.split(",")
+    if not dtypes or any(d not in ("uint8", "float32") for d in dtypes):
+        p.error(f"--image_dtype {args.image_dtype}: give uint8, float32 or uint8,float32")
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     workers = [int(w) for w in args.num_workers.split(",")] if args.num_workers else sorted({0, 1, cores})
@@ -136,28 +155,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{cores} CPU cores\n", flush=True)
 
         rows = []
-        print(f"{'workers':>7} | {'images/s':>9} | {'per worker':>10} | {'ms/image/worker':>15} | "
+        print(f"{'dtype':>7} | {'workers':>7} | {'images/s':>9} | {'per worker':>10} | {'ms/image/worker':>15} | "
               f"{'CPU ms/image':>12} | {'images timed':>12}")
-        print("-" * 81)
-        for n in workers:
+        print("-" * 91)
+        for n, dtype in itertools.product(workers, dtypes):  # dtypes side by side: machine noise hits both
             # A fresh cache per setting when we own the data, so every setting streams the same way.
-            cache = str(scratch / f"cache-{n}") if remote and not args.local else local
+            cache = str(scratch / f"cache-{n}-{dtype}") if remote and not args.local else local
             images, seconds, cpu_seconds = measure(remote, cache, tokenizer, args.image_size, args.batch_size, n,
-                                                   args.max_batches)
+                                                   args.max_batches, dtype)
             rate = images / seconds
             per_worker = rate / max(1, n)
             cpu_ms = 1000 * cpu_seconds / images if n == 0 else None
-            rows.append({"workers": n, "images_per_sec": rate, "per_worker": per_worker, "images": images,
-                         "cpu_ms_per_image": cpu_ms})
+            rows.append({"workers": n, "image_dtype": dtype, "images_per_sec": rate, "per_worker": per_worker,
+                         "images": images, "cpu_ms_per_image": cpu_ms})
             cpu = f"{cpu_ms:>12.1f}" if cpu_ms else f"{'-':>12}"
-            print(f"{n:>7} | {rate:>9.1f} | {per_worker:>10.1f} | {1000 / per_worker:>15.1f} | {cpu} | {images:>12}",
-                  flush=True)
+            print(f"{dtype:>7} | {n:>7} | {rate:>9.1f} | {per_worker:>10.1f} | {1000 / per_worker:>15.1f} | {cpu} | "
+                  f"{images:>12}", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         torch.set_num_threads(threads)  # main() also runs inside other programs (the tests)
 
-    best = max(row["per_worker"] for row in rows)
-    cpu_ms = [row["cpu_ms_per_image"] for row in rows if row["cpu_ms_per_image"]]
+    rows_used = [row for row in rows if row["image_dtype"] == "uint8"] or rows
+    best = max(row["per_worker"] for row in rows_used)
+    cpu_ms = [row["cpu_ms_per_image"] for row in rows_used if row["cpu_ms_per_image"]]
     if cpu_ms:
         # A worker with a core to itself does about this; a busy machine shows less in the table.
         best = max(best, 1000 / cpu_ms[0])

@@ -1,17 +1,25 @@
 """GPU throughput matrix: SD2 base at 512x512 with EMA, one `benchmark.py` run per setting.
 
-    python bench/bench_gpu.py --out $OUT                      # the default matrix, about 8 minutes on one H100
-    python bench/bench_gpu.py --out /tmp/b --quick            # two settings, a smoke test
-    python bench/bench_gpu.py --out /tmp/b --only online-bf16-mb32 precomputed-bf16-compile-mb32
+    python bench/bench_gpu.py --out results/h100x8              # every setting, all visible GPUs
+    python bench/bench_gpu.py --out /tmp/b --quick              # two settings
+    python bench/bench_gpu.py --out /tmp/b --gpus 1 --only online-bf16-mb32 precomputed-bf16-mb64-compile
+    python bench/bench_gpu.py --out /tmp/b --smoke              # no GPU: the tiny model on CPU, to check the tool
 
-Each setting runs in its own process (a fresh CUDA context: peak memory and compile caches do
-not leak between settings), writes `<out>/<name>.json` and `<out>/<name>.log`, and the table
-of images/sec, MFU and peak memory is printed last and written to `<out>/table.md`.
+It needs only the project's requirements. Each setting runs in its own launch (`composer -n GPUS
+benchmark.py ...`: a fresh CUDA context, so peak memory and compile caches do not leak between
+settings) with the global batch = GPUS x 2 x microbatch, and leaves in `--out`:
+
+    <setting>.json     benchmark.py's results (images/s, MFU, memory, device, versions...); cost.py
+                       reads it directly: python cost.py OUT/<setting>.json
+    logs/<setting>.log the launch's full output, command first
+    table.md           the table of all settings, under a line with device, versions and date
+    environment.json   device, GPU count, library versions, date, the command line
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import platform
 import subprocess
@@ -21,34 +29,52 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # the project root
 
-# name -> extra benchmark.py flags. Every run: sd2-base, 512x512, --use_ema, synthetic data.
+# name -> extra benchmark.py flags. Every run: sd2-base, 512x512, --use_ema, synthetic data, bf16.
 MATRIX: dict[str, list[str]] = {
     "online-bf16-mb16": ["--device_train_microbatch_size", "16"],
     "online-bf16-mb32": ["--device_train_microbatch_size", "32"],
     "online-bf16-mb32-cl": ["--device_train_microbatch_size", "32", "--channels_last"],
     "online-bf16-mb32-compile": ["--device_train_microbatch_size", "32", "--compile"],
+    "online-bf16-mb32-compile-cl": ["--device_train_microbatch_size", "32", "--compile", "--channels_last"],
     "precomputed-bf16-mb32": ["--precomputed", "--device_train_microbatch_size", "32"],
     "precomputed-bf16-mb64": ["--precomputed", "--device_train_microbatch_size", "64"],
     "precomputed-bf16-mb64-cl": ["--precomputed", "--device_train_microbatch_size", "64", "--channels_last"],
     "precomputed-bf16-mb64-compile": ["--precomputed", "--device_train_microbatch_size", "64", "--compile"],
 }
 QUICK = ["online-bf16-mb16", "precomputed-bf16-mb32"]
+# --smoke: the same settings on the tiny model at 32x32 on CPU, microbatches scaled down.
+SMOKE = ["--model_config", "tiny", "--image_size", "32", "--num_workers", "0"]
+PACKAGES = ("torch", "mosaicml", "mosaicml-streaming", "diffusers", "transformers", "xformers")
 
 
-def run_setting(name: str, flags: list[str], out: Path, batches: int, timeout_s: int) -> dict:
-    micro = int(flags[flags.index("--device_train_microbatch_size") + 1])
-    cmd = [sys.executable, str(ROOT / "benchmark.py"), "--use_synth_data", "--use_ema", "--image_size", "512",
-           "--batch_size", str(2 * micro), "--max_duration", f"{batches}ba", "--warmup_batches", "5",
-           "--num_workers", "8", "--log_interval", "5ba", "--results_json", str(out / f"{name}.json"), *flags]
+def fail(message: str) -> None:
+    raise SystemExit(f"bench_gpu.py: error: {message}")
+
+
+def run_setting(name: str, flags: list[str], out: Path, gpus: int, batches: int, warmup: int, timeout_s: int,
+                smoke: bool) -> dict:
+    flags = list(flags)
+    at = flags.index("--device_train_microbatch_size") + 1
+    if smoke:
+        flags[at] = str(max(1, int(flags[at]) // 16))
+        flags += SMOKE
+    micro = int(flags[at])
+    launcher = [sys.executable, "-m", "composer.cli.launcher", "-n", str(gpus)]
+    cmd = [*launcher, str(ROOT / "benchmark.py"), "--use_synth_data", "--use_ema", "--image_size", "512",
+           "--precision", "amp_bf16", "--batch_size", str(gpus * 2 * micro), "--max_duration", f"{batches}ba",
+           "--warmup_batches", str(warmup), "--num_workers", "8", "--log_interval", "5ba",
+           "--results_json", str(out / f"{name}.json"), *flags]  # later flags win: --smoke's override
     start = time.time()
-    with open(out / f"{name}.log", "w") as log:
+    log_path = out / "logs" / f"{name}.log"
+    with open(log_path, "w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
         try:
             code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=ROOT).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
-    result = {"name": name, "status": "ok" if code == 0 else f"failed ({code})", "wall_s": time.time() - start}
+    result = {"name": name, "status": "ok" if code == 0 else f"failed ({code}), see logs/{name}.log",
+              "wall_s": time.time() - start}
     if code == 0:
         result.update(json.loads((out / f"{name}.json").read_text()))
     print(f"{name}: {result['status']} in {result['wall_s']:.0f}s", flush=True)
@@ -56,42 +82,84 @@ def run_setting(name: str, flags: list[str], out: Path, batches: int, timeout_s:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| setting | images/s | MFU | peak memory GiB | data wait | final loss | status |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| setting | images/s | per GPU | MFU | peak memory GiB (reserved) | data wait | final loss | status |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        if r["status"] != "ok":
-            rows.append(f"| {r['name']} | | | | | | {r['status']} |")
+        if not r["status"].startswith("ok"):
+            rows.append(f"| {r['name']} | | | | | | | {r['status']} |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
-        rows.append(f"| {r['name']} | {r['images_per_sec']:.1f} | {mfu} | {r['peak_memory_bytes'] / 2**30:.1f} "
-                    f"| {100 * r['data_wait_fraction']:.1f}% | {r['final_loss']:.4f} | ok |")
+        reserved = f" ({r['peak_memory_reserved_bytes'] / 2**30:.1f})" if r.get("peak_memory_reserved_bytes") else ""
+        wait = f"{100 * r['data_wait_fraction']:.1f}%" if r.get("data_wait_fraction") is not None else "n/a"
+        rows.append(f"| {r['name']} | {r['images_per_sec']:.1f} | {r['images_per_sec_per_device']:.1f} | {mfu} "
+                    f"| {r['peak_memory_bytes'] / 2**30:.1f}{reserved} | {wait} | {r['final_loss']:.4f} | ok |")
     return "\n".join(rows)
 
 
-def main() -> None:
+def environment(gpus: int, smoke: bool, argv: list[str]) -> dict:
+    import torch
+
+    versions = {}
+    for package in PACKAGES:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "device": "cpu (--smoke)" if smoke else torch.cuda.get_device_name(0),
+        "gpus": gpus,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "versions": versions,
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *argv]),
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="folder for logs, JSON and the table")
-    p.add_argument("--batches", type=int, default=25, help="batches per setting (5 are warm-up)")
+    p.add_argument("--out", type=Path, required=True, help="results folder (JSON per setting, logs, table)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs per setting (default: all visible)")
+    p.add_argument("--batches", type=int, default=25, help="batches per setting, warm-up included")
+    p.add_argument("--warmup_batches", type=int, default=5, help="batches left out of the measurement")
     p.add_argument("--quick", action="store_true", help=f"only {QUICK}")
     p.add_argument("--only", nargs="+", default=None, help=f"settings to run, from {list(MATRIX)}")
-    p.add_argument("--timeout_s", type=int, default=240, help="limit per setting, seconds")
-    args = p.parse_args()
+    p.add_argument("--timeout_s", type=int, default=900, help="limit per setting, seconds")
+    p.add_argument("--smoke", action="store_true",
+                   help="check the tool without a GPU: tiny model, 32x32, on CPU (figures mean nothing)")
+    args = p.parse_args(argv)
     names = args.only or (QUICK if args.quick else list(MATRIX))
     unknown = [n for n in names if n not in MATRIX]
     if unknown:
-        p.error(f"--only: unknown settings {unknown}; choose from {list(MATRIX)}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    results = [run_setting(n, MATRIX[n], args.out, args.batches, args.timeout_s) for n in names]
+        fail(f"--only: unknown settings {unknown}; choose from {list(MATRIX)}")
+    if args.batches <= args.warmup_batches:
+        fail(f"--batches {args.batches} must exceed --warmup_batches {args.warmup_batches}")
 
     import torch
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    header = (f"{device}, torch {torch.__version__}, Python {platform.python_version()}, "
-              f"{datetime.date.today().isoformat()}; SD2 base 512x512, EMA on, synthetic data, "
-              f"global batch = 2 x microbatch, {args.batches} batches (5 warm-up)")
+
+    visible = torch.cuda.device_count()
+    if not args.smoke and visible == 0:
+        fail("no CUDA GPU visible (torch.cuda.device_count() is 0): run it on a GPU node, or pass --smoke to "
+             "check the tool on CPU")
+    gpus = args.gpus or (visible if not args.smoke else 1)
+    if not args.smoke and gpus > visible:
+        fail(f"--gpus {gpus}: only {visible} visible")
+    (args.out / "logs").mkdir(parents=True, exist_ok=True)
+    env = environment(gpus, args.smoke, argv)
+    (args.out / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
+    results = [run_setting(n, MATRIX[n], args.out, gpus, args.batches, args.warmup_batches, args.timeout_s, args.smoke)
+               for n in names]
+
+    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
+    header = (f"{gpus} x {env['device']}, {versions}, Python {env['python']}, {env['date_utc']}; "
+              f"SD2 base {'(tiny, 32x32: --smoke) ' if args.smoke else '512x512 '}with EMA, synthetic data, "
+              f"amp_bf16, global batch = {gpus} x 2 x microbatch, {args.batches} batches "
+              f"({args.warmup_batches} warm-up). Cost: python cost.py {args.out}/<setting>.json")
     text = header + "\n\n" + table(results) + "\n"
     (args.out / "table.md").write_text(text)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
     print("\n" + text)
+    return results
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 
 `--nan_at_batch N` poisons the loss of the N-th training batch (1-based: Composer's `[batch=N/...]`,
 whose checkpoint would be `ep*-baN-rank0.pt`). `--nan_rank R` does it on global rank R only (default:
-every rank), which checks that the other ranks stop at the same batch instead of hanging. With
+every rank), which checks that the other ranks stop at the same batch instead of hanging.
+`--nan_microbatch M` poisons only the M-th (0-based) microbatch of that batch (default: every one), which
+checks that a NaN in a microbatch other than the last is caught at its own batch. With
 `--report DIR` every rank writes `DIR/rank<R>.txt`: a line when it poisons the loss and the message
 of the exception that ended its run (the launcher shows rank 0's output, and terminates the other
 ranks once rank 0 has exited, so rank 0 waits for their reports first). All other flags go to
@@ -30,17 +32,26 @@ import benchmark  # noqa: E402
 class PoisonLoss(Callback):
     """Multiply the loss by NaN right after it is computed, so the backward pass sees it too."""
 
-    def __init__(self, at_batch: int, rank: int | None = None, report: Path | None = None):
-        self.at_batch, self.rank, self.report = at_batch, rank, report
+    def __init__(self, at_batch: int, rank: int | None = None, report: Path | None = None,
+                 microbatch: int | None = None):
+        self.at_batch, self.rank, self.report, self.microbatch = at_batch, rank, report, microbatch
+        self.microbatch_index = -1
+
+    def before_train_batch(self, state: State, logger: Logger) -> None:
+        self.microbatch_index = -1  # once per batch, before its microbatches
 
     def after_loss(self, state: State, logger: Logger) -> None:
+        self.microbatch_index += 1
         # At AFTER_LOSS the timestamp still counts only the batches completed before this one.
         if int(state.timestamp.batch) + 1 != self.at_batch:
+            return
+        if self.microbatch is not None and self.microbatch_index != self.microbatch:
             return
         if self.rank is not None and dist.get_global_rank() != self.rank:
             return
         state.loss = state.loss * float("nan")
-        note(self.report, f"poisoned the loss of batch {self.at_batch}")
+        which = "" if self.microbatch is None else f" microbatch {self.microbatch_index}"
+        note(self.report, f"poisoned the loss of batch {self.at_batch}{which}")
 
 
 def note(report: Path | None, line: str) -> None:
@@ -65,9 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nan_at_batch", type=int, required=True)
     p.add_argument("--nan_rank", type=int, default=None)
     p.add_argument("--report", type=Path, default=None)
+    p.add_argument("--nan_microbatch", type=int, default=None)
     ours, rest = p.parse_known_args(argv)
     try:
-        benchmark.main(rest, extra_callbacks=[PoisonLoss(ours.nan_at_batch, ours.nan_rank, ours.report)])
+        benchmark.main(rest, extra_callbacks=[PoisonLoss(ours.nan_at_batch, ours.nan_rank, ours.report,
+                                                                ours.nan_microbatch)])
     except Exception as error:
         note(ours.report, f"stopped: {type(error).__name__}: {error}")
         if ours.report is not None and dist.get_global_rank() == 0:

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import convert  # noqa: E402
 import data  # noqa: E402
+from model import scale_images  # noqa: E402
 from tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize  # noqa: E402
 
 SIZE = 64  # training resolution in these tests
@@ -127,8 +128,7 @@ def all_caption_keys(tok) -> dict[tuple[int, ...], int]:
 def check_sample(sample: dict[str, torch.Tensor]) -> None:
     assert set(sample) == {"image", "captions"}
     image, captions = sample["image"], sample["captions"]
-    assert image.shape == (3, SIZE, SIZE) and image.dtype == torch.float32
-    assert image.min() >= -1.0 and image.max() <= 1.0
+    assert image.shape == (3, SIZE, SIZE) and image.dtype == torch.uint8  # bytes cross from the workers
     assert captions.shape == (MAX_LENGTH,) and captions.dtype == torch.int64
 
 
@@ -142,27 +142,34 @@ def free_port() -> int:
 # Decoding.
 # -----------------------------------------------------------------------------------------------
 
+def decode_scaled(encoded_bytes: bytes, size: int) -> torch.Tensor:
+    """decode_image's uint8 pixels, scaled to [-1, 1] as the model does on the device."""
+    pixels = data.decode_image(encoded_bytes, size)
+    assert pixels.dtype == torch.uint8
+    return scale_images(pixels)
+
+
 def test_decode_image_converts_every_mode_to_rgb_in_range():
-    rgba = data.decode_image(half_transparent_png(), 32)
+    rgba = decode_scaled(half_transparent_png(), 32)
     assert torch.allclose(rgba[:, :, :10], torch.ones(3, 32, 10))  # transparent -> white, not black
     assert torch.allclose(rgba[:, :, -10:], torch.tensor([-1.0, -1.0, 1.0]).view(3, 1, 1).expand(3, 32, 10))
-    gray = data.decode_image(encoded(Image.new("L", (40, 50), 51), "PNG"), 16)
+    gray = decode_scaled(encoded(Image.new("L", (40, 50), 51), "PNG"), 16)
     assert torch.allclose(gray, torch.full_like(gray, 51 / 127.5 - 1))
-    deep = data.decode_image(encoded(Image.fromarray(np.full((20, 20), 65535, np.uint16)), "PNG"), 8)
+    deep = decode_scaled(encoded(Image.fromarray(np.full((20, 20), 65535, np.uint16)), "PNG"), 8)
     assert torch.allclose(deep, torch.ones_like(deep))  # 16-bit white stays white (no clipping to garbage)
-    cyan = data.decode_image(encoded(Image.new("CMYK", (30, 30), (255, 0, 0, 0)), "JPEG", quality=100), 8)
+    cyan = decode_scaled(encoded(Image.new("CMYK", (30, 30), (255, 0, 0, 0)), "JPEG", quality=100), 8)
     assert cyan[0].mean() < -0.9 and cyan[1].mean() > 0.9 and cyan[2].mean() > 0.9
     # EXIF orientation 3 (rotated 180 degrees): the stored left half is shown on the right.
     halves = np.zeros((40, 80, 3), np.uint8)
     halves[:, 40:] = 255
     exif = Image.Exif()
     exif[0x0112] = 3
-    turned = data.decode_image(encoded(Image.fromarray(halves), "JPEG", exif=exif.tobytes()), 40)
+    turned = decode_scaled(encoded(Image.fromarray(halves), "JPEG", exif=exif.tobytes()), 40)
     assert turned[:, :, :8].mean() > 0.9 and turned[:, :, -8:].mean() < -0.9
     # Shorter side resized to S, then center-cropped: a wide image keeps its middle.
     wide = np.zeros((50, 150, 3), np.uint8)
     wide[:, 50:100] = 255
-    middle = data.decode_image(encoded(Image.fromarray(wide), "PNG"), 10)
+    middle = decode_scaled(encoded(Image.fromarray(wide), "PNG"), 10)
     assert middle.shape == (3, 10, 10) and middle[:, :, 1:-1].min() > 0.99 and middle.min() > 0.5  # edges: filter taps
     with pytest.raises(Exception):
         data.decode_image(b"not an image", 8)
@@ -198,7 +205,8 @@ def test_convert_folder_then_read_back_every_sample(raw_folder, tmp_path, tok):
         check_sample(sample)
         assert torch.equal(sample["captions"], tokenize(tok, [FOLDER_CAPTIONS[key]])[0])
         if key in ("sub/rgba.png", "sub/palette.png"):  # transparency was composited on white before JPEG encoding
-            assert sample["image"][:, :, :20].mean() > 0.95 and sample["image"][2, :, -20:].mean() > 0.9
+            image = scale_images(sample["image"])
+            assert image[:, :, :20].mean() > 0.95 and image[2, :, -20:].mean() > 0.9
     assert seen == set(FOLDER_CAPTIONS)
     # Iterating (the training path) yields the same samples as indexing.
     assert len(list(dataset)) == len(FOLDER_CAPTIONS)
@@ -322,7 +330,7 @@ def test_stream_from_a_remote_folder_into_a_separate_cache(shards, tmp_path, tok
     seen = []
     for batch in loader:
         assert batch["image"].shape == (4, 3, SIZE, SIZE) and batch["captions"].shape == (4, MAX_LENGTH)
-        assert batch["image"].min() >= -1 and batch["image"].max() <= 1
+        assert batch["image"].dtype == torch.uint8
         seen += [keys[captions_key(row)] for row in batch["captions"]]
     assert sorted(seen) == list(range(NUM_PHOTOS))  # one epoch: every sample once
     assert seen != list(range(NUM_PHOTOS))  # shuffled

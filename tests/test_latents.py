@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import data  # noqa: E402
+from model import scale_images  # noqa: E402
 import latents  # noqa: E402
 
 NUM_SAMPLES, BAD_INDEX, IMAGE_SIZE, CHUNK, SEED = 20, 7, 64, 6, 17
@@ -127,7 +128,7 @@ def test_precompute_stores_every_sample_once_as_the_encoders_compute_it(single, 
         assert sample["caption"] == raw[index]["caption"]
         assert sample["latent_mean"].dtype == np.float16 and sample["latent_mean"].shape == (4, 8, 8)
         assert sample["latent_logvar"].shape == (4, 8, 8) and sample["text_states"].shape == (77, 64)
-        image = data.decode_image(raw[index]["jpg"], IMAGE_SIZE)[None]
+        image = scale_images(data.decode_image(raw[index]["jpg"], IMAGE_SIZE))[None]
         with torch.no_grad():
             posterior = parts.vae.encode(image).latent_dist
             text_states = parts.text_encoder(tokenize(parts.tokenizer, [raw[index]["caption"]]))[0][0]

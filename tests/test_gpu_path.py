@@ -1,0 +1,219 @@
+"""What a first GPU run depends on, driven through the real CLI on CPU with faults injected from outside.
+
+Two-rank launches through Composer's launcher (gloo), started together by one module fixture:
+
+* timing faults (tests/fault_run.py): rank 0's checkpoint saves slowed, rank 1 slowed after each
+  batch's last collective. The measured window must end at the last batch (the final save after
+  it), report the saves inside and after it, and count only the loader's next() as data wait;
+* a NaN in the first of two microbatches on one rank (tests/nan_run.py): caught at its own batch,
+  before that batch's checkpoint;
+* the speed settings with --use_ema: --precision amp_bf16 (CPU autocast), --channels_last,
+  --fused_adamw on, with images, with --precomputed, and with --compile (dynamo and AOT autograd
+  under DDP; inductor's CPU code generation is left out for time, see tests/fault_run.py).
+
+In-process: refusals (--xformers where absent, amp_fp16 on CPU), the multi-rank `auto` microbatch
+rule, and uint8 images crossing from loader workers.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench_gpu  # noqa: E402
+import benchmark  # noqa: E402
+import cost  # noqa: E402
+import data  # noqa: E402
+from model import scale_images  # noqa: E402
+
+TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
+        "--num_workers", "0", "--num_synthetic_samples", "64", "--log_interval", "1ba"]
+SLOW_SAVE_S = 1.5  # rank 0 sleeps this long in every checkpoint save
+SLOW_RANK_S = 0.4  # rank 1 sleeps this long after every batch's last collective
+TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_ranks(script: str, *args: str) -> list[str]:
+    return ["composer", "-n", "2", "--master_port", str(free_port()), str(ROOT / script), *args]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Start every launch at once (each spends most of its time importing), wait for all, return them."""
+    tmp = tmp_path_factory.mktemp("gpu-path")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT),
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    speed = ["--use_ema", "--precision", "amp_bf16", "--channels_last", "--fused_adamw", "on", "--max_duration", "3ba",
+             "--warmup_batches", "1"]
+    commands = {
+        "faults": two_ranks("tests/fault_run.py", *TINY, "--use_ema", "--max_duration", "6ba", "--warmup_batches", "2",
+                            "--save_folder", str(tmp / "faults-ckpt"), "--save_interval", "3ba",
+                            "--slow_save_s", str(SLOW_SAVE_S), "--slow_rank", "1", "--slow_rank_s", str(SLOW_RANK_S),
+                            "--report", str(tmp / "faults-report"), "--results_json", str(tmp / "faults.json")),
+        "nan": two_ranks("tests/nan_run.py", *TINY, "--use_ema", "--max_duration", "5ba", "--warmup_batches", "1",
+                         "--device_train_microbatch_size", "1", "--save_folder", str(tmp / "nan-ckpt"),
+                         "--save_interval", "1ba", "--nan_at_batch", "3", "--nan_microbatch", "0", "--nan_rank", "1",
+                         "--report", str(tmp / "nan-report")),
+        "online": two_ranks("benchmark.py", *TINY, *speed, "--device_train_microbatch_size", "1",
+                            "--results_json", str(tmp / "online.json")),
+        "precomputed": two_ranks("benchmark.py", *TINY, *speed, "--precomputed",
+                                 "--results_json", str(tmp / "precomputed.json")),
+        # Dynamo + AOT autograd under DDP, without inductor's C++ code generation (see tests/fault_run.py).
+        "compile": two_ranks("tests/fault_run.py", *TINY, *speed, "--compile", "--device_train_microbatch_size", "1",
+                             "--compile_backend", "aot_eager", "--report", str(tmp / "compile-report"),
+                             "--results_json", str(tmp / "compile.json")),
+    }
+    procs, logs = {}, {}
+    for name, cmd in commands.items():
+        logs[name] = tmp / f"{name}.log"
+        with open(logs[name], "w") as out:
+            procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        for name, proc in procs.items():
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    return {"tmp": tmp, "rc": {n: p.returncode for n, p in procs.items()},
+            "log": {n: logs[n].read_text(errors="replace") for n in procs}}
+
+
+def results(runs, name: str) -> dict:
+    assert runs["rc"][name] == 0, runs["log"][name][-5000:]
+    return json.loads((runs["tmp"] / f"{name}.json").read_text())
+
+
+def test_clock_stops_at_the_last_batch_and_saves_are_reported(runs):
+    r = results(runs, "faults")
+    report = json.loads((runs["tmp"] / "faults-report" / "rank0.json").read_text())
+    saves, window_end = report["save_starts"], report["window_end"]
+    # Saves at batch 3 (inside the window, which starts after batch 2) and batch 6 (the last).
+    assert len(saves) == 2, report
+    assert saves[0] < window_end <= saves[1], report  # the final save starts after the clock stopped
+    assert r["checkpoint_seconds_in_window"] >= SLOW_SAVE_S
+    assert r["checkpoint_seconds_after_window"] >= SLOW_SAVE_S
+    assert r["seconds_after_window"] >= SLOW_SAVE_S
+    assert r["measured_seconds"] >= r["checkpoint_seconds_in_window"] + 4 * SLOW_RANK_S  # 4 slowed batches inside
+    assert r["images_per_sec"] == pytest.approx(16 / r["measured_seconds"])
+    assert (runs["tmp"] / "faults-ckpt" / "ep0-ba6-rank0.pt").is_file()
+    assert "saving inside the measured" in runs["log"]["faults"]
+
+
+def test_waiting_for_a_slow_rank_is_not_data_wait(runs):
+    r = results(runs, "faults")
+    # Rank 0 waited >= 0.4 s per batch for rank 1 in Composer's end-of-data all-reduce (inside the
+    # BEFORE/AFTER_DATALOADER events): that was >= 1.6 s of the window. The loader itself is instant.
+    assert r["data_wait_fraction"] is not None and r["data_wait_fraction"] < 0.1, r
+    assert 0 <= r["data_wait_fraction_mean"] <= r["data_wait_fraction"]
+
+
+def test_nan_in_an_earlier_microbatch_is_caught_at_its_batch(runs):
+    assert runs["rc"]["nan"] not in (0, None), runs["log"]["nan"][-5000:]
+    reports = {int(p.stem[4:]): p.read_text().splitlines() for p in (runs["tmp"] / "nan-report").glob("rank*.txt")}
+    assert reports[1][0] == "poisoned the loss of batch 3 microbatch 0", reports
+    folder = runs["tmp"] / "nan-ckpt"
+    for rank in (0, 1):
+        stop = reports[rank][-1]
+        assert "non-finite loss at batch 3 (ba3)" in stop, stop
+        assert f"last good checkpoint: {folder}/ep0-ba2-rank0.pt" in stop, stop
+    assert not list(folder.glob("*-ba3-*")), sorted(p.name for p in folder.iterdir())
+
+
+@pytest.mark.parametrize("name", ["online", "precomputed", "compile"])
+def test_speed_settings_run_with_ema_on_two_ranks(runs, name):
+    r = results(runs, name)
+    assert r["world_size"] == 2 and r["use_ema"] and r["measured_batches"] >= 1
+    assert math.isfinite(r["final_loss"]) and r["images_per_sec"] > 0
+    assert r["precision"] == "amp_bf16" and r["channels_last"] and r["fused_adamw"]
+    assert r["precomputed"] is (name == "precomputed") and r["compile"] is (name == "compile")
+    # The warning the README explains, only where it applies.
+    assert ("--channels_last without --compile" in runs["log"][name]) is (name != "compile")
+    if name != "precomputed":
+        assert r["device_train_microbatch_size"] == 1  # two microbatches per rank: accumulation under autocast
+
+
+def test_xformers_is_refused_clearly_where_absent(capsys):
+    if importlib.util.find_spec("xformers") is not None:
+        pytest.skip("xformers is installed here")
+    with pytest.raises(SystemExit) as stop:
+        benchmark.main(TINY + ["--max_duration", "1ba", "--xformers"])
+    message = str(stop.value)
+    assert message.startswith("benchmark.py: error: --xformers") and "pip install" in message
+    assert "\n" not in message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_amp_fp16_on_cpu_is_refused_in_one_line():
+    with pytest.raises(SystemExit) as stop:
+        benchmark.main(TINY + ["--max_duration", "1ba", "--precision", "amp_fp16"])
+    assert str(stop.value).startswith("benchmark.py: error: --precision amp_fp16 needs a CUDA GPU")
+
+
+def test_auto_microbatch_with_several_ranks_follows_the_memory_table():
+    gib = 2**30
+    # torch's total_memory for A100 40GB, A100/H100 80GB and H200 141GB.
+    assert benchmark.safe_auto_microbatch(int(39.4 * gib), 256, precomputed=False) == 8
+    assert benchmark.safe_auto_microbatch(int(79.1 * gib), 256, precomputed=False) == 32
+    assert benchmark.safe_auto_microbatch(int(139.8 * gib), 256, precomputed=False) == 64
+    assert benchmark.safe_auto_microbatch(int(79.1 * gib), 256, precomputed=True) == 64
+    assert benchmark.safe_auto_microbatch(int(79.1 * gib), 24, precomputed=False) == 8  # must divide 24
+    assert benchmark.safe_auto_microbatch(int(79.1 * gib), 16, precomputed=False) == 16  # at most the batch
+    assert benchmark.safe_auto_microbatch(int(15 * gib), 256, precomputed=False) == 4
+
+
+def test_images_cross_from_loader_workers_as_uint8():
+    loader = data.synthetic_dataloader(image_size=16, batch_size_per_device=4, num_workers=1, num_samples=8)
+    batch = next(iter(loader))
+    assert batch["image"].dtype == torch.uint8 and batch["image"].shape == (4, 3, 16, 16)
+    assert batch["image"].float().std() > 50  # random pixels over the whole byte range, not a constant
+    scaled = scale_images(torch.tensor([0, 255], dtype=torch.uint8))
+    assert scaled.tolist() == [-1.0, 1.0] and scaled.dtype == torch.float32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal without a GPU")
+def test_bench_gpu_refuses_without_cuda(tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        bench_gpu.main(["--out", str(tmp_path / "matrix")])
+    assert str(stop.value).startswith("bench_gpu.py: error: no CUDA GPU visible") and "--smoke" in str(stop.value)
+    assert not (tmp_path / "matrix").exists()  # refused before writing anything
+
+
+def test_bench_gpu_smoke_leaves_a_results_folder_that_cost_reads(tmp_path, capsys):
+    out = tmp_path / "matrix"
+    results_ = bench_gpu.main(["--smoke", "--out", str(out), "--only", "precomputed-bf16-mb32", "--batches", "3",
+                               "--warmup_batches", "1"])
+    assert [r["status"] for r in results_] == ["ok"], (out / "logs" / "precomputed-bf16-mb32.log").read_text()[-3000:]
+    setting = json.loads((out / "precomputed-bf16-mb32.json").read_text())
+    assert setting["precomputed"] and setting["use_ema"] and setting["precision"] == "amp_bf16"
+    assert setting["device_train_microbatch_size"] == 2 and setting["world_size"] == 1
+    env = json.loads((out / "environment.json").read_text())
+    assert env["versions"]["torch"] == torch.__version__.split("+")[0] and env["versions"]["mosaicml"] == "0.32.1"
+    assert env["date_utc"] and env["gpus"] == 1
+    table = (out / "table.md").read_text()
+    assert "| precomputed-bf16-mb32 |" in table and "torch" in table and "cost.py" in table
+    rows = cost.main([str(out / "precomputed-bf16-mb32.json")])  # cost.py reads a setting's JSON as written
+    assert rows and rows[0].images_per_sec > 0
