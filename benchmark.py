@@ -40,12 +40,26 @@ def default_local(remote: str | None) -> str:
     return f"{DEFAULT_LOCAL}/{hashlib.sha1(str(remote).encode()).hexdigest()[:12]}"
 
 
+SHUFFLE_ALGOS = ("py1e", "py1b", "py1br", "py1s", "py2s", "naive")
+DEFAULT_SHUFFLE_ALGO = "py1e"
+
+
+class JoinSources(argparse.Action):
+    """A repeated --remote adds a source (comma-separated in args.remote, as one --remote with commas)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        previous = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, f"{previous},{values}" if previous else values)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # The flags of the 2023 benchmark, same names and defaults.
     p.add_argument("--batch_size", type=int, default=2048, help="global batch size, images per step over all devices")
     p.add_argument("--image_size", type=int, default=512, help="training resolution in pixels (multiple of 8)")
-    p.add_argument("--remote", type=str, default=None, help="MDS shards to stream: s3://, gs://, oci://, ... or a path")
+    p.add_argument("--remote", type=str, default=None, action=JoinSources,
+                   help="MDS shards to stream: s3://, gs://, oci://, ... or a path. Several sources: repeat the flag "
+                        "or separate them by commas, each optionally prefixed by its proportion: 0.7=s3://a,0.3=s3://b")
     p.add_argument("--local", type=str, default=None,
                    help=f"local cache for --remote shards (default {DEFAULT_LOCAL}/<hash of remote>), or shards already on disk")
     p.add_argument("--use_synth_data", action="store_true", help="random images and captions (measures the model only)")
@@ -101,13 +115,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log_interval", type=str, default="10ba", help="console log interval (Composer time string)")
     # Speed (issue: fastest correct step). Defaults are the plain step until GPU measurements say otherwise.
     p.add_argument("--precomputed", action="store_true",
-                   help="train from precomputed VAE latents and text-encoder outputs (latents.py): skips both encoders")
+                   help="train from precomputed VAE latents (latents.py): no VAE; the text encoder runs on stored "
+                        "token ids, or is skipped too for shards written with --store_text_states")
     p.add_argument("--channels_last", action="store_true", help="UNet and VAE in channels-last memory format")
     p.add_argument("--compile", action="store_true", help="torch.compile the UNet (in place: checkpoint keys unchanged)")
     p.add_argument("--fused_adamw", type=str, default="auto", choices=("auto", "on", "off"),
                    help="fused AdamW kernel; auto: on with CUDA")
     p.add_argument("--xformers", action="store_true", help="use xFormers attention in the UNet (default: PyTorch SDPA)")
+    # Streaming at scale (issue 13): these reach both real-data loaders (images and --precomputed),
+    # like --no_shuffle, --predownload, --download_retry, --download_timeout, --cache_limit and --validate_hash.
+    p.add_argument("--shuffle_algo", type=str, default=DEFAULT_SHUFFLE_ALGO, choices=SHUFFLE_ALGOS,
+                   help="Streaming's shuffle: py1e (Streaming's default), py1b, py1br, py1s, py2s, naive")
+    p.add_argument("--shuffle_block_size", type=int, default=None,
+                   help="samples per shuffle block (default: Streaming's, max(4M / canonical nodes, 262144))")
+    p.add_argument("--epoch_size", type=str, default=None,
+                   help="samples per epoch drawn from all sources, e.g. 200000000 or 200m (default: all of them "
+                        "once). The epoch's partition takes memory per sample: see the README's LAION-scale plan")
+    p.add_argument("--num_canonical_nodes", type=int, default=None,
+                   help="Streaming's canonical nodes, fixing the sample order across node counts (default: the nodes "
+                        "of the first run); keep it when resuming on another number of nodes")
+    p.add_argument("--precomputed_format", type=str, default="tokens", choices=("tokens", "text_states"),
+                   help="with --precomputed --use_synth_data: the format synthetic batches imitate (shards: read "
+                        "from their columns)")
     return p.parse_args(argv)
+
+
+def streaming_options(args: argparse.Namespace) -> dict:
+    """The Streaming settings of both real-data loaders, from the flags."""
+    return dict(shuffle=args.shuffle, predownload=args.predownload, download_retry=args.download_retry,
+                download_timeout=args.download_timeout, cache_limit=args.cache_limit,
+                validate_hash=args.validate_hash, shuffle_algo=args.shuffle_algo,
+                shuffle_block_size=args.shuffle_block_size, epoch_size=args.epoch_size,
+                num_canonical_nodes=args.num_canonical_nodes)
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
@@ -137,8 +176,23 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         fail("no data: pass --use_synth_data, or --remote (with --local as cache), or --local with MDS shards already there")
     if not args.use_synth_data and not args.remote and not Path(args.local).is_dir():
         fail(f"--local {args.local} is not a folder; give --remote to stream shards into it")
-    if not args.use_synth_data and args.remote and "://" not in args.remote and not Path(args.remote, "index.json").is_file():
-        fail(f"--remote {args.remote} holds no MDS dataset (no index.json); write one with convert.py first")
+    try:
+        sources = data.parse_sources(args.remote)
+    except ValueError as error:
+        fail(str(error))
+    for source, _ in sources:
+        if not args.use_synth_data and "://" not in source and not Path(source, "index.json").is_file():
+            fail(f"--remote {source} holds no MDS dataset (no index.json); write one with convert.py first")
+    if args.epoch_size is not None:
+        try:
+            from streaming.base.util import number_abbrev_to_int
+            if number_abbrev_to_int(args.epoch_size) <= 0:
+                raise ValueError
+        except (ValueError, TypeError):
+            fail(f"--epoch_size {args.epoch_size} must be a positive number of samples, such as 200000000 or 200m")
+    for flag in ("shuffle_block_size", "num_canonical_nodes"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            fail(f"--{flag} {getattr(args, flag)} must be positive")
     if args.num_workers < 0:
         fail(f"--num_workers {args.num_workers} must be >= 0")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
@@ -249,7 +303,18 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         microbatch = args.batch_size // world_size  # Composer's auto microbatching needs a GPU
     reproducibility.seed_all(args.seed)
 
-    components = build_components(args.model_config, args.model_name, with_encoders=not args.precomputed)
+    per_device = args.batch_size // world_size
+    text_format = None  # how precomputed batches carry the text: token ids or text-encoder states
+    if args.precomputed:  # before the model: the shards' format decides whether it needs the text encoder
+        train_dataloader = data.latents_dataloader(
+            synthetic=args.use_synth_data, remote=args.remote, local=args.local or default_local(args.remote),
+            image_size=args.image_size, text_dim=MODEL_CONFIGS[args.model_config]["unet"]["cross_attention_dim"],
+            batch_size_per_device=per_device, num_workers=args.num_workers,
+            num_samples=args.num_synthetic_samples, seed=args.seed, synthetic_format=args.precomputed_format,
+            **(streaming_options(args) if not args.use_synth_data else dict(shuffle=args.shuffle)))
+        text_format = train_dataloader.dataset.text_format
+    components = build_components(args.model_config, args.model_name, with_encoders=not args.precomputed,
+                                  with_text_encoder=text_format != "text_states")
     if components.random:
         missing = " and ".join(components.random)
         if not args.use_synth_data and args.model_config != "tiny" and not args.allow_random_encoders:
@@ -275,17 +340,14 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     # FLOPs per image, counted once on meta-device copies: nothing is computed.
     meta_unet, meta_vae, meta_text = sd2_meta_components(args.model_config)
     if args.precomputed:
-        meta_vae = meta_text = None  # their outputs are read from disk
+        meta_vae = None  # its outputs are read from disk
+        if text_format == "text_states":
+            meta_text = None
     flops = count_flops_per_image(meta_unet, meta_vae, meta_text, args.image_size)
     model.flops_per_image = flops["total"]
 
-    per_device = args.batch_size // world_size
     if args.precomputed:
-        train_dataloader = data.latents_dataloader(
-            synthetic=args.use_synth_data, remote=args.remote, local=args.local or default_local(args.remote),
-            image_size=args.image_size, text_dim=model.unet.config.cross_attention_dim,
-            batch_size_per_device=per_device, num_workers=args.num_workers,
-            num_samples=args.num_synthetic_samples, seed=args.seed)
+        pass  # built above, before the model
     elif args.use_synth_data:
         train_dataloader = data.synthetic_dataloader(args.image_size, per_device, args.num_workers,
                                                      args.num_synthetic_samples, args.seed)
@@ -293,9 +355,8 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         train_dataloader = data.laion_dataloader(
             remote=args.remote, local=args.local or default_local(args.remote), tokenizer=components.tokenizer, image_size=args.image_size,
             batch_size_per_device=per_device, num_workers=args.num_workers, seed=args.seed,
-            image_key=args.image_key, caption_key=args.caption_key, shuffle=args.shuffle, predownload=args.predownload,
-            download_retry=args.download_retry, download_timeout=args.download_timeout,
-            cache_limit=args.cache_limit, validate_hash=args.validate_hash, max_bad_fraction=args.max_bad_fraction)
+            image_key=args.image_key, caption_key=args.caption_key, max_bad_fraction=args.max_bad_fraction,
+            **streaming_options(args))
 
     fused = args.fused_adamw == "on" or (args.fused_adamw == "auto" and on_gpu)
     optimizer = torch.optim.AdamW(model.unet.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused)
@@ -346,6 +407,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         "data": "synthetic" if args.use_synth_data else (args.remote or args.local),
         "use_ema": args.use_ema,
         "precomputed": args.precomputed,
+        "precomputed_format": text_format,
         "channels_last": args.channels_last,
         "compile": args.compile,
         "fused_adamw": fused,

@@ -1,0 +1,278 @@
+"""How Streaming's memory and start-up time grow with the dataset, measured small and projected to LAION.
+
+    python bench/index_scale.py                                      # the default ladder, a few minutes
+    python bench/index_scale.py --shards 1000 10000 --samples_per_shard 100 --workers 2   # quick look
+
+A StreamingDataset holds its whole index (an object per shard) in every process that opens it: each
+training rank, and each of its DataLoader workers (forked from the rank: pages are shared until
+Python's reference counting writes to them). At the start of every epoch, one process per node
+(the first worker of local rank 0) builds the node's partition of the epoch, a sample id per
+sample of the epoch, shuffled, and shares it with the node's other workers through shared memory;
+each worker copies out its own part. So the index costs per shard and per process, the epoch per
+sample and per node.
+
+This script writes MDS index.json files that describe N shards of S samples (no shard data: the
+columns and sizes of latents.py's and convert.py's shards, nothing is downloaded), and for each one
+runs a fresh process that (1) opens the dataset, as a rank does, and (2) starts an epoch in W
+DataLoader workers, as training does (it runs Streaming's own epoch set-up, StreamingDataset's
+_resume_incr_epoch and _get_work, then stops, since there are no samples to read). It measures
+wall time, resident memory (RSS), the process's own memory (USS: private pages) and its
+proportional share (PSS) from /proc/<pid>/smaps_rollup, and the peak RSS of the process that built
+the partition. Then it fits each figure linearly (per shard for opening, per sample for the
+epoch) and projects to 2 billion samples at the shard sizes of convert.py (256px JPEGs of about
+20 KB) and latents.py (the tokens format at 256 and 512 px), for an 8-GPU node with 8 workers per
+GPU, with and without --epoch_size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Columns and sample sizes of the two kinds of shards (before compression).
+KINDS = {
+    "latents": dict(names=["caption", "index", "latent_logvar", "latent_mean", "token_ids"],
+                    encodings=["str", "int64", "ndarray:float16:4,64,64", "ndarray:float16:4,64,64", "ndarray:uint16:77"],
+                    sizes=[None, 8, None, None, None]),
+    "images": dict(names=["caption", "jpg", "key"], encodings=["str", "bytes", "str"], sizes=[None, None, None]),
+}
+SHARD_LIMIT = 64 * 2**20  # convert.py's and latents.py's default --size_limit (64mb)
+TARGET_SAMPLES = 2_000_000_000
+# Bytes per sample of each dataset projected (before compression): 256px JPEG as convert.py writes it
+# (about 20 KB), latents in the tokens format (data.bytes_per_sample + a 50-byte caption and MDS offsets).
+PROJECTED = {"jpeg-256px": 20_000, "latents-256px": 16_538 + 70, "latents-512px": 65_698 + 70}
+
+
+def memory() -> dict[str, float]:
+    """This process's memory in MiB: rss, uss (private), pss (proportional), shared, and the peak RSS."""
+    fields = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3 and parts[1].isdigit():
+                fields[parts[0].rstrip(":")] = int(parts[1]) / 1024
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM"))
+    uss = fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
+    return {"rss": fields.get("Rss", 0.0), "uss": uss, "pss": fields.get("Pss", 0.0),
+            "shared": fields.get("Shared_Clean", 0) + fields.get("Shared_Dirty", 0), "peak_rss": peak}
+
+
+def write_index(folder: Path, kind: str, num_shards: int, samples_per_shard: int) -> None:
+    """index.json of `num_shards` shards of `samples_per_shard` samples, as MDSWriter writes it."""
+    spec = KINDS[kind]
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "index.json", "w") as f:
+        f.write('{"version": 2, "shards": [')
+        for i in range(num_shards):
+            shard = {"column_encodings": spec["encodings"], "column_names": spec["names"], "column_sizes": spec["sizes"],
+                     "compression": "zstd", "format": "mds", "hashes": ["xxh64"], "samples": samples_per_shard,
+                     "size_limit": SHARD_LIMIT, "version": 2,
+                     "raw_data": {"basename": f"shard.{i:06d}.mds", "bytes": SHARD_LIMIT, "hashes": {}},
+                     "zip_data": {"basename": f"shard.{i:06d}.mds.zstd", "bytes": SHARD_LIMIT // 2,
+                                  "hashes": {"xxh64": f"{i:016x}"}}}
+            f.write(("," if i else "") + json.dumps(shard))
+        f.write("]}\n")
+
+
+# -----------------------------------------------------------------------------------------------
+# The measured process (one per configuration, so every measurement starts from a clean process).
+# -----------------------------------------------------------------------------------------------
+
+def child(args: argparse.Namespace) -> dict:
+    import torch
+    from streaming import StreamingDataset
+    from torch.utils.data import DataLoader
+
+    class EpochStart(StreamingDataset):
+        """Runs the start of an epoch exactly as StreamingDataset.__iter__ does (world detection,
+        resumption state, the node's partition), then yields this process's figures instead of samples."""
+
+        def __iter__(self):
+            started = time.perf_counter()
+            before = memory()
+            self._unique_worker_world = self._unique_rank_world.detect_workers()
+            self._parallel_worker_world = self._parallel_rank_world.detect_workers()
+            epoch, sample_in_epoch = self._resume_incr_epoch()
+            ids = self._get_work(epoch, sample_in_epoch)
+            yield {"seconds": time.perf_counter() - started, "samples": len(ids), "before": before, "after": memory(),
+                   "leader": self._unique_worker_world.is_local_leader, "pid": os.getpid()}
+
+    base = memory()
+    started = time.perf_counter()
+    dataset = EpochStart(local=args.local, remote=None, batch_size=args.batch_size, shuffle=True,
+                         shuffle_algo=args.shuffle_algo, epoch_size=args.epoch_size,
+                         num_canonical_nodes=args.num_canonical_nodes)
+    opened = {"seconds": time.perf_counter() - started, "memory": memory(), "base": base}
+    if args.workers:
+        loader = DataLoader(dataset, batch_size=None, num_workers=args.workers)
+        workers = list(loader)
+    else:
+        workers = list(dataset)
+    return {"open": opened, "workers": workers, "epoch_samples": int(dataset.epoch_size),
+            "torch_threads": torch.get_num_threads()}
+
+
+def measure(local: Path, args: argparse.Namespace, workers: int, epoch_size: int | None) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--local", str(local), "--workers", str(workers),
+           "--shuffle_algo", args.shuffle_algo, "--batch_size", str(args.batch_size)]
+    if epoch_size:
+        cmd += ["--epoch_size", str(epoch_size)]
+    if args.num_canonical_nodes:
+        cmd += ["--num_canonical_nodes", str(args.num_canonical_nodes)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # one rank, alone
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    if result.returncode:
+        raise RuntimeError(f"measurement failed: {result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def summarize(num_shards: int, samples_per_shard: int, r: dict) -> dict:
+    """One row: the rank's open cost; the epoch start in the workers (slowest worker, mean worker's
+    private memory, the building worker's peak)."""
+    opened = r["open"]
+    workers = r["workers"]
+    leader = next(w for w in workers if w["leader"])
+    others = [w for w in workers if not w["leader"]] or workers
+    return {
+        "shards": num_shards, "samples": num_shards * samples_per_shard, "epoch_samples": r["epoch_samples"],
+        "open_s": opened["seconds"], "open_rss_mib": opened["memory"]["rss"] - opened["base"]["rss"],
+        "epoch_s": max(w["seconds"] for w in workers),
+        "leader_peak_extra_mib": leader["after"]["peak_rss"] - leader["before"]["rss"],
+        "worker_uss_mib": float(np.mean([w["after"]["uss"] for w in others])),
+        "worker_uss_growth_mib": float(np.mean([w["after"]["uss"] - w["before"]["uss"] for w in others])),
+        "worker_pss_mib": float(np.mean([w["after"]["pss"] for w in others])),
+        "partition_shm_mib": r["epoch_samples"] * 8 / 2**20,  # int64 sample ids, one copy per node
+    }
+
+
+def fit(x: list[float], y: list[float]) -> tuple[float, float]:
+    """Least-squares line y = a + b x: (a, b)."""
+    b, a = np.polyfit(np.asarray(x, float), np.asarray(y, float), 1)
+    return float(a), float(b)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shards", type=int, nargs="+", default=[10_000, 30_000, 100_000, 300_000],
+                   help="shard counts of the index ladder (opening cost per shard)")
+    p.add_argument("--samples_per_shard", type=int, default=100,
+                   help="samples per shard of the index ladder (kept small: it measures the per-shard cost)")
+    p.add_argument("--epoch_samples", type=int, nargs="+", default=[3_000_000, 10_000_000, 30_000_000],
+                   help="dataset sizes of the epoch ladder, in samples (per-sample cost of an epoch's start)")
+    p.add_argument("--epoch_shard_samples", type=int, default=3000, help="samples per shard of the epoch ladder")
+    p.add_argument("--workers", type=int, default=8, help="DataLoader workers of the measured rank")
+    p.add_argument("--shuffle_algo", type=str, default="py1e")
+    p.add_argument("--batch_size", type=int, default=32, help="per-device batch size")
+    p.add_argument("--epoch_size", type=int, default=None, help="Streaming epoch_size (default: the dataset)")
+    p.add_argument("--num_canonical_nodes", type=int, default=None)
+    p.add_argument("--gpus_per_node", type=int, default=8, help="ranks per node, for the projection")
+    p.add_argument("--budget_gib", type=float, default=4.0, help="memory budget per rank (rank + its workers)")
+    p.add_argument("--budget_s", type=float, default=60.0, help="start-up budget per rank (open + epoch start)")
+    p.add_argument("--projected_epoch_size", type=int, default=200_000_000,
+                   help="--epoch_size of the projection's 'with epoch_size' rows")
+    p.add_argument("--out", type=str, default=None, help="folder for the indexes (default: a temporary one, deleted)")
+    p.add_argument("--json", type=str, default=None, help="also write the table and the fits to this file")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per measurement")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--local", type=str, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)), flush=True)
+        return {}
+    if args.workers < 1:
+        raise SystemExit("index_scale.py: error: --workers must be >= 1 (the epoch starts in the loader workers)")
+
+    root = Path(args.out or tempfile.mkdtemp(prefix="index-scale-"))
+    rows = {"index": [], "epoch": []}
+    try:
+        for ladder, configs in (("index", [(n, args.samples_per_shard) for n in args.shards]),
+                                ("epoch", [(max(1, s // args.epoch_shard_samples), args.epoch_shard_samples)
+                                           for s in args.epoch_samples])):
+            for num_shards, per_shard in configs:
+                local = root / f"{ladder}-{num_shards}x{per_shard}"
+                started = time.perf_counter()
+                write_index(local, "latents", num_shards, per_shard)
+                written = time.perf_counter() - started
+                row = summarize(num_shards, per_shard, measure(local, args, args.workers, args.epoch_size))
+                rows[ladder].append(row)
+                print(f"{ladder:5s} {num_shards:>9,} shards x {per_shard:>5,} = {row['samples']:>12,} samples "
+                      f"(index written in {written:.1f} s): open {row['open_s']:6.2f} s {row['open_rss_mib']:8.1f} MiB; "
+                      f"epoch start {row['epoch_s']:6.2f} s, builder peak +{row['leader_peak_extra_mib']:8.1f} MiB, "
+                      f"worker USS {row['worker_uss_mib']:7.1f} MiB (+{row['worker_uss_growth_mib']:.1f} at epoch "
+                      f"start), PSS {row['worker_pss_mib']:7.1f} MiB, partition {row['partition_shm_mib']:.1f} MiB "
+                      "shared", flush=True)
+                shutil.rmtree(local, ignore_errors=True)
+    finally:
+        if not args.out:
+            shutil.rmtree(root, ignore_errors=True)
+    report = project(rows, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, **report}, indent=2) + "\n")
+    return {"rows": rows, **report}
+
+
+def project(rows: dict[str, list[dict]], args: argparse.Namespace) -> dict:
+    """Fit the growth and print the projection to TARGET_SAMPLES samples."""
+    index, epoch = rows["index"], rows["epoch"]
+    fits = {}
+    if len(index) >= 2:
+        fits["open_s_per_shard"] = fit([r["shards"] for r in index], [r["open_s"] for r in index])[1]
+        fits["open_mib_per_shard"] = fit([r["shards"] for r in index], [r["open_rss_mib"] for r in index])[1]
+        fits["worker_uss_mib_per_shard"] = fit([r["shards"] for r in index], [r["worker_uss_mib"] for r in index])[1]
+    if len(epoch) >= 2:
+        x = [r["epoch_samples"] for r in epoch]
+        fits["epoch_s_per_sample"] = fit(x, [r["epoch_s"] for r in epoch])[1]
+        fits["builder_peak_mib_per_sample"] = fit(x, [r["leader_peak_extra_mib"] for r in epoch])[1]
+        fits["worker_growth_mib_per_sample"] = fit(x, [r["worker_uss_growth_mib"] for r in epoch])[1]
+    if len(fits) < 6:
+        print("(fewer than two sizes per ladder: no fit, no projection)")
+        return {"fits": fits, "projection": []}
+    print("\nlinear fits: " + ", ".join(f"{k} {v:.3g}" for k, v in fits.items()))
+    print(f"\nprojection for {TARGET_SAMPLES:,} samples, 64 MB shards, {args.gpus_per_node} ranks x "
+          f"{args.workers} workers per node, shuffle {args.shuffle_algo}; budget per rank {args.budget_gib:g} GiB, "
+          f"{args.budget_s:g} s")
+    print(f"{'dataset':15s} {'samples/shard':>13s} {'shards':>10s} {'epoch_size':>12s} {'rank open':>16s} "
+          f"{'per rank (rank+workers)':>24s} {'per node':>10s} {'epoch start':>12s} {'fits':>5s}")
+    table = []
+    gib = 1024.0
+    for name, sample_bytes in PROJECTED.items():
+        per_shard = SHARD_LIMIT // sample_bytes
+        shards = -(-TARGET_SAMPLES // per_shard)
+        for epoch_size in (TARGET_SAMPLES, args.projected_epoch_size):
+            open_s = fits["open_s_per_shard"] * shards
+            rank_mib = fits["open_mib_per_shard"] * shards
+            # Each worker: its private share of the index (fork: touched pages get copied) + its part of the epoch.
+            worker_mib = fits["worker_uss_mib_per_shard"] * shards + \
+                fits["worker_growth_mib_per_sample"] * epoch_size
+            per_rank = rank_mib + args.workers * worker_mib
+            partition = epoch_size * 8 / 2**20  # shared per node
+            builder = fits["builder_peak_mib_per_sample"] * epoch_size  # one process per node, while it builds
+            per_node = args.gpus_per_node * per_rank + partition + builder
+            start_s = open_s + fits["epoch_s_per_sample"] * epoch_size
+            ok = per_rank / gib <= args.budget_gib and (per_node / args.gpus_per_node) / gib <= args.budget_gib \
+                and start_s <= args.budget_s
+            row = {"dataset": name, "samples_per_shard": per_shard, "shards": shards, "epoch_size": epoch_size,
+                   "open_s": open_s, "per_rank_gib": per_rank / gib, "per_node_gib": per_node / gib,
+                   "start_s": start_s, "within_budget": bool(ok)}
+            table.append(row)
+            print(f"{name:15s} {per_shard:>13,} {shards:>10,} {epoch_size:>12,} {open_s:7.1f} s {rank_mib / gib:5.2f} GiB "
+                  f"{per_rank / gib:20.2f} GiB {per_node / gib:6.1f} GiB {start_s:10.1f} s {'yes' if ok else 'NO':>5s}")
+    return {"fits": fits, "projection": table}
+
+
+if __name__ == "__main__":
+    main()
