@@ -201,8 +201,10 @@ def test_interrupted_run_resumes_and_skips_complete_chunks(source, single, tmp_p
     samples, expected = read_samples(out), read_samples(single[0])
     assert sorted(samples) == GOOD
     for index in GOOD:
-        for key in (*data.LATENT_KEYS, "token_ids"):
-            np.testing.assert_array_equal(samples[index][key], expected[index][key])
+        np.testing.assert_array_equal(samples[index]["token_ids"], expected[index]["token_ids"])
+        for key in data.LATENT_KEYS:  # CPU convolutions may differ in the last fp32 bit between processes
+            np.testing.assert_allclose(samples[index][key].astype(np.float32),
+                                       expected[index][key].astype(np.float32), rtol=1e-3, atol=1e-3)
 
 
 def test_other_settings_are_refused(single):

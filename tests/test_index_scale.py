@@ -1,0 +1,51 @@
+"""bench/index_scale.py at small N: the indexes it writes are real MDS indexes, and the epoch start it
+measures is Streaming's own, in real DataLoader workers."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import index_scale  # noqa: E402
+
+
+def test_written_index_opens_as_an_mds_dataset(tmp_path):
+    from streaming import StreamingDataset
+
+    index_scale.write_index(tmp_path / "a", "latents", 7, 13)
+    dataset = StreamingDataset(local=str(tmp_path / "a"), batch_size=4)
+    assert dataset.num_samples == 7 * 13 and len(dataset.shards) == 7
+    assert dataset.shards[0].column_names == index_scale.KINDS["latents"]["names"]
+
+
+def test_epoch_start_in_workers_is_measured_and_projected(tmp_path):
+    rows = {"index": [], "epoch": []}
+    for num_shards, per_shard in ((40, 25), (80, 25)):
+        local = tmp_path / f"{num_shards}"
+        index_scale.write_index(local, "latents", num_shards, per_shard)
+        args = argparse.Namespace(local=str(local), batch_size=4, shuffle_algo="py1e", epoch_size=None,
+                                  num_canonical_nodes=None, workers=2)
+        result = index_scale.child(args)  # in this process: the workers are forked from it, as in training
+        workers = result["workers"]
+        assert len(workers) == 2 and sum(w["leader"] for w in workers) == 1  # one builds, the other attaches
+        assert len({w["pid"] for w in workers}) == 2
+        assert result["epoch_samples"] == num_shards * per_shard
+        assert sum(w["samples"] for w in workers) >= num_shards * per_shard  # every sample (plus padding)
+        row = index_scale.summarize(num_shards, per_shard, result)
+        assert row["open_s"] > 0 and row["worker_uss_mib"] > 0 and row["worker_pss_mib"] > 0
+        assert row["partition_shm_mib"] == pytest.approx(num_shards * per_shard * 8 / 2**20)
+        rows["index"].append(row)
+        rows["epoch"].append(row)
+    options = argparse.Namespace(workers=8, gpus_per_node=8, shuffle_algo="py1e", budget_gib=4.0, budget_s=60.0,
+                                 projected_epoch_size=200_000_000)
+    report = index_scale.project(rows, options)
+    assert len(report["projection"]) == 2 * len(index_scale.PROJECTED)
+    latents_512 = [r for r in report["projection"] if r["dataset"] == "latents-512px"]
+    assert latents_512[0]["samples_per_shard"] == index_scale.SHARD_LIMIT // index_scale.PROJECTED["latents-512px"]
+    assert latents_512[0]["shards"] * latents_512[0]["samples_per_shard"] >= index_scale.TARGET_SAMPLES
+    assert [r["epoch_size"] for r in latents_512] == [index_scale.TARGET_SAMPLES, 200_000_000]
