@@ -134,6 +134,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_canonical_nodes", type=int, default=None,
                    help="Streaming's canonical nodes, fixing the sample order across node counts (default: the nodes "
                         "of the first run); keep it when resuming on another number of nodes")
+    p.add_argument("--sampling_granularity", type=int, default=1,
+                   help="with --epoch_size below the dataset: samples taken from a shard at a time when an epoch "
+                        "picks part of the data; the samples per shard picks whole shards (no shard downloaded "
+                        "for a few samples)")
     p.add_argument("--precomputed_format", type=str, default="tokens", choices=("tokens", "text_states"),
                    help="with --precomputed --use_synth_data: the format synthetic batches imitate (shards: read "
                         "from their columns)")
@@ -146,7 +150,7 @@ def streaming_options(args: argparse.Namespace) -> dict:
                 download_timeout=args.download_timeout, cache_limit=args.cache_limit,
                 validate_hash=args.validate_hash, shuffle_algo=args.shuffle_algo,
                 shuffle_block_size=args.shuffle_block_size, epoch_size=args.epoch_size,
-                num_canonical_nodes=args.num_canonical_nodes)
+                num_canonical_nodes=args.num_canonical_nodes, sampling_granularity=args.sampling_granularity)
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
@@ -190,7 +194,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                 raise ValueError
         except (ValueError, TypeError):
             fail(f"--epoch_size {args.epoch_size} must be a positive number of samples, such as 200000000 or 200m")
-    for flag in ("shuffle_block_size", "num_canonical_nodes"):
+    for flag in ("shuffle_block_size", "num_canonical_nodes", "sampling_granularity"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             fail(f"--{flag} {getattr(args, flag)} must be positive")
     if args.num_workers < 0:

@@ -388,7 +388,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no_captions", action="store_true", help="do not store the caption strings")
     p.add_argument("--compression", type=str, default="zstd", help="shard compression: zstd, zstd:<level>, gz, none")
     p.add_argument("--hashes", type=str, default="xxh64", help="comma-separated shard hashes stored in the index ('' for none)")
-    p.add_argument("--size_limit", type=str, default="64mb", help="shard size before compression")
+    p.add_argument("--size_limit", type=str, default="256mb",
+                   help="shard size before compression (256mb: 4,081 samples at 512px, 490k shards for 2B samples, "
+                        "whose index every training process holds; see bench/index_scale.py)")
     p.add_argument("--cache_limit", type=str, default=None, help="keep the --local cache of source shards under this size")
     p.add_argument("--image_key", type=str, default="jpg", help="source column of the encoded images")
     p.add_argument("--caption_key", type=str, default="caption", help="source column of the captions")

@@ -47,11 +47,13 @@ KINDS = {
                     sizes=[None, 8, None, None, None]),
     "images": dict(names=["caption", "jpg", "key"], encodings=["str", "bytes", "str"], sizes=[None, None, None]),
 }
-SHARD_LIMIT = 64 * 2**20  # convert.py's and latents.py's default --size_limit (64mb)
+SHARD_LIMIT = 64 * 2**20  # convert.py's default --size_limit (64mb), latents.py's before issue 13
+SHARD_LIMITS = {"64mb": 64 * 2**20, "256mb": 256 * 2**20}  # projected: the old default and latents.py's new one
 TARGET_SAMPLES = 2_000_000_000
-# Bytes per sample of each dataset projected (before compression): 256px JPEG as convert.py writes it
-# (about 20 KB), latents in the tokens format (data.bytes_per_sample + a 50-byte caption and MDS offsets).
-PROJECTED = {"jpeg-256px": 20_000, "latents-256px": 16_538 + 70, "latents-512px": 65_698 + 70}
+# Bytes per sample of each dataset projected (before compression): a 256px JPEG as convert.py writes
+# it (about 20 KB), latents in the tokens format (data.bytes_per_sample: 2 x 4 x 32 x 32 x 2 + 154 + 8
+# = 16,546 at 256px, 65,698 at 512px) plus a 50-byte caption and MDS's per-sample offsets (about 70).
+PROJECTED = {"jpeg-256px": 20_000, "latents-256px": 16_546 + 70, "latents-512px": 65_698 + 70}
 
 
 def memory() -> dict[str, float]:
@@ -242,35 +244,39 @@ def project(rows: dict[str, list[dict]], args: argparse.Namespace) -> dict:
         print("(fewer than two sizes per ladder: no fit, no projection)")
         return {"fits": fits, "projection": []}
     print("\nlinear fits: " + ", ".join(f"{k} {v:.3g}" for k, v in fits.items()))
-    print(f"\nprojection for {TARGET_SAMPLES:,} samples, 64 MB shards, {args.gpus_per_node} ranks x "
-          f"{args.workers} workers per node, shuffle {args.shuffle_algo}; budget per rank {args.budget_gib:g} GiB, "
-          f"{args.budget_s:g} s")
-    print(f"{'dataset':15s} {'samples/shard':>13s} {'shards':>10s} {'epoch_size':>12s} {'rank open':>16s} "
-          f"{'per rank (rank+workers)':>24s} {'per node':>10s} {'epoch start':>12s} {'fits':>5s}")
+    print(f"\nprojection for {TARGET_SAMPLES:,} samples, {args.gpus_per_node} ranks x {args.workers} workers per "
+          f"node, shuffle {args.shuffle_algo}; budget {args.budget_gib:g} GiB and {args.budget_s:g} s per rank. "
+          "'rank' = the rank's index + its workers' private memory + (local rank 0) the partition builder's peak; "
+          "'node' adds the other ranks and the shared partition")
+    print(f"{'dataset':14s} {'shard':>6s} {'samples/shard':>13s} {'shards':>10s} {'epoch_size':>13s} "
+          f"{'open':>8s} {'index':>9s} {'rank':>9s} {'node':>9s} {'start':>8s} {'fits':>5s}")
     table = []
     gib = 1024.0
     for name, sample_bytes in PROJECTED.items():
-        per_shard = SHARD_LIMIT // sample_bytes
-        shards = -(-TARGET_SAMPLES // per_shard)
-        for epoch_size in (TARGET_SAMPLES, args.projected_epoch_size):
-            open_s = fits["open_s_per_shard"] * shards
-            rank_mib = fits["open_mib_per_shard"] * shards
-            # Each worker: its private share of the index (fork: touched pages get copied) + its part of the epoch.
-            worker_mib = fits["worker_uss_mib_per_shard"] * shards + \
-                fits["worker_growth_mib_per_sample"] * epoch_size
-            per_rank = rank_mib + args.workers * worker_mib
-            partition = epoch_size * 8 / 2**20  # shared per node
-            builder = fits["builder_peak_mib_per_sample"] * epoch_size  # one process per node, while it builds
-            per_node = args.gpus_per_node * per_rank + partition + builder
-            start_s = open_s + fits["epoch_s_per_sample"] * epoch_size
-            ok = per_rank / gib <= args.budget_gib and (per_node / args.gpus_per_node) / gib <= args.budget_gib \
-                and start_s <= args.budget_s
-            row = {"dataset": name, "samples_per_shard": per_shard, "shards": shards, "epoch_size": epoch_size,
-                   "open_s": open_s, "per_rank_gib": per_rank / gib, "per_node_gib": per_node / gib,
-                   "start_s": start_s, "within_budget": bool(ok)}
-            table.append(row)
-            print(f"{name:15s} {per_shard:>13,} {shards:>10,} {epoch_size:>12,} {open_s:7.1f} s {rank_mib / gib:5.2f} GiB "
-                  f"{per_rank / gib:20.2f} GiB {per_node / gib:6.1f} GiB {start_s:10.1f} s {'yes' if ok else 'NO':>5s}")
+        for limit_name, limit in SHARD_LIMITS.items():
+            per_shard = limit // sample_bytes
+            shards = -(-TARGET_SAMPLES // per_shard)
+            for epoch_size in (TARGET_SAMPLES, args.projected_epoch_size):
+                open_s = fits["open_s_per_shard"] * shards
+                index_mib = fits["open_mib_per_shard"] * shards
+                # A worker (forked: the index pages stay shared until written): its private memory, and
+                # its own copy of its part of the epoch.
+                worker_mib = max(0.0, fits["worker_uss_mib_per_shard"]) * shards + \
+                    fits["worker_growth_mib_per_sample"] * epoch_size
+                builder_mib = fits["builder_peak_mib_per_sample"] * epoch_size  # one process per node
+                partition_mib = epoch_size * 8 / 2**20  # int64 sample ids in shared memory, once per node
+                rank_mib = index_mib + args.workers * worker_mib + builder_mib
+                node_mib = args.gpus_per_node * (index_mib + args.workers * worker_mib) + builder_mib + partition_mib
+                start_s = open_s + fits["epoch_s_per_sample"] * epoch_size
+                ok = rank_mib / gib <= args.budget_gib and start_s <= args.budget_s
+                row = {"dataset": name, "shard_limit": limit_name, "samples_per_shard": per_shard, "shards": shards,
+                       "epoch_size": epoch_size, "open_s": open_s, "index_gib": index_mib / gib,
+                       "rank_gib": rank_mib / gib, "node_gib": node_mib / gib, "start_s": start_s,
+                       "within_budget": bool(ok)}
+                table.append(row)
+                print(f"{name:14s} {limit_name:>6s} {per_shard:>13,} {shards:>10,} {epoch_size:>13,} {open_s:6.1f} s "
+                      f"{index_mib / gib:5.2f} GiB {rank_mib / gib:5.2f} GiB {node_mib / gib:5.1f} GiB {start_s:6.1f} s "
+                      f"{'yes' if ok else 'NO':>5s}")
     return {"fits": fits, "projection": table}
 
 
