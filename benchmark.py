@@ -40,7 +40,7 @@ def default_local(remote: str | None) -> str:
     return f"{DEFAULT_LOCAL}/{hashlib.sha1(str(remote).encode()).hexdigest()[:12]}"
 
 
-SHUFFLE_ALGOS = ("py1e", "py1b", "py1br", "py1s", "py2s", "naive")
+SHUFFLE_ALGOS = ("py1e", "py1br", "py1s", "py2s", "naive")  # Streaming 0.13 has no py1b
 DEFAULT_SHUFFLE_ALGO = "py1e"
 
 
@@ -125,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Streaming at scale (issue 13): these reach both real-data loaders (images and --precomputed),
     # like --no_shuffle, --predownload, --download_retry, --download_timeout, --cache_limit and --validate_hash.
     p.add_argument("--shuffle_algo", type=str, default=DEFAULT_SHUFFLE_ALGO, choices=SHUFFLE_ALGOS,
-                   help="Streaming's shuffle: py1e (Streaming's default), py1b, py1br, py1s, py2s, naive")
+                   help="Streaming's shuffle: py1e (Streaming's default), py1br, py1s, py2s, naive")
     p.add_argument("--shuffle_block_size", type=int, default=None,
                    help="samples per shuffle block (default: Streaming's, max(4M / canonical nodes, 262144))")
     p.add_argument("--epoch_size", type=str, default=None,

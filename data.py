@@ -213,6 +213,23 @@ def make_streams(remote: str | None, local: str | None, **stream_kwargs: Any) ->
             for source, proportion in sources]
 
 
+# Memory to start an epoch, per sample of the epoch (bench/index_scale.py, shuffle py1e): the node's
+# partition builder (one process per node, the first worker of local rank 0) peaks at about 53 bytes,
+# and the partition it shares with the node's workers takes 8. Above this many samples per epoch the
+# start of every epoch costs one process more than 4 GiB: warn, naming the flag that bounds it.
+EPOCH_BYTES_PER_SAMPLE = 61
+LARGE_EPOCH_SAMPLES = 4 * 2**30 // EPOCH_BYTES_PER_SAMPLE  # about 70 million
+
+
+def warn_about_large_epoch(dataset: StreamingDataset) -> None:
+    """Log a warning (rank 0) when starting an epoch of `dataset` takes more than about 4 GiB."""
+    if dataset.epoch_size > LARGE_EPOCH_SAMPLES and dist.get_global_rank() == 0:
+        log.warning("an epoch of %s samples: each epoch starts by building its shuffled partition in one process "
+                    "per node, about %.1f GiB (py1e); pass --epoch_size (e.g. 32m, with --sampling_granularity set to "
+                    "the samples per shard) to bound it", f"{dataset.epoch_size:,}",
+                    dataset.epoch_size * EPOCH_BYTES_PER_SAMPLE / 2**30)
+
+
 def first_shards(dataset: StreamingDataset) -> list[tuple[str, Any]]:
     """(remote or local, first shard) of each stream of `dataset`: the columns every stream must have."""
     firsts = {}
@@ -338,6 +355,7 @@ def laion_dataloader(remote: str | None, local: str | None, tokenizer: Any, imag
         download_retry=download_retry, download_timeout=download_timeout, cache_limit=cache_limit,
         validate_hash=validate_hash, image_key=image_key, caption_key=caption_key,
         max_bad_fraction=max_bad_fraction, bad_check_after=bad_check_after, **streaming_kwargs)
+    warn_about_large_epoch(dataset)
     return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **loader_kwargs(num_workers))
 
 
@@ -520,4 +538,5 @@ def latents_dataloader(*, synthetic: bool, remote: str | None, local: str | None
     dataset = StreamingLatents(remote=remote or None, local=local, batch_size=batch_size_per_device,
                                image_size=image_size, text_dim=text_dim, shuffle=shuffle, shuffle_seed=seed,
                                **streaming_kwargs)
+    warn_about_large_epoch(dataset)
     return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **kwargs)

@@ -189,12 +189,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=str, default=None, help="folder for the indexes (default: a temporary one, deleted)")
     p.add_argument("--json", type=str, default=None, help="also write the table and the fits to this file")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per measurement")
+    p.add_argument("--from_json", type=str, default=None,
+                   help="project from the rows of an earlier --json instead of measuring (e.g. another budget)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--local", type=str, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return {}
+    if args.from_json:
+        rows = json.loads(Path(args.from_json).read_text())["rows"]
+        return {"rows": rows, **project(rows, args)}
     if args.workers < 1:
         raise SystemExit("index_scale.py: error: --workers must be >= 1 (the epoch starts in the loader workers)")
 
@@ -249,7 +254,7 @@ def project(rows: dict[str, list[dict]], args: argparse.Namespace) -> dict:
           "'rank' = the rank's index + its workers' private memory + (local rank 0) the partition builder's peak; "
           "'node' adds the other ranks and the shared partition")
     print(f"{'dataset':14s} {'shard':>6s} {'samples/shard':>13s} {'shards':>10s} {'epoch_size':>13s} "
-          f"{'open':>8s} {'index':>9s} {'rank':>9s} {'node':>9s} {'start':>8s} {'fits':>5s}")
+          f"{'open':>8s} {'index':>9s} {'rank':>9s} {'node':>9s} {'start':>8s} {'fits':>5s} {'max epoch':>13s}")
     table = []
     gib = 1024.0
     for name, sample_bytes in PROJECTED.items():
@@ -260,23 +265,29 @@ def project(rows: dict[str, list[dict]], args: argparse.Namespace) -> dict:
                 open_s = fits["open_s_per_shard"] * shards
                 index_mib = fits["open_mib_per_shard"] * shards
                 # A worker (forked: the index pages stay shared until written): its private memory, and
-                # its own copy of its part of the epoch.
-                worker_mib = max(0.0, fits["worker_uss_mib_per_shard"]) * shards + \
-                    fits["worker_growth_mib_per_sample"] * epoch_size
+                # its own copy of its part of the epoch (measured with one rank: on a node, 1/ranks of it).
+                worker_per_sample = fits["worker_growth_mib_per_sample"] / args.gpus_per_node
+                worker_index_mib = max(0.0, fits["worker_uss_mib_per_shard"]) * shards
+                worker_mib = worker_index_mib + worker_per_sample * epoch_size
                 builder_mib = fits["builder_peak_mib_per_sample"] * epoch_size  # one process per node
                 partition_mib = epoch_size * 8 / 2**20  # int64 sample ids in shared memory, once per node
                 rank_mib = index_mib + args.workers * worker_mib + builder_mib
                 node_mib = args.gpus_per_node * (index_mib + args.workers * worker_mib) + builder_mib + partition_mib
                 start_s = open_s + fits["epoch_s_per_sample"] * epoch_size
                 ok = rank_mib / gib <= args.budget_gib and start_s <= args.budget_s
+                # The largest epoch_size whose start fits the budget, memory and time (0: none does).
+                left_mib = args.budget_gib * gib - index_mib - args.workers * worker_index_mib
+                per_sample_mib = fits["builder_peak_mib_per_sample"] + args.workers * worker_per_sample
+                left_s = args.budget_s - open_s
+                max_epoch = int(max(0.0, min(left_mib / per_sample_mib, left_s / fits["epoch_s_per_sample"])))
                 row = {"dataset": name, "shard_limit": limit_name, "samples_per_shard": per_shard, "shards": shards,
                        "epoch_size": epoch_size, "open_s": open_s, "index_gib": index_mib / gib,
                        "rank_gib": rank_mib / gib, "node_gib": node_mib / gib, "start_s": start_s,
-                       "within_budget": bool(ok)}
+                       "within_budget": bool(ok), "max_epoch_size": max_epoch}
                 table.append(row)
                 print(f"{name:14s} {limit_name:>6s} {per_shard:>13,} {shards:>10,} {epoch_size:>13,} {open_s:6.1f} s "
                       f"{index_mib / gib:5.2f} GiB {rank_mib / gib:5.2f} GiB {node_mib / gib:5.1f} GiB {start_s:6.1f} s "
-                      f"{'yes' if ok else 'NO':>5s}")
+                      f"{'yes' if ok else 'NO':>5s} {max_epoch:>13,}")
     return {"fits": fits, "projection": table}
 
 

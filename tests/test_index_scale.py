@@ -49,3 +49,19 @@ def test_epoch_start_in_workers_is_measured_and_projected(tmp_path):
     assert latents_512[0]["samples_per_shard"] == index_scale.SHARD_LIMIT // index_scale.PROJECTED["latents-512px"]
     assert latents_512[0]["shards"] * latents_512[0]["samples_per_shard"] >= index_scale.TARGET_SAMPLES
     assert [r["epoch_size"] for r in latents_512] == [index_scale.TARGET_SAMPLES, 200_000_000]
+
+
+def test_an_epoch_too_large_for_memory_is_warned_about(tmp_path, caplog):
+    import data
+    from streaming import StreamingDataset
+
+    index_scale.write_index(tmp_path / "big", "latents", 100, 1_000_000)  # 100M samples, described only
+    big = StreamingDataset(local=str(tmp_path / "big"), batch_size=4)
+    with caplog.at_level("WARNING", logger="data"):
+        data.warn_about_large_epoch(big)
+    assert "100,000,000 samples" in caplog.text and "--epoch_size" in caplog.text
+    caplog.clear()
+    bounded = StreamingDataset(local=str(tmp_path / "big"), batch_size=4, epoch_size="32m")
+    with caplog.at_level("WARNING", logger="data"):
+        data.warn_about_large_epoch(bounded)
+    assert caplog.text == ""

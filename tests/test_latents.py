@@ -359,20 +359,20 @@ class Inspect(Callback):
 
 def test_streaming_flags_reach_the_precomputed_loader(single, tmp_path):
     import benchmark
-    from streaming.base.util import normalize_bytes
+    from streaming.base.util import bytes_to_int
 
     inspect = Inspect()
     argv = ["--precomputed", "--model_config", "tiny", "--remote", str(single[0]), "--local", str(tmp_path / "cache"),
             "--image_size", str(IMAGE_SIZE), "--batch_size", "4", "--max_duration", "2ba", "--num_workers", "0",
             "--warmup_batches", "0", "--cache_limit", "10mb", "--predownload", "16", "--download_retry", "3",
-            "--download_timeout", "33", "--validate_hash", "xxh64", "--no_shuffle", "--shuffle_algo", "py1b",
+            "--download_timeout", "33", "--validate_hash", "xxh64", "--no_shuffle", "--shuffle_algo", "py1br",
             "--shuffle_block_size", "1000", "--epoch_size", "12", "--num_canonical_nodes", "2",
             "--sampling_granularity", "5"]
     benchmark.main(argv, extra_callbacks=[inspect])
     dataset = inspect.datasets[-1]
     assert isinstance(dataset, data.StreamingLatents) and dataset.text_format == "tokens"
-    assert dataset.cache_limit == normalize_bytes("10mb") and dataset.predownload == 16
-    assert dataset.shuffle is False and dataset.shuffle_algo == "py1b" and dataset.shuffle_block_size == 1000
+    assert dataset.cache_limit == bytes_to_int("10mb") and dataset.predownload == 16
+    assert dataset.shuffle is False and dataset.shuffle_algo == "py1br" and dataset.shuffle_block_size == 1000
     assert dataset.epoch_size == 12 and dataset.num_canonical_nodes == 2 and dataset.shuffle_seed == SEED
     assert dataset.sampling_granularity == 5
     [stream] = dataset.streams
