@@ -189,6 +189,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=str, default=None, help="folder for the indexes (default: a temporary one, deleted)")
     p.add_argument("--json", type=str, default=None, help="also write the table and the fits to this file")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per measurement")
+    p.add_argument("--open_s_per_shard", type=float, default=None,
+                   help="project with this opening time per shard instead of the fitted one (times depend on the "
+                        "machine's load; memory does not)")
+    p.add_argument("--epoch_s_per_sample", type=float, default=None,
+                   help="project with this epoch start time per sample instead of the fitted one")
     p.add_argument("--from_json", type=str, default=None,
                    help="project from the rows of an earlier --json instead of measuring (e.g. another budget)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -249,6 +254,10 @@ def project(rows: dict[str, list[dict]], args: argparse.Namespace) -> dict:
         print("(fewer than two sizes per ladder: no fit, no projection)")
         return {"fits": fits, "projection": []}
     print("\nlinear fits: " + ", ".join(f"{k} {v:.3g}" for k, v in fits.items()))
+    for name in ("open_s_per_shard", "epoch_s_per_sample"):
+        if getattr(args, name, None) is not None:
+            fits[name] = getattr(args, name)
+            print(f"projected with {name} {fits[name]:.3g} (--{name}) instead of the fit")
     print(f"\nprojection for {TARGET_SAMPLES:,} samples, {args.gpus_per_node} ranks x {args.workers} workers per "
           f"node, shuffle {args.shuffle_algo}; budget {args.budget_gib:g} GiB and {args.budget_s:g} s per rank. "
           "'rank' = the rank's index + its workers' private memory + (local rank 0) the partition builder's peak; "
