@@ -152,6 +152,9 @@ def summarize(num_shards: int, samples_per_shard: int, r: dict) -> dict:
     return {
         "shards": num_shards, "samples": num_shards * samples_per_shard, "epoch_samples": r["epoch_samples"],
         "open_s": opened["seconds"], "open_rss_mib": opened["memory"]["rss"] - opened["base"]["rss"],
+        # Opening also builds a sample -> shard table (streaming.base.spanner: an int64 per sample, then
+        # one small array per 1,024 samples): a peak per sample above what stays resident.
+        "open_peak_extra_mib": max(0.0, opened["memory"]["peak_rss"] - opened["base"]["rss"]),
         "epoch_s": max(w["seconds"] for w in workers),
         "leader_peak_extra_mib": leader["after"]["peak_rss"] - leader["before"]["rss"],
         "worker_uss_mib": float(np.mean([w["after"]["uss"] for w in others])),
@@ -159,6 +162,14 @@ def summarize(num_shards: int, samples_per_shard: int, r: dict) -> dict:
         "worker_pss_mib": float(np.mean([w["after"]["pss"] for w in others])),
         "partition_shm_mib": r["epoch_samples"] * 8 / 2**20,  # int64 sample ids, one copy per node
     }
+
+
+def fit_open(rows: list[dict], key: str) -> tuple[float, float]:
+    """Least squares y = a + b shards + c samples over both ladders (they differ in samples per
+    shard, so the two costs separate): (per shard, per sample), each at least 0."""
+    x = np.array([[1.0, r["shards"], r["samples"]] for r in rows])
+    coef = np.linalg.lstsq(x, np.array([r[key] for r in rows], float), rcond=None)[0]
+    return max(0.0, float(coef[1])), max(0.0, float(coef[2]))
 
 
 def fit(x: list[float], y: list[float]) -> tuple[float, float]:
@@ -222,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row = summarize(num_shards, per_shard, measure(local, args, args.workers, args.epoch_size))
                 rows[ladder].append(row)
                 print(f"{ladder:5s} {num_shards:>9,} shards x {per_shard:>5,} = {row['samples']:>12,} samples "
-                      f"(index written in {written:.1f} s): open {row['open_s']:6.2f} s {row['open_rss_mib']:8.1f} MiB; "
+                      f"(index written in {written:.1f} s): open {row['open_s']:6.2f} s {row['open_rss_mib']:8.1f} MiB (peak +{row['open_peak_extra_mib']:.1f}); "
                       f"epoch start {row['epoch_s']:6.2f} s, builder peak +{row['leader_peak_extra_mib']:8.1f} MiB, "
                       f"worker USS {row['worker_uss_mib']:7.1f} MiB (+{row['worker_uss_growth_mib']:.1f} at epoch "
                       f"start), PSS {row['worker_pss_mib']:7.1f} MiB, partition {row['partition_shm_mib']:.1f} MiB "
@@ -241,16 +252,19 @@ def project(rows: dict[str, list[dict]], args: argparse.Namespace) -> dict:
     """Fit the growth and print the projection to TARGET_SAMPLES samples."""
     index, epoch = rows["index"], rows["epoch"]
     fits = {}
-    if len(index) >= 2:
-        fits["open_s_per_shard"] = fit([r["shards"] for r in index], [r["open_s"] for r in index])[1]
-        fits["open_mib_per_shard"] = fit([r["shards"] for r in index], [r["open_rss_mib"] for r in index])[1]
+    if len(index) >= 2 and len(epoch) >= 2:
+        both = index + epoch
+        fits["open_s_per_shard"], fits["open_s_per_sample"] = fit_open(both, "open_s")
+        fits["open_mib_per_shard"], fits["open_mib_per_sample"] = fit_open(both, "open_rss_mib")
+        if all("open_peak_extra_mib" in r for r in both):
+            fits["open_peak_mib_per_shard"], fits["open_peak_mib_per_sample"] = fit_open(both, "open_peak_extra_mib")
         fits["worker_uss_mib_per_shard"] = fit([r["shards"] for r in index], [r["worker_uss_mib"] for r in index])[1]
     if len(epoch) >= 2:
         x = [r["epoch_samples"] for r in epoch]
         fits["epoch_s_per_sample"] = fit(x, [r["epoch_s"] for r in epoch])[1]
         fits["builder_peak_mib_per_sample"] = fit(x, [r["leader_peak_extra_mib"] for r in epoch])[1]
         fits["worker_growth_mib_per_sample"] = fit(x, [r["worker_uss_growth_mib"] for r in epoch])[1]
-    if len(fits) < 6:
+    if len(fits) < 8:
         print("(fewer than two sizes per ladder: no fit, no projection)")
         return {"fits": fits, "projection": []}
     print("\nlinear fits: " + ", ".join(f"{k} {v:.3g}" for k, v in fits.items()))
@@ -260,10 +274,11 @@ def project(rows: dict[str, list[dict]], args: argparse.Namespace) -> dict:
             print(f"projected with {name} {fits[name]:.3g} (--{name}) instead of the fit")
     print(f"\nprojection for {TARGET_SAMPLES:,} samples, {args.gpus_per_node} ranks x {args.workers} workers per "
           f"node, shuffle {args.shuffle_algo}; budget {args.budget_gib:g} GiB and {args.budget_s:g} s per rank. "
-          "'rank' = the rank's index + its workers' private memory + (local rank 0) the partition builder's peak; "
+          "'rank' = the larger of the open peak and the rank's index + its workers' private memory + (local rank 0) "
+          "the partition builder's peak; "
           "'node' adds the other ranks and the shared partition")
     print(f"{'dataset':14s} {'shard':>6s} {'samples/shard':>13s} {'shards':>10s} {'epoch_size':>13s} "
-          f"{'open':>8s} {'index':>9s} {'rank':>9s} {'node':>9s} {'start':>8s} {'fits':>5s} {'max epoch':>13s}")
+          f"{'open':>8s} {'index':>9s} {'open peak':>10s} {'rank':>9s} {'node':>9s} {'start':>8s} {'fits':>5s} {'max epoch':>13s}")
     table = []
     gib = 1024.0
     for name, sample_bytes in PROJECTED.items():
@@ -271,8 +286,11 @@ def project(rows: dict[str, list[dict]], args: argparse.Namespace) -> dict:
             per_shard = limit // sample_bytes
             shards = -(-TARGET_SAMPLES // per_shard)
             for epoch_size in (TARGET_SAMPLES, args.projected_epoch_size):
-                open_s = fits["open_s_per_shard"] * shards
-                index_mib = fits["open_mib_per_shard"] * shards
+                open_s = fits["open_s_per_shard"] * shards + fits["open_s_per_sample"] * TARGET_SAMPLES
+                index_mib = fits["open_mib_per_shard"] * shards + fits["open_mib_per_sample"] * TARGET_SAMPLES
+                # Every rank opens the dataset at once: the open peak is per rank, over what stays resident.
+                open_peak_mib = fits.get("open_peak_mib_per_shard", 0.0) * shards + \
+                    fits.get("open_peak_mib_per_sample", 0.0) * TARGET_SAMPLES
                 # A worker (forked: the index pages stay shared until written): its private memory, and
                 # its own copy of its part of the epoch (measured with one rank: on a node, 1/ranks of it).
                 worker_per_sample = fits["worker_growth_mib_per_sample"] / args.gpus_per_node
@@ -280,22 +298,25 @@ def project(rows: dict[str, list[dict]], args: argparse.Namespace) -> dict:
                 worker_mib = worker_index_mib + worker_per_sample * epoch_size
                 builder_mib = fits["builder_peak_mib_per_sample"] * epoch_size  # one process per node
                 partition_mib = epoch_size * 8 / 2**20  # int64 sample ids in shared memory, once per node
-                rank_mib = index_mib + args.workers * worker_mib + builder_mib
+                rank_mib = max(open_peak_mib, index_mib + args.workers * worker_mib + builder_mib)
                 node_mib = args.gpus_per_node * (index_mib + args.workers * worker_mib) + builder_mib + partition_mib
                 start_s = open_s + fits["epoch_s_per_sample"] * epoch_size
                 ok = rank_mib / gib <= args.budget_gib and start_s <= args.budget_s
                 # The largest epoch_size whose start fits the budget, memory and time (0: none does).
                 left_mib = args.budget_gib * gib - index_mib - args.workers * worker_index_mib
+                if open_peak_mib > args.budget_gib * gib:
+                    left_mib = 0.0  # opening alone is over budget, whatever the epoch
                 per_sample_mib = fits["builder_peak_mib_per_sample"] + args.workers * worker_per_sample
                 left_s = args.budget_s - open_s
                 max_epoch = int(max(0.0, min(left_mib / per_sample_mib, left_s / fits["epoch_s_per_sample"])))
                 row = {"dataset": name, "shard_limit": limit_name, "samples_per_shard": per_shard, "shards": shards,
                        "epoch_size": epoch_size, "open_s": open_s, "index_gib": index_mib / gib,
+                       "open_peak_gib": open_peak_mib / gib,
                        "rank_gib": rank_mib / gib, "node_gib": node_mib / gib, "start_s": start_s,
                        "within_budget": bool(ok), "max_epoch_size": max_epoch}
                 table.append(row)
                 print(f"{name:14s} {limit_name:>6s} {per_shard:>13,} {shards:>10,} {epoch_size:>13,} {open_s:6.1f} s "
-                      f"{index_mib / gib:5.2f} GiB {rank_mib / gib:5.2f} GiB {node_mib / gib:5.1f} GiB {start_s:6.1f} s "
+                      f"{index_mib / gib:5.2f} GiB {open_peak_mib / gib:6.2f} GiB {rank_mib / gib:5.2f} GiB {node_mib / gib:5.1f} GiB {start_s:6.1f} s "
                       f"{'yes' if ok else 'NO':>5s} {max_epoch:>13,}")
     return {"fits": fits, "projection": table}
 

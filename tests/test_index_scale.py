@@ -42,13 +42,16 @@ def test_epoch_start_in_workers_is_measured_and_projected(tmp_path):
         rows["index"].append(row)
         rows["epoch"].append(row)
     options = argparse.Namespace(workers=8, gpus_per_node=8, shuffle_algo="py1e", budget_gib=4.0, budget_s=60.0,
-                                 projected_epoch_size=200_000_000)
+                                 projected_epoch_size=200_000_000, open_s_per_shard=None, epoch_s_per_sample=None)
     report = index_scale.project(rows, options)
-    assert len(report["projection"]) == 2 * len(index_scale.PROJECTED)
-    latents_512 = [r for r in report["projection"] if r["dataset"] == "latents-512px"]
+    assert len(report["projection"]) == 2 * len(index_scale.PROJECTED) * len(index_scale.SHARD_LIMITS)
+    latents_512 = [r for r in report["projection"] if r["dataset"] == "latents-512px" and r["shard_limit"] == "64mb"]
     assert latents_512[0]["samples_per_shard"] == index_scale.SHARD_LIMIT // index_scale.PROJECTED["latents-512px"]
     assert latents_512[0]["shards"] * latents_512[0]["samples_per_shard"] >= index_scale.TARGET_SAMPLES
     assert [r["epoch_size"] for r in latents_512] == [index_scale.TARGET_SAMPLES, 200_000_000]
+    # Memory grows with the epoch; the largest epoch within budget fits it, a full epoch of 2B does not.
+    assert latents_512[0]["rank_gib"] > latents_512[1]["rank_gib"] and not latents_512[0]["within_budget"]
+    assert all(r["max_epoch_size"] < index_scale.TARGET_SAMPLES for r in report["projection"])
 
 
 def test_an_epoch_too_large_for_memory_is_warned_about(tmp_path, caplog):
