@@ -87,6 +87,38 @@ BAD_CHECK_AFTER = 1000
 _ALPHA_MODES = {"RGBA", "RGBa", "LA", "La", "PA"}
 
 
+class CompactSpanner:
+    """Sample index -> (shard, index within the shard), by binary search over the shard boundaries.
+
+    Replaces streaming.base.spanner.Spanner (Streaming 0.13), which every process that opens a
+    dataset builds with an int64 per sample (np.repeat over all samples, 16 GB for 2 billion) and
+    then keeps a small array per 1,024 samples (2 million arrays): seconds to minutes and gigabytes
+    per rank at LAION scale (bench/index_scale.py). This keeps the shard boundaries only (8 bytes
+    per shard) and answers in O(log shards), the same answers for every index.
+    """
+
+    def __init__(self, shard_sizes: np.ndarray, span_size: int = 1 << 10):
+        self.shard_sizes = shard_sizes
+        self.shard_bounds = np.concatenate([np.zeros(1, np.int64), np.cumsum(shard_sizes, dtype=np.int64)])
+        self.num_samples = int(self.shard_bounds[-1])
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"Invalid sample index `{index}`: 0 <= {index} < {self.num_samples}")
+        shard = int(np.searchsorted(self.shard_bounds, index, side="right")) - 1  # skips empty shards
+        return shard, int(index - self.shard_bounds[shard])
+
+
+def use_compact_spanner() -> None:
+    """Make StreamingDataset (in this process) build CompactSpanner instead of Streaming's Spanner."""
+    import streaming.base.dataset
+
+    streaming.base.dataset.Spanner = CompactSpanner
+
+
+use_compact_spanner()  # every dataset of this project, from the first one built
+
+
 class BadDataError(RuntimeError):
     """Too many samples of the dataset could not be decoded: the data, not the run, needs fixing."""
 

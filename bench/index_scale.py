@@ -97,6 +97,14 @@ def child(args: argparse.Namespace) -> dict:
     from streaming import StreamingDataset
     from torch.utils.data import DataLoader
 
+    if getattr(args, "streaming_spanner", False):
+        import streaming.base.dataset
+        from streaming.base.spanner import Spanner
+
+        streaming.base.dataset.Spanner = Spanner  # Streaming's own, for the "before" figures
+    else:
+        import data  # noqa: F401  what training runs: data.CompactSpanner instead of Streaming's Spanner
+
     class EpochStart(StreamingDataset):
         """Runs the start of an epoch exactly as StreamingDataset.__iter__ does (world detection,
         resumption state, the node's partition), then yields this process's figures instead of samples."""
@@ -129,6 +137,8 @@ def child(args: argparse.Namespace) -> dict:
 def measure(local: Path, args: argparse.Namespace, workers: int, epoch_size: int | None) -> dict:
     cmd = [sys.executable, __file__, "--child", "--local", str(local), "--workers", str(workers),
            "--shuffle_algo", args.shuffle_algo, "--batch_size", str(args.batch_size)]
+    if args.streaming_spanner:
+        cmd.append("--streaming_spanner")
     if epoch_size:
         cmd += ["--epoch_size", str(epoch_size)]
     if args.num_canonical_nodes:
@@ -205,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "machine's load; memory does not)")
     p.add_argument("--epoch_s_per_sample", type=float, default=None,
                    help="project with this epoch start time per sample instead of the fitted one")
+    p.add_argument("--streaming_spanner", action="store_true",
+                   help="open with Streaming's own Spanner (an int64 per sample) instead of data.CompactSpanner")
     p.add_argument("--from_json", type=str, default=None,
                    help="project from the rows of an earlier --json instead of measuring (e.g. another budget)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -54,17 +54,41 @@ def test_epoch_start_in_workers_is_measured_and_projected(tmp_path):
     assert all(r["max_epoch_size"] < index_scale.TARGET_SAMPLES for r in report["projection"])
 
 
-def test_an_epoch_too_large_for_memory_is_warned_about(tmp_path, caplog):
+def test_an_epoch_too_large_for_memory_is_warned_about(tmp_path, caplog, monkeypatch):
     import data
     from streaming import StreamingDataset
 
-    index_scale.write_index(tmp_path / "big", "latents", 100, 1_000_000)  # 100M samples, described only
+    assert data.LARGE_EPOCH_SAMPLES * data.EPOCH_BYTES_PER_SAMPLE <= 4 * 2**30 < \
+        (data.LARGE_EPOCH_SAMPLES + 1000) * data.EPOCH_BYTES_PER_SAMPLE
+    # A real dataset of 100,000 samples (described only), with the threshold lowered below it: opening
+    # one of 100 million samples would cost this test 20 s and 800 MB (Streaming's span table).
+    monkeypatch.setattr(data, "LARGE_EPOCH_SAMPLES", 50_000)
+    index_scale.write_index(tmp_path / "big", "latents", 100, 1000)
     big = StreamingDataset(local=str(tmp_path / "big"), batch_size=4)
     with caplog.at_level("WARNING", logger="data"):
         data.warn_about_large_epoch(big)
-    assert "100,000,000 samples" in caplog.text and "--epoch_size" in caplog.text
+    assert "an epoch of 100,000 samples" in caplog.text and "--epoch_size" in caplog.text
     caplog.clear()
-    bounded = StreamingDataset(local=str(tmp_path / "big"), batch_size=4, epoch_size="32m")
+    bounded = StreamingDataset(local=str(tmp_path / "big"), batch_size=4, epoch_size="40k")
     with caplog.at_level("WARNING", logger="data"):
         data.warn_about_large_epoch(bounded)
     assert caplog.text == ""
+
+
+def test_compact_spanner_answers_as_streaming_does():
+    import numpy as np
+    from streaming.base.spanner import Spanner
+
+    import data
+
+    sizes = np.random.default_rng(0).integers(0, 40, size=200).astype(np.int64)
+    sizes[[0, 5, -1]] = [0, 0, 7]  # empty shards, first and in the middle
+    ours, theirs = data.CompactSpanner(sizes.copy()), Spanner(sizes.copy())
+    assert ours.num_samples == theirs.num_samples == sizes.sum()
+    assert [ours[i] for i in range(ours.num_samples)] == [theirs[i] for i in range(theirs.num_samples)]
+    for bad in (-1, ours.num_samples):
+        with pytest.raises(IndexError):
+            ours[bad]
+    import streaming.base.dataset
+
+    assert streaming.base.dataset.Spanner is data.CompactSpanner  # what every dataset of the project builds
