@@ -197,6 +197,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     for flag in ("shuffle_block_size", "num_canonical_nodes", "sampling_granularity"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             fail(f"--{flag} {getattr(args, flag)} must be positive")
+    if args.precomputed_format != "tokens" and not (args.precomputed and args.use_synth_data):
+        fail("--precomputed_format only applies with --precomputed --use_synth_data (shards carry their own format)")
     if args.num_workers < 0:
         fail(f"--num_workers {args.num_workers} must be >= 0")
     if args.peak_tflops is not None and args.peak_tflops <= 0:

@@ -338,8 +338,9 @@ def test_bad_sources_fail_before_training(single, capsys):
     base = ["--precomputed", "--model_config", "tiny", "--batch_size", "4", "--local", "/tmp/unused"]
     for remote, message in (([f"0.5={single[0]}", str(single[0])], "to every source"),
                             ([str(single[0]), "/no/such/dataset"], "--remote /no/such/dataset holds no MDS dataset"),
-                            ([str(single[0]), "--epoch_size", "lots"], "--epoch_size lots must be a positive")):
-        argv = base + [x for r in remote for x in (["--remote", r] if not r.startswith("--") and r != "lots" else [r])]
+                            ([str(single[0]), "--epoch_size", "lots"], "--epoch_size lots must be a positive"),
+                            ([str(single[0]), "--precomputed_format", "text_states"], "only applies with")):
+        argv = base + [x for r in remote for x in (["--remote", r] if r.startswith(("/", "0")) else [r])]
         with pytest.raises(SystemExit) as error:
             benchmark.validate(benchmark.parse_args(argv), 1)
         assert "benchmark.py: error:" in str(error.value) and message in str(error.value)
