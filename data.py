@@ -411,7 +411,7 @@ FORMATS = ("tokens", "text_states")
 STORAGE_DTYPES = {"fp16": "float16", "fp32": "float32"}
 
 
-def mds_columns(latent_channels: int, latent_size: int, text_dim: int, storage_dtype: str = "fp16",
+def mds_columns(latent_channels: int, latent_size: int, text_dim: int | None, storage_dtype: str = "fp16",
                 captions: bool = True, text_states: bool = False) -> dict[str, str]:
     """MDS columns of a precomputed dataset; the shapes are fixed, so no per-sample shape header."""
     dtype = STORAGE_DTYPES[storage_dtype]

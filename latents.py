@@ -45,7 +45,8 @@ is the expectation for the pretrained SD2 encoders; what was measured (tiny rand
 value and stops, naming --storage_dtype fp32, if one is not finite or would overflow fp16; its
 final report prints the largest magnitudes it saw. At 512x512 with SD2 (D = 1024) a sample is
 2 x 4 x 64 x 64 x 2 + 77 x 2 + 8 = 65,698 bytes before compression (plus the caption), 131,234 in
-fp32; with --store_text_states 2 x 4 x 64 x 64 x 2 + 77 x 1024 x 2 + 8 = 223,240, 446,472 in fp32. Training batches keep the stored dtype, so fp16 also halves the host-to-device
+fp32; with --store_text_states 2 x 4 x 64 x 64 x 2 + 77 x 1024 x 2 + 8 = 223,240, 446,472 in
+fp32. Training batches keep the stored dtype, so fp16 also halves the host-to-device
 copy; the model casts the inputs itself (to fp32, then autocast).
 
 Every sample is encoded exactly once. The source is cut into chunks of --chunk_size consecutive
@@ -466,7 +467,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise SystemExit(f"latents.py: error: the tokenizer of --model_name {args.model_name} has {len(tokenizer):,} "
                          f"tokens, more than {TOKEN_IDS_DTYPE} token ids hold: pass --store_text_states")
     latent_channels = vae.config.latent_channels
-    text_dim = MODEL_CONFIGS[args.model_config]["text_encoder"]["hidden_size"]
+    text_dim = text_encoder.config.hidden_size if text_encoder is not None else None  # tokens: not stored
     columns = mds_columns(latent_channels, args.image_size // 8, text_dim, args.storage_dtype, not args.no_captions,
                           text_states=args.store_text_states)
 
