@@ -49,12 +49,26 @@ def default_local(remote: str | None) -> str:
     return f"{DEFAULT_LOCAL}/{hashlib.sha1(str(remote).encode()).hexdigest()[:12]}"
 
 
+SHUFFLE_ALGOS = ("py1e", "py1br", "py1s", "py2s", "naive")  # Streaming 0.13 has no py1b
+DEFAULT_SHUFFLE_ALGO = "py1e"
+
+
+class JoinSources(argparse.Action):
+    """A repeated --remote adds a source (comma-separated in args.remote, as one --remote with commas)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        previous = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, f"{previous},{values}" if previous else values)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # The flags of the 2023 benchmark, same names and defaults.
     p.add_argument("--batch_size", type=int, default=2048, help="global batch size, images per step over all devices")
     p.add_argument("--image_size", type=int, default=512, help="training resolution in pixels (multiple of 8)")
-    p.add_argument("--remote", type=str, default=None, help="MDS shards to stream: s3://, gs://, oci://, ... or a path")
+    p.add_argument("--remote", type=str, default=None, action=JoinSources,
+                   help="MDS shards to stream: s3://, gs://, oci://, ... or a path. Several sources: repeat the flag "
+                        "or separate them by commas, each optionally prefixed by its proportion: 0.7=s3://a,0.3=s3://b")
     p.add_argument("--local", type=str, default=None,
                    help=f"local cache for --remote shards (default {DEFAULT_LOCAL}/<hash of remote>), or shards already on disk")
     p.add_argument("--use_synth_data", action="store_true", help="random images and captions (measures the model only)")
@@ -110,15 +124,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log_interval", type=str, default="10ba", help="in a log file, print a progress line this often (20ba, 1ep); on a terminal the line updates in place")
     # Speed (issue: fastest correct step). Defaults are the plain step until GPU measurements say otherwise.
     p.add_argument("--precomputed", action="store_true",
-                   help="train from precomputed VAE latents and text-encoder outputs (latents.py): skips both encoders")
+                   help="train from precomputed VAE latents (latents.py): no VAE; the text encoder runs on stored "
+                        "token ids, or is skipped too for shards written with --store_text_states")
     p.add_argument("--channels_last", action="store_true", help="UNet and VAE in channels-last memory format")
     p.add_argument("--compile", action="store_true", help="torch.compile the UNet (in place: checkpoint keys unchanged)")
     p.add_argument("--fused_adamw", type=str, default="auto", choices=("auto", "on", "off"),
                    help="fused AdamW kernel; auto: on with CUDA")
     p.add_argument("--xformers", action="store_true", help="use xFormers attention in the UNet (default: PyTorch SDPA)")
+    # Streaming at scale (issue 13): these reach both real-data loaders (images and --precomputed),
+    # like --no_shuffle, --predownload, --download_retry, --download_timeout, --cache_limit and --validate_hash.
+    p.add_argument("--shuffle_algo", type=str, default=DEFAULT_SHUFFLE_ALGO, choices=SHUFFLE_ALGOS,
+                   help="Streaming's shuffle: py1e (Streaming's default), py1br, py1s, py2s, naive")
+    p.add_argument("--shuffle_block_size", type=int, default=None,
+                   help="samples per shuffle block (default: Streaming's, max(4M / canonical nodes, 262144))")
+    p.add_argument("--epoch_size", type=str, default=None,
+                   help="samples per epoch drawn from all sources, e.g. 200000000 or 200m (default: all of them "
+                        "once). The epoch's partition takes memory per sample: see the README's LAION-scale plan")
+    p.add_argument("--num_canonical_nodes", type=int, default=None,
+                   help="Streaming's canonical nodes, fixing the sample order across node counts (default: the nodes "
+                        "of the first run); keep it when resuming on another number of nodes")
+    p.add_argument("--sampling_granularity", type=int, default=1,
+                   help="with --epoch_size below the dataset: samples taken from a shard at a time when an epoch "
+                        "picks part of the data; the samples per shard picks whole shards (no shard downloaded "
+                        "for a few samples)")
+    p.add_argument("--precomputed_format", type=str, default="tokens", choices=("tokens", "text_states"),
+                   help="with --precomputed --use_synth_data: the format synthetic batches imitate (shards: read "
+                        "from their columns)")
     # Errors (issue 10): user errors are one line; --debug shows the traceback as well.
     p.add_argument("--debug", action="store_true", help="on an error, also print the Python traceback")
     return p.parse_args(argv)
+
+
+def streaming_options(args: argparse.Namespace) -> dict:
+    """The Streaming settings of both real-data loaders, from the flags."""
+    return dict(shuffle=args.shuffle, predownload=args.predownload, download_retry=args.download_retry,
+                download_timeout=args.download_timeout, cache_limit=args.cache_limit,
+                validate_hash=args.validate_hash, shuffle_algo=args.shuffle_algo,
+                shuffle_block_size=args.shuffle_block_size, epoch_size=args.epoch_size,
+                num_canonical_nodes=args.num_canonical_nodes, sampling_granularity=args.sampling_granularity)
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
@@ -149,8 +192,25 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         fail("no data: pass --use_synth_data, or --remote (with --local as cache), or --local with MDS shards already there")
     if not args.use_synth_data and not args.remote and not Path(args.local).is_dir():
         fail(f"--local {args.local} is not a folder; give --remote to stream shards into it")
-    if not args.use_synth_data and args.remote and not uri_scheme(args.remote) and not Path(args.remote, "index.json").is_file():
-        fail(f"--remote {args.remote} holds no MDS dataset (no index.json); write one with convert.py first")
+    try:
+        sources = data.parse_sources(args.remote)
+    except ValueError as error:
+        fail(str(error))
+    for source, _ in sources:
+        if not args.use_synth_data and not uri_scheme(source) and not Path(source, "index.json").is_file():
+            fail(f"--remote {source} holds no MDS dataset (no index.json); write one with convert.py first")
+    if args.epoch_size is not None:
+        try:
+            from streaming.base.util import number_abbrev_to_int
+            if number_abbrev_to_int(args.epoch_size) <= 0:
+                raise ValueError
+        except (ValueError, TypeError):
+            fail(f"--epoch_size {args.epoch_size} must be a positive number of samples, such as 200000000 or 200m")
+    for flag in ("shuffle_block_size", "num_canonical_nodes", "sampling_granularity"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            fail(f"--{flag} {getattr(args, flag)} must be positive")
+    if args.precomputed_format != "tokens" and not (args.precomputed and args.use_synth_data):
+        fail("--precomputed_format only applies with --precomputed --use_synth_data (shards carry their own format)")
     if args.num_workers < 0:
         fail(f"--num_workers {args.num_workers} must be >= 0")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
@@ -213,31 +273,41 @@ def uri_scheme(location: str) -> str:
     return "dbfs" if location.startswith("dbfs:/") else ""
 
 
+def check_location(flag: str, location: str, schemes: list[str]) -> str:
+    """`location` with a file:// URI turned into its path; an unsupported scheme fails, naming `flag`."""
+    scheme = uri_scheme(location)
+    if scheme == "file":
+        parsed = urllib.parse.urlparse(location)
+        if parsed.netloc not in ("", "localhost"):
+            fail(f"--{flag} {location}: a file:// URI names a path on this machine; write file:///path or the path")
+        return urllib.parse.unquote(parsed.path)
+    if scheme and scheme not in schemes:
+        if not schemes:
+            fail(f"--{flag} takes a local path, not a URI ({location})")
+        fail(f"--{flag} {location}: unsupported scheme '{scheme}://'; use a local path or one of "
+             + ", ".join("dbfs:/Volumes/" if s == "dbfs" else f"{s}://" for s in schemes))
+    one_slash = re.match(r"([A-Za-z][\w+.-]*):/(?!/)", location)
+    if one_slash and one_slash.group(1).lower() in [*schemes, "file"] and not scheme:
+        fail(f"--{flag} {location} looks like a URI with one slash; write "
+             f"{one_slash.group(1)}://{location[one_slash.end():]}")
+    return location
+
+
 def check_locations(args: argparse.Namespace) -> None:
-    """file:// URIs become local paths; other URIs must use a scheme the flag supports."""
-    supported = {"remote": data_schemes(), "save_folder": list(CHECKPOINT_SCHEMES),
-                 "load_path": [*CHECKPOINT_SCHEMES, "http", "https"],
+    """file:// URIs become local paths; other URIs must use a scheme the flag supports. --remote may
+    name several sources (data.parse_sources): each is checked, and rewritten in place."""
+    supported = {"save_folder": list(CHECKPOINT_SCHEMES), "load_path": [*CHECKPOINT_SCHEMES, "http", "https"],
                  "local": [], "results_json": [], "ema_export_dir": []}
     for flag, schemes in supported.items():
-        location = getattr(args, flag)
-        if not location:
-            continue
-        scheme = uri_scheme(location)
-        if scheme == "file":
-            parsed = urllib.parse.urlparse(location)
-            if parsed.netloc not in ("", "localhost"):
-                fail(f"--{flag} {location}: a file:// URI names a path on this machine; write file:///path or the path")
-            setattr(args, flag, urllib.parse.unquote(parsed.path))
-        elif scheme and scheme not in schemes:
-            if not schemes:
-                fail(f"--{flag} takes a local path, not a URI ({location})")
-            fail(f"--{flag} {location}: unsupported scheme '{scheme}://'; use a local path or one of "
-                 + ", ".join("dbfs:/Volumes/" if s == "dbfs" else f"{s}://" for s in schemes))
-        else:
-            one_slash = re.match(r"([A-Za-z][\w+.-]*):/(?!/)", location)
-            if one_slash and one_slash.group(1).lower() in [*schemes, "file"] and not scheme:
-                fail(f"--{flag} {location} looks like a URI with one slash; write "
-                     f"{one_slash.group(1)}://{location[one_slash.end():]}")
+        if getattr(args, flag):
+            setattr(args, flag, check_location(flag, getattr(args, flag), schemes))
+    if args.remote:
+        try:
+            sources = data.parse_sources(args.remote)
+        except ValueError as error:
+            fail(str(error))
+        args.remote = ",".join(("" if proportion is None else f"{proportion:g}=")
+                               + check_location("remote", source, data_schemes()) for source, proportion in sources)
 
 
 def check_numbers(args: argparse.Namespace) -> None:
@@ -373,8 +443,8 @@ def read_index(index_file: Path, label: str) -> dict:
     return index
 
 
-def check_index(index: dict, label: str, args: argparse.Namespace) -> None:
-    """Columns and size of an MDS dataset against the flags: the right kind of shards, enough samples."""
+def check_index(index: dict, label: str, args: argparse.Namespace) -> int:
+    """Columns of an MDS dataset against the flags (the right kind of shards); returns its number of samples."""
     shards = index["shards"]
     num_samples = sum(int(shard.get("samples", 0)) for shard in shards)
     columns = list(shards[0].get("column_names", [])) if shards else []
@@ -389,7 +459,7 @@ def check_index(index: dict, label: str, args: argparse.Namespace) -> None:
         for flag in ("image_key", "caption_key"):
             if getattr(args, flag) not in columns:
                 fail(f"--{flag} {getattr(args, flag)} is not a column of {label}; its columns are {columns}")
-    check_dataset_size(num_samples, label, args)
+    return num_samples
 
 
 def check_dataset_size(num_samples: int, label: str, args: argparse.Namespace) -> None:
@@ -439,6 +509,25 @@ def record_cache(local: str, remote: str) -> None:
     os.replace(partial, record)
 
 
+def data_caches(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """(cache folder, remote) of every source, as the loaders will use them: one source streams into
+    --local (or its default), several each into their own subfolder of --local (data.stream_local)."""
+    sources = data.parse_sources(args.remote)
+    if not sources:
+        return [(args.local, None)]
+    if len(sources) == 1 and sources[0][1] is None:
+        return [(args.local or default_local(sources[0][0]), sources[0][0])]
+    if not args.local:
+        fail("several --remote sources need --local, the folder their caches go under")
+    return [(data.stream_local(args.local, source), source) for source, _ in sources]
+
+
+def record_caches(args: argparse.Namespace) -> None:
+    for local, remote in data_caches(args):
+        if remote:
+            record_cache(local, remote)
+
+
 def check_data(args: argparse.Namespace) -> None:
     """The dataset the flags name: it exists, is MDS, has the columns asked for and >= one global batch."""
     if args.use_synth_data and (args.remote or args.local):
@@ -448,11 +537,23 @@ def check_data(args: argparse.Namespace) -> None:
         check_dataset_size(args.num_synthetic_samples,
                            f"the synthetic dataset (--num_synthetic_samples {args.num_synthetic_samples})", args)
         return
-    local = args.local or default_local(args.remote)
+    if args.local and Path(args.local).exists() and not Path(args.local).is_dir():
+        fail(f"--local {args.local} is a file, not a folder")
+    num_samples, labels = 0, []
+    for local, remote in data_caches(args):
+        num_samples += check_source(local, remote, args)
+        labels.append(f"--remote {remote}" if remote else f"--local {local}")
+    if args.epoch_size is None:
+        # With --epoch_size, Streaming draws that many samples whatever the sources hold.
+        check_dataset_size(num_samples, " + ".join(labels), args)
+
+
+def check_source(local: str, remote: str | None, args: argparse.Namespace) -> int:
+    """One source's cache and index (see check_data); returns its number of samples."""
     if Path(local).exists() and not Path(local).is_dir():
         fail(f"--local {local} is a file, not a folder")
-    if args.remote:
-        check_cache(local, args.remote)
+    if remote:
+        check_cache(local, remote)
     elif Path(local, CACHE_RECORD).is_file():
         try:
             cached = json.loads(Path(local, CACHE_RECORD).read_text())["remote"]
@@ -461,25 +562,24 @@ def check_data(args: argparse.Namespace) -> None:
         fail(f"--local {local} is the cache of --remote {cached}: pass --remote {cached} again "
              "(shards already cached are not downloaded again)")
     if Path(local, "index.json").is_file():  # Streaming reads the cached index rather than the remote's
-        check_index(read_index(Path(local, "index.json"), local), f"--local {local}", args)
-    elif not args.remote:
+        return check_index(read_index(Path(local, "index.json"), local), f"--local {local}", args)
+    if not remote:
         fail(f"--local {local} holds no MDS dataset (no index.json): write one with convert.py, "
              "or pass --remote to stream one into it")
-    elif not uri_scheme(args.remote):
-        check_index(read_index(Path(args.remote, "index.json"), args.remote), f"--remote {args.remote}", args)
-    else:
-        # The index is small: fetch it with Streaming's own downloader to check it before anything
-        # is built; credentials, endpoint and path errors surface here, as one line.
-        from streaming.base.storage import CloudDownloader
-        with tempfile.TemporaryDirectory() as folder:
-            try:
-                CloudDownloader.direct_download(f"{args.remote.rstrip('/')}/index.json", f"{folder}/index.json",
-                                                args.download_timeout)
-            except Exception as error:  # noqa: BLE001  any store's client error: reported, not hidden
-                if getattr(args, "debug", False):
-                    raise
-                fail(f"--remote {args.remote}: cannot read index.json: {storage_error(error) or error}")
-            check_index(read_index(Path(folder, "index.json"), args.remote), f"--remote {args.remote}", args)
+    if not uri_scheme(remote):
+        return check_index(read_index(Path(remote, "index.json"), remote), f"--remote {remote}", args)
+    # The index is small: fetch it with Streaming's own downloader to check it before anything
+    # is built; credentials, endpoint and path errors surface here, as one line.
+    from streaming.base.storage import CloudDownloader
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            CloudDownloader.direct_download(f"{remote.rstrip('/')}/index.json", f"{folder}/index.json",
+                                            args.download_timeout)
+        except Exception as error:  # noqa: BLE001  any store's client error: reported, not hidden
+            if getattr(args, "debug", False):
+                raise
+            fail(f"--remote {remote}: cannot read index.json: {storage_error(error) or error}")
+        return check_index(read_index(Path(folder, "index.json"), remote), f"--remote {remote}", args)
 
 
 def storage_error(error: BaseException) -> str | None:
@@ -691,7 +791,18 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
                       "(inductor keeps one layout), or measure before keeping the flag.", stacklevel=1)
     reproducibility.seed_all(args.seed)
 
-    components = build_components(args.model_config, args.model_name, with_encoders=not args.precomputed)
+    per_device = args.batch_size // world_size
+    text_format = None  # how precomputed batches carry the text: token ids or text-encoder states
+    if args.precomputed:  # before the model: the shards' format decides whether it needs the text encoder
+        train_dataloader = data.latents_dataloader(
+            synthetic=args.use_synth_data, remote=args.remote, local=args.local or default_local(args.remote),
+            image_size=args.image_size, text_dim=MODEL_CONFIGS[args.model_config]["unet"]["cross_attention_dim"],
+            batch_size_per_device=per_device, num_workers=args.num_workers,
+            num_samples=args.num_synthetic_samples, seed=args.seed, synthetic_format=args.precomputed_format,
+            **(streaming_options(args) if not args.use_synth_data else dict(shuffle=args.shuffle)))
+        text_format = train_dataloader.dataset.text_format
+    components = build_components(args.model_config, args.model_name, with_encoders=not args.precomputed,
+                                  with_text_encoder=text_format != "text_states")
     if components.random:
         missing = " and ".join(components.random)
         if not args.use_synth_data and args.model_config != "tiny" and not args.allow_random_encoders:
@@ -732,19 +843,16 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     # FLOPs per image, counted once on meta-device copies: nothing is computed.
     meta_unet, meta_vae, meta_text = sd2_meta_components(args.model_config)
     if args.precomputed:
-        meta_vae = meta_text = None  # their outputs are read from disk
+        meta_vae = None  # its outputs are read from disk
+        if text_format == "text_states":
+            meta_text = None
     flops = count_flops_per_image(meta_unet, meta_vae, meta_text, args.image_size)
     model.flops_per_image = flops["total"]
 
-    per_device = args.batch_size // world_size
     if args.remote and not args.use_synth_data:
-        record_cache(args.local or default_local(args.remote), args.remote)
+        record_caches(args)
     if args.precomputed:
-        train_dataloader = data.latents_dataloader(
-            synthetic=args.use_synth_data, remote=args.remote, local=args.local or default_local(args.remote),
-            image_size=args.image_size, text_dim=model.unet.config.cross_attention_dim,
-            batch_size_per_device=per_device, num_workers=args.num_workers,
-            num_samples=args.num_synthetic_samples, seed=args.seed)
+        pass  # built above, before the model
     elif args.use_synth_data:
         train_dataloader = data.synthetic_dataloader(args.image_size, per_device, args.num_workers,
                                                      args.num_synthetic_samples, args.seed)
@@ -752,9 +860,8 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         train_dataloader = data.laion_dataloader(
             remote=args.remote, local=args.local or default_local(args.remote), tokenizer=components.tokenizer, image_size=args.image_size,
             batch_size_per_device=per_device, num_workers=args.num_workers, seed=args.seed,
-            image_key=args.image_key, caption_key=args.caption_key, shuffle=args.shuffle, predownload=args.predownload,
-            download_retry=args.download_retry, download_timeout=args.download_timeout,
-            cache_limit=args.cache_limit, validate_hash=args.validate_hash, max_bad_fraction=args.max_bad_fraction)
+            image_key=args.image_key, caption_key=args.caption_key, max_bad_fraction=args.max_bad_fraction,
+            **streaming_options(args))
 
     fused = args.fused_adamw == "on" or (args.fused_adamw == "auto" and on_gpu)
     optimizer = torch.optim.AdamW(model.unet.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused)
@@ -815,6 +922,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         "data": "synthetic" if args.use_synth_data else (args.remote or args.local),
         "use_ema": args.use_ema,
         "precomputed": args.precomputed,
+        "precomputed_format": text_format,
         "channels_last": args.channels_last,
         "compile": args.compile,
         "fused_adamw": fused,

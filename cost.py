@@ -54,6 +54,14 @@ USD_PER_GPU_HOUR = 2.0
 SECONDS_PER_DAY = 86_400
 # The default table runs at least to this count, the largest one in the 2023 table.
 DEFAULT_MAX_GPUS = 256
+# The one-time pass of a run on precomputed latents (cost.py --precompute): latents.py encodes each
+# distinct image once. Its default speed comes from the encoders' FLOPs (throughput.py's count, per
+# 512x512 image: VAE encoder 1,117 GFLOP; the text encoder's 45 only with --store_text_states) on an
+# A100 (312 dense bf16 TFLOP/s) at an assumed 40% MFU: 312e12 x 0.4 / 1.117e12 = 111.7 images/s per GPU.
+PRECOMPUTE_IMAGES = 2_000_000_000  # distinct images behind the 2.9B samples (about LAION-2B)
+VAE_ENCODER_FLOPS = 1_117e9
+PRECOMPUTE_PEAK_FLOPS, PRECOMPUTE_MFU = 312e12, 0.40
+PRECOMPUTE_IMAGES_PER_SEC = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / VAE_ENCODER_FLOPS  # per GPU
 
 
 @dataclass
@@ -103,6 +111,15 @@ def make_row(num_gpus: int, images_per_sec: float, samples: float, usd_per_gpu_h
     days = days_to_train(samples, images_per_sec)
     gpu_hours = days * 24 * num_gpus
     return Row(num_gpus, images_per_sec, days, gpu_hours, gpu_hours * usd_per_gpu_hour, source)
+
+
+def add_precompute(rows: list[Row], images: float, images_per_sec_per_gpu: float, usd_per_gpu_hour: float) -> list[Row]:
+    """The rows with the one-time latents.py pass added, run on the same GPUs before training:
+    GPU-hours = images / (images/s per GPU) / 3600, whatever the GPU count (it scales linearly:
+    every GPU encodes its own chunks), so days grow by GPU-hours / 24 / GPUs."""
+    gpu_hours = images / images_per_sec_per_gpu / 3600
+    return [Row(r.num_gpus, r.images_per_sec, r.days + gpu_hours / 24 / r.num_gpus, r.gpu_hours + gpu_hours,
+                r.cost_usd + gpu_hours * usd_per_gpu_hour, r.source) for r in rows]
 
 
 # -----------------------------------------------------------------------------
@@ -397,6 +414,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="PATH", help="also write the table as CSV")
     p.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
     p.add_argument("--title", help="plot title (default: describes samples, price and device)")
+    # A run on precomputed latents: its one-time latents.py pass, so the table's cost is the total.
+    p.add_argument("--precompute", action="store_true",
+                   help="add the one-time latents.py pass to every row (for --precomputed throughputs)")
+    p.add_argument("--precompute_images", type=positive(float), default=PRECOMPUTE_IMAGES,
+                   help=f"distinct images the pass encodes (default {PRECOMPUTE_IMAGES:,})")
+    p.add_argument("--precompute_images_per_sec", type=positive(float), default=PRECOMPUTE_IMAGES_PER_SEC,
+                   help="images/s of the pass per GPU (latents.py's images_per_sec / world_size; default "
+                        f"{PRECOMPUTE_IMAGES_PER_SEC:.1f}: A100 at 40%% MFU on the VAE encoder's 1,117 GFLOP/image)")
     return p
 
 
@@ -450,6 +475,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
     notes += model_notes(model)
     num_gpus = args.num_gpus or default_num_gpus(measured)
     rows = cost_table(measured, num_gpus, args.samples, args.usd_per_gpu_hour)
+    if args.precompute:
+        rows = add_precompute(rows, args.precompute_images, args.precompute_images_per_sec, args.usd_per_gpu_hour)
+        pass_hours = args.precompute_images / args.precompute_images_per_sec / 3600
+        notes.append(f"includes the one-time latents.py pass: {args.precompute_images:,.0f} images at "
+                     f"{args.precompute_images_per_sec:,.1f} images/s per GPU = {pass_hours:,.0f} GPU-hours "
+                     f"(${pass_hours * args.usd_per_gpu_hour:,.0f})")
 
     device = next((m.device for m in measurements if m.device), None)
     caption = (f"{what}: {args.samples:,.0f} images at ${args.usd_per_gpu_hour:,.2f} per GPU-hour"

@@ -8,15 +8,17 @@
 Image datasets yield dicts with `image` (3, S, S) uint8 pixels and `captions` (77,) int64
 token ids (images cross from the loader workers as bytes, a quarter of float32's shared memory,
 pinned memory and host-to-device traffic; `model.scale_images` maps them to [-1, 1] on the
-device); precomputed ones `latent_mean`, `latent_logvar` and `text_states`. Both are what
-`model.StableDiffusion` consumes.
+device); precomputed ones `latent_mean`, `latent_logvar` and either `captions` (token ids, the
+default format) or `text_states`. All are what `model.StableDiffusion` consumes.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
 import os
+import re
 from collections import Counter
 from typing import Any
 
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 from composer.utils import dist
 from PIL import Image, ImageOps
-from streaming import StreamingDataLoader, StreamingDataset
+from streaming import Stream, StreamingDataLoader, StreamingDataset
 from torch.utils.data import DataLoader, Dataset
 
 from model import LATENT_SCALE
@@ -85,6 +87,38 @@ log = logging.getLogger(__name__)
 MAX_BAD_FRACTION = 0.01
 BAD_CHECK_AFTER = 1000
 _ALPHA_MODES = {"RGBA", "RGBa", "LA", "La", "PA"}
+
+
+class CompactSpanner:
+    """Sample index -> (shard, index within the shard), by binary search over the shard boundaries.
+
+    Replaces streaming.base.spanner.Spanner (Streaming 0.13), which every process that opens a
+    dataset builds with an int64 per sample (np.repeat over all samples, 16 GB for 2 billion) and
+    then keeps a small array per 1,024 samples (2 million arrays): seconds to minutes and gigabytes
+    per rank at LAION scale (bench/index_scale.py). This keeps the shard boundaries only (8 bytes
+    per shard) and answers in O(log shards), the same answers for every index.
+    """
+
+    def __init__(self, shard_sizes: np.ndarray, span_size: int = 1 << 10):
+        self.shard_sizes = shard_sizes
+        self.shard_bounds = np.concatenate([np.zeros(1, np.int64), np.cumsum(shard_sizes, dtype=np.int64)])
+        self.num_samples = int(self.shard_bounds[-1])
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"Invalid sample index `{index}`: 0 <= {index} < {self.num_samples}")
+        shard = int(np.searchsorted(self.shard_bounds, index, side="right")) - 1  # skips empty shards
+        return shard, int(index - self.shard_bounds[shard])
+
+
+def use_compact_spanner() -> None:
+    """Make StreamingDataset (in this process) build CompactSpanner instead of Streaming's Spanner."""
+    import streaming.base.dataset
+
+    streaming.base.dataset.Spanner = CompactSpanner
+
+
+use_compact_spanner()  # every dataset of this project, from the first one built
 
 
 class BadDataError(RuntimeError):
@@ -168,6 +202,76 @@ def _check_local_only(local: str) -> None:
                 "downloaded again), or point --local at the converted dataset itself")
 
 
+# Several sources, mixed. `--remote` takes one source or several (repeat the flag, or separate them
+# by commas), each optionally prefixed by its proportion of every epoch: `0.7=s3://a/mds,0.3=gs://b/mds`.
+# A prefix, not a ":0.7" suffix: a suffix could be part of a URI or path (s3://b/year=2023, C:\data),
+# while no URI scheme and no Windows drive starts with "<number>=" (a relative path that does is
+# written "./0.5=data"). Proportions are relative (Streaming normalizes them); give them for every
+# source or for none (then each source contributes all its samples once per epoch).
+_PROPORTION = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)=(.+)$")
+
+
+def parse_sources(remote: str | None) -> list[tuple[str, float | None]]:
+    """'0.7=s3://a/mds,0.3=/data/b' -> [('s3://a/mds', 0.7), ('/data/b', 0.3)]; raises ValueError on bad input."""
+    sources = []
+    for item in (remote or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        match = _PROPORTION.match(item)
+        proportion, source = (float(match.group(1)), match.group(2)) if match else (None, item)
+        if proportion is not None and proportion <= 0:
+            raise ValueError(f"--remote {item}: the proportion must be positive")
+        sources.append((source, proportion))
+    given = [p is not None for _, p in sources]
+    if any(given) and not all(given):
+        raise ValueError(f"--remote {remote}: give a proportion to every source (0.7=s3://a,0.3=s3://b) or to none")
+    return sources
+
+
+def stream_local(local: str, remote: str) -> str:
+    """The cache folder of one of several sources: its own subfolder of `local`, named by a hash of
+    the source, so two sources never share (and overwrite) an index.json."""
+    return os.path.join(local, hashlib.sha1(remote.encode()).hexdigest()[:12])
+
+
+def make_streams(remote: str | None, local: str | None, **stream_kwargs: Any) -> list[Stream] | None:
+    """Streaming `Stream`s for several sources (see parse_sources), each cached in its own folder;
+    None for a single source without a proportion (StreamingDataset's remote/local, as before)."""
+    sources = parse_sources(remote)
+    if len(sources) <= 1 and all(p is None for _, p in sources):
+        return None
+    if not local:
+        raise ValueError("several --remote sources need --local, the folder their caches go under")
+    return [Stream(remote=source, local=stream_local(local, source), proportion=proportion, **stream_kwargs)
+            for source, proportion in sources]
+
+
+# Memory to start an epoch, per sample of the epoch (bench/index_scale.py, shuffle py1e): the node's
+# partition builder (one process per node, the first worker of local rank 0) peaks at about 53 bytes,
+# and the partition it shares with the node's workers takes 8. Above this many samples per epoch the
+# start of every epoch costs one process more than 4 GiB: warn, naming the flag that bounds it.
+EPOCH_BYTES_PER_SAMPLE = 61
+LARGE_EPOCH_SAMPLES = 4 * 2**30 // EPOCH_BYTES_PER_SAMPLE  # about 70 million
+
+
+def warn_about_large_epoch(dataset: StreamingDataset) -> None:
+    """Log a warning (rank 0) when starting an epoch of `dataset` takes more than about 4 GiB."""
+    if dataset.epoch_size > LARGE_EPOCH_SAMPLES and dist.get_global_rank() == 0:
+        log.warning("an epoch of %s samples: each epoch starts by building its shuffled partition in one process "
+                    "per node, about %.1f GiB (py1e); pass --epoch_size (e.g. 32m, with --sampling_granularity set to "
+                    "the samples per shard) to bound it", f"{dataset.epoch_size:,}",
+                    dataset.epoch_size * EPOCH_BYTES_PER_SAMPLE / 2**30)
+
+
+def first_shards(dataset: StreamingDataset) -> list[tuple[str, Any]]:
+    """(remote or local, first shard) of each stream of `dataset`: the columns every stream must have."""
+    firsts = {}
+    for shard_id, stream_id in enumerate(dataset.stream_per_shard):
+        firsts.setdefault(int(stream_id), dataset.shards[shard_id])
+    return [(dataset.streams[i].remote or dataset.streams[i].local, shard) for i, shard in sorted(firsts.items())]
+
+
 class StreamingImageCaptions(StreamingDataset):
     """Image-caption pairs streamed from MDS shards: yields {"image": (3,S,S) uint8, "captions": (77,)}.
 
@@ -202,7 +306,10 @@ class StreamingImageCaptions(StreamingDataset):
                  **streaming_kwargs: Any):
         if not remote and local:
             _check_local_only(local)
-        super().__init__(remote=remote, local=local, batch_size=batch_size, shuffle=shuffle,
+        streams = make_streams(remote, local)
+        if streams:
+            remote = local = None  # StreamingDataset takes streams or remote/local, not both
+        super().__init__(streams=streams, remote=remote, local=local, batch_size=batch_size, shuffle=shuffle,
                          shuffle_seed=shuffle_seed, predownload=predownload, download_retry=download_retry,
                          download_timeout=download_timeout, cache_limit=cache_limit,
                          validate_hash=validate_hash, **streaming_kwargs)
@@ -212,14 +319,15 @@ class StreamingImageCaptions(StreamingDataset):
         # Per process (the main process, or each dataloader worker after it gets its pickled copy).
         self.decoded = 0
         self.bad_samples: Counter[str] = Counter()  # shard name -> samples that failed to decode
-        columns = getattr(self.shards[0], "column_names", None)  # MDS readers list their columns
-        if columns is not None and "latent_mean" in columns:
-            raise ValueError(f"{remote or local} holds precomputed latents, not images: train from them with "
-                             "--precomputed (benchmark.py) or latents_dataloader")
-        for flag, key in (("image_key", image_key), ("caption_key", caption_key)):
-            if columns is not None and key not in columns:
-                raise ValueError(f"{flag}={key!r} is not a column of the shards in {remote or local}; "
-                                 f"their columns are {columns}")
+        for where, shard in first_shards(self):
+            columns = getattr(shard, "column_names", None)  # MDS readers list their columns
+            if columns is not None and "latent_mean" in columns:
+                raise ValueError(f"{where} holds precomputed latents, not images: train from them with "
+                                 "--precomputed (benchmark.py) or latents_dataloader")
+            for flag, key in (("image_key", image_key), ("caption_key", caption_key)):
+                if columns is not None and key not in columns:
+                    raise ValueError(f"{flag}={key!r} is not a column of the shards in {where}; "
+                                     f"their columns are {columns}")
 
     def shard_name(self, index: int) -> str:
         """Where sample `index` lives, for messages: '<remote or local>/shard.00012.mds.zstd'."""
@@ -284,6 +392,7 @@ def laion_dataloader(remote: str | None, local: str | None, tokenizer: Any, imag
         download_retry=download_retry, download_timeout=download_timeout, cache_limit=cache_limit,
         validate_hash=validate_hash, image_key=image_key, caption_key=caption_key,
         max_bad_fraction=max_bad_fraction, bad_check_after=bad_check_after, **streaming_kwargs)
+    warn_about_large_epoch(dataset)
     return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **loader_kwargs(num_workers))
 
 
@@ -291,27 +400,53 @@ def laion_dataloader(remote: str | None, local: str | None, tokenizer: Any, imag
 # Precomputed latents (written by latents.py): the on-disk format, and training from it.
 # -----------------------------------------------------------------------------------------------
 
-LATENT_KEYS = ("latent_mean", "latent_logvar", "text_states")
+# Two formats, told apart by their columns (training reads either):
+# - "tokens" (latents.py's default): the VAE posterior moments and the caption's token ids; the
+#   frozen text encoder runs online during training. 65,698 bytes per sample at 512x512 in fp16.
+# - "text_states" (latents.py --store_text_states): the moments and the text encoder's output
+#   (77 x D); no encoder runs during training, for 3.4x the bytes (223,240) and 1.9% fewer FLOPs.
+# Token ids are stored as uint16 (154 bytes): CLIP's vocabulary (49,408) fits, half of int32 and a
+# quarter of int64; the dataset hands them to the model as int64, as the image datasets do.
+LATENT_KEYS = ("latent_mean", "latent_logvar")  # the VAE posterior: in every precomputed sample
+TEXT_STATES_KEY = "text_states"  # column and batch key of the text_states format
+TOKEN_IDS_COLUMN = "token_ids"  # column of the tokens format; yielded as "captions", like image batches
+TOKEN_IDS_DTYPE = "uint16"
+TOKENS_KEY = "captions"
+FORMATS = ("tokens", "text_states")
 STORAGE_DTYPES = {"fp16": "float16", "fp32": "float32"}
 
 
-def mds_columns(latent_channels: int, latent_size: int, text_dim: int, storage_dtype: str = "fp16",
-                captions: bool = True) -> dict[str, str]:
+def mds_columns(latent_channels: int, latent_size: int, text_dim: int | None, storage_dtype: str = "fp16",
+                captions: bool = True, text_states: bool = False) -> dict[str, str]:
     """MDS columns of a precomputed dataset; the shapes are fixed, so no per-sample shape header."""
     dtype = STORAGE_DTYPES[storage_dtype]
     latent = f"ndarray:{dtype}:{latent_channels},{latent_size},{latent_size}"
-    columns = {"index": "int64", "latent_mean": latent, "latent_logvar": latent,
-               "text_states": f"ndarray:{dtype}:{MAX_LENGTH},{text_dim}"}
+    columns = {"index": "int64", "latent_mean": latent, "latent_logvar": latent}
+    if text_states:
+        columns[TEXT_STATES_KEY] = f"ndarray:{dtype}:{MAX_LENGTH},{text_dim}"
+    else:
+        columns[TOKEN_IDS_COLUMN] = f"ndarray:{TOKEN_IDS_DTYPE}:{MAX_LENGTH}"
     if captions:
         columns["caption"] = "str"
     return columns
 
 
-def bytes_per_sample(image_size: int, text_dim: int, storage_dtype: str = "fp16", latent_channels: int = 4) -> int:
+def bytes_per_sample(image_size: int, text_dim: int = 1024, storage_dtype: str = "fp16", latent_channels: int = 4,
+                     text_states: bool = False) -> int:
     """Bytes of one sample's arrays and index before compression (captions and MDS offsets not counted)."""
     itemsize = np.dtype(STORAGE_DTYPES[storage_dtype]).itemsize
     latent = latent_channels * (image_size // 8) ** 2
-    return (2 * latent + MAX_LENGTH * text_dim) * itemsize + 8
+    text = MAX_LENGTH * text_dim * itemsize if text_states else MAX_LENGTH * np.dtype(TOKEN_IDS_DTYPE).itemsize
+    return 2 * latent * itemsize + text + 8
+
+
+def text_format(columns: list[str]) -> str | None:
+    """"tokens" or "text_states" from a shard's column names; None if they are not precomputed latents."""
+    if not all(k in columns for k in LATENT_KEYS):
+        return None
+    if TEXT_STATES_KEY in columns:
+        return "text_states"
+    return "tokens" if TOKEN_IDS_COLUMN in columns else None
 
 
 # -----------------------------------------------------------------------------------------------
@@ -330,52 +465,77 @@ def _column_shapes(shard: Any) -> dict[str, tuple[str, tuple[int, ...] | None]]:
 class StreamingLatents(StreamingDataset):
     """Precomputed shards (written by latents.py) streamed for training.
 
-    Yields {"latent_mean": (4, S/8, S/8), "latent_logvar": (4, S/8, S/8), "text_states": (77, D)} in the
-    stored dtype (fp16 by default: `model.StableDiffusion.forward` casts them). `image_size` and
-    `text_dim`, when given, are checked against the shapes the shards were written with, so that a
-    run at another resolution or with another text encoder fails at once with a clear message.
-    Other arguments are StreamingDataset's (remote, local, batch_size, shuffle, shuffle_seed...).
+    Yields {"latent_mean": (4, S/8, S/8), "latent_logvar": (4, S/8, S/8)} in the stored dtype (fp16 by
+    default: `model.StableDiffusion.forward` casts them) plus, by the shards' format (`text_format`),
+    "captions": (77,) int64 token ids or "text_states": (77, D). `image_size` and `text_dim`, when
+    given, are checked against the shapes the shards were written with, so that a run at another
+    resolution or with another text encoder fails at once with a clear message. `remote` may name
+    several sources (see parse_sources), which must all have the same format and shapes. Other
+    arguments are StreamingDataset's (local, batch_size, shuffle, shuffle_seed, cache_limit...).
     """
 
     def __init__(self, *, remote: str | None, local: str | None, batch_size: int, image_size: int | None = None,
                  text_dim: int | None = None, shuffle: bool = True, shuffle_seed: int = 9176, **streaming_kwargs: Any):
-        super().__init__(remote=remote, local=local, batch_size=batch_size, shuffle=shuffle,
-                         shuffle_seed=shuffle_seed, **streaming_kwargs)
-        where = remote or local
-        shapes = _column_shapes(self.shards[0])
-        missing = [k for k in LATENT_KEYS if k not in getattr(self.shards[0], "column_names", LATENT_KEYS)]
-        if missing:
-            raise ValueError(f"{where} holds no precomputed latents (columns {missing} are missing): "
-                             "write them with `python latents.py --out ...`, or train without --precomputed")
+        streams = make_streams(remote, local)
+        super().__init__(streams=streams, remote=None if streams else remote, local=None if streams else local,
+                         batch_size=batch_size, shuffle=shuffle, shuffle_seed=shuffle_seed, **streaming_kwargs)
+        formats = {}
+        for where, shard in first_shards(self):
+            formats[where] = self._check_shard(where, shard, image_size, text_dim)
+        if len(set(formats.values())) > 1:
+            raise ValueError(f"the sources mix precomputed formats ({formats}): precompute them all the same way "
+                             "(with or without latents.py --store_text_states)")
+        self.text_format = next(iter(formats.values()))
+
+    @staticmethod
+    def _check_shard(where: str, shard: Any, image_size: int | None, text_dim: int | None) -> str:
+        """The format of the shards in `where`; raises ValueError if they do not fit the run."""
+        columns = list(getattr(shard, "column_names", []))
+        found = text_format(columns)
+        if found is None:
+            raise ValueError(f"{where} holds no precomputed latents (its columns are {columns}): write them with "
+                             "`python latents.py --out ...`, or train without --precomputed")
+        shapes = _column_shapes(shard)
         latent_shape = shapes.get("latent_mean", (None, None))[1]
-        text_shape = shapes.get("text_states", (None, None))[1]
+        text_shape = shapes.get(TEXT_STATES_KEY, (None, None))[1]
         if image_size is not None and latent_shape is not None and latent_shape[1:] != (image_size // 8,) * 2:
             raise ValueError(f"{where} holds latents of {latent_shape[1] * 8}x{latent_shape[2] * 8} images, "
                              f"not {image_size}x{image_size}: precompute at --image_size {image_size} "
                              f"(or train at --image_size {latent_shape[1] * 8})")
-        if text_dim is not None and text_shape is not None and text_shape != (MAX_LENGTH, text_dim):
+        if found == "text_states" and text_dim is not None and text_shape is not None \
+                and text_shape != (MAX_LENGTH, text_dim):
             raise ValueError(f"{where} holds text states of shape {text_shape}, but the UNet attends to "
                              f"({MAX_LENGTH}, {text_dim}): they were computed with another text encoder")
+        return found
 
     def get_item(self, index: int) -> dict[str, torch.Tensor]:
         sample = super().get_item(index)
         # MDS decodes arrays as read-only views of the shard: copy into tensors the batch can own.
-        return {key: torch.from_numpy(np.array(sample[key])) for key in LATENT_KEYS}
+        item = {key: torch.from_numpy(np.array(sample[key])) for key in LATENT_KEYS}
+        if self.text_format == "text_states":
+            item[TEXT_STATES_KEY] = torch.from_numpy(np.array(sample[TEXT_STATES_KEY]))
+        else:
+            item[TOKENS_KEY] = torch.from_numpy(sample[TOKEN_IDS_COLUMN].astype(np.int64))
+        return item
 
 
 class SyntheticLatents(Dataset):
-    """Random latent distributions and text states of the right shapes: the model without the data.
+    """Random latent distributions and token ids or text states of the right shapes: the model without the data.
 
     Like SyntheticImageCaptions, samples are generated from their index (same data for the same
     index on every rank and epoch, nothing stored). Means have the spread of SD2's latents (unit
-    variance after scaling by 0.18215), log-variances are around -10, text states standard normal;
-    all in `dtype` (fp16, as the precomputed shards store them).
+    variance after scaling by 0.18215), log-variances are around -10, in `dtype` (fp16, as the
+    precomputed shards store them); then "captions" (random token ids, the default "tokens"
+    format) or "text_states" (standard normal, in `dtype`) for `text_format="text_states"`.
     """
 
     def __init__(self, image_size: int, text_dim: int, num_samples: int = 100_000, seed: int = 0,
-                 latent_channels: int = 4, dtype: torch.dtype = torch.float16):
+                 latent_channels: int = 4, dtype: torch.dtype = torch.float16, text_format: str = "tokens"):
+        if text_format not in FORMATS:
+            raise ValueError(f"text_format {text_format!r} is not one of {FORMATS}")
         self.latent_shape = (latent_channels, image_size // 8, image_size // 8)
         self.text_dim, self.num_samples, self.seed, self.dtype = text_dim, num_samples, seed, dtype
+        self.text_format = text_format
 
     def __len__(self) -> int:
         return self.num_samples
@@ -384,24 +544,30 @@ class SyntheticLatents(Dataset):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         mean = torch.randn(self.latent_shape, generator=g) / LATENT_SCALE
         logvar = torch.randn(self.latent_shape, generator=g) * 0.5 - 10.0
-        text_states = torch.randn(MAX_LENGTH, self.text_dim, generator=g)
-        return {"latent_mean": mean.to(self.dtype), "latent_logvar": logvar.to(self.dtype),
-                "text_states": text_states.to(self.dtype)}
+        item = {"latent_mean": mean.to(self.dtype), "latent_logvar": logvar.to(self.dtype)}
+        if self.text_format == "text_states":
+            item[TEXT_STATES_KEY] = torch.randn(MAX_LENGTH, self.text_dim, generator=g).to(self.dtype)
+        else:
+            item[TOKENS_KEY] = torch.randint(0, VOCAB_SIZE, (MAX_LENGTH,), generator=g)
+        return item
 
 
 def latents_dataloader(*, synthetic: bool, remote: str | None, local: str | None, image_size: int, text_dim: int,
                batch_size_per_device: int, num_workers: int, num_samples: int = 100_000, seed: int = 17,
-               latent_channels: int = 4, shuffle: bool = True, **streaming_kwargs: Any) -> DataLoader:
-    """Batches {"latent_mean", "latent_logvar", "text_states"} for this rank (what benchmark.py --precomputed uses).
+               latent_channels: int = 4, shuffle: bool = True, synthetic_format: str = "tokens",
+               **streaming_kwargs: Any) -> DataLoader:
+    """Batches of precomputed latents for this rank (what benchmark.py --precomputed uses).
 
-    synthetic: SyntheticLatents sharded over ranks with Composer's distributed sampler. Otherwise the
-    shards written by latents.py, streamed from `remote` into `local` (or read from `local` when
-    `remote` is None) by a StreamingDataLoader, which Composer checkpoints and resumes mid-epoch;
-    `seed` seeds the shuffle. Extra keyword arguments go to StreamingDataset (cache_limit, predownload...).
+    synthetic: SyntheticLatents (in `synthetic_format`) sharded over ranks with Composer's
+    distributed sampler. Otherwise the shards written by latents.py, streamed from `remote` (one or
+    several sources, see parse_sources) into `local` (or read from `local` when `remote` is None)
+    by a StreamingDataLoader, which Composer checkpoints and resumes mid-epoch; `seed` seeds the
+    shuffle. Extra keyword arguments go to StreamingDataset (cache_limit, predownload, epoch_size...),
+    as for laion_dataloader. The dataset's `text_format` says which text input the batches carry.
     """
     kwargs = loader_kwargs(num_workers)
     if synthetic:
-        dataset = SyntheticLatents(image_size, text_dim, num_samples, seed, latent_channels)
+        dataset = SyntheticLatents(image_size, text_dim, num_samples, seed, latent_channels, text_format=synthetic_format)
         sampler = dist.get_sampler(dataset, shuffle=shuffle, drop_last=True, seed=seed)
         return DataLoader(dataset, batch_size=batch_size_per_device, sampler=sampler, **kwargs)
     if not remote and not local:
@@ -409,4 +575,5 @@ def latents_dataloader(*, synthetic: bool, remote: str | None, local: str | None
     dataset = StreamingLatents(remote=remote or None, local=local, batch_size=batch_size_per_device,
                                image_size=image_size, text_dim=text_dim, shuffle=shuffle, shuffle_seed=seed,
                                **streaming_kwargs)
+    warn_about_large_epoch(dataset)
     return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **kwargs)

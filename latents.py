@@ -7,15 +7,27 @@
     composer benchmark.py --precomputed --remote s3://bucket/laion/latents-512 --local /tmp/latents-cache
 
 The UNet is the only part of Stable Diffusion that trains; the VAE encoder and the text encoder are
-frozen, yet online training runs both on every image of every epoch (about a third of the FLOPs at
-512x512). This script runs them once over image-caption MDS shards (the `jpg`/`caption` columns
-that convert.py writes and data.StreamingImageCaptions reads) and writes MDS shards with, per sample:
+frozen, yet online training runs both on every image of every epoch. The VAE encoder is the costly
+one (1,117 GFLOP per 512x512 image, against 2,409 for the UNet's training step); the text encoder
+costs 45 GFLOP (1.9%) but its output is 77 x 1024 values, 157,696 bytes in fp16, where the token
+ids it reads are 154. So by default this script runs the VAE once over image-caption MDS shards
+(the `jpg`/`caption` columns that convert.py writes and data.StreamingImageCaptions reads) and
+writes MDS shards with, per sample (the format is defined in data.py, which training reads):
 
     index          int64                  position of the sample in the source dataset
     latent_mean    ndarray (4, S/8, S/8)  the VAE posterior's mean (unscaled, before x 0.18215)
     latent_logvar  ndarray (4, S/8, S/8)  the VAE posterior's log-variance (clamped to [-30, 20])
-    text_states    ndarray (77, D)        the text encoder's last hidden state (what the UNet attends to)
+    token_ids      ndarray uint16 (77,)   the caption's CLIP token ids (training runs the text encoder)
     caption        str                    the caption (left out with --no_captions)
+
+65,698 bytes per sample at 512x512 before compression (188 TB for 2.9 billion samples). With
+--store_text_states, `token_ids` is replaced by
+
+    text_states    ndarray (77, D)        the text encoder's last hidden state (what the UNet attends to)
+
+and training runs no encoder at all, for 3.4x the storage (223,240 bytes, 640 TB). Training
+(benchmark.py --precomputed) tells the two formats apart by their columns. The final report
+prints the bytes per sample stored and what 2,867,200,000 such samples take.
 
 Why the distribution and not a latent: the VAE encoder outputs a Gaussian, and online training
 draws a fresh latent from it every time it sees the image. Storing the mean and log-variance lets
@@ -32,8 +44,9 @@ is the expectation for the pretrained SD2 encoders; what was measured (tiny rand
 |mean| < 1.1, logvar in [-1.3, 1], |text| < 3.3) says little about them, so the run checks every
 value and stops, naming --storage_dtype fp32, if one is not finite or would overflow fp16; its
 final report prints the largest magnitudes it saw. At 512x512 with SD2 (D = 1024) a sample is
-2 x 4 x 64 x 64 x 2 + 77 x 1024 x 2 + 8 = 223,240 bytes before compression (plus the caption),
-446,472 in fp32. Training batches keep the stored dtype, so fp16 also halves the host-to-device
+2 x 4 x 64 x 64 x 2 + 77 x 2 + 8 = 65,698 bytes before compression (plus the caption), 131,234 in
+fp32; with --store_text_states 2 x 4 x 64 x 64 x 2 + 77 x 1024 x 2 + 8 = 223,240, 446,472 in
+fp32. Training batches keep the stored dtype, so fp16 also halves the host-to-device
 copy; the model casts the inputs itself (to fp32, then autocast).
 
 Every sample is encoded exactly once. The source is cut into chunks of --chunk_size consecutive
@@ -83,7 +96,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import data
 import paths
-from data import LATENT_KEYS, STORAGE_DTYPES, bytes_per_sample, mds_columns
+from cost import SAMPLES as SAMPLES_AT_SCALE
+from data import LATENT_KEYS, STORAGE_DTYPES, TEXT_STATES_KEY, TOKEN_IDS_COLUMN, TOKEN_IDS_DTYPE, mds_columns
 from model import MODEL_CONFIGS, build_components, scale_images
 from tokenizer import MAX_LENGTH, tokenize
 
@@ -303,9 +317,10 @@ def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int) -> list
 # -----------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def encode(vae: torch.nn.Module, text_encoder: torch.nn.Module, images: torch.Tensor, ids: torch.Tensor,
-           device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """VAE posterior mean and log-variance, and text-encoder last hidden states, as float32 on `device`."""
+def encode(vae: torch.nn.Module, text_encoder: torch.nn.Module | None, images: torch.Tensor, ids: torch.Tensor,
+           device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """VAE posterior mean and log-variance, and text-encoder last hidden states (None without a text
+    encoder: the token ids are stored instead), as float32 on `device`."""
     images = scale_images(images.to(device, non_blocking=True))  # uint8 pixels -> [-1, 1] on the device
     ids = ids.to(device, non_blocking=True)
     if device.type == "cuda":
@@ -314,8 +329,8 @@ def encode(vae: torch.nn.Module, text_encoder: torch.nn.Module, images: torch.Te
                 else contextlib.nullcontext())
     with autocast:
         posterior = vae.encode(images).latent_dist
-        text_states = text_encoder(input_ids=ids).last_hidden_state
-    return posterior.mean.float(), posterior.logvar.float(), text_states.float()
+        text_states = text_encoder(input_ids=ids).last_hidden_state.float() if text_encoder is not None else None
+    return posterior.mean.float(), posterior.logvar.float(), text_states
 
 
 STAT_NAMES = ("max_abs_mean", "min_logvar", "max_logvar", "max_abs_text")
@@ -340,15 +355,17 @@ class Encoded:
     so that the GPU encodes the next batch while this process writes this one."""
 
     def __init__(self, indices: list[int], captions: list[str], outputs: tuple[torch.Tensor, ...],
-                 storage_dtype: str, device: torch.device):
-        mean, logvar, text = outputs
+                 storage_dtype: str, device: torch.device, token_ids: torch.Tensor | None = None):
+        mean, logvar, text = outputs  # text None: the token ids are stored instead of text states
         self.indices, self.captions = indices, captions
+        self.token_ids = None if token_ids is None else token_ids.numpy().astype(TOKEN_IDS_DTYPE)
         dtype = getattr(torch, STORAGE_DTYPES[storage_dtype])
-        ranges = torch.stack([mean.abs().amax(), logvar.amin(), logvar.amax(), text.abs().amax()])
+        text_max = text.abs().amax() if text is not None else torch.zeros((), device=mean.device)
+        ranges = torch.stack([mean.abs().amax(), logvar.amin(), logvar.amax(), text_max])
         pinned = device.type == "cuda"
-        self.host = [torch.empty(t.shape, dtype=t.dtype if t is ranges else dtype, pin_memory=pinned)
-                     for t in (mean, logvar, text, ranges)]
-        for host, tensor in zip(self.host, (mean, logvar, text, ranges)):
+        tensors = [t for t in (mean, logvar, text) if t is not None] + [ranges]
+        self.host = [torch.empty(t.shape, dtype=t.dtype if t is ranges else dtype, pin_memory=pinned) for t in tensors]
+        for host, tensor in zip(self.host, tensors):
             host.copy_(tensor.to(host.dtype), non_blocking=pinned)
         self.event = None
         if pinned:
@@ -356,13 +373,13 @@ class Encoded:
             self.event.record()
 
     def arrays(self, storage_dtype: str, compute_dtype: str) -> tuple[list[np.ndarray], list[float]]:
-        """Wait for the copies; the three arrays and the value ranges. Stops on a value that is not
-        finite or does not fit the storage dtype (it would be stored as inf)."""
+        """Wait for the copies; the arrays (mean, logvar[, text states]) and the value ranges. Stops on
+        a value that is not finite or does not fit the storage dtype (it would be stored as inf)."""
         if self.event is not None:
             self.event.synchronize()
-        arrays = [t.numpy() for t in self.host[:3]]
-        ranges = self.host[3].tolist()
-        for key, array in zip(LATENT_KEYS, arrays):
+        arrays = [t.numpy() for t in self.host[:-1]]
+        ranges = self.host[-1].tolist()
+        for key, array in zip((*LATENT_KEYS, TEXT_STATES_KEY), arrays):
             rows = ~np.isfinite(array.reshape(len(array), -1)).all(axis=1)
             if not rows.any():
                 continue
@@ -407,7 +424,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no_captions", action="store_true", help="do not store the caption strings")
     p.add_argument("--compression", type=str, default="zstd", help="shard compression: zstd, zstd:<level>, gz, none")
     p.add_argument("--hashes", type=str, default="xxh64", help="comma-separated shard hashes stored in the index ('' for none)")
-    p.add_argument("--size_limit", type=str, default="64mb", help="shard size before compression")
+    p.add_argument("--size_limit", type=str, default="256mb",
+                   help="shard size before compression (256mb: 4,081 samples at 512px, 490k shards for 2B samples, "
+                        "whose index every training process holds; see bench/index_scale.py)")
     p.add_argument("--cache_limit", type=str, default=None, help="keep the --local cache of source shards under this size")
     p.add_argument("--image_key", type=str, default="jpg", help="source column of the encoded images")
     p.add_argument("--caption_key", type=str, default="caption", help="source column of the captions")
@@ -418,6 +437,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="start over: discard the chunks already in --out")
     p.add_argument("--dist_timeout", type=float, default=3 * 3600.0, help="seconds a rank may wait for the others")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    # Format (issue 13): token ids by default, text-encoder states on request.
+    p.add_argument("--store_text_states", action="store_true",
+                   help="store the text encoder's output (77 x 1024 fp16, 157,696 bytes at SD2) instead of the 77 "
+                        "token ids (154 bytes): 3.4x the storage at 512px, to save training 1.9%% of its FLOPs")
     # Debugging.
     p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     args = p.parse_args(argv)
@@ -499,7 +522,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         dist.initialize_dist("gpu" if on_gpu else "cpu", timeout=args.dist_timeout)
     reproducibility.seed_all(args.seed)  # the same seed as benchmark.py gives the same random encoders
 
-    parts = build_components(args.model_config, args.model_name, with_unet=False)
+    parts = build_components(args.model_config, args.model_name, with_unet=False,
+                             with_text_encoder=args.store_text_states)
     random_encoders = [p for p in parts.random if p in ("vae", "text_encoder")]
     if random_encoders and args.model_config != "tiny" and not args.allow_random_encoders:
         raise SystemExit(
@@ -511,11 +535,17 @@ def main(argv: list[str] | None = None) -> dict | None:
     vae, text_encoder, tokenizer = parts.vae, parts.text_encoder, parts.tokenizer
     del parts  # the UNet is not needed
     for module in (vae, text_encoder):
-        module.requires_grad_(False).eval().to(device)
+        if module is not None:
+            module.requires_grad_(False).eval().to(device)
     if on_gpu:
         vae.to(memory_format=torch.channels_last)
-    latent_channels, text_dim = vae.config.latent_channels, text_encoder.config.hidden_size
-    columns = mds_columns(latent_channels, args.image_size // 8, text_dim, args.storage_dtype, not args.no_captions)
+    if not args.store_text_states and len(tokenizer) > np.iinfo(TOKEN_IDS_DTYPE).max + 1:
+        raise SystemExit(f"latents.py: error: the tokenizer of --model_name {args.model_name} has {len(tokenizer):,} "
+                         f"tokens, more than {TOKEN_IDS_DTYPE} token ids hold: pass --store_text_states")
+    latent_channels = vae.config.latent_channels
+    text_dim = text_encoder.config.hidden_size if text_encoder is not None else None  # tokens: not stored
+    columns = mds_columns(latent_channels, args.image_size // 8, text_dim, args.storage_dtype, not args.no_captions,
+                          text_states=args.store_text_states)
 
     try:
         source = IndexedImageCaptions(
@@ -610,8 +640,11 @@ def encode_chunks(args: argparse.Namespace, source: IndexedImageCaptions, vae: t
         arrays, value_ranges = encoded.arrays(args.storage_dtype, args.dtype)
         stats.update(value_ranges)
         for row, index in enumerate(encoded.indices):
-            sample = {"index": index, "latent_mean": arrays[0][row], "latent_logvar": arrays[1][row],
-                      "text_states": arrays[2][row]}
+            sample = {"index": index, "latent_mean": arrays[0][row], "latent_logvar": arrays[1][row]}
+            if TEXT_STATES_KEY in columns:
+                sample[TEXT_STATES_KEY] = arrays[2][row]
+            else:
+                sample[TOKEN_IDS_COLUMN] = encoded.token_ids[row]
             if "caption" in columns:
                 sample["caption"] = encoded.captions[row]
             writer.write(sample)
@@ -648,7 +681,7 @@ def encode_chunks(args: argparse.Namespace, source: IndexedImageCaptions, vae: t
                 rows = torch.tensor(ok)
                 outputs = encode(vae, text_encoder, batch["image"][rows], batch["captions"][rows], device, compute_dtype)
                 encoded = Encoded([indices[i] for i in ok], [batch["caption"][i] for i in ok], outputs,
-                                  args.storage_dtype, device)
+                                  args.storage_dtype, device, token_ids=batch["captions"][rows])
             write(pending)  # on GPU this overlaps with the encoding just launched
             pending = encoded
             if decoded >= data.BAD_CHECK_AFTER and stats.bad > args.max_bad_fraction * decoded:
@@ -685,7 +718,7 @@ def finish(args: argparse.Namespace, num_samples: int, num_chunks: int, all_stat
             images_per_sec=round(written_now / max(elapsed, 1e-9), 2),
             max_abs_latent_mean=max(s["max_abs_mean"] for s in seen),
             latent_logvar_range=[min(s["min_logvar"] for s in seen), max(s["max_logvar"] for s in seen)],
-            max_abs_text_states=max(s["max_abs_text"] for s in seen))
+            **({"max_abs_text_states": max(s["max_abs_text"] for s in seen)} if args.store_text_states else {}))
     left = num_chunks - len(completed_chunks(args.out, num_chunks))
     if left:
         if not args.max_chunks:
@@ -702,11 +735,19 @@ def finish(args: argparse.Namespace, num_samples: int, num_chunks: int, all_stat
     index = read_json(args.out, INDEX_FILE) or {"shards": []}
     samples = sum(s["samples"] for s in index["shards"])
     stored = sum((s.get("zip_data") or s["raw_data"])["bytes"] for s in index["shards"])
+    per_sample_stored = stored / max(samples, 1)
     report.update(samples=samples, skipped=num_samples - samples, shards=len(index["shards"]),
-                  bytes_per_sample_stored=round(stored / max(samples, 1)),
-                  bytes_per_sample_raw=round(sum(s["raw_data"]["bytes"] for s in index["shards"]) / max(samples, 1)))
+                  format="text_states" if args.store_text_states else "tokens",
+                  bytes_per_sample_stored=round(per_sample_stored),
+                  bytes_per_sample_raw=round(sum(s["raw_data"]["bytes"] for s in index["shards"]) / max(samples, 1)),
+                  projected_samples=SAMPLES_AT_SCALE,
+                  projected_tb_stored=round(per_sample_stored * SAMPLES_AT_SCALE / 1e12, 2),
+                  projected_shards=math.ceil(len(index["shards"]) * SAMPLES_AT_SCALE / max(samples, 1)))
     print(f"done: {samples:,} of {num_samples:,} samples in {args.out} ({num_samples - samples:,} skipped: "
-          f"undecodable), {report['bytes_per_sample_stored']:,} bytes per sample stored", flush=True)
+          f"undecodable), {report['bytes_per_sample_stored']:,} bytes per sample stored "
+          f"({report['bytes_per_sample_raw']:,} before compression, format {report['format']}); "
+          f"{SAMPLES_AT_SCALE:,} such samples: {report['projected_tb_stored']:,} TB in about "
+          f"{report['projected_shards']:,} shards", flush=True)
     print(json.dumps(report), flush=True)
     return report
 

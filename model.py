@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import zlib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,13 +109,17 @@ def _load_pretrained(cls, model_name: str | None, subfolder: str):
 
 
 def build_components(model_config: str, model_name: str | None = None, *, with_unet: bool = True,
-                     with_encoders: bool = True) -> Components:
+                     with_encoders: bool = True, with_vae: bool | None = None,
+                     with_text_encoder: bool | None = None, with_tokenizer: bool | None = None) -> Components:
     """Build SD2's parts: a random UNet from `model_config`, frozen VAE/text encoder (pretrained if found).
 
     `model_name` (hub id or local diffusers folder) is only consulted for `sd2-base`: there are no
     pretrained weights of the `tiny` shapes. `with_encoders=False` (training on precomputed
-    latents) skips the VAE, text encoder and tokenizer; `with_unet=False` (precomputing) the UNet.
-    The encoders are built before the UNet, so under one seed they are the same either way.
+    latents) skips the VAE, text encoder and tokenizer; `with_vae`, `with_text_encoder` and
+    `with_tokenizer` override it part by part (latents stored with token ids: the text encoder runs
+    in training, the VAE does not). Each randomly initialized part is drawn from its own generator,
+    seeded from the global seed and the part's name, so a part is the same whatever else is built
+    (the text encoder of `latents.py` and of a training run on its tokens, for one).
     """
     if model_config not in MODEL_CONFIGS:
         raise ValueError(f"--model_config: unknown '{model_config}', choose from {sorted(MODEL_CONFIGS)}")
@@ -125,12 +130,18 @@ def build_components(model_config: str, model_name: str | None = None, *, with_u
     def part(name: str, cls, build):
         module = _load_pretrained(cls, lookup, name)
         (pretrained if module is not None else random).append(name)
-        return module if module is not None else build()
+        if module is not None:
+            return module
+        with torch.random.fork_rng(devices=[]):  # leaves the global generator as it was
+            torch.manual_seed((torch.initial_seed() + zlib.crc32(name.encode())) % 2**63)
+            return build()
 
     vae = text_encoder = tokenizer = unet = None
-    if with_encoders:
+    if with_encoders if with_vae is None else with_vae:
         vae = part("vae", AutoencoderKL, lambda: AutoencoderKL(**cfg["vae"]))
+    if with_encoders if with_text_encoder is None else with_text_encoder:
         text_encoder = part("text_encoder", CLIPTextModel, lambda: CLIPTextModel(CLIPTextConfig(**cfg["text_encoder"])))
+    if with_encoders if with_tokenizer is None else with_tokenizer:
         tokenizer = part("tokenizer", CLIPTokenizer, bundled_tokenizer)
         if "tokenizer" in random:  # the bundled tokenizer is SD2's own: not a random part
             random.remove("tokenizer")
@@ -157,7 +168,8 @@ class StableDiffusion(ComposerModel):
     Batches are dicts: `image` (B, 3, H, W) uint8 pixels (or float already in [-1, 1]) and
     `captions` (B, 77) token ids, or,
     with encoder outputs precomputed (`latents.py`), `latent_mean` and `latent_logvar` (B, 4, H/8, W/8,
-    the VAE posterior before scaling) and `text_states` (B, 77, D); then neither encoder runs.
+    the VAE posterior before scaling) and either `captions` (the text encoder runs, frozen, in the
+    autocast dtype) or `text_states` (B, 77, D) (neither encoder runs).
     The loss is the MSE between the UNet output and the scheduler's target: the noise for
     `prediction_type="epsilon"`, the velocity for `"v_prediction"`.
     """
@@ -201,8 +213,12 @@ class StableDiffusion(ComposerModel):
         if self.vae_channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         latents = self.vae.encode(images).latent_dist.sample() * self.latent_scale
-        text_states = self.text_encoder(captions)[0]
-        return latents, text_states
+        return latents, self.encode_text(captions)
+
+    @torch.no_grad()
+    def encode_text(self, captions: torch.Tensor) -> torch.Tensor:
+        """Text-encoder last hidden states of token ids (B, 77): what the UNet attends to."""
+        return self.text_encoder(captions)[0]
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cpu_autocast_dtype is not None:
@@ -217,7 +233,13 @@ class StableDiffusion(ComposerModel):
             mean, logvar = batch["latent_mean"].float(), batch["latent_logvar"].float()
             eps = torch.randn(mean.shape, device=mean.device)
             latents = (mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * eps) * self.latent_scale
-            text_states = batch["text_states"].to(latents.dtype)
+            if "text_states" in batch:
+                text_states = batch["text_states"].to(latents.dtype)
+            elif self.text_encoder is None:
+                raise ValueError("this model was built without a text encoder but got token ids (latents "
+                                 "precomputed without --store_text_states)")
+            else:
+                text_states = self.encode_text(batch["captions"])
         elif self.vae is None or self.text_encoder is None:
             raise ValueError("this model was built without encoders (--precomputed) but got an image batch")
         else:

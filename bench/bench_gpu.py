@@ -38,6 +38,9 @@ MATRIX: dict[str, list[str]] = {
     "online-bf16-mb32-compile-cl": ["--device_train_microbatch_size", "32", "--compile", "--channels_last"],
     "precomputed-bf16-mb32": ["--precomputed", "--device_train_microbatch_size", "32"],
     "precomputed-bf16-mb64": ["--precomputed", "--device_train_microbatch_size", "64"],
+    # Precomputed batches carry token ids by default (the text encoder runs); this one, text states.
+    "precomputed-states-bf16-mb64": ["--precomputed", "--precomputed_format", "text_states",
+                                     "--device_train_microbatch_size", "64"],
     "precomputed-bf16-mb64-cl": ["--precomputed", "--device_train_microbatch_size", "64", "--channels_last"],
     "precomputed-bf16-mb64-compile": ["--precomputed", "--device_train_microbatch_size", "64", "--compile"],
 }
