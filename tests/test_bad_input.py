@@ -59,7 +59,7 @@ def write_images(out: Path, count: int) -> Path:
 def write_latents(out: Path, count: int) -> Path:
     """A real precomputed-latents MDS dataset in the format data.py defines."""
     from streaming import MDSWriter
-    columns = data.mds_columns(latent_channels=4, latent_size=4, text_dim=8)
+    columns = data.mds_columns(latent_channels=4, latent_size=4, text_dim=8, text_states=True)
     rng = np.random.default_rng(0)
     with MDSWriter(out=str(out), columns=columns) as writer:
         for i in range(count):
