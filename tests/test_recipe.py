@@ -62,6 +62,7 @@ def test_recipe_run_resumes_bit_for_bit(tmp_path):
         benchmark.main(common + ["--save_folder", str(cut)], extra_callbacks=[CutAfter(2)])
     assert not (cut / "ep1-ba4-rank0.pt").exists()
     r_resumed = benchmark.main(common + ["--save_folder", str(cut)])
+    assert r_resumed["measured_batches"] + r_resumed["warmup_batches"] == 2  # resumed at batch 2, not restarted
     a, b = _weights(straight / "ep1-ba4-rank0.pt"), _weights(cut / "ep1-ba4-rank0.pt")
     assert a.keys() == b.keys() and any(k.startswith("ema.") for k in a)
     for k in a:
