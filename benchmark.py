@@ -116,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--caption_drop_prob", type=float, default=0.0,
                    help="replace each caption by the empty one with this probability (classifier-free guidance)")
     p.add_argument("--ema_start", type=str, default="0ba", help="with --use_ema: start averaging at this time (e.g. 1350000ba)")
+    p.add_argument("--ema_half_life", type=str, default="1000ba",
+                   help="with --use_ema: EMA half-life in batches (6931ba is a smoothing of 0.9999 per batch)")
     p.add_argument("--snr_gamma", type=float, default=None, help="min-SNR-gamma loss weighting (5 is the paper's value)")
     p.add_argument("--offset_noise", type=float, default=0.0, help="offset noise strength (e.g. 0.1)")
     p.add_argument("--loss_bins", type=int, default=10, help="log the loss in this many bins of timesteps (0: off)")
@@ -202,15 +204,17 @@ def validate_recipe(args: argparse.Namespace) -> None:
         fail(f"--offset_noise {args.offset_noise} must be >= 0")
     if args.loss_bins < 0:
         fail(f"--loss_bins {args.loss_bins} must be >= 0")
-    for flag, units in (("ema_start", ("ba", "ep", "dur")), ("sample_interval", ("ba", "ep"))):
+    for flag, units in (("ema_start", ("ba", "ep", "dur")), ("ema_half_life", ("ba",)), ("sample_interval", ("ba", "ep"))):
         try:
             unit = Time.from_timestring(getattr(args, flag)).unit.value
         except (ValueError, TypeError):
             unit = None
         if unit not in units:
             fail(f"--{flag} '{getattr(args, flag)}' must be a Composer time string in {', '.join(units)} (e.g. 1000ba)")
-    if args.ema_start != "0ba" and not args.use_ema:
-        fail("--ema_start needs --use_ema")
+    if (args.ema_start != "0ba" or args.ema_half_life != "1000ba") and not args.use_ema:
+        fail("--ema_start and --ema_half_life need --use_ema")
+    if Time.from_timestring(args.ema_half_life).value <= 0:
+        fail(f"--ema_half_life {args.ema_half_life} must be positive")
     if args.sample_prompts:
         from sample import load_prompts
         try:
@@ -391,7 +395,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         from ema import EMA
         # The EMA writes the UNet into <ema_export_dir>/unet; the rest of the pipeline follows after fit.
         export_unet = os.path.join(args.ema_export_dir, "unet") if args.ema_export_dir else None
-        algorithms.append(EMA(half_life="1000ba", ema_start=args.ema_start, export_dir=export_unet))
+        algorithms.append(EMA(half_life=args.ema_half_life, ema_start=args.ema_start, export_dir=export_unet))
     if args.grad_clip_norm:
         from composer.algorithms import GradientClipping
         algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=args.grad_clip_norm))

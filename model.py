@@ -380,12 +380,19 @@ class LossByTimestep(Callback):
             window = torch.zeros(2, bins.num_bins, dtype=torch.float64)  # this rank saw none: still all-reduce
         window = state.device.tensor_to_device(window)
         dist.all_reduce(window, reduce_operation="SUM")
-        self.run = window.clone() if self.run is None else self.run + window
+        self.run = window.clone() if self.run is None else self.run.to(window.device) + window
         self.edges = bins.edges()
         means = (window[0] / window[1].clamp(min=1)).tolist()
         counts = window[1].tolist()
         logger.log_metrics({f"loss/timestep_{a}-{b}": m for (a, b), m, c in zip(bins.edges(), means, counts) if c},
                            step=int(state.timestamp.batch))
+
+    def state_dict(self) -> dict:
+        # In the checkpoint, so that a resumed run's summary covers the whole run.
+        return {"run": None if self.run is None else self.run.cpu(), "edges": self.edges}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.run, self.edges = state["run"], [tuple(e) for e in state["edges"]]
 
     def summary(self) -> list[dict]:
         """Per bin: first and last timestep, mean loss and number of samples over the whole run."""

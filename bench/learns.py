@@ -172,7 +172,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--caption_drop_prob", type=float, default=0.1)
     p.add_argument("--samples_per_caption", type=int, default=16)
     p.add_argument("--sample_steps", type=int, default=25)
-    p.add_argument("--guidance_scale", type=float, default=1.0, help="classifier-free guidance when scoring (1: none)")
+    p.add_argument("--guidance_scale", type=float, default=4.0,
+                   help="classifier-free guidance when scoring (the run trains with caption dropout for it); "
+                        "the unguided score (1) is printed too")
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--workdir", type=str, default=None, help="keep the pictures, shards and checkpoint here")
     p.add_argument("--results_json", type=str, default=None)
@@ -222,9 +224,12 @@ def main(argv: list[str] | None = None) -> dict:
     model = StableDiffusion(parts.unet, parts.vae, parts.text_encoder, parts.noise_scheduler)
     with torch.no_grad():
         encoded = torch.cat([model.vae.encode(x).latent_dist.mean for x in images.split(64)]) * model.latent_scale
-    kwargs = dict(samples_per_class=args.samples_per_caption, steps=args.sample_steps,
-                  guidance_scale=args.guidance_scale, seed=args.seed)
-    before, before_hits = score(model, parts.tokenizer, classes, encoded, labels, **kwargs)
+    kwargs = dict(samples_per_class=args.samples_per_caption, steps=args.sample_steps, seed=args.seed)
+    score_start = time.perf_counter()
+    before, before_hits = score(model, parts.tokenizer, classes, encoded, labels, guidance_scale=args.guidance_scale,
+                                **kwargs)
+    before_unguided, _ = score(model, parts.tokenizer, classes, encoded, labels, guidance_scale=1.0, **kwargs)
+    score_seconds = time.perf_counter() - score_start
 
     # 3. Train through the CLI.
     train_start = time.perf_counter()
@@ -237,20 +242,26 @@ def main(argv: list[str] | None = None) -> dict:
     train_seconds = time.perf_counter() - train_start
     checkpoint = sorted(save.glob("ep*-ba*-rank0.pt"), key=lambda p: int(p.name.split("-ba")[1].split("-")[0]))[-1]
     load_trained(model, checkpoint)
-    after, after_hits = score(model, parts.tokenizer, classes, encoded, labels, **kwargs)
+    after, after_hits = score(model, parts.tokenizer, classes, encoded, labels, guidance_scale=args.guidance_scale,
+                              **kwargs)
+    after_unguided, _ = score(model, parts.tokenizer, classes, encoded, labels, guidance_scale=1.0, **kwargs)
 
     result = {
         "classes": classes, "images": len(keep), "image_size": args.image_size, "batches": args.batches,
         "batch_size": args.batch_size, "samples_per_caption": args.samples_per_caption,
         "score_before": before, "score_after": after, "chance": 1 / len(classes),
-        "hits_before": before_hits, "hits_after": after_hits,
+        "hits_before": before_hits, "hits_after": after_hits, "guidance_scale": args.guidance_scale,
+        "score_before_unguided": before_unguided, "score_after_unguided": after_unguided,
+        "score_minutes_per_model": score_seconds / 60,
         "train_minutes": train_seconds / 60, "total_minutes": (time.perf_counter() - started) / 60,
         "data_minutes": data_seconds / 60,
     }
     print(f"classes {classes} ({len(keep)} pictures, {args.image_size}px), {args.batches} batches of {args.batch_size}")
     print(f"nearest-class score before training {before:.1%}  after {after:.1%}  chance {1 / len(classes):.1%} "
-          f"(per caption after: {after_hits} of {args.samples_per_caption})")
-    print(f"minutes: training {train_seconds / 60:.1f}, total {result['total_minutes']:.1f}")
+          f"(guidance {args.guidance_scale:g}; per caption after: {after_hits} of {args.samples_per_caption})")
+    print(f"without guidance: before {before_unguided:.1%}  after {after_unguided:.1%}")
+    print(f"minutes: data {data_seconds / 60:.1f}, scoring {score_seconds / 60:.1f} per model, "
+          f"training {train_seconds / 60:.1f}, total {result['total_minutes']:.1f}")
     if args.results_json:
         Path(args.results_json).write_text(json.dumps(result, indent=2) + "\n")
     return result

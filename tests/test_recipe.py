@@ -68,6 +68,7 @@ def test_recipe_run_resumes_bit_for_bit(tmp_path):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert r_straight["final_loss"] == r_resumed["final_loss"]
+    assert r_straight["loss_by_timestep_bin"] == r_resumed["loss_by_timestep_bin"]  # the sums came back too
     # Loss by noise level: 10 bins of 100 timesteps; the straight run counts all 16 samples.
     bins = r_straight["loss_by_timestep_bin"]
     assert [b["timesteps"] for b in bins] == [[100 * i, 100 * i + 99] for i in range(10)]
