@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -125,11 +123,13 @@ def read_dataset(shards: Path, size: int) -> tuple[torch.Tensor, list[str]]:
     return torch.stack(images), captions
 
 
-def run(cmd: list[str], what: str) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"learns.py: error: {what} failed:\n{(result.stdout + result.stderr)[-3000:]}")
+def run(main, argv: list[str], what: str) -> None:
+    """A command's main() in this process (the same code path as its CLI, without a second start-up)."""
+    try:
+        main(argv)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise SystemExit(f"learns.py: error: {what} failed: {e.code}") from None
 
 
 @torch.no_grad()
@@ -205,8 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.data:
             write_shapes(pictures, args.captions, args.images_per_caption, args.image_size, args.seed)
         shards = work / "mds"
-        run([sys.executable, str(ROOT / "convert.py"), str(pictures), "--out", str(shards), "--workers", "1",
-             "--no_progress", "--overwrite"], "convert.py")
+        import convert
+        run(convert.main, [str(pictures), "--out", str(shards), "--workers", "1", "--no_progress", "--overwrite"],
+            "convert.py")
     images, captions = read_dataset(shards, args.image_size)
     classes = args.captions or sorted(set(captions))
     keep = [i for i, c in enumerate(captions) if c in classes]
@@ -231,14 +232,17 @@ def main(argv: list[str] | None = None) -> dict:
     before_unguided, _ = score(model, parts.tokenizer, classes, encoded, labels, guidance_scale=1.0, **kwargs)
     score_seconds = time.perf_counter() - score_start
 
-    # 3. Train through the CLI.
+    # 3. Train with benchmark.py's command line.
+    threads = torch.get_num_threads()
     train_start = time.perf_counter()
     save = work / "checkpoints"
-    run([sys.executable, str(ROOT / "benchmark.py"), "--model_config", "tiny", "--remote", str(shards),
+    import benchmark
+    run(benchmark.main, ["--model_config", "tiny", "--remote", str(shards),
          "--local", str(work / "cache"), "--image_size", str(args.image_size), "--batch_size", str(args.batch_size),
          "--max_duration", f"{args.batches}ba", "--lr", str(args.lr), "--lr_warmup_batches", str(args.lr_warmup_batches),
          "--caption_drop_prob", str(args.caption_drop_prob), "--seed", str(args.seed), "--num_workers", "1",
          "--save_folder", str(save), "--save_interval", f"{args.batches}ba", "--log_interval", "50ba", "--warmup_batches", "1"], "benchmark.py")
+    torch.set_num_threads(threads)  # benchmark.py sets its own
     train_seconds = time.perf_counter() - train_start
     checkpoint = sorted(save.glob("ep*-ba*-rank0.pt"), key=lambda p: int(p.name.split("-ba")[1].split("-")[0]))[-1]
     load_trained(model, checkpoint)

@@ -11,9 +11,6 @@
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -77,8 +74,8 @@ def test_recipe_run_resumes_bit_for_bit(tmp_path):
 
 
 def test_recipe_flags_change_the_training(tmp_path):
-    """Each flag reaches the step: the weights after 2 batches differ from the plain run's."""
-    base = TINY + ["--max_duration", "2ba", "--lr", "1e-3", "--loss_bins", "0"]
+    """Each flag reaches the step: the first batch's loss differs from the plain run's."""
+    base = TINY + ["--max_duration", "1ba", "--lr", "1e-3", "--loss_bins", "0"]
     plain = benchmark.main(base)["final_loss"]
     for extra in (["--caption_drop_prob", "0.9"], ["--offset_noise", "0.5"], ["--snr_gamma", "1"]):
         assert benchmark.main(base + extra)["final_loss"] != plain, extra
@@ -189,16 +186,12 @@ def test_samples_ema_export_and_export_py_give_pipelines_diffusers_samples(tmp_p
     assert any(not torch.equal(v, unets["trained_export"][k]) for k, v in unets["ema_pipe"].items())
 
 
-def test_learns_two_captions_short(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    out = tmp_path / "learns.json"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "learns.py"), "--captions", "a red square", "a blue circle",
-         "--images_per_caption", "16", "--image_size", "32", "--batches", "150", "--batch_size", "8",
-         "--samples_per_caption", "8", "--sample_steps", "10", "--workdir", str(tmp_path / "work"),
-         "--results_json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    r = json.loads(out.read_text())
-    assert r["score_after"] >= 0.9, r
-    assert "chance 50.0%" in result.stdout
+def test_learns_two_captions_short(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learns
+
+    r = learns.main(["--captions", "a red square", "a blue circle", "--images_per_caption", "16", "--image_size", "32",
+                     "--batches", "150", "--batch_size", "8", "--samples_per_caption", "8", "--sample_steps", "10",
+                     "--workdir", str(tmp_path / "work")])
+    assert r["score_after"] >= 0.9 and r["score_after"] > r["score_before"], r
+    assert "chance 50.0%" in capsys.readouterr().out
