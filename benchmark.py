@@ -36,7 +36,8 @@ from composer.utils import dist, reproducibility
 
 import data
 from console import ConsoleProgress
-from model import MODEL_CONFIGS, StableDiffusion, build_components, sd2_meta_components
+from model import MODEL_CONFIGS, LossByTimestep, StableDiffusion, build_components, build_encoders_aside, sd2_meta_components
+from tokenizer import tokenize
 from throughput import Throughput, count_flops_per_image
 
 PRECISIONS = ("auto", "fp32", "amp_bf16", "amp_fp16")
@@ -152,6 +153,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "from their columns)")
     # Errors (issue 10): user errors are one line; --debug shows the traceback as well.
     p.add_argument("--debug", action="store_true", help="on an error, also print the Python traceback")
+    # Training recipe (issue: train a model someone could use). Every default keeps the 2023 step.
+    p.add_argument("--lr_warmup_batches", type=int, default=0, help="linear learning-rate warm-up over this many batches")
+    p.add_argument("--lr_schedule", type=str, default="constant", choices=("constant", "cosine"),
+                   help="after the warm-up: constant, or cosine decay to 0 at --max_duration")
+    p.add_argument("--grad_clip_norm", type=float, default=None, help="clip the gradient's global L2 norm to this")
+    p.add_argument("--caption_drop_prob", type=float, default=0.0,
+                   help="replace each caption by the empty one with this probability (classifier-free guidance)")
+    p.add_argument("--ema_start", type=str, default="0ba", help="with --use_ema: start averaging at this time (e.g. 1350000ba)")
+    p.add_argument("--ema_half_life", type=str, default="1000ba",
+                   help="with --use_ema: EMA half-life in batches (6931ba is a smoothing of 0.9999 per batch)")
+    p.add_argument("--snr_gamma", type=float, default=None, help="min-SNR-gamma loss weighting (5 is the paper's value)")
+    p.add_argument("--offset_noise", type=float, default=0.0, help="offset noise strength (e.g. 0.1)")
+    p.add_argument("--loss_bins", type=int, default=10, help="log the loss in this many bins of timesteps (0: off)")
+    # Samples while training (sample.py).
+    p.add_argument("--sample_prompts", type=str, default=None,
+                   help="draw these prompts while training: a text file (one per line) or a built-in set: default, shapes")
+    p.add_argument("--sample_interval", type=str, default="1000ba", help="sample every this long (and at the end)")
+    p.add_argument("--samples_dir", type=str, default=None, help="where sample grids go (default: <--save_folder>/samples)")
+    p.add_argument("--sampler", type=str, default="ddim", choices=("ddim", "euler"), help="diffusers sampler for samples")
+    p.add_argument("--sample_steps", type=int, default=50, help="sampler steps per sample")
+    p.add_argument("--guidance_scale", type=float, default=7.5, help="classifier-free guidance scale of samples (1: none)")
     return p.parse_args(argv)
 
 
@@ -653,6 +675,50 @@ def cli(argv: list[str] | None = None) -> None:
         raise SystemExit(f"benchmark.py: error: {line} (--debug shows the traceback)") from None
 
 
+def validate_recipe(args: argparse.Namespace) -> None:
+    """One-line errors for the training-recipe, sampling and export flags."""
+    def fail(message: str) -> None:
+        raise SystemExit(f"benchmark.py: error: {message}")
+
+    if args.lr_warmup_batches < 0:
+        fail(f"--lr_warmup_batches {args.lr_warmup_batches} must be >= 0")
+    if args.grad_clip_norm is not None and args.grad_clip_norm <= 0:
+        fail(f"--grad_clip_norm {args.grad_clip_norm} must be positive")
+    if not 0.0 <= args.caption_drop_prob < 1.0:
+        fail(f"--caption_drop_prob {args.caption_drop_prob} must be in [0, 1)")
+    if args.snr_gamma is not None and args.snr_gamma <= 0:
+        fail(f"--snr_gamma {args.snr_gamma} must be positive")
+    if args.offset_noise < 0:
+        fail(f"--offset_noise {args.offset_noise} must be >= 0")
+    if args.loss_bins < 0:
+        fail(f"--loss_bins {args.loss_bins} must be >= 0")
+    for flag, units in (("ema_start", ("ba", "ep", "dur")), ("ema_half_life", ("ba",)), ("sample_interval", ("ba", "ep"))):
+        try:
+            unit = Time.from_timestring(getattr(args, flag)).unit.value
+        except (ValueError, TypeError):
+            unit = None
+        if unit not in units:
+            fail(f"--{flag} '{getattr(args, flag)}' must be a Composer time string in {', '.join(units)} (e.g. 1000ba)")
+    if (args.ema_start != "0ba" or args.ema_half_life != "1000ba") and not args.use_ema:
+        fail("--ema_start and --ema_half_life need --use_ema")
+    if Time.from_timestring(args.ema_half_life).value <= 0:
+        fail(f"--ema_half_life {args.ema_half_life} must be positive")
+    if args.sample_prompts:
+        from sample import load_prompts
+        try:
+            load_prompts(args.sample_prompts)
+        except ValueError as e:
+            fail(f"--sample_prompts {e}")
+        if not args.samples_dir and not args.save_folder:
+            fail("--sample_prompts needs --samples_dir or --save_folder (samples go to <save_folder>/samples)")
+        if not args.samples_dir and "://" in args.save_folder:
+            fail(f"--sample_prompts: --save_folder {args.save_folder} is an object store; give a local --samples_dir")
+        if args.sample_steps <= 0:
+            fail(f"--sample_steps {args.sample_steps} must be positive")
+    if args.ema_export_dir and Path(args.ema_export_dir).is_dir() and any(Path(args.ema_export_dir).iterdir()):
+        fail(f"--ema_export_dir {args.ema_export_dir} is not empty; choose a new folder (nothing is overwritten)")
+
+
 class StopOnNonFiniteLoss(Callback):
     """Stop the run at the first NaN/inf loss, before the checkpoint of that batch is written.
 
@@ -761,6 +827,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     per_node_signal_files()
     world_size = dist.get_world_size()
     validate(args, world_size)
+    validate_recipe(args)
     on_gpu = torch.cuda.is_available()
     if not on_gpu and "OMP_NUM_THREADS" not in os.environ:
         # Composer's launcher leaves every CPU rank using all cores: N ranks oversubscribe N-fold.
@@ -815,7 +882,20 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
                    f"--model_name {args.model_name}: pretrained {missing} not available here (offline or not downloaded)")
             print(f"note: {why}; using randomly initialized {missing} (throughput does not depend on the weights).",
                   file=sys.stderr, flush=True)
-    model = StableDiffusion(components.unet, components.vae, components.text_encoder, components.noise_scheduler)
+    model = StableDiffusion(components.unet, components.vae, components.text_encoder, components.noise_scheduler,
+                            components.latent_scale, snr_gamma=args.snr_gamma, offset_noise=args.offset_noise,
+                            num_loss_bins=args.loss_bins)
+    # Encoders for what the training step itself does not need (the empty caption's text states,
+    # samples, the exported pipeline): the model's own, or, on precomputed latents, built aside
+    # exactly as latents.py built them under --seed.
+    encoders = components
+    if components.text_encoder is None and (args.caption_drop_prob > 0 or args.sample_prompts or args.ema_export_dir):
+        encoders = build_encoders_aside(args.model_config, args.model_name, args.seed)
+    if args.caption_drop_prob > 0:
+        empty_ids = tokenize(encoders.tokenizer, [""])
+        with torch.no_grad():
+            empty_states = encoders.text_encoder(empty_ids)[0]
+        model.set_caption_dropout(args.caption_drop_prob, empty_ids, empty_states)
     if not on_gpu and precision == "amp_bf16":
         model.cpu_autocast_dtype = torch.bfloat16
     if args.xformers:
@@ -865,6 +945,12 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
 
     fused = args.fused_adamw == "on" or (args.fused_adamw == "auto" and on_gpu)
     optimizer = torch.optim.AdamW(model.unet.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused)
+    schedulers = []
+    if args.lr_warmup_batches or args.lr_schedule != "constant":
+        from composer.optim import ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler
+        warmup = f"{args.lr_warmup_batches}ba"
+        schedulers.append(CosineAnnealingWithWarmupScheduler(t_warmup=warmup, alpha_f=0.0) if args.lr_schedule == "cosine"
+                          else ConstantWithWarmupScheduler(t_warmup=warmup))
     peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
     throughput = Throughput(args.warmup_batches, flops["total"], peak_flops)
     loggers = []
@@ -873,17 +959,35 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     algorithms = []
     if args.use_ema:
         from ema import EMA
-        algorithms.append(EMA(half_life="1000ba", export_dir=args.ema_export_dir))
+        # The EMA writes the UNet into <ema_export_dir>/unet; the rest of the pipeline follows after fit.
+        export_unet = os.path.join(args.ema_export_dir, "unet") if args.ema_export_dir else None
+        algorithms.append(EMA(half_life=args.ema_half_life, ema_start=args.ema_start, export_dir=export_unet))
+    if args.grad_clip_norm:
+        from composer.algorithms import GradientClipping
+        algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=args.grad_clip_norm))
+    recipe_callbacks = []
+    loss_by_timestep = None
+    if args.loss_bins:
+        loss_by_timestep = LossByTimestep(args.log_interval)
+        recipe_callbacks.append(loss_by_timestep)
+    if args.sample_prompts:
+        from sample import SampleImages, load_prompts
+        recipe_callbacks.append(SampleImages(
+            load_prompts(args.sample_prompts), args.samples_dir or os.path.join(args.save_folder, "samples"),
+            args.sample_interval, tokenizer=encoders.tokenizer, text_encoder=encoders.text_encoder, vae=encoders.vae,
+            latent_scale=model.latent_scale, image_size=args.image_size, sampler=args.sampler,
+            num_steps=args.sample_steps, guidance_scale=args.guidance_scale, seed=args.seed))
 
     trainer = Trainer(
         model=model,
         train_dataloader=train_dataloader,
         optimizers=optimizer,
+        schedulers=schedulers or None,
         max_duration=args.max_duration,
         algorithms=algorithms,
         callbacks=[SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), throughput,
                    StopOnNonFiniteLoss(args.load_path, args.save_folder), ConsoleProgress(args.log_interval),
-                   *(extra_callbacks or [])],
+                   *recipe_callbacks, *(extra_callbacks or [])],
         loggers=loggers,
         precision=trainer_precision,
         device_train_microbatch_size=microbatch,
@@ -907,6 +1011,12 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     if not run_already_complete(trainer, args):
         trainer.fit()
     after_window_s = time.perf_counter() - throughput.window_end if throughput.window_end else None
+    if args.ema_export_dir and dist.get_global_rank() == 0 and Path(args.ema_export_dir, "unet", "config.json").is_file():
+        from diffusers import UNet2DConditionModel
+
+        from export import write_pipeline
+        write_pipeline(args.ema_export_dir, UNet2DConditionModel.from_pretrained(Path(args.ema_export_dir, "unet")),
+                       encoders.vae, encoders.text_encoder, encoders.tokenizer, model.noise_scheduler.config)
 
     results = {
         **throughput.summary,
@@ -932,6 +1042,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         "flops_per_image_breakdown": flops,
         # Mean over all ranks and all microbatches of the last batch (Composer's all-reduced total).
         "final_loss": trainer.state.total_loss_dict.get("loss/train/total"),
+        "loss_by_timestep_bin": loss_by_timestep.summary() if loss_by_timestep else [],
         "torch_version": torch.__version__,
     }
     if int(trainer.state.timestamp.batch) == trained_before:

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from composer.core import Callback, State, Time, TimeUnit
+from composer.loggers import Logger
 from composer.models import ComposerModel
+from composer.utils import dist
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
@@ -35,7 +38,7 @@ SD2_BASE = {
     "vae": dict(
         in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512),
         layers_per_block=2, down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-        norm_num_groups=32, act_fn="silu", sample_size=512,
+        norm_num_groups=32, act_fn="silu", sample_size=512, scaling_factor=0.18215,
     ),
     "text_encoder": dict(
         hidden_size=1024, intermediate_size=4096, num_hidden_layers=23, num_attention_heads=16,
@@ -43,12 +46,24 @@ SD2_BASE = {
     ),
 }
 
+# The tiny VAE is random, but must behave like a trained one in the two ways that matter for
+# learning: a trained VAE's posterior is nearly deterministic (its std is tiny against the latent
+# means), while a random one's log-variance is ~0, a std of ~1 that buries the means (RMS ~0.27) in
+# noise. So the quant_conv bias of the log-variance channels starts strongly negative (std e^-6),
+# and latents are scaled by 1/RMS of the means (3.3-4.1 over seeds 0, 1, 17, 42 on shape and uniform
+# images, mean 3.6), found the way SD's 0.18215 was.
+TINY_VAE_LOGVAR_BIAS = -12.0
+TINY_SCALING_FACTOR = 3.6
+
 TINY = {
     "unet": dict(
         SD2_BASE["unet"], sample_size=8, block_out_channels=(32, 64, 64, 64), layers_per_block=1,
         attention_head_dim=(2, 4, 4, 4), cross_attention_dim=64, norm_num_groups=16,
     ),
-    "vae": dict(SD2_BASE["vae"], block_out_channels=(16, 32, 32, 32), layers_per_block=1, norm_num_groups=8, sample_size=64),
+    # scaling_factor: 1 / RMS of this VAE's latent means (measured the way SD's 0.18215 was; see
+    # TINY_VAE_LOGVAR_BIAS), stored in the VAE config so that exported pipelines carry it.
+    "vae": dict(SD2_BASE["vae"], block_out_channels=(16, 32, 32, 32), layers_per_block=1, norm_num_groups=8,
+                sample_size=64, scaling_factor=TINY_SCALING_FACTOR),
     "text_encoder": dict(
         SD2_BASE["text_encoder"], hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         projection_dim=64,
@@ -76,6 +91,15 @@ def scale_images(images: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
     return images.to(dtype)
 
 
+def build_vae(model_config: str) -> AutoencoderKL:
+    """A randomly initialized VAE of `model_config`; the tiny one as a miniature of a trained one."""
+    vae = AutoencoderKL(**MODEL_CONFIGS[model_config]["vae"])
+    if model_config == "tiny":
+        with torch.no_grad():
+            vae.quant_conv.bias[vae.config.latent_channels:] = TINY_VAE_LOGVAR_BIAS
+    return vae
+
+
 @dataclass
 class Components:
     """The parts of Stable Diffusion, plus what was loaded pretrained and what was not."""
@@ -87,6 +111,7 @@ class Components:
     noise_scheduler: DDPMScheduler
     pretrained: list[str] = field(default_factory=list)
     random: list[str] = field(default_factory=list)
+    latent_scale: float = LATENT_SCALE  # the VAE config's scaling_factor (also without the VAE built)
 
 
 def _load_pretrained(cls, model_name: str | None, subfolder: str):
@@ -138,7 +163,7 @@ def build_components(model_config: str, model_name: str | None = None, *, with_u
 
     vae = text_encoder = tokenizer = unet = None
     if with_encoders if with_vae is None else with_vae:
-        vae = part("vae", AutoencoderKL, lambda: AutoencoderKL(**cfg["vae"]))
+        vae = part("vae", AutoencoderKL, lambda: build_vae(model_config))
     if with_encoders if with_text_encoder is None else with_text_encoder:
         text_encoder = part("text_encoder", CLIPTextModel, lambda: CLIPTextModel(CLIPTextConfig(**cfg["text_encoder"])))
     if with_encoders if with_tokenizer is None else with_tokenizer:
@@ -148,7 +173,28 @@ def build_components(model_config: str, model_name: str | None = None, *, with_u
     scheduler = _load_pretrained(DDPMScheduler, lookup, "scheduler") or DDPMScheduler(**SCHEDULER_CONFIG)
     if with_unet:
         unet = UNet2DConditionModel(**cfg["unet"])  # always from scratch: that is the benchmark
-    return Components(unet, vae, text_encoder, tokenizer, scheduler, pretrained, random)
+    if vae is not None:
+        latent_scale = vae.config.scaling_factor
+    else:  # precomputed latents: the scale of the VAE that encoded them, read from its config only
+        latent_scale = cfg["vae"]["scaling_factor"]
+        if lookup:
+            try:
+                latent_scale = AutoencoderKL.load_config(lookup, subfolder="vae", local_files_only=True)["scaling_factor"]
+            except Exception:  # noqa: BLE001 - not available offline: SD2's own value from the config above
+                pass
+    return Components(unet, vae, text_encoder, tokenizer, scheduler, pretrained, random, float(latent_scale))
+
+
+def build_encoders_aside(model_config: str, model_name: str | None, seed: int) -> Components:
+    """VAE, text encoder and tokenizer as latents.py builds them under `seed`, leaving the RNG as it was.
+
+    For a run that trains without encoders (precomputed) but needs them for the empty caption's
+    text states, for sampling or for export: the random tiny encoders come out identical to the
+    ones that encoded the data, and the UNet's initialization is not disturbed.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_components(model_config, model_name, with_unet=False)
 
 
 def sd2_meta_components(model_config: str = "sd2-base") -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
@@ -172,13 +218,21 @@ class StableDiffusion(ComposerModel):
     autocast dtype) or `text_states` (B, 77, D) (neither encoder runs).
     The loss is the MSE between the UNet output and the scheduler's target: the noise for
     `prediction_type="epsilon"`, the velocity for `"v_prediction"`.
+
+    Training-recipe options (all off by default, and then the step is exactly the plain one):
+    `snr_gamma` (min-SNR-gamma loss weighting), `offset_noise` (a per-channel constant added to the
+    noise) and `caption_drop_prob` (see `set_caption_dropout`). Every step also adds its per-sample
+    errors to `loss_bins` sums by timestep (a few element-wise ops on the latents, no host sync).
     """
 
     def __init__(self, unet: torch.nn.Module, vae: torch.nn.Module | None, text_encoder: torch.nn.Module | None,
-                 noise_scheduler: DDPMScheduler, latent_scale: float = LATENT_SCALE):
+                 noise_scheduler: DDPMScheduler, latent_scale: float | None = None, *, snr_gamma: float | None = None,
+                 offset_noise: float = 0.0, num_loss_bins: int = 10):
         super().__init__()
         self.unet, self.vae, self.text_encoder = unet, vae, text_encoder
         self.noise_scheduler = copy.deepcopy(noise_scheduler)
+        if latent_scale is None:  # the VAE's own factor (the tiny VAE's differs from SD2's)
+            latent_scale = vae.config.scaling_factor if vae is not None else LATENT_SCALE
         self.latent_scale = latent_scale
         self.vae_channels_last = False  # set with --channels_last: feed the VAE channels-last images
         self.cpu_autocast_dtype: torch.dtype | None = None  # set for --precision amp_bf16 on CPU
@@ -187,9 +241,27 @@ class StableDiffusion(ComposerModel):
         self.prediction_type = self.noise_scheduler.config.prediction_type
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise ValueError(f"scheduler prediction_type '{self.prediction_type}' is not supported for training")
+        self.snr_gamma, self.offset_noise = snr_gamma, offset_noise
+        alphas_cumprod = self.noise_scheduler.alphas_cumprod.float()
+        self.snr = alphas_cumprod / (1.0 - alphas_cumprod)  # signal-to-noise ratio of each timestep
+        self.loss_bins = LossBins(self.num_timesteps, num_loss_bins)
+        self.caption_drop_prob = 0.0
+        self.empty_caption_ids: torch.Tensor | None = None
+        self.empty_text_states: torch.Tensor | None = None
         for frozen in self._frozen():
             frozen.requires_grad_(False)
             frozen.eval()
+
+    def set_caption_dropout(self, prob: float, empty_caption_ids: torch.Tensor | None = None,
+                            empty_text_states: torch.Tensor | None = None) -> None:
+        """Replace each caption by the empty one with probability `prob` (for classifier-free guidance).
+
+        Rows of `captions` become `empty_caption_ids` (1, 77); rows of stored `text_states` become
+        `empty_text_states` (1, 77, D), the text encoder's output for the empty caption. The draw
+        uses the global RNG, which Composer seeds and checkpoints, so a resumed run drops the same rows.
+        """
+        self.caption_drop_prob = prob
+        self.empty_caption_ids, self.empty_text_states = empty_caption_ids, empty_text_states
 
     def train(self, mode: bool = True) -> "StableDiffusion":
         # Composer calls model.train() every epoch: the frozen encoders must stay in eval mode.
@@ -220,14 +292,27 @@ class StableDiffusion(ComposerModel):
         """Text-encoder last hidden states of token ids (B, 77): what the UNet attends to."""
         return self.text_encoder(captions)[0]
 
-    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _drop_captions(self, batch: dict) -> dict:
+        """The batch with a random subset of its captions replaced by the empty caption."""
+        key = "text_states" if "text_states" in batch else "captions"
+        rows = batch[key]
+        empty = self.empty_text_states if key == "text_states" else self.empty_caption_ids
+        if empty is None:
+            raise ValueError(f"caption dropout on '{key}' batches needs the empty caption's {key} (set_caption_dropout)")
+        drop = torch.rand(rows.shape[0], device=rows.device) < self.caption_drop_prob
+        drop = drop.view(-1, *([1] * (rows.dim() - 1)))
+        return {**batch, key: torch.where(drop, empty.to(device=rows.device, dtype=rows.dtype), rows)}
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.cpu_autocast_dtype is not None:
             # Composer autocasts on CUDA only (and refuses AMP on CPU): on CPU the model does it itself.
             with torch.autocast("cpu", dtype=self.cpu_autocast_dtype):
                 return self._forward(batch)
         return self._forward(batch)
 
-    def _forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.caption_drop_prob > 0:
+            batch = self._drop_captions(batch)
         if "latent_mean" in batch:
             # Sample the stored posterior as the VAE would: mean + std * eps, then scale.
             mean, logvar = batch["latent_mean"].float(), batch["latent_logvar"].float()
@@ -248,6 +333,9 @@ class StableDiffusion(ComposerModel):
         # torch.randn, not randn_like, so the draws do not depend on dtype or memory format.
         latents = latents.float()
         noise = torch.randn(latents.shape, device=latents.device)
+        if self.offset_noise:
+            # Offset noise: a per-image, per-channel constant lets the model shift mean brightness.
+            noise = noise + self.offset_noise * torch.randn(*latents.shape[:2], 1, 1, device=latents.device)
         timesteps = torch.randint(0, self.num_timesteps, (latents.shape[0],), device=latents.device)
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         if self.prediction_type == "epsilon":
@@ -255,16 +343,113 @@ class StableDiffusion(ComposerModel):
         else:
             target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
         prediction = self.unet(noisy, timesteps, text_states).sample
-        return prediction, target
+        return prediction, target, timesteps
 
     def flops_per_batch(self, batch: dict) -> float:
         """Model FLOPs of one training step on `batch` (read by Composer's SpeedMonitor for MFU)."""
         key = "latent_mean" if "latent_mean" in batch else "image"
         return self.flops_per_image * batch[key].shape[0]
 
-    def loss(self, outputs: tuple[torch.Tensor, torch.Tensor], batch: dict) -> torch.Tensor:
-        prediction, target = outputs
-        return F.mse_loss(prediction.float(), target.float())
+    def loss(self, outputs: tuple[torch.Tensor, ...], batch: dict) -> torch.Tensor:
+        prediction, target, timesteps = outputs
+        with torch.no_grad():
+            per_sample = (prediction.detach().float() - target.float()).pow(2).flatten(1).mean(1)
+            self.loss_bins.add(per_sample, timesteps)
+        if self.snr_gamma is None:
+            return F.mse_loss(prediction.float(), target.float())
+        # Min-SNR-gamma (Hang et al. 2023): weight each timestep's MSE by min(SNR, gamma) / SNR for
+        # epsilon targets, / (SNR + 1) for velocity targets, so the easy low-noise steps stop dominating.
+        snr = self.snr.to(timesteps.device)[timesteps]
+        clipped = torch.clamp(snr, max=self.snr_gamma)
+        weight = clipped / snr if self.prediction_type == "epsilon" else clipped / (snr + 1.0)
+        errors = F.mse_loss(prediction.float(), target.float(), reduction="none").flatten(1).mean(1)
+        return (errors * weight).mean()
+
+
+class LossBins:
+    """Running sums of the training loss per bin of timesteps (which noise levels lag).
+
+    Kept on the loss's device and never synchronized during the step; `take()` reads and resets
+    the sums of one logging window (`LossByTimestep` logs them and keeps the run's total).
+    """
+
+    def __init__(self, num_timesteps: int, num_bins: int):
+        self.num_timesteps, self.num_bins = num_timesteps, num_bins
+        self.window: torch.Tensor | None = None  # (2, bins): loss sums, counts
+
+    def edges(self) -> list[tuple[int, int]]:
+        """[first, last] timestep of each bin."""
+        step = self.num_timesteps / self.num_bins
+        return [(round(i * step), round((i + 1) * step) - 1) for i in range(self.num_bins)]
+
+    def add(self, per_sample_loss: torch.Tensor, timesteps: torch.Tensor) -> None:
+        if self.num_bins <= 0:
+            return
+        if self.window is None or self.window.device != per_sample_loss.device:
+            self.window = torch.zeros(2, self.num_bins, dtype=torch.float64, device=per_sample_loss.device)
+        index = (timesteps * self.num_bins) // self.num_timesteps
+        self.window[0].index_add_(0, index, per_sample_loss.double())
+        self.window[1].index_add_(0, index, torch.ones_like(per_sample_loss, dtype=torch.float64))
+
+    def take(self) -> torch.Tensor | None:
+        """The window's (2, bins) sums (None if nothing was added), and a fresh window."""
+        window, self.window = self.window, None
+        return window
+
+
+class LossByTimestep(Callback):
+    """Log the loss in bins of timesteps every `interval` batches (`loss/timestep_<first>-<last>`).
+
+    Reads the model's `loss_bins` window sums (summed over ranks: one small all-reduce per log
+    interval, none per step); `summary()` gives the whole run's per-bin mean losses for the JSON.
+    """
+
+    def __init__(self, interval: str):
+        time = Time.from_timestring(interval)
+        self.interval = int(time.value) if time.unit == TimeUnit.BATCH else 0  # else only at the end
+        self.run: torch.Tensor | None = None  # (2, bins) loss sums and counts over all ranks and the run
+        self.edges: list[tuple[int, int]] = []
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if self.interval and int(state.timestamp.batch) % self.interval == 0:
+            self._log(state, logger)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self._log(state, logger)
+
+    def _log(self, state: State, logger: Logger) -> None:
+        bins = _unwrap_model(state.model).loss_bins
+        if bins.num_bins <= 0:
+            return
+        window = bins.take()
+        if window is None:
+            window = torch.zeros(2, bins.num_bins, dtype=torch.float64)  # this rank saw none: still all-reduce
+        window = state.device.tensor_to_device(window)
+        dist.all_reduce(window, reduce_operation="SUM")
+        self.run = window.clone() if self.run is None else self.run.to(window.device) + window
+        self.edges = bins.edges()
+        means = (window[0] / window[1].clamp(min=1)).tolist()
+        counts = window[1].tolist()
+        logger.log_metrics({f"loss/timestep_{a}-{b}": m for (a, b), m, c in zip(bins.edges(), means, counts) if c},
+                           step=int(state.timestamp.batch))
+
+    def state_dict(self) -> dict:
+        # In the checkpoint, so that a resumed run's summary covers the whole run.
+        return {"run": None if self.run is None else self.run.cpu(), "edges": self.edges}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.run, self.edges = state["run"], [tuple(e) for e in state["edges"]]
+
+    def summary(self) -> list[dict]:
+        """Per bin: first and last timestep, mean loss and number of samples over the whole run."""
+        if self.run is None:
+            return []
+        return [{"timesteps": [a, b], "mean_loss": (s / c if c else None), "samples": int(c)}
+                for (a, b), s, c in zip(self.edges, self.run[0].tolist(), self.run[1].tolist())]
+
+
+def _unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def count_parameters(module: torch.nn.Module, trainable_only: bool = False) -> int:

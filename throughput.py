@@ -235,6 +235,9 @@ class Throughput(Callback):
         warmup = self.warmup_batches if num_batches > self.warmup_batches else min(1, num_batches - 1)
         start = self._batch_times[warmup - 1] if warmup > 0 else self._fit_start
         seconds = self._batch_times[-1] - start
+        # Time other callbacks spent outside training (sample.SampleImages: `pauses` of (start, seconds))
+        # inside the measured window is not training time.
+        seconds -= sum(s for cb in state.callbacks for t, s in getattr(cb, "pauses", ()) if t >= start)
         samples = self._samples_seen[-1] - (self._samples_seen[warmup - 1] if warmup > 0 else self._fit_start_samples)
         world_size = dist.get_world_size()
         images_per_sec = samples / seconds

@@ -1,0 +1,197 @@
+"""The training recipe, samples, export and learning: the tiny model through benchmark.py on CPU.
+
+* warm-up + gradient clipping + caption dropout + min-SNR + offset noise + EMA start: a run cut
+  after its checkpoint at batch 2 (a callback passed in raises) and resumed with --autoresume
+  ends with the weights, EMA and loss bins of the run that was not cut, bit for bit;
+* caption dropout replaces rows by the empty caption in every data path, the same rows under a seed;
+* min-SNR-gamma weights match the formula for epsilon and v-prediction;
+* sample grids written while training; --ema_export_dir and export.py write pipelines that
+  diffusers loads and samples offline; the tiny VAE carries its scaling factor;
+* bench/learns.py, shortened: the tiny model learns two captions.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import benchmark  # noqa: E402
+from model import TINY_SCALING_FACTOR, StableDiffusion, build_components  # noqa: E402
+from tokenizer import tokenize  # noqa: E402
+
+TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
+        "--num_workers", "0", "--num_synthetic_samples", "12", "--warmup_batches", "1", "--log_interval", "1ba"]
+RECIPE = ["--lr", "1e-3", "--lr_warmup_batches", "3", "--lr_schedule", "cosine", "--grad_clip_norm", "0.5",
+          "--caption_drop_prob", "0.5", "--snr_gamma", "5", "--offset_noise", "0.1", "--use_ema", "--ema_start", "1ba"]
+
+
+class CutAfter:
+    """A callback that raises at the end of batch `batch`, after Composer has saved that batch's checkpoint."""
+
+    def __new__(cls, batch: int):
+        from composer.core import Callback
+
+        class _Cut(Callback):
+            def batch_checkpoint(self, state, logger):
+                if int(state.timestamp.batch) == batch:
+                    raise KeyboardInterrupt(f"cut after batch {batch}")
+        return _Cut()
+
+
+def _weights(checkpoint: Path) -> dict:
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state"]
+    ema = next(s for name, s in state["algorithms"] if name == "EMA")
+    return {**{k: v for k, v in state["model"].items() if k.startswith("unet.")},
+            **{"ema." + k: v for k, v in ema["shadow"].items()}}
+
+
+def test_recipe_run_resumes_bit_for_bit(tmp_path):
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    common = TINY + RECIPE + ["--max_duration", "4ba", "--save_interval", "2ba", "--run_name", "r", "--autoresume"]
+    r_straight = benchmark.main(common + ["--save_folder", str(straight)])
+    with pytest.raises(KeyboardInterrupt):
+        benchmark.main(common + ["--save_folder", str(cut)], extra_callbacks=[CutAfter(2)])
+    assert not (cut / "ep1-ba4-rank0.pt").exists()
+    r_resumed = benchmark.main(common + ["--save_folder", str(cut)])
+    assert r_resumed["measured_batches"] + r_resumed["warmup_batches"] == 2  # resumed at batch 2, not restarted
+    a, b = _weights(straight / "ep1-ba4-rank0.pt"), _weights(cut / "ep1-ba4-rank0.pt")
+    assert a.keys() == b.keys() and any(k.startswith("ema.") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert r_straight["final_loss"] == r_resumed["final_loss"]
+    assert r_straight["loss_by_timestep_bin"] == r_resumed["loss_by_timestep_bin"]  # the sums came back too
+    # Loss by noise level: 10 bins of 100 timesteps; the straight run counts all 16 samples.
+    bins = r_straight["loss_by_timestep_bin"]
+    assert [b["timesteps"] for b in bins] == [[100 * i, 100 * i + 99] for i in range(10)]
+    assert sum(b["samples"] for b in bins) == 16
+    assert all(b["mean_loss"] > 0 for b in bins if b["samples"])
+
+
+def test_recipe_flags_reach_the_step():
+    """The flags change the first batch's loss (the plain run's is the 2023 step's)."""
+    base = TINY + ["--max_duration", "1ba", "--lr", "1e-3", "--loss_bins", "0"]
+    plain = benchmark.main(base)["final_loss"]
+    recipe = benchmark.main(base + ["--caption_drop_prob", "0.9", "--offset_noise", "0.5", "--snr_gamma", "1"])
+    assert recipe["final_loss"] != plain
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--lr_warmup_batches", "-1"], "--lr_warmup_batches"),
+    (["--grad_clip_norm", "0"], "--grad_clip_norm"),
+    (["--caption_drop_prob", "1.5"], "--caption_drop_prob"),
+    (["--ema_start", "10sp", "--use_ema"], "--ema_start"),
+    (["--ema_start", "10ba"], "--ema_start"),
+    (["--sample_prompts", "/nonexistent/prompts.txt", "--samples_dir", "/tmp"], "--sample_prompts"),
+    (["--sample_prompts", "default"], "--sample_prompts"),
+    (["--sample_prompts", "default", "--samples_dir", "/tmp", "--sample_interval", "3sp"], "--sample_interval"),
+    (["--snr_gamma", "-1"], "--snr_gamma"),
+])
+def test_bad_recipe_flags_fail_at_once(args, flag):
+    with pytest.raises(SystemExit) as info:
+        benchmark.main(TINY + ["--max_duration", "1ba"] + args)
+    message = str(info.value.code)
+    assert flag in message and "\n" not in message
+
+
+def test_caption_dropout_in_every_data_path():
+    torch.manual_seed(0)
+    parts = build_components("tiny")
+    model = StableDiffusion(parts.unet, parts.vae, parts.text_encoder, parts.noise_scheduler)
+    empty_ids = tokenize(parts.tokenizer, [""])
+    empty_states = parts.text_encoder(empty_ids)[0].detach()
+    model.set_caption_dropout(0.5, empty_ids, empty_states)
+    captions = tokenize(parts.tokenizer, [f"caption {i}" for i in range(64)])
+    states = torch.randn(64, 77, 64)
+    for key, rows, empty in (("captions", captions, empty_ids), ("text_states", states, empty_states)):
+        torch.manual_seed(1)
+        dropped = model._drop_captions({key: rows, "latent_mean": torch.zeros(64)})[key]
+        torch.manual_seed(1)
+        again = model._drop_captions({key: rows})[key]
+        assert torch.equal(dropped, again)  # the same rows under the same seed
+        is_empty = (dropped == empty).flatten(1).all(1)
+        kept = (dropped == rows).flatten(1).all(1)
+        assert (is_empty | kept).all() and 16 < int(is_empty.sum()) < 48
+    model.set_caption_dropout(0.5, empty_ids, None)
+    with pytest.raises(ValueError, match="text_states"):
+        model._drop_captions({"text_states": states})
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_min_snr_gamma_weights(prediction_type):
+    torch.manual_seed(0)
+    parts = build_components("tiny", with_encoders=False)
+    scheduler = parts.noise_scheduler.__class__.from_config(parts.noise_scheduler.config, prediction_type=prediction_type)
+    model = StableDiffusion(parts.unet, None, None, scheduler, 1.0, snr_gamma=5.0)
+    prediction, target = torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2)
+    timesteps = torch.tensor([0, 500, 999])
+    alpha = scheduler.alphas_cumprod[timesteps]
+    snr = alpha / (1 - alpha)
+    weight = torch.minimum(snr, torch.tensor(5.0)) / (snr if prediction_type == "epsilon" else snr + 1)
+    expected = (((prediction - target) ** 2).mean(dim=(1, 2, 3)) * weight).mean()
+    assert torch.allclose(model.loss((prediction, target, timesteps), {}), expected)
+    assert weight[0] < weight[2] or prediction_type == "v_prediction"  # low noise is down-weighted
+
+
+def test_tiny_vae_is_a_miniature_of_a_trained_one():
+    torch.manual_seed(0)
+    vae = build_components("tiny", with_unet=False).vae
+    assert vae.config.scaling_factor == TINY_SCALING_FACTOR
+    posterior = vae.encode(torch.rand(4, 3, 32, 32) * 2 - 1).latent_dist
+    assert posterior.std.max() < 0.01  # nearly deterministic, like a trained VAE
+    rms = posterior.mean.pow(2).mean().sqrt() * vae.config.scaling_factor
+    assert 0.5 < rms < 2.0  # scaled latents of roughly unit size
+
+
+def test_samples_ema_export_and_export_py_give_pipelines_diffusers_samples(tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    import export
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square\n\na blue circle\na green triangle\n")
+    save, samples = tmp_path / "run", tmp_path / "samples"
+    result = benchmark.main(TINY + ["--max_duration", "4ba", "--use_ema", "--save_folder", str(save),
+                                    "--save_interval", "4ba", "--ema_export_dir", str(tmp_path / "ema_pipe"),
+                                    "--sample_prompts", str(prompts), "--sample_interval", "2ba",
+                                    "--samples_dir", str(samples), "--sample_steps", "2", "--guidance_scale", "3"])
+    assert sorted(p.name for p in samples.iterdir()) == ["2.png", "4.png"]
+    grid = Image.open(samples / "4.png")
+    assert grid.size == (64, 64)  # 3 prompts of 32 px in a 2 x 2 grid
+    assert result["images_per_sec"] > 0
+
+    export.main([str(save / "ep1-ba4-rank0.pt"), "--out", str(tmp_path / "ema_export"), "--ema"])
+    export.main([str(save / "ep1-ba4-rank0.pt"), "--out", str(tmp_path / "trained_export")])
+    with pytest.raises(SystemExit, match="--out"):
+        export.main([str(save / "ep1-ba4-rank0.pt"), "--out", str(tmp_path / "trained_export")])
+
+    unets = {}
+    for name in ("ema_pipe", "ema_export", "trained_export"):
+        folder = tmp_path / name
+        assert {p.name for p in folder.iterdir()} >= {"unet", "vae", "text_encoder", "tokenizer", "scheduler",
+                                                     "model_index.json"}
+        pipe = StableDiffusionPipeline.from_pretrained(folder, local_files_only=True)
+        assert pipe.vae.config.scaling_factor == TINY_SCALING_FACTOR
+        image = pipe("a red square", height=32, width=32, num_inference_steps=2, output_type="np",
+                     generator=torch.Generator().manual_seed(0)).images[0]
+        assert image.shape == (32, 32, 3) and (0 <= image).all() and (image <= 1).all()
+        unets[name] = pipe.unet.state_dict()
+    for k, v in unets["ema_pipe"].items():
+        assert torch.equal(v, unets["ema_export"][k]), k
+    assert any(not torch.equal(v, unets["trained_export"][k]) for k, v in unets["ema_pipe"].items())
+
+
+def test_learns_two_captions_short(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learns
+
+    r = learns.main(["--captions", "a red square", "a blue circle", "--images_per_caption", "16", "--image_size", "32",
+                     "--batches", "150", "--batch_size", "8", "--samples_per_caption", "8", "--sample_steps", "10",
+                     "--workdir", str(tmp_path / "work")])
+    assert r["score_after"] >= 0.9 and r["score_after"] > r["score_before"], r
+    assert "chance 50.0%" in capsys.readouterr().out
