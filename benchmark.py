@@ -100,7 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save_folder", type=str, default=None, help="where to save checkpoints (path or s3://... URI)")
     p.add_argument("--save_interval", type=str, default="1000ba", help="checkpoint every this long (20ba, 1ep)")
     p.add_argument("--save_num_checkpoints_to_keep", type=int, default=-1,
-                   help="local checkpoints to keep (-1: all); object-store copies are kept")
+                   help="local checkpoints to keep (-1: all; 0: none, only with an object-store --save_folder, "
+                        "which keeps every upload)")
     p.add_argument("--load_path", type=str, default=None, help="checkpoint to start from (path or URI)")
     p.add_argument("--autoresume", action="store_true",
                    help="resume from the latest checkpoint in --save_folder if there is one (needs --run_name)")
