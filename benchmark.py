@@ -117,7 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save_folder", type=str, default=None, help="where to save checkpoints (path or s3://... URI)")
     p.add_argument("--save_interval", type=str, default="1000ba", help="checkpoint every this long (20ba, 1ep)")
     p.add_argument("--save_num_checkpoints_to_keep", type=int, default=-1,
-                   help="local checkpoints to keep (-1: all); object-store copies are kept")
+                   help="local checkpoints to keep (-1: all; 0: none, only with an object-store --save_folder, "
+                        "which keeps every upload)")
     p.add_argument("--load_path", type=str, default=None, help="checkpoint to start from (path or URI)")
     p.add_argument("--autoresume", action="store_true",
                    help="resume from the latest checkpoint in --save_folder if there is one (needs --run_name)")
@@ -342,6 +343,8 @@ def check_numbers(args: argparse.Namespace) -> None:
         fail(f"--weight_decay {args.weight_decay} must be a number >= 0")
     if args.num_synthetic_samples <= 0:
         fail(f"--num_synthetic_samples {args.num_synthetic_samples} must be positive")
+    if args.peak_tflops is not None and not math.isfinite(args.peak_tflops):
+        fail(f"--peak_tflops {args.peak_tflops} must be a positive number (TFLOP/s of one device)")
     if args.predownload is not None and args.predownload < 1:
         fail(f"--predownload {args.predownload} must be >= 1 sample (leave it out for 8 x the per-device batch)")
     if args.download_retry < 0:
@@ -477,6 +480,10 @@ def check_index(index: dict, label: str, args: argparse.Namespace) -> int:
              "drop --precomputed, or write latents from them with latents.py")
     if not args.precomputed and "latent_mean" in columns:
         fail(f"{label} holds precomputed latents (columns {columns}); add --precomputed to train from them")
+    hashes = shards[0].get("hashes", []) if shards else []
+    if args.validate_hash and args.validate_hash not in hashes:
+        fail(f"--validate_hash {args.validate_hash}: the shards of {label} list no such hash (they have {hashes}); "
+             + ("use one of them" if hashes else "leave the flag out"))
     if not args.precomputed:
         for flag in ("image_key", "caption_key"):
             if getattr(args, flag) not in columns:

@@ -116,6 +116,8 @@ def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: int = 1
     (["--max_bad_fraction", "1.5"], "--max_bad_fraction"),
     (["--cache_limit", "lots"], "--cache_limit"),
     (["--validate_hash", "md6"], "--validate_hash"),
+    (["--peak_tflops", "nan"], "--peak_tflops"),
+    (["--max_duration=-5ba"], "--max_duration"),
     (["--save_num_checkpoints_to_keep", "-2"], "--save_num_checkpoints_to_keep"),
     (["--precision", "amp_fp16"], "--precision"),  # CPU only here
     (["--remote", "/data/mds"], "--use_synth_data"),  # would be ignored silently
@@ -199,6 +201,7 @@ def test_load_path_must_be_a_checkpoint(tmp_path, case):
     ("caption_key", "--caption_key"),
     ("precomputed_on_images", "--precomputed"),
     ("latents_without_precomputed", "--precomputed"),
+    ("hash_not_in_index", "--validate_hash"),
     ("smaller_than_batch", "--batch_size"),  # 6 samples, global batch 8: used to hang
     ("smaller_than_batch_1ep", "--batch_size"),  # used to 'finish' after 0 batches
 ])
@@ -216,6 +219,7 @@ def test_bad_data_fails_at_once(images, latents, tmp_path, case, expect):
         "caption_key": ["--remote", str(images), "--caption_key", "txt"],
         "precomputed_on_images": ["--remote", str(images), "--precomputed"],
         "latents_without_precomputed": ["--remote", str(latents)],
+        "hash_not_in_index": ["--remote", str(images), "--validate_hash", "sha256"],
         "smaller_than_batch": ["--remote", str(images), "--batch_size", "8"],
         "smaller_than_batch_1ep": ["--remote", str(images), "--batch_size", "8", "--max_duration", "1ep"],
     }[case]
