@@ -706,7 +706,7 @@ def encode_chunks(args: argparse.Namespace, source: IndexedImageCaptions, vae: t
 def finish(args: argparse.Namespace, num_samples: int, num_chunks: int, all_stats: list[dict], elapsed: float,
            world: int, device: torch.device) -> dict:
     """Rank 0, after every rank is done: merge the chunk indexes when all chunks are complete; report."""
-    from streaming.base.util import merge_index
+    from streaming.base.util import bytes_to_int, merge_index
 
     written_now = sum(s["written"] for s in all_stats)
     report: dict[str, Any] = {"out": args.out, "source_samples": num_samples, "chunks": num_chunks,
@@ -742,7 +742,9 @@ def finish(args: argparse.Namespace, num_samples: int, num_chunks: int, all_stat
                   bytes_per_sample_raw=round(sum(s["raw_data"]["bytes"] for s in index["shards"]) / max(samples, 1)),
                   projected_samples=SAMPLES_AT_SCALE,
                   projected_tb_stored=round(per_sample_stored * SAMPLES_AT_SCALE / 1e12, 2),
-                  projected_shards=math.ceil(len(index["shards"]) * SAMPLES_AT_SCALE / max(samples, 1)))
+                  # full shards of --size_limit (this dataset's last shard, maybe its only one, is partial)
+                  projected_shards=math.ceil(SAMPLES_AT_SCALE / max(1, bytes_to_int(args.size_limit) // max(
+                      1, math.ceil(sum(s["raw_data"]["bytes"] for s in index["shards"]) / max(samples, 1))))))
     print(f"done: {samples:,} of {num_samples:,} samples in {args.out} ({num_samples - samples:,} skipped: "
           f"undecodable), {report['bytes_per_sample_stored']:,} bytes per sample stored "
           f"({report['bytes_per_sample_raw']:,} before compression, format {report['format']}); "

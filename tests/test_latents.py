@@ -140,6 +140,8 @@ def test_precompute_stores_every_sample_once_as_the_encoders_compute_it(single, 
     assert report["format"] == fmt and expected_raw < report["bytes_per_sample_raw"] < expected_raw + 150
     assert report["projected_tb_stored"] == pytest.approx(report["bytes_per_sample_stored"] * 2_867_200_000 / 1e12, abs=0.01)
     assert f"2,867,200,000 such samples: {report['projected_tb_stored']:,} TB" in stdout
+    full_shard = 256 * 2**20 // report["bytes_per_sample_raw"]  # samples in a full shard of the default 256mb
+    assert report["projected_shards"] == pytest.approx(2_867_200_000 / full_shard, rel=0.01)
     samples = read_samples(out)
     assert sorted(samples) == GOOD  # every decodable sample exactly once, the corrupt one left out
 
