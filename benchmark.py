@@ -1082,6 +1082,7 @@ def print_summary(r: dict) -> None:
     after = f"{r['seconds_after_window']:.1f} s" if r.get("seconds_after_window") is not None else "n/a"
     reserved = (f", {r['peak_memory_reserved_bytes'] / 2**30:.2f} GiB reserved"
                 if r.get("peak_memory_reserved_bytes") else "")
+    since = " after warm-up" if r["peak_memory_kind"].startswith("cuda") else ", whole run"
     mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_flops_per_device'] / 1e12:.0f} TFLOP/s peak per device" if r.get("mfu")
            else "n/a (unknown device peak; pass --peak_tflops)")
     print(
@@ -1096,7 +1097,7 @@ def print_summary(r: dict) -> None:
         f"checkpoints  {r['checkpoint_seconds_in_window']:.1f} s saving inside the measured "
         f"{r['measured_seconds']:.1f} s, {r['checkpoint_seconds_after_window']:.1f} s after it; "
         f"{after} from the last batch to the end of fit\n"
-        f"peak memory  {r['peak_memory_bytes'] / 2**30:.2f} GiB ({r['peak_memory_kind']}){reserved} after warm-up\n"
+        f"peak memory  {r['peak_memory_bytes'] / 2**30:.2f} GiB ({r['peak_memory_kind']}){reserved}{since}\n"
         f"final loss   {r['final_loss']}\n",
         flush=True,
     )

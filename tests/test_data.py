@@ -499,8 +499,9 @@ def test_bench_data_times_the_loader_on_generated_photos(capsys):
     sys.path.insert(0, str(ROOT / "bench"))
     import bench_data
     rows = bench_data.main(["--num_samples", "24", "--source_size", "160x120", "--image_size", str(SIZE),
-                            "--batch_size", "4", "--num_workers", "0"])
+                            "--batch_size", "4", "--num_workers", "0", "--image_dtype", "uint8,float32"])
     assert rows[0]["workers"] == 0 and rows[0]["images"] == 20 and rows[0]["images_per_sec"] > 0
+    assert [row["image_dtype"] for row in rows] == ["uint8", "float32"]  # before/after, side by side
     assert "images/s" in capsys.readouterr().out
 
 

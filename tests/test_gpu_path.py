@@ -8,8 +8,9 @@ Two-rank launches through Composer's launcher (gloo), started together by one mo
 * a NaN in the first of two microbatches on one rank (tests/nan_run.py): caught at its own batch,
   before that batch's checkpoint;
 * the speed settings with --use_ema: --precision amp_bf16 (CPU autocast), --channels_last,
-  --fused_adamw on, with images, with --precomputed, and with --compile (dynamo and AOT autograd
-  under DDP; inductor's CPU code generation is left out for time, see tests/fault_run.py).
+  --fused_adamw on, with images (the timing-fault run), with --precomputed, and with --compile
+  (dynamo and AOT autograd under DDP; inductor's CPU code generation is left out for time, see
+  tests/fault_run.py).
 
 In-process: refusals (--xformers where absent, amp_fp16 on CPU), the multi-rank `auto` microbatch
 rule, and uint8 images crossing from loader workers.
@@ -63,10 +64,11 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu-path")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT),
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    speed = ["--use_ema", "--precision", "amp_bf16", "--channels_last", "--fused_adamw", "on", "--max_duration", "3ba",
-             "--warmup_batches", "1"]
+    speed = ["--use_ema", "--precision", "amp_bf16", "--channels_last", "--fused_adamw", "on"]
+    short = ["--max_duration", "3ba", "--warmup_batches", "1"]
     commands = {
-        "faults": two_ranks("tests/fault_run.py", *TINY, "--use_ema", "--max_duration", "6ba", "--warmup_batches", "2",
+        # Also the speed settings with images (one microbatch per rank: the NaN and compile runs accumulate).
+        "faults": two_ranks("tests/fault_run.py", *TINY, *speed, "--max_duration", "6ba", "--warmup_batches", "2",
                             "--save_folder", str(tmp / "faults-ckpt"), "--save_interval", "3ba",
                             "--slow_save_s", str(SLOW_SAVE_S), "--slow_rank", "1", "--slow_rank_s", str(SLOW_RANK_S),
                             "--report", str(tmp / "faults-report"), "--results_json", str(tmp / "faults.json")),
@@ -74,13 +76,12 @@ def runs(tmp_path_factory):
                          "--device_train_microbatch_size", "1", "--save_folder", str(tmp / "nan-ckpt"),
                          "--save_interval", "1ba", "--nan_at_batch", "3", "--nan_microbatch", "0", "--nan_rank", "1",
                          "--report", str(tmp / "nan-report")),
-        "online": two_ranks("benchmark.py", *TINY, *speed, "--device_train_microbatch_size", "1",
-                            "--results_json", str(tmp / "online.json")),
-        "precomputed": two_ranks("benchmark.py", *TINY, *speed, "--precomputed",
+        "precomputed": two_ranks("benchmark.py", *TINY, *speed, *short, "--precomputed",
                                  "--results_json", str(tmp / "precomputed.json")),
         # Dynamo + AOT autograd under DDP, without inductor's C++ code generation (see tests/fault_run.py).
-        "compile": two_ranks("tests/fault_run.py", *TINY, *speed, "--compile", "--device_train_microbatch_size", "1",
-                             "--compile_backend", "aot_eager", "--report", str(tmp / "compile-report"),
+        "compile": two_ranks("tests/fault_run.py", *TINY, *speed, *short, "--compile",
+                             "--device_train_microbatch_size", "1", "--compile_backend", "aot_eager",
+                             "--report", str(tmp / "compile-report"),
                              "--results_json", str(tmp / "compile.json")),
     }
     procs, logs = {}, {}
@@ -143,7 +144,7 @@ def test_nan_in_an_earlier_microbatch_is_caught_at_its_batch(runs):
     assert not list(folder.glob("*-ba3-*")), sorted(p.name for p in folder.iterdir())
 
 
-@pytest.mark.parametrize("name", ["online", "precomputed", "compile"])
+@pytest.mark.parametrize("name", ["faults", "precomputed", "compile"])
 def test_speed_settings_run_with_ema_on_two_ranks(runs, name):
     r = results(runs, name)
     assert r["world_size"] == 2 and r["use_ema"] and r["measured_batches"] >= 1
@@ -152,8 +153,8 @@ def test_speed_settings_run_with_ema_on_two_ranks(runs, name):
     assert r["precomputed"] is (name == "precomputed") and r["compile"] is (name == "compile")
     # The warning the README explains, only where it applies.
     assert ("--channels_last without --compile" in runs["log"][name]) is (name != "compile")
-    if name != "precomputed":
-        assert r["device_train_microbatch_size"] == 1  # two microbatches per rank: accumulation under autocast
+    # compile: two microbatches per rank, accumulation under autocast and DDP's no_sync.
+    assert r["device_train_microbatch_size"] == (1 if name == "compile" else 2)
 
 
 def test_xformers_is_refused_clearly_where_absent(capsys):
