@@ -123,10 +123,10 @@ def read_dataset(shards: Path, size: int) -> tuple[torch.Tensor, list[str]]:
     return torch.stack(images), captions
 
 
-def run(main, argv: list[str], what: str) -> None:
+def run(main, argv: list[str], what: str):
     """A command's main() in this process (the same code path as its CLI, without a second start-up)."""
     try:
-        main(argv)
+        return main(argv)
     except SystemExit as e:
         if e.code not in (None, 0):
             raise SystemExit(f"learns.py: error: {what} failed: {e.code}") from None
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     train_start = time.perf_counter()
     save = work / "checkpoints"
     import benchmark
-    run(benchmark.main, ["--model_config", "tiny", "--remote", str(shards),
+    trained = run(benchmark.main, ["--model_config", "tiny", "--remote", str(shards),
          "--local", str(work / "cache"), "--image_size", str(args.image_size), "--batch_size", str(args.batch_size),
          "--max_duration", f"{args.batches}ba", "--lr", str(args.lr), "--lr_warmup_batches", str(args.lr_warmup_batches),
          "--caption_drop_prob", str(args.caption_drop_prob), "--seed", str(args.seed), "--num_workers", "1",
@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> dict:
         "score_before_unguided": before_unguided, "score_after_unguided": after_unguided,
         "score_minutes_per_model": score_seconds / 60,
         "train_minutes": train_seconds / 60, "total_minutes": (time.perf_counter() - started) / 60,
-        "data_minutes": data_seconds / 60,
+        "data_minutes": data_seconds / 60, "final_loss": trained["final_loss"],
+        "loss_by_timestep_bin": trained["loss_by_timestep_bin"],
     }
     print(f"classes {classes} ({len(keep)} pictures, {args.image_size}px), {args.batches} batches of {args.batch_size}")
     print(f"nearest-class score before training {before:.1%}  after {after:.1%}  chance {1 / len(classes):.1%} "
