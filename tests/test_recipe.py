@@ -32,13 +32,13 @@ RECIPE = ["--lr", "1e-3", "--lr_warmup_batches", "3", "--lr_schedule", "cosine",
 
 
 class CutAfter:
-    """A callback that raises at the end of batch `batch`, after Composer has saved that batch's checkpoint."""
+    """A callback that raises when batch `batch` + 1 starts, i.e. after batch `batch`'s checkpoint was saved."""
 
     def __new__(cls, batch: int):
         from composer.core import Callback
 
         class _Cut(Callback):
-            def batch_checkpoint(self, state, logger):
+            def batch_start(self, state, logger):
                 if int(state.timestamp.batch) == batch:
                     raise KeyboardInterrupt(f"cut after batch {batch}")
         return _Cut()
@@ -57,7 +57,7 @@ def test_recipe_run_resumes_bit_for_bit(tmp_path):
     r_straight = benchmark.main(common + ["--save_folder", str(straight)])
     with pytest.raises(KeyboardInterrupt):
         benchmark.main(common + ["--save_folder", str(cut)], extra_callbacks=[CutAfter(2)])
-    assert not (cut / "ep1-ba4-rank0.pt").exists()
+    assert (cut / "ep0-ba2-rank0.pt").exists() and not (cut / "ep1-ba4-rank0.pt").exists()
     r_resumed = benchmark.main(common + ["--save_folder", str(cut)])
     assert r_resumed["measured_batches"] + r_resumed["warmup_batches"] == 2  # resumed at batch 2, not restarted
     a, b = _weights(straight / "ep1-ba4-rank0.pt"), _weights(cut / "ep1-ba4-rank0.pt")
