@@ -183,12 +183,12 @@ class SampleImages(Callback):
             for indices, arrays in gathered:
                 for i, array in zip(indices, arrays):
                     ordered[i] = array
-            grid = np.stack(ordered)
+            grid = image_grid(np.stack(ordered))
             self.folder.mkdir(parents=True, exist_ok=True)
             path = self.folder / f"{batch}.png"
-            image_grid(grid).save(path)
+            grid.save(path)
             self.written.append(path)
-            logger.log_images(np.asarray(image_grid(grid)), name="samples", channels_last=True, step=batch)
+            logger.log_images(np.asarray(grid), name="samples", channels_last=True, step=batch)
         self.pauses.append((start, time.perf_counter() - start))
 
     def _draw(self, unet: torch.nn.Module, indices: list[int], state: State) -> list[np.ndarray]:

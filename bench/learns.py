@@ -123,10 +123,10 @@ def read_dataset(shards: Path, size: int) -> tuple[torch.Tensor, list[str]]:
     return torch.stack(images), captions
 
 
-def run(main, argv: list[str], what: str) -> None:
+def run(main, argv: list[str], what: str):
     """A command's main() in this process (the same code path as its CLI, without a second start-up)."""
     try:
-        main(argv)
+        return main(argv)
     except SystemExit as e:
         if e.code not in (None, 0):
             raise SystemExit(f"learns.py: error: {what} failed: {e.code}") from None
@@ -165,9 +165,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="your own data: an MDS dataset (index.json) or an images folder with same-named .txt captions")
     p.add_argument("--images_per_caption", type=int, default=48, help="generated pictures per caption")
     p.add_argument("--image_size", type=int, default=64)
-    p.add_argument("--batches", type=int, default=600, help="training batches")
+    p.add_argument("--batches", type=int, default=1000, help="training batches")
     p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--lr_warmup_batches", type=int, default=50)
     p.add_argument("--caption_drop_prob", type=float, default=0.1)
     p.add_argument("--samples_per_caption", type=int, default=16)
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     train_start = time.perf_counter()
     save = work / "checkpoints"
     import benchmark
-    run(benchmark.main, ["--model_config", "tiny", "--remote", str(shards),
+    trained = run(benchmark.main, ["--model_config", "tiny", "--remote", str(shards),
          "--local", str(work / "cache"), "--image_size", str(args.image_size), "--batch_size", str(args.batch_size),
          "--max_duration", f"{args.batches}ba", "--lr", str(args.lr), "--lr_warmup_batches", str(args.lr_warmup_batches),
          "--caption_drop_prob", str(args.caption_drop_prob), "--seed", str(args.seed), "--num_workers", "1",
@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> dict:
         "score_before_unguided": before_unguided, "score_after_unguided": after_unguided,
         "score_minutes_per_model": score_seconds / 60,
         "train_minutes": train_seconds / 60, "total_minutes": (time.perf_counter() - started) / 60,
-        "data_minutes": data_seconds / 60,
+        "data_minutes": data_seconds / 60, "final_loss": trained["final_loss"],
+        "loss_by_timestep_bin": trained["loss_by_timestep_bin"],
     }
     print(f"classes {classes} ({len(keep)} pictures, {args.image_size}px), {args.batches} batches of {args.batch_size}")
     print(f"nearest-class score before training {before:.1%}  after {after:.1%}  chance {1 / len(classes):.1%} "
