@@ -91,6 +91,7 @@ def test_recipe_flags_reach_the_step():
     (["--sample_prompts", "default"], "--sample_prompts"),
     (["--sample_prompts", "default", "--samples_dir", "/tmp", "--sample_interval", "3sp"], "--sample_interval"),
     (["--snr_gamma", "-1"], "--snr_gamma"),
+    (["--samples_dir", "/tmp/x"], "--samples_dir"),
 ])
 def test_bad_recipe_flags_fail_at_once(args, flag):
     with pytest.raises(SystemExit) as info:
