@@ -722,6 +722,8 @@ def validate_recipe(args: argparse.Namespace) -> None:
             fail(f"--sample_prompts: --save_folder {args.save_folder} is an object store; give a local --samples_dir")
         if args.sample_steps <= 0:
             fail(f"--sample_steps {args.sample_steps} must be positive")
+    if args.samples_dir and not args.sample_prompts:
+        fail("--samples_dir needs --sample_prompts (a prompt file or a built-in set: default, shapes)")
     if args.ema_export_dir and Path(args.ema_export_dir).is_dir() and any(Path(args.ema_export_dir).iterdir()):
         fail(f"--ema_export_dir {args.ema_export_dir} is not empty; choose a new folder (nothing is overwritten)")
 

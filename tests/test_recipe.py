@@ -91,6 +91,7 @@ def test_recipe_flags_reach_the_step():
     (["--sample_prompts", "default"], "--sample_prompts"),
     (["--sample_prompts", "default", "--samples_dir", "/tmp", "--sample_interval", "3sp"], "--sample_interval"),
     (["--snr_gamma", "-1"], "--snr_gamma"),
+    (["--samples_dir", "/tmp/x"], "--samples_dir"),
 ])
 def test_bad_recipe_flags_fail_at_once(args, flag):
     with pytest.raises(SystemExit) as info:
@@ -205,3 +206,15 @@ def test_learns_script_end_to_end_short(tmp_path, capsys):
     assert r["final_loss"] < 0.8, r["final_loss"]
     assert sum(b["samples"] for b in r["loss_by_timestep_bin"]) == 40 * 8
     assert "chance 50.0%" in capsys.readouterr().out
+
+
+def test_precomputed_text_states_run_with_dropout_samples_and_export(tmp_path):
+    """Precomputed batches (stored text states, no encoders in the model): the empty caption's states,
+    the sampler's encoders and the exported pipeline's come from encoders built aside under --seed."""
+    benchmark.main(TINY + ["--precomputed", "--max_duration", "2ba", "--caption_drop_prob", "0.5",
+                           "--sample_prompts", "shapes", "--samples_dir", str(tmp_path / "samples"),
+                           "--sample_steps", "2", "--use_ema", "--ema_export_dir", str(tmp_path / "pipe")])
+    assert (tmp_path / "samples" / "2.png").is_file()
+    assert Image.open(tmp_path / "samples" / "2.png").size == (96, 96)  # 8 prompts of 32 px, 3 x 3
+    assert {"unet", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json"} <= {
+        p.name for p in (tmp_path / "pipe").iterdir()}
