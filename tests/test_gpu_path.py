@@ -8,8 +8,8 @@ Two-rank launches through Composer's launcher (gloo), started together by one mo
 * a NaN in the first of two microbatches on one rank (tests/nan_run.py): caught at its own batch,
   before that batch's checkpoint;
 * the speed settings with --use_ema: --precision amp_bf16 (CPU autocast), --channels_last,
-  --fused_adamw on, with images (the timing-fault run), with --precomputed, and with --compile
-  (dynamo and AOT autograd under DDP; inductor's CPU code generation is left out for time, see
+  --fused_adamw on, with images (the timing-fault run), and with --precomputed --compile (dynamo
+  and AOT autograd under DDP; inductor's CPU code generation is left out for time, see
   tests/fault_run.py).
 
 In-process: refusals (--xformers where absent, amp_fp16 on CPU), the multi-rank `auto` microbatch
@@ -76,10 +76,9 @@ def runs(tmp_path_factory):
                          "--device_train_microbatch_size", "1", "--save_folder", str(tmp / "nan-ckpt"),
                          "--save_interval", "1ba", "--nan_at_batch", "3", "--nan_microbatch", "0", "--nan_rank", "1",
                          "--report", str(tmp / "nan-report")),
-        "precomputed": two_ranks("benchmark.py", *TINY, *speed, *short, "--precomputed",
-                                 "--results_json", str(tmp / "precomputed.json")),
         # Dynamo + AOT autograd under DDP, without inductor's C++ code generation (see tests/fault_run.py).
-        "compile": two_ranks("tests/fault_run.py", *TINY, *speed, *short, "--compile",
+        # Only the UNet is compiled, the same with images or latents: one launch carries both flags.
+        "compile": two_ranks("tests/fault_run.py", *TINY, *speed, *short, "--compile", "--precomputed",
                              "--device_train_microbatch_size", "1", "--compile_backend", "aot_eager",
                              "--report", str(tmp / "compile-report"),
                              "--results_json", str(tmp / "compile.json")),
@@ -144,13 +143,13 @@ def test_nan_in_an_earlier_microbatch_is_caught_at_its_batch(runs):
     assert not list(folder.glob("*-ba3-*")), sorted(p.name for p in folder.iterdir())
 
 
-@pytest.mark.parametrize("name", ["faults", "precomputed", "compile"])
+@pytest.mark.parametrize("name", ["faults", "compile"])
 def test_speed_settings_run_with_ema_on_two_ranks(runs, name):
     r = results(runs, name)
     assert r["world_size"] == 2 and r["use_ema"] and r["measured_batches"] >= 1
     assert math.isfinite(r["final_loss"]) and r["images_per_sec"] > 0
     assert r["precision"] == "amp_bf16" and r["channels_last"] and r["fused_adamw"]
-    assert r["precomputed"] is (name == "precomputed") and r["compile"] is (name == "compile")
+    assert r["precomputed"] is r["compile"] is (name == "compile")
     # The warning the README explains, only where it applies.
     assert ("--channels_last without --compile" in runs["log"][name]) is (name != "compile")
     # compile: two microbatches per rank, accumulation under autocast and DDP's no_sync.
@@ -205,7 +204,7 @@ def test_bench_gpu_refuses_without_cuda(tmp_path):
 
 def test_bench_gpu_smoke_leaves_a_results_folder_that_cost_reads(tmp_path, capsys):
     out = tmp_path / "matrix"
-    results_ = bench_gpu.main(["--smoke", "--out", str(out), "--only", "precomputed-bf16-mb32", "--batches", "3",
+    results_ = bench_gpu.main(["--smoke", "--out", str(out), "--only", "precomputed-bf16-mb32", "--batches", "2",
                                "--warmup_batches", "1"])
     assert [r["status"] for r in results_] == ["ok"], (out / "logs" / "precomputed-bf16-mb32.log").read_text()[-3000:]
     setting = json.loads((out / "precomputed-bf16-mb32.json").read_text())
