@@ -10,45 +10,29 @@ encoder are frozen (loaded from `--model_name` when available). Data is syntheti
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.util
 import json
 import math
 import os
 import re
 import sys
-import tarfile
-import tempfile
 import time
-import urllib.parse
 import warnings
-import zipfile
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 from composer import Trainer
 from composer.callbacks import CheckpointSaver, SpeedMonitor
-from composer.core import Callback, State, Time
+from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.loggers import WandBLogger
 from composer.utils import dist, reproducibility
 
 import data
+from checks import DEFAULT_LOCAL, PRECISIONS, default_local, record_caches, storage_error, validate, validate_recipe
 from console import ConsoleProgress
 from model import MODEL_CONFIGS, LossByTimestep, StableDiffusion, build_components, build_encoders_aside, sd2_meta_components
 from tokenizer import tokenize
 from throughput import Throughput, count_flops_per_image
-
-PRECISIONS = ("auto", "fp32", "amp_bf16", "amp_fp16")
-DEFAULT_LOCAL = "/tmp/mds-cache"
-
-
-def default_local(remote: str | None) -> str:
-    """A cache folder per remote: Streaming trusts an index.json already in the cache, so one shared
-    default folder would silently serve the previous remote's samples."""
-    return f"{DEFAULT_LOCAL}/{hashlib.sha1(str(remote).encode()).hexdigest()[:12]}"
-
 
 SHUFFLE_ALGOS = ("py1e", "py1br", "py1s", "py2s", "naive")  # Streaming 0.13 has no py1b
 DEFAULT_SHUFFLE_ALGO = "py1e"
@@ -124,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="resume from the latest checkpoint in --save_folder if there is one (needs --run_name)")
     p.add_argument("--run_name", type=str, default=None, help="run name; fixed names let --autoresume find the run")
     p.add_argument("--log_interval", type=str, default="10ba", help="in a log file, print a progress line this often (20ba, 1ep); on a terminal the line updates in place")
-    # Speed (issue: fastest correct step). Defaults are the plain step until GPU measurements say otherwise.
+    # Speed. Defaults are the plain step until GPU measurements say otherwise.
     p.add_argument("--precomputed", action="store_true",
                    help="train from precomputed VAE latents (latents.py): no VAE; the text encoder runs on stored "
                         "token ids, or is skipped too for shards written with --store_text_states")
@@ -133,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fused_adamw", type=str, default="auto", choices=("auto", "on", "off"),
                    help="fused AdamW kernel; auto: on with CUDA")
     p.add_argument("--xformers", action="store_true", help="use xFormers attention in the UNet (default: PyTorch SDPA)")
-    # Streaming at scale (issue 13): these reach both real-data loaders (images and --precomputed),
+    # Streaming at scale: these reach both real-data loaders (images and --precomputed),
     # like --no_shuffle, --predownload, --download_retry, --download_timeout, --cache_limit and --validate_hash.
     p.add_argument("--shuffle_algo", type=str, default=DEFAULT_SHUFFLE_ALGO, choices=SHUFFLE_ALGOS,
                    help="Streaming's shuffle: py1e (Streaming's default), py1br, py1s, py2s, naive")
@@ -152,9 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precomputed_format", type=str, default="tokens", choices=("tokens", "text_states"),
                    help="with --precomputed --use_synth_data: the format synthetic batches imitate (shards: read "
                         "from their columns)")
-    # Errors (issue 10): user errors are one line; --debug shows the traceback as well.
+    # Errors: user errors are one line; --debug shows the traceback as well.
     p.add_argument("--debug", action="store_true", help="on an error, also print the Python traceback")
-    # Training recipe (issue: train a model someone could use). Every default keeps the 2023 step.
+    # Training recipe. Every default keeps the 2023 step.
     p.add_argument("--lr_warmup_batches", type=int, default=0, help="linear learning-rate warm-up over this many batches")
     p.add_argument("--lr_schedule", type=str, default="constant", choices=("constant", "cosine"),
                    help="after the warm-up: constant, or cosine decay to 0 at --max_duration")
@@ -187,451 +171,11 @@ def streaming_options(args: argparse.Namespace) -> dict:
                 num_canonical_nodes=args.num_canonical_nodes, sampling_granularity=args.sampling_granularity)
 
 
-def validate(args: argparse.Namespace, world_size: int) -> None:
-    """Fail at once, with a one-line message naming the flag, on values that would fail later."""
-    def fail(message: str) -> None:
-        raise SystemExit(f"benchmark.py: error: {message}")
-
-    check_locations(args)  # first: it turns file:// URIs into the paths the checks below look at
-    if args.model_config not in MODEL_CONFIGS:
-        fail(f"--model_config '{args.model_config}' is unknown; choose one of {sorted(MODEL_CONFIGS)}")
-    if args.precision not in PRECISIONS:
-        fail(f"--precision '{args.precision}' is unknown; choose one of {PRECISIONS}")
-    if args.image_size <= 0 or args.image_size % 8:
-        fail(f"--image_size {args.image_size} must be a positive multiple of 8 (the VAE downsamples by 8)")
-    if args.batch_size <= 0 or args.batch_size % world_size:
-        fail(f"--batch_size {args.batch_size} must be a positive multiple of the world size {world_size}")
-    per_device = args.batch_size // world_size
-    if args.device_train_microbatch_size != "auto":
-        try:
-            micro = int(args.device_train_microbatch_size)
-        except ValueError:
-            fail(f"--device_train_microbatch_size '{args.device_train_microbatch_size}' must be an integer or 'auto'")
-        if micro <= 0 or per_device % micro:
-            fail(f"--batch_size {args.batch_size} over {world_size} device(s) gives {per_device} per device, "
-                 f"which --device_train_microbatch_size {micro} does not divide")
-        args.device_train_microbatch_size = micro
-    if not args.use_synth_data and not args.remote and not args.local:
-        fail("no data: pass --use_synth_data, or --remote (with --local as cache), or --local with MDS shards already there")
-    if not args.use_synth_data and not args.remote and not Path(args.local).is_dir():
-        fail(f"--local {args.local} is not a folder; give --remote to stream shards into it")
-    try:
-        sources = data.parse_sources(args.remote)
-    except ValueError as error:
-        fail(str(error))
-    for source, _ in sources:
-        if not args.use_synth_data and not uri_scheme(source) and not Path(source, "index.json").is_file():
-            fail(f"--remote {source} holds no MDS dataset (no index.json); write one with convert.py first")
-    if args.epoch_size is not None:
-        try:
-            from streaming.base.util import number_abbrev_to_int
-            if number_abbrev_to_int(args.epoch_size) <= 0:
-                raise ValueError
-        except (ValueError, TypeError):
-            fail(f"--epoch_size {args.epoch_size} must be a positive number of samples, such as 200000000 or 200m")
-    for flag in ("shuffle_block_size", "num_canonical_nodes", "sampling_granularity"):
-        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
-            fail(f"--{flag} {getattr(args, flag)} must be positive")
-    if args.precomputed_format != "tokens" and not (args.precomputed and args.use_synth_data):
-        fail("--precomputed_format only applies with --precomputed --use_synth_data (shards carry their own format)")
-    if args.num_workers < 0:
-        fail(f"--num_workers {args.num_workers} must be >= 0")
-    if args.peak_tflops is not None and args.peak_tflops <= 0:
-        fail(f"--peak_tflops {args.peak_tflops} must be positive (TFLOP/s of one device)")
-    if args.xformers and importlib.util.find_spec("xformers") is None:
-        fail("--xformers: xformers is not installed; on a GPU machine `pip install xformers==0.0.30`, or drop the flag")
-    if args.ema_export_dir and not args.use_ema:
-        fail("--ema_export_dir needs --use_ema")
-    if args.warmup_batches < 0:
-        fail(f"--warmup_batches {args.warmup_batches} must be >= 0")
-    for flag in ("max_duration", "save_interval", "log_interval"):
-        try:
-            Time.from_timestring(getattr(args, flag))
-        except (ValueError, TypeError):
-            fail(f"--{flag} '{getattr(args, flag)}' is not a Composer time string such as 20ba, 1ep or 1000sp")
-    if args.autoresume and not (args.save_folder and args.run_name):
-        fail("--autoresume needs --save_folder and --run_name (the same on every restart) to find the latest checkpoint")
-    if args.autoresume and not uri_scheme(args.save_folder) and Path(args.save_folder).is_dir():
-        # Composer replaces `latest` by delete-then-link: a kill in between leaves checkpoints but no
-        # `latest`, and autoresume would silently start over and overwrite them.
-        saved = sorted(Path(args.save_folder).glob("ep*-ba*-rank0.pt"), key=lambda p: p.stat().st_mtime)
-        if saved and not (Path(args.save_folder) / "latest-rank0.pt").exists():
-            fail(f"--autoresume: {args.save_folder} holds checkpoints but no latest-rank0.pt; "
-                 f"resume explicitly with --load_path {saved[-1]} (or move the old checkpoints away)")
-    check_numbers(args)
-    check_outputs(args)
-    check_checkpoint(args)
-    check_data(args)
-
-
-# -----------------------------------------------------------------------------------------------
-# Bad input (issue 10): what can be checked before the model, the data or the Trainer is built.
-# Every check ends the run with one line that names the flag or file and says what to do.
-# -----------------------------------------------------------------------------------------------
-
-def fail(message: str) -> NoReturn:
-    raise SystemExit(f"benchmark.py: error: {message}")
-
-
-# Composer's object stores (checkpoints; Composer also fetches --load_path over http(s)).
-CHECKPOINT_SCHEMES = ("s3", "gs", "oci", "azure", "dbfs")
-# Time units the run counts: tokens are never counted here, and Composer refuses `dur` and
-# wall-clock `sec` for max_duration and anything but ep/ba for the console log.
-TIME_UNITS = {"max_duration": ("ba", "ep", "sp"), "save_interval": ("ba", "ep", "sp", "dur"),
-              "log_interval": ("ba", "ep")}
-# Written into a --remote's cache folder: the remote it holds (Streaming trusts any index.json there).
-CACHE_RECORD = "remote.json"
-
-
-def data_schemes() -> list[str]:
-    """URI schemes Streaming can download --remote shards from (its own downloader table)."""
-    from streaming.base.storage.download import DOWNLOADER_MAPPINGS
-    return sorted(s for s in DOWNLOADER_MAPPINGS if s and s != "dbfs-uc")  # dbfs-uc is dbfs:/Volumes
-
-
-def uri_scheme(location: str) -> str:
-    """'s3' for s3://bucket/x, 'dbfs' for dbfs:/Volumes/x, '' for a local path."""
-    if "://" in location:
-        return location.split("://", 1)[0].lower()
-    return "dbfs" if location.startswith("dbfs:/") else ""
-
-
-def check_location(flag: str, location: str, schemes: list[str]) -> str:
-    """`location` with a file:// URI turned into its path; an unsupported scheme fails, naming `flag`."""
-    scheme = uri_scheme(location)
-    if scheme == "file":
-        parsed = urllib.parse.urlparse(location)
-        if parsed.netloc not in ("", "localhost"):
-            fail(f"--{flag} {location}: a file:// URI names a path on this machine; write file:///path or the path")
-        return urllib.parse.unquote(parsed.path)
-    if scheme and scheme not in schemes:
-        if not schemes:
-            fail(f"--{flag} takes a local path, not a URI ({location})")
-        fail(f"--{flag} {location}: unsupported scheme '{scheme}://'; use a local path or one of "
-             + ", ".join("dbfs:/Volumes/" if s == "dbfs" else f"{s}://" for s in schemes))
-    one_slash = re.match(r"([A-Za-z][\w+.-]*):/(?!/)", location)
-    if one_slash and one_slash.group(1).lower() in [*schemes, "file"] and not scheme:
-        fail(f"--{flag} {location} looks like a URI with one slash; write "
-             f"{one_slash.group(1)}://{location[one_slash.end():]}")
-    return location
-
-
-def check_locations(args: argparse.Namespace) -> None:
-    """file:// URIs become local paths; other URIs must use a scheme the flag supports. --remote may
-    name several sources (data.parse_sources): each is checked, and rewritten in place."""
-    supported = {"save_folder": list(CHECKPOINT_SCHEMES), "load_path": [*CHECKPOINT_SCHEMES, "http", "https"],
-                 "local": [], "results_json": [], "ema_export_dir": []}
-    for flag, schemes in supported.items():
-        if getattr(args, flag):
-            setattr(args, flag, check_location(flag, getattr(args, flag), schemes))
-    if args.remote:
-        try:
-            sources = data.parse_sources(args.remote)
-        except ValueError as error:
-            fail(str(error))
-        args.remote = ",".join(("" if proportion is None else f"{proportion:g}=")
-                               + check_location("remote", source, data_schemes()) for source, proportion in sources)
-
-
-def check_numbers(args: argparse.Namespace) -> None:
-    """Counts, rates and time strings: refuse values that hang, crash later or mean nothing."""
-    if not 0 <= args.seed < 2**32:
-        fail(f"--seed {args.seed} must be in 0..{2**32 - 1}")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        fail(f"--lr {args.lr} must be a positive number, e.g. 1e-4")
-    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
-        fail(f"--weight_decay {args.weight_decay} must be a number >= 0")
-    if args.num_synthetic_samples <= 0:
-        fail(f"--num_synthetic_samples {args.num_synthetic_samples} must be positive")
-    if args.peak_tflops is not None and not math.isfinite(args.peak_tflops):
-        fail(f"--peak_tflops {args.peak_tflops} must be a positive number (TFLOP/s of one device)")
-    if args.predownload is not None and args.predownload < 1:
-        fail(f"--predownload {args.predownload} must be >= 1 sample (leave it out for 8 x the per-device batch)")
-    if args.download_retry < 0:
-        fail(f"--download_retry {args.download_retry} must be >= 0")
-    if not (math.isfinite(args.download_timeout) and args.download_timeout > 0):
-        fail(f"--download_timeout {args.download_timeout} must be a positive number of seconds")
-    if not 0 <= args.max_bad_fraction <= 1:
-        fail(f"--max_bad_fraction {args.max_bad_fraction} must be a fraction between 0 and 1")
-    if args.cache_limit is not None:
-        from streaming.base.util import bytes_to_int
-        try:
-            limit = bytes_to_int(args.cache_limit)
-        except ValueError:
-            fail(f"--cache_limit '{args.cache_limit}' is not a size such as 500gb or 20mb")
-        if limit <= 0:
-            fail(f"--cache_limit '{args.cache_limit}' must be a positive size such as 500gb")
-    if args.validate_hash is not None:
-        from streaming.base.hashing import get_hashes
-        if args.validate_hash not in get_hashes():
-            fail(f"--validate_hash '{args.validate_hash}' is unknown; choose one of {sorted(get_hashes())} "
-                 "(and one that index.json lists, as convert.py's sha1 and xxh64)")
-    if args.save_num_checkpoints_to_keep < -1:
-        fail(f"--save_num_checkpoints_to_keep {args.save_num_checkpoints_to_keep}: use -1 to keep all, or N >= 1")
-    if args.save_num_checkpoints_to_keep == 0 and args.save_folder and not uri_scheme(args.save_folder):
-        # Composer's 0 means "keep no local copy", which only makes sense when an object store keeps them.
-        fail(f"--save_num_checkpoints_to_keep 0 keeps no checkpoint in the local --save_folder {args.save_folder}; "
-             "use -1 to keep all, or N >= 1 to keep the newest N")
-    for flag, units in TIME_UNITS.items():
-        value = getattr(args, flag)
-        time = Time.from_timestring(value)  # validate() has checked that it parses
-        if time.unit.value not in units:
-            fail(f"--{flag} {value}: unit '{time.unit.value}' is not counted here; use "
-                 + " or ".join(units) + " (e.g. 20ba, 1ep)")
-        if not time.value > 0 or (time.unit.value == "dur" and time.value > 1):
-            fail(f"--{flag} {value} must be positive" + (" and at most 1dur" if time.unit.value == "dur" else ""))
-        if flag == "max_duration" and time.unit.value == "sp" and time.value < args.batch_size:
-            fail(f"--max_duration {value} is less than one global batch (--batch_size {args.batch_size}): "
-                 "no step would run")
-    if args.precision == "amp_fp16" and not torch.cuda.is_available():
-        # amp_bf16 runs on CPU under torch's CPU autocast (see main); fp16 autocast has no CPU path here.
-        fail(f"--precision {args.precision} needs a GPU (no CUDA device here); use fp32, amp_bf16 or auto on CPU")
-
-
-def unwritable(path: str, folder: bool) -> str | None:
-    """Why `path` (a file, or a folder if `folder`) cannot be written, or None if it can.
-
-    Probes by doing what the run will do, without leaving anything: a temporary file in the
-    nearest existing folder, or opening an existing file for appending (which changes nothing).
-    """
-    target = Path(path).expanduser().absolute()
-    if target.exists():
-        if folder != target.is_dir():
-            return f"is {'a file, not a folder' if folder else 'a folder, not a file'}"
-        if not folder:
-            try:
-                with open(target, "a"):
-                    pass
-            except OSError as error:
-                return f"cannot be written ({error.strerror})"
-            return None
-    parent = target if target.is_dir() else target.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"cannot be created: {parent} is a file"
-    try:
-        with tempfile.TemporaryFile(dir=parent):
-            pass
-    except OSError as error:
-        return f"is not writable ({error.strerror})" if parent == target else \
-            f"cannot be created in {parent} ({error.strerror})"
-    return None
-
-
-def check_outputs(args: argparse.Namespace) -> None:
-    """Output locations are checked before training, not found unwritable after the last batch."""
-    for flag, folder in (("results_json", False), ("ema_export_dir", True), ("save_folder", True)):
-        location = getattr(args, flag)
-        if location and not uri_scheme(location):
-            why = unwritable(location, folder)
-            if why:
-                fail(f"--{flag} {location} {why}; choose a writable location")
-    if args.save_folder and not uri_scheme(args.save_folder) and not (args.autoresume or args.load_path):
-        # Composer refuses (at start) to save where a checkpoint of another run could be overwritten.
-        saved = sorted(Path(args.save_folder).glob("ep*-ba*-rank*.pt"))
-        if saved:
-            fail(f"--save_folder {args.save_folder} holds checkpoints of an earlier run ({saved[0].name}...): "
-                 "continue it with --autoresume --run_name NAME, start from one with --load_path, "
-                 "or use a new --save_folder")
-
-
-def check_checkpoint(args: argparse.Namespace) -> None:
-    """A local --load_path must be a checkpoint file (Composer's: a torch zip archive, or compressed)."""
-    if not args.load_path or uri_scheme(args.load_path):
-        return
-    path = Path(args.load_path)
-    if not path.exists():
-        fail(f"--load_path {path}: no such file; give a checkpoint written with --save_folder (e.g. latest-rank0.pt)")
-    if path.is_dir():
-        found = sorted(p.name for p in path.glob("*.pt"))[:3]
-        fail(f"--load_path {path} is a folder; give a checkpoint file in it"
-             + (f" (it holds {', '.join(found)})" if found else " (it holds no *.pt files)"))
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as archive:
-            if any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist()):
-                return
-    elif path.suffix in (".gz", ".bz2", ".xz", ".lz4", ".zst", ".lzma", ".tar") or tarfile.is_tarfile(path):
-        return  # Composer's compressed and DeepSpeed checkpoints: Composer checks them when it loads
-    fail(f"--load_path {path} is not a checkpoint (not a PyTorch checkpoint archive); "
-         "give a file written with --save_folder, such as ep0-ba100-rank0.pt or latest-rank0.pt")
-
-
-def read_index(index_file: Path, label: str) -> dict:
-    """An MDS index.json, or a one-line error naming `label` (the flag and location)."""
-    try:
-        index = json.loads(index_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        fail(f"{label}: {index_file} is not a readable MDS index ({error}); re-create the dataset with convert.py")
-    if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
-        fail(f"{label}: {index_file} is not an MDS index (no list of shards); re-create the dataset with convert.py")
-    return index
-
-
-def check_index(index: dict, label: str, args: argparse.Namespace) -> int:
-    """Columns of an MDS dataset against the flags (the right kind of shards); returns its number of samples."""
-    shards = index["shards"]
-    num_samples = sum(int(shard.get("samples", 0)) for shard in shards)
-    columns = list(shards[0].get("column_names", [])) if shards else []
-    if num_samples == 0:
-        fail(f"{label} holds no samples; convert some data into it with convert.py")
-    if args.precomputed and "latent_mean" not in columns:
-        fail(f"--precomputed: {label} holds image shards (columns {columns}), not precomputed latents; "
-             "drop --precomputed, or write latents from them with latents.py")
-    if not args.precomputed and "latent_mean" in columns:
-        fail(f"{label} holds precomputed latents (columns {columns}); add --precomputed to train from them")
-    hashes = shards[0].get("hashes", []) if shards else []
-    if args.validate_hash and args.validate_hash not in hashes:
-        fail(f"--validate_hash {args.validate_hash}: the shards of {label} list no such hash (they have {hashes}); "
-             + ("use one of them" if hashes else "leave the flag out"))
-    if not args.precomputed:
-        for flag in ("image_key", "caption_key"):
-            if getattr(args, flag) not in columns:
-                fail(f"--{flag} {getattr(args, flag)} is not a column of {label}; its columns are {columns}")
-    return num_samples
-
-
-def check_dataset_size(num_samples: int, label: str, args: argparse.Namespace) -> None:
-    """Every rank drops its last partial batch: fewer samples than one global batch means no step at
-    all (Composer then loops over empty epochs forever, or 'finishes' 1ep after 0 batches)."""
-    if num_samples < args.batch_size:
-        fail(f"{label} holds {num_samples} samples, fewer than one global batch (--batch_size {args.batch_size}): "
-             f"no step could run; pass a --batch_size of at most {num_samples}, or use more data")
-
-
-def cache_source(remote: str) -> str:
-    """The form of a --remote recorded in its cache: absolute for paths, no trailing slash."""
-    return remote.rstrip("/") if uri_scheme(remote) else os.path.abspath(remote)
-
-
-def check_cache(local: str, remote: str) -> None:
-    """Refuse a cache folder filled from another remote: Streaming would serve its samples silently."""
-    record, index = Path(local, CACHE_RECORD), Path(local, "index.json")
-    if record.is_file():
-        try:
-            cached = json.loads(record.read_text())["remote"]
-        except (OSError, ValueError, KeyError, TypeError):
-            cached = f"an unreadable {record}"
-        if cached != cache_source(remote):
-            fail(f"--local {local} is the cache of --remote {cached}, not {remote}: pass another --local "
-                 "(or leave it out: the default cache is one folder per remote)")
-    elif index.is_file():
-        same = not uri_scheme(remote) and Path(remote, "index.json").is_file() \
-            and Path(remote, "index.json").read_bytes() == index.read_bytes()
-        # The default cache is named by a hash of the remote: an index there came from that remote.
-        mine = os.path.abspath(local) in (cache_source(remote), os.path.abspath(default_local(remote)))
-        if not same and not mine:
-            fail(f"--local {local} already holds an MDS dataset that was not streamed from --remote {remote} "
-                 f"(no {CACHE_RECORD}); Streaming would train on it instead: pass an empty or new --local")
-
-
-def record_cache(local: str, remote: str) -> None:
-    """Write the cache's remote (once per node, atomically: other ranks may be reading it)."""
-    if os.path.abspath(local) == cache_source(remote) or dist.get_local_rank() != 0:
-        return
-    record = Path(local, CACHE_RECORD)
-    if record.is_file():
-        return
-    record.parent.mkdir(parents=True, exist_ok=True)
-    partial = record.with_name(f"{CACHE_RECORD}.{os.getpid()}.tmp")
-    partial.write_text(json.dumps({"remote": cache_source(remote)}) + "\n")
-    os.replace(partial, record)
-
-
-def data_caches(args: argparse.Namespace) -> list[tuple[str, str | None]]:
-    """(cache folder, remote) of every source, as the loaders will use them: one source streams into
-    --local (or its default), several each into their own subfolder of --local (data.stream_local)."""
-    sources = data.parse_sources(args.remote)
-    if not sources:
-        return [(args.local, None)]
-    if len(sources) == 1 and sources[0][1] is None:
-        return [(args.local or default_local(sources[0][0]), sources[0][0])]
-    if not args.local:
-        fail("several --remote sources need --local, the folder their caches go under")
-    return [(data.stream_local(args.local, source), source) for source, _ in sources]
-
-
-def record_caches(args: argparse.Namespace) -> None:
-    for local, remote in data_caches(args):
-        if remote:
-            record_cache(local, remote)
-
-
-def check_data(args: argparse.Namespace) -> None:
-    """The dataset the flags name: it exists, is MDS, has the columns asked for and >= one global batch."""
-    if args.use_synth_data and (args.remote or args.local):
-        fail("--use_synth_data trains on random samples and would ignore " + ("--remote" if args.remote else "--local")
-             + "; pass one or the other")
-    if args.use_synth_data:
-        check_dataset_size(args.num_synthetic_samples,
-                           f"the synthetic dataset (--num_synthetic_samples {args.num_synthetic_samples})", args)
-        return
-    if args.local and Path(args.local).exists() and not Path(args.local).is_dir():
-        fail(f"--local {args.local} is a file, not a folder")
-    num_samples, labels = 0, []
-    for local, remote in data_caches(args):
-        num_samples += check_source(local, remote, args)
-        labels.append(f"--remote {remote}" if remote else f"--local {local}")
-    if args.epoch_size is None:
-        # With --epoch_size, Streaming draws that many samples whatever the sources hold.
-        check_dataset_size(num_samples, " + ".join(labels), args)
-
-
-def check_source(local: str, remote: str | None, args: argparse.Namespace) -> int:
-    """One source's cache and index (see check_data); returns its number of samples."""
-    if Path(local).exists() and not Path(local).is_dir():
-        fail(f"--local {local} is a file, not a folder")
-    if remote:
-        check_cache(local, remote)
-    elif Path(local, CACHE_RECORD).is_file():
-        try:
-            cached = json.loads(Path(local, CACHE_RECORD).read_text())["remote"]
-        except (OSError, ValueError, KeyError, TypeError):
-            cached = "that filled it"
-        fail(f"--local {local} is the cache of --remote {cached}: pass --remote {cached} again "
-             "(shards already cached are not downloaded again)")
-    if Path(local, "index.json").is_file():  # Streaming reads the cached index rather than the remote's
-        return check_index(read_index(Path(local, "index.json"), local), f"--local {local}", args)
-    if not remote:
-        fail(f"--local {local} holds no MDS dataset (no index.json): write one with convert.py, "
-             "or pass --remote to stream one into it")
-    if not uri_scheme(remote):
-        return check_index(read_index(Path(remote, "index.json"), remote), f"--remote {remote}", args)
-    # The index is small: fetch it with Streaming's own downloader to check it before anything
-    # is built; credentials, endpoint and path errors surface here, as one line.
-    from streaming.base.storage import CloudDownloader
-    with tempfile.TemporaryDirectory() as folder:
-        try:
-            CloudDownloader.direct_download(f"{remote.rstrip('/')}/index.json", f"{folder}/index.json",
-                                            args.download_timeout)
-        except Exception as error:  # noqa: BLE001  any store's client error: reported, not hidden
-            if getattr(args, "debug", False):
-                raise
-            fail(f"--remote {remote}: cannot read index.json: {storage_error(error) or error}")
-        return check_index(read_index(Path(folder, "index.json"), remote), f"--remote {remote}", args)
-
-
-def storage_error(error: BaseException) -> str | None:
-    """One line for an object-store failure (credentials, endpoint, missing object), else None."""
-    seen = error
-    while seen is not None:
-        module = type(seen).__module__
-        if module.startswith(("botocore", "boto3", "google", "oci", "azure", "libcloud", "paramiko")):
-            line = f"{type(seen).__name__}: {str(seen).splitlines()[0] if str(seen) else ''}"
-            if type(seen).__name__ == "NoCredentialsError":
-                line += " (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
-            elif type(seen).__name__ in ("EndpointConnectionError", "ConnectTimeoutError"):
-                line += " (check S3_ENDPOINT_URL and the network)"
-            return line
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
 def user_error(error: BaseException) -> str | None:
     """One line for an exception caused by the input (data, storage, checkpoint), None for a bug."""
     text = str(error)
     lines = [line for line in text.splitlines() if line.strip()]
-    if isinstance(error, data.BadDataError):
+    if isinstance(error, (data.BadDataError, NonFiniteLossError)):
         return lines[-1] if lines else text
     line = storage_error(error)
     if line:
@@ -682,50 +226,8 @@ def cli(argv: list[str] | None = None) -> None:
         raise SystemExit(f"benchmark.py: error: {line} (--debug shows the traceback)") from None
 
 
-def validate_recipe(args: argparse.Namespace) -> None:
-    """One-line errors for the training-recipe, sampling and export flags."""
-    def fail(message: str) -> None:
-        raise SystemExit(f"benchmark.py: error: {message}")
-
-    if args.lr_warmup_batches < 0:
-        fail(f"--lr_warmup_batches {args.lr_warmup_batches} must be >= 0")
-    if args.grad_clip_norm is not None and args.grad_clip_norm <= 0:
-        fail(f"--grad_clip_norm {args.grad_clip_norm} must be positive")
-    if not 0.0 <= args.caption_drop_prob < 1.0:
-        fail(f"--caption_drop_prob {args.caption_drop_prob} must be in [0, 1)")
-    if args.snr_gamma is not None and args.snr_gamma <= 0:
-        fail(f"--snr_gamma {args.snr_gamma} must be positive")
-    if args.offset_noise < 0:
-        fail(f"--offset_noise {args.offset_noise} must be >= 0")
-    if args.loss_bins < 0:
-        fail(f"--loss_bins {args.loss_bins} must be >= 0")
-    for flag, units in (("ema_start", ("ba", "ep", "dur")), ("ema_half_life", ("ba",)), ("sample_interval", ("ba", "ep"))):
-        try:
-            unit = Time.from_timestring(getattr(args, flag)).unit.value
-        except (ValueError, TypeError):
-            unit = None
-        if unit not in units:
-            fail(f"--{flag} '{getattr(args, flag)}' must be a Composer time string in {', '.join(units)} (e.g. 1000ba)")
-    if (args.ema_start != "0ba" or args.ema_half_life != "1000ba") and not args.use_ema:
-        fail("--ema_start and --ema_half_life need --use_ema")
-    if Time.from_timestring(args.ema_half_life).value <= 0:
-        fail(f"--ema_half_life {args.ema_half_life} must be positive")
-    if args.sample_prompts:
-        from sample import load_prompts
-        try:
-            load_prompts(args.sample_prompts)
-        except ValueError as e:
-            fail(f"--sample_prompts {e}")
-        if not args.samples_dir and not args.save_folder:
-            fail("--sample_prompts needs --samples_dir or --save_folder (samples go to <save_folder>/samples)")
-        if not args.samples_dir and "://" in args.save_folder:
-            fail(f"--sample_prompts: --save_folder {args.save_folder} is an object store; give a local --samples_dir")
-        if args.sample_steps <= 0:
-            fail(f"--sample_steps {args.sample_steps} must be positive")
-    if args.samples_dir and not args.sample_prompts:
-        fail("--samples_dir needs --sample_prompts (a prompt file or a built-in set: default, shapes)")
-    if args.ema_export_dir and Path(args.ema_export_dir).is_dir() and any(Path(args.ema_export_dir).iterdir()):
-        fail(f"--ema_export_dir {args.ema_export_dir} is not empty; choose a new folder (nothing is overwritten)")
+class NonFiniteLossError(RuntimeError):
+    """The loss went NaN/inf: a property of the run (learning rate, precision, data), reported in one line."""
 
 
 class StopOnNonFiniteLoss(Callback):
@@ -761,7 +263,7 @@ class StopOnNonFiniteLoss(Callback):
         box = [self.last_good_checkpoint(state) if dist.get_global_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         where = f"last good checkpoint: {box[0]}" if box[0] else "no checkpoint was saved yet (see --save_folder)"
-        raise RuntimeError(
+        raise NonFiniteLossError(
             f"non-finite loss at batch {batch} (ba{batch}); stopped before saving it; {where}. "
             "Resume from it (--load_path or --autoresume), perhaps with a lower --lr or --precision fp32.")
 

@@ -437,7 +437,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="start over: discard the chunks already in --out")
     p.add_argument("--dist_timeout", type=float, default=3 * 3600.0, help="seconds a rank may wait for the others")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
-    # Format (issue 13): token ids by default, text-encoder states on request.
+    # Format: token ids by default, text-encoder states on request.
     p.add_argument("--store_text_states", action="store_true",
                    help="store the text encoder's output (77 x 1024 fp16, 157,696 bytes at SD2) instead of the 77 "
                         "token ids (154 bytes): 3.4x the storage at 512px, to save training 1.9%% of its FLOPs")

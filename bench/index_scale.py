@@ -47,7 +47,7 @@ KINDS = {
                     sizes=[None, 8, None, None, None]),
     "images": dict(names=["caption", "jpg", "key"], encodings=["str", "bytes", "str"], sizes=[None, None, None]),
 }
-SHARD_LIMIT = 64 * 2**20  # convert.py's default --size_limit (64mb), latents.py's before issue 13
+SHARD_LIMIT = 64 * 2**20  # convert.py's default --size_limit (64mb), latents.py's former default
 SHARD_LIMITS = {"64mb": 64 * 2**20, "256mb": 256 * 2**20}  # projected: the old default and latents.py's new one
 TARGET_SAMPLES = 2_000_000_000
 # Bytes per sample of each dataset projected (before compression): a 256px JPEG as convert.py writes

@@ -1,4 +1,4 @@
-"""Bad input to benchmark.py (issue 10): each class of mistake stops at once, before anything is built,
+"""Bad input to benchmark.py: each class of mistake stops at once, before anything is built,
 with one line naming the flag or file; user errors print no traceback; nothing hangs. Also: a retried
 --autoresume job that already finished exits 0, and an offline W&B run records the benchmark's metrics.
 
@@ -23,6 +23,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import benchmark  # noqa: E402
+import checks  # noqa: E402
 import data  # noqa: E402
 
 TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
@@ -233,7 +234,7 @@ def test_a_cache_filled_from_another_remote_is_refused(images, latents, tmp_path
     cache = tmp_path / "cache"
     first = benchmark.parse_args(REAL + ["--remote", str(images), "--local", str(cache)])
     benchmark.validate(first, 1)
-    benchmark.record_cache(str(cache), str(images))
+    checks.record_cache(str(cache), str(images))
     (cache / "index.json").write_bytes((images / "index.json").read_bytes())  # as Streaming leaves it
     benchmark.validate(benchmark.parse_args(REAL + ["--remote", f"{images}/", "--local", str(cache)]), 1)  # same
     message = error_of(REAL + ["--remote", str(latents), "--precomputed", "--local", str(cache)])

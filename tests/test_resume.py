@@ -272,7 +272,7 @@ def rank_reports(folder: Path) -> dict[int, list[str]]:
 def assert_stopped_at_nan_batch(launch: Launch, report: Path, good: Path) -> None:
     """Non-zero exit; every rank stopped with a message naming the batch and the last good checkpoint."""
     assert launch.proc.returncode not in (0, None), launch.tail()
-    shown = [line for line in launch.output().splitlines() if "RuntimeError: non-finite loss" in line]
+    shown = [line for line in launch.output().splitlines() if "NonFiniteLossError: non-finite loss" in line]
     assert shown, f"no stop message in the launcher's output:\n{launch.tail()}"
     reports = rank_reports(report)
     assert sorted(reports) == [0, 1], reports
