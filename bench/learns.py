@@ -165,7 +165,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="your own data: an MDS dataset (index.json) or an images folder with same-named .txt captions")
     p.add_argument("--images_per_caption", type=int, default=48, help="generated pictures per caption")
     p.add_argument("--image_size", type=int, default=64)
-    p.add_argument("--batches", type=int, default=1000, help="training batches")
+    p.add_argument("--batches", type=int, default=None,
+                   help="training batches (default: 500 per caption: 2 captions 1000, 3 captions 1500)")
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--lr_warmup_batches", type=int, default=50)
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
     labels = torch.tensor([classes.index(captions[i]) for i in keep])
     images = images[keep]
     data_seconds = time.perf_counter() - started
+    args.batches = args.batches or 500 * len(classes)
 
     # 2. The model before training: benchmark.py's initialization under --seed.
     torch.manual_seed(args.seed)
