@@ -80,7 +80,7 @@ import shutil
 import tempfile
 import time
 import urllib.parse
-import warnings
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -513,6 +513,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
     validate(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Streaming warns on every run that a chunk folder already exists (MDSWriter is told it may) and
+    # that merge_index made a temporary folder: neither tells the user anything.
+    logging.getLogger("streaming.base.storage.upload").setLevel(logging.ERROR)
     world, rank = dist.get_world_size(), dist.get_global_rank()
     on_gpu = torch.cuda.is_available()
     if on_gpu:
@@ -531,7 +534,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             f"{args.model_name}: latents of random encoders are useless for training (download the model to a "
             "local folder and pass it), or pass --allow_random_encoders to measure the pipeline anyway")
     if random_encoders and rank == 0:
-        warnings.warn(f"using randomly initialized {' and '.join(random_encoders)} (seed {args.seed})", stacklevel=1)
+        print(f"note: using randomly initialized {' and '.join(random_encoders)} (seed {args.seed})",
+              file=sys.stderr, flush=True)
     vae, text_encoder, tokenizer = parts.vae, parts.text_encoder, parts.tokenizer
     del parts  # the UNet is not needed
     for module in (vae, text_encoder):
@@ -731,7 +735,12 @@ def finish(args: argparse.Namespace, num_samples: int, num_chunks: int, all_stat
 
     if not is_remote(args.out):
         Path(args.out, INDEX_FILE).unlink(missing_ok=True)  # merge_index will not replace an existing file
-    merge_index([join(args.out, chunk_name(k), INDEX_FILE) for k in range(num_chunks)], args.out)
+    root_level = logging.getLogger().level
+    logging.getLogger().setLevel(logging.ERROR)  # merge_index logs its temporary folder as a warning
+    try:
+        merge_index([join(args.out, chunk_name(k), INDEX_FILE) for k in range(num_chunks)], args.out)
+    finally:
+        logging.getLogger().setLevel(root_level)
     index = read_json(args.out, INDEX_FILE) or {"shards": []}
     samples = sum(s["samples"] for s in index["shards"])
     stored = sum((s.get("zip_data") or s["raw_data"])["bytes"] for s in index["shards"])

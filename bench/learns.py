@@ -5,6 +5,7 @@ benchmark.py (tiny model) -> score sampled latents against each caption's encode
     python bench/learns.py --captions "a green triangle" "an orange star" "a purple circle"
     python bench/learns.py --data my_images/                       # images + same-named .txt captions
     python bench/learns.py --data my_mds/ --batches 800            # MDS shards (convert.py's columns)
+    python bench/learns.py --make_data pictures                    # only the captioned pictures, for convert.py
 
 Without --data, images are drawn for each caption: a shape in the caption's colour at a random
 position and size on a plain grey background (the caption must name a colour PIL knows and one of
@@ -178,6 +179,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the unguided score (1) is printed too")
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--workdir", type=str, default=None, help="keep the pictures, shards and checkpoint here")
+    p.add_argument("--make_data", type=str, default=None, metavar="DIR",
+                   help="only draw the captioned pictures into DIR (NAME.png + NAME.txt, what convert.py reads) and stop")
     p.add_argument("--results_json", type=str, default=None)
     return p.parse_args(argv)
 
@@ -195,6 +198,12 @@ def main(argv: list[str] | None = None) -> dict:
             [parse_caption(c) for c in args.captions]
         except ValueError as e:
             raise SystemExit(f"learns.py: error: --captions: {e}") from None
+    if args.make_data:
+        if Path(args.make_data).exists() and any(Path(args.make_data).iterdir()):
+            raise SystemExit(f"learns.py: error: --make_data {args.make_data} is not empty; give a new folder")
+        write_shapes(Path(args.make_data), args.captions, args.images_per_caption, args.image_size, args.seed)
+        print(f"wrote {len(args.captions) * args.images_per_caption} captioned pictures to {args.make_data}")
+        return {"pictures": args.make_data}
     work = Path(args.workdir or tempfile.mkdtemp(prefix="learns-"))
     work.mkdir(parents=True, exist_ok=True)
 
