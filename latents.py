@@ -77,10 +77,10 @@ import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 import urllib.parse
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
