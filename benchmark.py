@@ -10,6 +10,7 @@ encoder are frozen (loaded from `--model_name` when available). Data is syntheti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -210,7 +211,7 @@ def run_already_complete(trainer: Trainer, args: argparse.Namespace) -> bool:
         from ema import EMA
         ema = next((a for a in state.algorithms if isinstance(a, EMA)), None)
         if ema is not None and ema.initialized:
-            ema.export_unet(state.model, args.ema_export_dir)
+            ema.export_unet(state.model, os.path.join(args.ema_export_dir, "unet"))  # the pipeline follows in main
     return True
 
 
@@ -400,8 +401,14 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     # samples, the exported pipeline): the model's own, or, on precomputed latents, built aside
     # exactly as latents.py built them under --seed.
     encoders = components
-    if components.text_encoder is None and (args.caption_drop_prob > 0 or args.sample_prompts or args.ema_export_dir):
-        encoders = build_encoders_aside(args.model_config, args.model_name, args.seed)
+    if any(part is None for part in (components.vae, components.text_encoder, components.tokenizer)) and (
+            args.caption_drop_prob > 0 or args.sample_prompts or args.ema_export_dir):
+        # The model's own parts where it has them (on the tokens format it has the text encoder).
+        aside = build_encoders_aside(args.model_config, args.model_name, args.seed)
+        encoders = dataclasses.replace(
+            aside, vae=components.vae if components.vae is not None else aside.vae,
+            text_encoder=components.text_encoder if components.text_encoder is not None else aside.text_encoder,
+            tokenizer=components.tokenizer if components.tokenizer is not None else aside.tokenizer)
     if args.caption_drop_prob > 0:
         empty_ids = tokenize(encoders.tokenizer, [""])
         with torch.no_grad():

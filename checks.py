@@ -238,7 +238,7 @@ def check_numbers(args: argparse.Namespace) -> None:
                  "no step would run")
     if args.precision == "amp_fp16" and not torch.cuda.is_available():
         # amp_bf16 runs on CPU under torch's CPU autocast (see main); fp16 autocast has no CPU path here.
-        fail(f"--precision {args.precision} needs a GPU (no CUDA device here); use fp32, amp_bf16 or auto on CPU")
+        fail(f"--precision {args.precision} needs a CUDA GPU (none here); on CPU use fp32, auto or amp_bf16 (CPU autocast)")
 
 
 def unwritable(path: str, folder: bool) -> str | None:
@@ -480,6 +480,10 @@ def storage_error(error: BaseException) -> str | None:
     return None
 
 
+# What --ema_export_dir holds once written: a diffusers StableDiffusionPipeline folder (export.py).
+PIPELINE_ENTRIES = {"model_index.json", "unet", "vae", "text_encoder", "tokenizer", "scheduler"}
+
+
 def validate_recipe(args: argparse.Namespace) -> None:
     """One-line errors for the training-recipe, sampling and export flags."""
     def fail(message: str) -> None:
@@ -523,4 +527,8 @@ def validate_recipe(args: argparse.Namespace) -> None:
     if args.samples_dir and not args.sample_prompts:
         fail("--samples_dir needs --sample_prompts (a prompt file or a built-in set: default, shapes)")
     if args.ema_export_dir and Path(args.ema_export_dir).is_dir() and any(Path(args.ema_export_dir).iterdir()):
-        fail(f"--ema_export_dir {args.ema_export_dir} is not empty; choose a new folder (nothing is overwritten)")
+        entries = {p.name for p in Path(args.ema_export_dir).iterdir()}
+        # A resumed or retried job finds the pipeline it exported before: that one it may rewrite.
+        own_export = entries <= PIPELINE_ENTRIES and (args.autoresume or args.load_path)
+        if not own_export:
+            fail(f"--ema_export_dir {args.ema_export_dir} is not empty; choose a new folder (nothing is overwritten)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import os
 import socket
 import subprocess
@@ -361,7 +362,7 @@ def test_rerun_of_a_finished_autoresume_job_exits_0_with_its_summary(tmp_path, c
     measured = benchmark.main(run + ["--results_json", str(tmp_path / "first.json")])  # the job that trained
     assert measured["images_per_sec"] > 0 and measured["measured_batches"] == 1
     kept = (tmp_path / "first.json").read_text()
-    (tmp_path / "ema" / "diffusion_pytorch_model.safetensors").unlink()  # as if killed before the export
+    shutil.rmtree(tmp_path / "ema")  # as if killed before the export
 
     # The retried job, same command line but its own results file: exit 0, the summary says why.
     retry = run_cli(run + ["--results_json", str(tmp_path / "retry.json")])
@@ -370,7 +371,8 @@ def test_rerun_of_a_finished_autoresume_job_exits_0_with_its_summary(tmp_path, c
     written = json.loads((tmp_path / "retry.json").read_text())
     assert written["already_complete"] is True and written["images_per_sec"] is None
     assert written["trained_batches"] == 2 and written["measured_batches"] == 0
-    assert (tmp_path / "ema" / "diffusion_pytorch_model.safetensors").is_file()  # the retry exported it
+    assert (tmp_path / "ema" / "unet" / "diffusion_pytorch_model.safetensors").is_file()  # the retry exported it
+    assert (tmp_path / "ema" / "model_index.json").is_file()  # the whole pipeline
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("ep*.pt")) == ["ep0-ba1-rank0.pt", "ep0-ba2-rank0.pt"]
 
     # Retried with the same results file: the measured figures are kept, not replaced by nulls.

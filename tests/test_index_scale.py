@@ -41,9 +41,19 @@ def test_epoch_start_in_workers_is_measured_and_projected(tmp_path):
         assert row["partition_shm_mib"] == pytest.approx(num_shards * per_shard * 8 / 2**20)
         rows["index"].append(row)
         rows["epoch"].append(row)
+    # The projection, from rows that follow known linear laws (at this small N the measured slopes are
+    # noise: a few MiB and milliseconds, moved by whatever else the machine runs).
+    laws = []
+    for shards, samples in ((1_000, 100_000), (3_000, 900_000), (10_000, 3_000_000)):
+        laws.append({**row, "shards": shards, "samples": samples, "epoch_samples": samples,
+                     "open_s": 1e-4 * shards, "open_rss_mib": 4e-3 * shards, "open_peak_extra_mib": 4e-3 * shards,
+                     "worker_uss_mib": 5 + 1e-4 * shards, "epoch_s": 3e-7 * samples,
+                     "leader_peak_extra_mib": 5.3e-5 * samples, "worker_uss_growth_mib": 1e-6 * samples})
+    rows = {"index": laws, "epoch": laws}
     options = argparse.Namespace(workers=8, gpus_per_node=8, shuffle_algo="py1e", budget_gib=4.0, budget_s=60.0,
                                  projected_epoch_size=200_000_000, open_s_per_shard=None, epoch_s_per_sample=None)
     report = index_scale.project(rows, options)
+    assert report["fits"]["builder_peak_mib_per_sample"] == pytest.approx(5.3e-5, rel=1e-6)
     assert len(report["projection"]) == 2 * len(index_scale.PROJECTED) * len(index_scale.SHARD_LIMITS)
     latents_512 = [r for r in report["projection"] if r["dataset"] == "latents-512px" and r["shard_limit"] == "64mb"]
     assert latents_512[0]["samples_per_shard"] == index_scale.SHARD_LIMIT // index_scale.PROJECTED["latents-512px"]

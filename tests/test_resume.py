@@ -217,7 +217,7 @@ def test_killed_run_resumes_to_the_same_weights_ema_and_loss(runs):
 
     # It resumed from batch 4 rather than starting over.
     out = resumed.output()
-    assert "[batch=5/8]" in out and "[batch=1/8]" not in out, resumed.tail()
+    assert "batch 5/8 " in out and "batch 1/8 " not in out, resumed.tail()
 
     ref, res = load(runs["ref_dir"] / FINAL), load(runs["killed_dir"] / FINAL)
     assert latest(runs["killed_dir"]) == FINAL
@@ -254,14 +254,8 @@ def test_killed_run_resumes_to_the_same_weights_ema_and_loss(runs):
 
 
 def logged_losses(console: str) -> dict[int, str]:
-    """{batch: loss as printed} from Composer's console logger (rank 0)."""
-    losses = {}
-    for block in re.split(r"\[batch=", console)[1:]:
-        batch = int(block.split("/", 1)[0])
-        found = re.search(r"loss/train/total: (\S+)", block)
-        if found:
-            losses[batch] = found.group(1)
-    return losses
+    """{batch: loss as printed} from the progress lines of rank 0 (console.ConsoleProgress)."""
+    return {int(batch): loss for batch, loss in re.findall(r"^batch (\d+)/\d+ .*\| loss (\S+) \|", console, re.MULTILINE)}
 
 
 def rank_reports(folder: Path) -> dict[int, list[str]]:
@@ -301,7 +295,7 @@ def test_nan_after_autoresume_names_the_checkpoint_it_resumed_from(runs):
     good = folder / f"ep0-ba{NAN_BATCH - 1}-rank0.pt"
     assert_stopped_at_nan_batch(again, runs["tmp"] / "nan-again", good)
     # It resumed from the good checkpoint: it neither trained batch 1 again nor rewrote a checkpoint.
-    assert "[batch=1/5]" not in again.output(), again.tail()
+    assert "batch 1/5 " not in again.output(), again.tail()
     assert {p.name: p.stat().st_mtime_ns for p in folder.glob("ep*.pt")} == runs["nan_checkpoints"]
 
 
