@@ -60,9 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--use_synth_data", action="store_true", help="random images and captions (measures the model only)")
     p.add_argument("--model_name", type=str, default="stabilityai/stable-diffusion-2-base",
                    help="hub id or local diffusers folder with pretrained vae/, text_encoder/, tokenizer/")
-    p.add_argument("--use_ema", action="store_true", help="keep an EMA of the UNet weights (half-life 1000 batches)")
+    p.add_argument("--use_ema", action="store_true", help="keep an EMA of the UNet weights (half-life --ema_half_life, 1000 batches)")
     p.add_argument("--ema_export_dir", type=str, default=None,
-                   help="with --use_ema: write the EMA UNet here at the end as a diffusers folder (from_pretrained)")
+                   help="with --use_ema: write a complete diffusers pipeline with the EMA UNet here at the end (StableDiffusionPipeline.from_pretrained)")
     p.add_argument("--wandb_name", type=str, default=None, help="W&B run name (enables W&B logging)")
     p.add_argument("--wandb_project", type=str, default=None, help="W&B project (enables W&B logging)")
     p.add_argument("--device_train_microbatch_size", type=str, default="auto",
@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_workers", type=int, default=8, help="DataLoader worker processes per device")
     p.add_argument("--results_json", type=str, default=None, help="write the throughput summary to this JSON file")
     p.add_argument("--num_synthetic_samples", type=int, default=100_000, help="size of the synthetic dataset")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (constant)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (constant unless --lr_schedule / --lr_warmup_batches)")
     p.add_argument("--weight_decay", type=float, default=1e-3, help="AdamW weight decay")
     p.add_argument("--warmup_batches", type=int, default=5, help="batches left out of the throughput measurement")
     p.add_argument("--peak_tflops", type=float, default=None,
