@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from composer.core import Callback, State, Time, TimeUnit
 from composer.loggers import Logger
 from composer.models import ComposerModel
@@ -352,17 +351,16 @@ class StableDiffusion(ComposerModel):
 
     def loss(self, outputs: tuple[torch.Tensor, ...], batch: dict) -> torch.Tensor:
         prediction, target, timesteps = outputs
-        with torch.no_grad():
-            per_sample = (prediction.detach().float() - target.float()).pow(2).flatten(1).mean(1)
-            self.loss_bins.add(per_sample, timesteps)
+        # Per-sample squared error, computed once: the loss, and (detached) the loss-by-timestep bins.
+        errors = (prediction.float() - target.float()).pow(2).flatten(1).mean(1)
+        self.loss_bins.add(errors.detach(), timesteps)
         if self.snr_gamma is None:
-            return F.mse_loss(prediction.float(), target.float())
+            return errors.mean()  # every sample has the same size: the plain MSE
         # Min-SNR-gamma (Hang et al. 2023): weight each timestep's MSE by min(SNR, gamma) / SNR for
         # epsilon targets, / (SNR + 1) for velocity targets, so the easy low-noise steps stop dominating.
         snr = self.snr.to(timesteps.device)[timesteps]
         clipped = torch.clamp(snr, max=self.snr_gamma)
         weight = clipped / snr if self.prediction_type == "epsilon" else clipped / (snr + 1.0)
-        errors = F.mse_loss(prediction.float(), target.float(), reduction="none").flatten(1).mean(1)
         return (errors * weight).mean()
 
 
