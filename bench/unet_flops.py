@@ -1,0 +1,196 @@
+"""FLOPs of a diffusers UNet2DConditionModel per image, counted by hand from its config: the
+independent check of what torch.utils.flop_counter reports.
+
+    python bench/unet_flops.py                                      # sdxl-base at 1024, sd2-base at 512
+    python bench/unet_flops.py --model_config sdxl-base --image_size 1024 512 256
+
+The training code prices an image with torch.utils.flop_counter on meta tensors
+(throughput.count_flops_per_image, sdxl.count_flops_per_image): it sees every matmul and
+convolution the UNet runs. This script does not run the UNet. It walks the architecture the config
+describes (conv_in, the timestep and added embeddings, every ResNet block, transformer block,
+down- and upsampler of every level, the middle block, conv_out) and adds up 2 x multiply-adds of
+each convolution, linear layer and attention product, so a mistake in either count, or a config
+that does not build what it says, shows as a difference.
+
+Backward, as flop_counter counts it on meta tensors (attention through SDPA's math path): every
+weight gets its gradient (the forward's FLOPs again) and every input that needs one gets its
+gradient (again). Inputs that need none: the noisy latents (conv_in), the sinusoidal timestep and
+time-id features (the first linear layer of each embedding) and the text states (the key and
+value projections of cross-attention). Attention products have both operands from trained layers
+(2x the forward). Norms, activations, softmax and additions are not counted (nor by flop_counter).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
+
+TEXT_TOKENS = 77
+
+
+class Tally:
+    """Forward FLOPs, and the backward FLOPs they imply."""
+
+    def __init__(self) -> None:
+        self.forward = 0
+        self.backward = 0
+
+    def add(self, flops: int, input_needs_grad: bool = True, has_weight: bool = True) -> None:
+        self.forward += flops
+        self.backward += flops * (int(has_weight) + int(input_needs_grad))
+
+    def conv(self, c_in: int, c_out: int, kernel: int, out_side: int, input_needs_grad: bool = True) -> None:
+        self.add(2 * c_in * c_out * kernel * kernel * out_side * out_side, input_needs_grad)
+
+    def linear(self, n_in: int, n_out: int, tokens: int, input_needs_grad: bool = True) -> None:
+        self.add(2 * n_in * n_out * tokens, input_needs_grad)
+
+    def attention(self, queries: int, keys: int, width: int) -> None:
+        """softmax(Q K^T) V over all heads: two products of queries x keys x width (both operands trained)."""
+        self.add(2 * 2 * queries * keys * width, input_needs_grad=True, has_weight=True)
+
+
+def resnet(t: Tally, c_in: int, c_out: int, side: int, temb: int) -> None:
+    t.conv(c_in, c_out, 3, side)
+    t.linear(temb, c_out, 1)  # the timestep embedding projected to a per-channel shift
+    t.conv(c_out, c_out, 3, side)
+    if c_in != c_out:
+        t.conv(c_in, c_out, 1, side)  # shortcut
+
+
+def transformer(t: Tally, channels: int, side: int, depth: int, cross_dim: int, text_tokens: int,
+                linear_projection: bool) -> None:
+    tokens = side * side
+    if linear_projection:
+        t.linear(channels, channels, tokens)
+    else:
+        t.conv(channels, channels, 1, side)
+    for _ in range(depth):
+        # self-attention: q, k, v, out projections and the two products over all tokens
+        for _ in range(4):
+            t.linear(channels, channels, tokens)
+        t.attention(tokens, tokens, channels)
+        # cross-attention: q and out on the image tokens, k and v on the (frozen) text states
+        t.linear(channels, channels, tokens)
+        t.linear(cross_dim, channels, text_tokens, input_needs_grad=False)
+        t.linear(cross_dim, channels, text_tokens, input_needs_grad=False)
+        t.attention(tokens, text_tokens, channels)
+        t.linear(channels, channels, tokens)
+        # GEGLU feed-forward: C -> 2 x 4C (value and gate), 4C -> C
+        t.linear(channels, 8 * channels, tokens)
+        t.linear(4 * channels, channels, tokens)
+    if linear_projection:
+        t.linear(channels, channels, tokens)
+    else:
+        t.conv(channels, channels, 1, side)
+
+
+def per_level(value, levels: int) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value] * levels
+
+
+def unet_flops(config: dict, latent_side: int, text_tokens: int = TEXT_TOKENS) -> tuple[int, int]:
+    """(forward, forward + backward) FLOPs of one image through the UNet that `config` describes.
+
+    Covers the configurations of this project (SD2, SDXL): DownBlock2D / CrossAttnDownBlock2D,
+    their up counterparts, UNetMidBlock2DCrossAttn, positional time embedding, optional
+    text_time added embedding. Anything else is refused rather than miscounted.
+    """
+    channels = list(config["block_out_channels"])
+    levels = len(channels)
+    layers = config["layers_per_block"]
+    depth = per_level(config.get("transformer_layers_per_block", 1), levels)
+    cross = config["cross_attention_dim"]
+    linear_projection = config.get("use_linear_projection", False)
+    down_types, up_types = list(config["down_block_types"]), list(config["up_block_types"])
+    for name in down_types + up_types:
+        if name not in ("DownBlock2D", "CrossAttnDownBlock2D", "UpBlock2D", "CrossAttnUpBlock2D"):
+            raise ValueError(f"unet_flops does not count {name}")
+    if config.get("mid_block_type", "UNetMidBlock2DCrossAttn") != "UNetMidBlock2DCrossAttn":
+        raise ValueError("unet_flops counts UNetMidBlock2DCrossAttn middle blocks only")
+    t = Tally()
+    temb = 4 * channels[0]
+    t.linear(channels[0], temb, 1, input_needs_grad=False)  # sinusoidal timestep features -> embedding
+    t.linear(temb, temb, 1)
+    if config.get("addition_embed_type") == "text_time":
+        t.linear(config["projection_class_embeddings_input_dim"], temb, 1, input_needs_grad=False)
+        t.linear(temb, temb, 1)
+    elif config.get("addition_embed_type") is not None:
+        raise ValueError(f"unet_flops does not count addition_embed_type {config['addition_embed_type']}")
+
+    side = latent_side
+    t.conv(config["in_channels"], channels[0], 3, side, input_needs_grad=False)
+    skips = [channels[0]]  # channels of each tensor the down path hands to the up path
+    c_prev = channels[0]
+    for i, kind in enumerate(down_types):
+        for j in range(layers):
+            resnet(t, c_prev if j == 0 else channels[i], channels[i], side, temb)
+            if kind.startswith("CrossAttn"):
+                transformer(t, channels[i], side, depth[i], cross, text_tokens, linear_projection)
+            skips.append(channels[i])
+        c_prev = channels[i]
+        if i < levels - 1:
+            side //= 2
+            t.conv(channels[i], channels[i], 3, side)  # strided downsampling convolution
+            skips.append(channels[i])
+
+    resnet(t, channels[-1], channels[-1], side, temb)
+    transformer(t, channels[-1], side, depth[-1], cross, text_tokens, linear_projection)
+    resnet(t, channels[-1], channels[-1], side, temb)
+
+    reversed_channels, reversed_depth = channels[::-1], depth[::-1]
+    c_prev = reversed_channels[0]
+    for i, kind in enumerate(up_types):
+        c_out = reversed_channels[i]
+        for _ in range(layers + 1):
+            resnet(t, c_prev + skips.pop(), c_out, side, temb)
+            c_prev = c_out
+            if kind.startswith("CrossAttn"):
+                transformer(t, c_out, side, reversed_depth[i], cross, text_tokens, linear_projection)
+        if i < levels - 1:
+            side *= 2
+            t.conv(c_out, c_out, 3, side)  # nearest upsampling, then a convolution at the new size
+    assert not skips, skips
+    t.conv(channels[0], config["out_channels"], 3, side)
+    return t.forward, t.forward + t.backward
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_config", nargs="+", default=["sdxl-base", "sd2-base"],
+                   help="configs to count (sd2-base, tiny, sdxl-base, sdxl-tiny)")
+    p.add_argument("--image_size", type=int, nargs="+", default=None,
+                   help="pixels (default: each config's training size, 512 for SD2, 1024 for SDXL)")
+    p.add_argument("--no_flop_counter", action="store_true", help="print the hand count only (fast)")
+    args = p.parse_args(argv)
+    import model
+    import sdxl
+    import throughput
+
+    rows = []
+    for name in args.model_config:
+        is_xl = name in sdxl.CONFIGS
+        config = (sdxl.CONFIGS if is_xl else model.MODEL_CONFIGS)[name]["unet"]
+        sizes = args.image_size or [config["sample_size"] * 8]
+        if not args.no_flop_counter:
+            unet = sdxl.meta_components(name).unet if is_xl else model.sd2_meta_components(name)[0]
+        for size in sizes:
+            fwd, fwd_bwd = unet_flops(config, size // 8)
+            row = {"model_config": name, "image_size": size, "hand_fwd": fwd, "hand_fwd_bwd": fwd_bwd}
+            if not args.no_flop_counter:
+                counted = (sdxl.count_flops_per_image(unet, None, None, None, size) if is_xl
+                           else throughput.count_flops_per_image(unet, None, None, size))
+                row.update(counter_fwd=counted["unet_fwd"], counter_fwd_bwd=counted["unet_fwd_bwd"])
+            rows.append(row)
+            line = f"{name} at {size}px: by hand {fwd / 1e9:,.1f} GFLOP fwd, {fwd_bwd / 1e9:,.1f} fwd+bwd"
+            if "counter_fwd" in row:
+                line += (f"; flop_counter {row['counter_fwd'] / 1e9:,.1f} fwd, {row['counter_fwd_bwd'] / 1e9:,.1f} "
+                         f"fwd+bwd (ratio {row['counter_fwd_bwd'] / fwd_bwd:.4f})")
+            print(line, flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
