@@ -20,12 +20,13 @@ import logging
 import os
 import re
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from composer.utils import dist
-from PIL import Image, ImageOps
+from PIL import ExifTags, Image, ImageOps
 from streaming import Stream, StreamingDataLoader, StreamingDataset
 from torch.utils.data import DataLoader, Dataset
 
@@ -40,8 +41,9 @@ class SyntheticImageCaptions(Dataset):
     the same index, and no memory is spent storing them.
     """
 
-    def __init__(self, image_size: int, num_samples: int = 100_000, seed: int = 0):
+    def __init__(self, image_size: int, num_samples: int = 100_000, seed: int = 0, micro_conditioning: bool = False):
         self.image_size, self.num_samples, self.seed = image_size, num_samples, seed
+        self.micro_conditioning = micro_conditioning
 
     def __len__(self) -> int:
         return self.num_samples
@@ -50,7 +52,10 @@ class SyntheticImageCaptions(Dataset):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         image = torch.randint(0, 256, (3, self.image_size, self.image_size), generator=g, dtype=torch.uint8)
         captions = torch.randint(0, VOCAB_SIZE, (MAX_LENGTH,), generator=g)
-        return {"image": image, "captions": captions}
+        item = {"image": image, "captions": captions}
+        if self.micro_conditioning:  # generated at the training size: nothing was resized or cropped
+            item.update(geometry_tensors(ImageGeometry(self.image_size, self.image_size, 0, 0)))
+        return item
 
 
 def loader_kwargs(num_workers: int) -> dict:
@@ -62,9 +67,9 @@ def loader_kwargs(num_workers: int) -> dict:
 
 
 def synthetic_dataloader(image_size: int, batch_size_per_device: int, num_workers: int,
-                         num_samples: int = 100_000, seed: int = 0) -> DataLoader:
+                         num_samples: int = 100_000, seed: int = 0, micro_conditioning: bool = False) -> DataLoader:
     """Synthetic samples, each rank reading its own shard through Composer's distributed sampler."""
-    dataset = SyntheticImageCaptions(image_size, num_samples, seed)
+    dataset = SyntheticImageCaptions(image_size, num_samples, seed, micro_conditioning)
     sampler = dist.get_sampler(dataset, shuffle=True, drop_last=True)
     return DataLoader(dataset, batch_size=batch_size_per_device, sampler=sampler, **loader_kwargs(num_workers))
 
@@ -152,6 +157,41 @@ def load_image(data: bytes) -> Image.Image:
     return image
 
 
+# Micro-conditioning (SDXL): each image's size before it was resized, and where the square crop
+# began, as batch keys of two int64 numbers each. Computed while decoding, so existing MDS shards
+# need no re-conversion.
+ORIGINAL_SIZE_KEY = "original_size"  # (height, width) in pixels, after EXIF orientation
+CROP_KEY = "crop_top_left"  # (top, left) in pixels of the image resized so its shorter side is the training size
+GEOMETRY_KEYS = (ORIGINAL_SIZE_KEY, CROP_KEY)
+
+
+@dataclass(frozen=True)
+class ImageGeometry:
+    """Where a training square came from: the original image's size and the crop's top-left corner.
+
+    The corner is in the image resized so that its shorter side is the training size (the
+    convention of SDXL's micro-conditioning, and of diffusers' SDXL training script and pipeline).
+    """
+
+    original_height: int
+    original_width: int
+    crop_top: int
+    crop_left: int
+
+
+def geometry_tensors(geometry: ImageGeometry) -> dict[str, torch.Tensor]:
+    """The batch entries of one image's geometry (GEOMETRY_KEYS)."""
+    return {ORIGINAL_SIZE_KEY: torch.tensor([geometry.original_height, geometry.original_width]),
+            CROP_KEY: torch.tensor([geometry.crop_top, geometry.crop_left])}
+
+
+def center_crop_geometry(width: int, height: int, size: int) -> ImageGeometry:
+    """The geometry of a `width` x `height` image resized to shorter side `size`, center-cropped square."""
+    side = min(width, height)
+    return ImageGeometry(height, width, round((height * size / side - size) / 2),
+                         round((width * size / side - size) / 2))
+
+
 def decode_image(data: bytes, size: int) -> torch.Tensor:
     """Encoded image bytes -> (3, size, size) uint8 tensor (`model.scale_images` makes it [-1, 1]).
 
@@ -160,8 +200,20 @@ def decode_image(data: bytes, size: int) -> torch.Tensor:
     downsamples) and center-cropped to a square. Resize and crop are one `resize(box=...)` call,
     which only resamples the pixels that survive the crop.
     """
+    return decode_image_with_geometry(data, size)[0]
+
+
+_TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+
+
+def decode_image_with_geometry(data: bytes, size: int) -> tuple[torch.Tensor, ImageGeometry]:
+    """decode_image's pixels, and where they came from (ImageGeometry, in the full image's pixels)."""
     image = Image.open(io.BytesIO(data))
     width, height = image.size
+    if image.getexif().get(ExifTags.Base.Orientation, 1) in _TRANSPOSING_ORIENTATIONS:
+        geometry = center_crop_geometry(height, width, size)
+    else:
+        geometry = center_crop_geometry(width, height, size)
     if min(width, height) >= 4 * size:
         # A big JPEG can be decoded at 1/2, 1/4 or 1/8 scale by the IDCT itself, several times
         # faster. Stay at >= 2x the target so the bicubic filter still does the final antialiasing
@@ -176,7 +228,7 @@ def decode_image(data: bytes, size: int) -> torch.Tensor:
     left, top = (width - side) / 2, (height - side) / 2
     image = image.resize((size, size), Image.Resampling.BICUBIC, box=(left, top, left + side, top + side))
     pixels = torch.from_numpy(np.array(image, dtype=np.uint8))  # (size, size, 3), a writable copy
-    return pixels.permute(2, 0, 1).contiguous()  # channels first
+    return pixels.permute(2, 0, 1).contiguous(), geometry  # channels first
 
 
 def _check_local_only(local: str) -> None:
@@ -291,6 +343,7 @@ class StreamingImageCaptions(StreamingDataset):
         validate_hash: check each downloaded shard against this hash from index.json ("xxh64").
         image_key, caption_key: MDS column names of the encoded image and of the caption.
         max_bad_fraction, bad_check_after: the bad-data policy (see MAX_BAD_FRACTION above).
+        micro_conditioning: also yield each image's geometry (GEOMETRY_KEYS: original size and crop).
         **streaming_kwargs: any other StreamingDataset argument (num_canonical_nodes, epoch_size...).
 
     A sample whose image cannot be decoded (or whose caption is not a string) is replaced by the
@@ -303,7 +356,7 @@ class StreamingImageCaptions(StreamingDataset):
                  download_retry: int = 2, download_timeout: float = 60.0, cache_limit: int | str | None = None,
                  validate_hash: str | None = None, image_key: str = "jpg", caption_key: str = "caption",
                  max_bad_fraction: float = MAX_BAD_FRACTION, bad_check_after: int = BAD_CHECK_AFTER,
-                 **streaming_kwargs: Any):
+                 micro_conditioning: bool = False, **streaming_kwargs: Any):
         if not remote and local:
             _check_local_only(local)
         streams = make_streams(remote, local)
@@ -316,6 +369,7 @@ class StreamingImageCaptions(StreamingDataset):
         self.tokenizer, self.image_size = tokenizer, image_size
         self.image_key, self.caption_key = image_key, caption_key
         self.max_bad_fraction, self.bad_check_after = max_bad_fraction, bad_check_after
+        self.micro_conditioning = micro_conditioning
         # Per process (the main process, or each dataloader worker after it gets its pickled copy).
         self.decoded = 0
         self.bad_samples: Counter[str] = Counter()  # shard name -> samples that failed to decode
@@ -342,8 +396,11 @@ class StreamingImageCaptions(StreamingDataset):
         caption = sample[self.caption_key]
         if not isinstance(caption, str):
             raise TypeError(f"caption is {type(caption).__name__}, not str")
-        image = decode_image(sample[self.image_key], self.image_size)
-        return {"image": image, "captions": tokenize(self.tokenizer, [caption])[0]}
+        image, geometry = decode_image_with_geometry(sample[self.image_key], self.image_size)
+        item = {"image": image, "captions": tokenize(self.tokenizer, [caption])[0]}
+        if self.micro_conditioning:
+            item.update(geometry_tensors(geometry))
+        return item
 
     def get_item(self, index: int) -> dict[str, torch.Tensor]:
         """Sample `index`, decoded; an undecodable one is replaced by the next index (see class doc)."""
@@ -377,7 +434,7 @@ def laion_dataloader(remote: str | None, local: str | None, tokenizer: Any, imag
                      predownload: int | None = None, download_retry: int = 2, download_timeout: float = 60.0,
                      cache_limit: int | str | None = None, validate_hash: str | None = None,
                      max_bad_fraction: float = MAX_BAD_FRACTION, bad_check_after: int = BAD_CHECK_AFTER,
-                     **streaming_kwargs: Any) -> StreamingDataLoader:
+                     micro_conditioning: bool = False, **streaming_kwargs: Any) -> StreamingDataLoader:
     """LAION-style MDS shards as batches {"image": (B,3,S,S) uint8, "captions": (B,77)} for this rank.
 
     `remote` None means the shards are already in `local`. The loader is a StreamingDataLoader, so
@@ -391,7 +448,8 @@ def laion_dataloader(remote: str | None, local: str | None, tokenizer: Any, imag
         batch_size=batch_size_per_device, shuffle=shuffle, shuffle_seed=seed, predownload=predownload,
         download_retry=download_retry, download_timeout=download_timeout, cache_limit=cache_limit,
         validate_hash=validate_hash, image_key=image_key, caption_key=caption_key,
-        max_bad_fraction=max_bad_fraction, bad_check_after=bad_check_after, **streaming_kwargs)
+        max_bad_fraction=max_bad_fraction, bad_check_after=bad_check_after, micro_conditioning=micro_conditioning,
+        **streaming_kwargs)
     warn_about_large_epoch(dataset)
     return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **loader_kwargs(num_workers))
 
@@ -412,12 +470,15 @@ TEXT_STATES_KEY = "text_states"  # column and batch key of the text_states forma
 TOKEN_IDS_COLUMN = "token_ids"  # column of the tokens format; yielded as "captions", like image batches
 TOKEN_IDS_DTYPE = "uint16"
 TOKENS_KEY = "captions"
+# With micro-conditioning (SDXL), GEOMETRY_KEYS as columns of two int32 each (16 bytes a sample): the
+# original size and crop of the image the latents were encoded from, as data.decode_image cropped it.
+GEOMETRY_DTYPE = "int32"
 FORMATS = ("tokens", "text_states")
 STORAGE_DTYPES = {"fp16": "float16", "fp32": "float32"}
 
 
 def mds_columns(latent_channels: int, latent_size: int, text_dim: int | None, storage_dtype: str = "fp16",
-                captions: bool = True, text_states: bool = False) -> dict[str, str]:
+                captions: bool = True, text_states: bool = False, micro_conditioning: bool = False) -> dict[str, str]:
     """MDS columns of a precomputed dataset; the shapes are fixed, so no per-sample shape header."""
     dtype = STORAGE_DTYPES[storage_dtype]
     latent = f"ndarray:{dtype}:{latent_channels},{latent_size},{latent_size}"
@@ -426,18 +487,21 @@ def mds_columns(latent_channels: int, latent_size: int, text_dim: int | None, st
         columns[TEXT_STATES_KEY] = f"ndarray:{dtype}:{MAX_LENGTH},{text_dim}"
     else:
         columns[TOKEN_IDS_COLUMN] = f"ndarray:{TOKEN_IDS_DTYPE}:{MAX_LENGTH}"
+    if micro_conditioning:
+        columns.update({key: f"ndarray:{GEOMETRY_DTYPE}:2" for key in GEOMETRY_KEYS})
     if captions:
         columns["caption"] = "str"
     return columns
 
 
 def bytes_per_sample(image_size: int, text_dim: int = 1024, storage_dtype: str = "fp16", latent_channels: int = 4,
-                     text_states: bool = False) -> int:
+                     text_states: bool = False, micro_conditioning: bool = False) -> int:
     """Bytes of one sample's arrays and index before compression (captions and MDS offsets not counted)."""
     itemsize = np.dtype(STORAGE_DTYPES[storage_dtype]).itemsize
     latent = latent_channels * (image_size // 8) ** 2
     text = MAX_LENGTH * text_dim * itemsize if text_states else MAX_LENGTH * np.dtype(TOKEN_IDS_DTYPE).itemsize
-    return 2 * latent * itemsize + text + 8
+    geometry = len(GEOMETRY_KEYS) * 2 * np.dtype(GEOMETRY_DTYPE).itemsize if micro_conditioning else 0
+    return 2 * latent * itemsize + text + geometry + 8
 
 
 def text_format(columns: list[str]) -> str | None:
@@ -470,18 +534,26 @@ class StreamingLatents(StreamingDataset):
     "captions": (77,) int64 token ids or "text_states": (77, D). `image_size` and `text_dim`, when
     given, are checked against the shapes the shards were written with, so that a run at another
     resolution or with another text encoder fails at once with a clear message. `remote` may name
-    several sources (see parse_sources), which must all have the same format and shapes. Other
-    arguments are StreamingDataset's (local, batch_size, shuffle, shuffle_seed, cache_limit...).
+    several sources (see parse_sources), which must all have the same format and shapes.
+    `micro_conditioning` requires and yields the images' geometry (GEOMETRY_KEYS), which latents.py
+    stores for a model that uses it. Other arguments are StreamingDataset's (local, batch_size,
+    shuffle, shuffle_seed, cache_limit...).
     """
 
     def __init__(self, *, remote: str | None, local: str | None, batch_size: int, image_size: int | None = None,
-                 text_dim: int | None = None, shuffle: bool = True, shuffle_seed: int = 9176, **streaming_kwargs: Any):
+                 text_dim: int | None = None, shuffle: bool = True, shuffle_seed: int = 9176,
+                 micro_conditioning: bool = False, **streaming_kwargs: Any):
         streams = make_streams(remote, local)
         super().__init__(streams=streams, remote=None if streams else remote, local=None if streams else local,
                          batch_size=batch_size, shuffle=shuffle, shuffle_seed=shuffle_seed, **streaming_kwargs)
         formats = {}
         for where, shard in first_shards(self):
             formats[where] = self._check_shard(where, shard, image_size, text_dim)
+            columns = list(getattr(shard, "column_names", []))
+            if micro_conditioning and not all(key in columns for key in GEOMETRY_KEYS):
+                raise ValueError(f"{where} holds latents without the images' original size and crop ({', '.join(GEOMETRY_KEYS)}), "
+                                 "which this model is conditioned on: precompute them with latents.py for this --model_config")
+        self.micro_conditioning = micro_conditioning
         if len(set(formats.values())) > 1:
             raise ValueError(f"the sources mix precomputed formats ({formats}): precompute them all the same way "
                              "(with or without latents.py --store_text_states)")
@@ -516,6 +588,8 @@ class StreamingLatents(StreamingDataset):
             item[TEXT_STATES_KEY] = torch.from_numpy(np.array(sample[TEXT_STATES_KEY]))
         else:
             item[TOKENS_KEY] = torch.from_numpy(sample[TOKEN_IDS_COLUMN].astype(np.int64))
+        if self.micro_conditioning:
+            item.update({key: torch.from_numpy(sample[key].astype(np.int64)) for key in GEOMETRY_KEYS})
         return item
 
 
@@ -526,16 +600,19 @@ class SyntheticLatents(Dataset):
     index on every rank and epoch, nothing stored). Means have the spread of SD2's latents (unit
     variance after scaling by 0.18215), log-variances are around -10, in `dtype` (fp16, as the
     precomputed shards store them); then "captions" (random token ids, the default "tokens"
-    format) or "text_states" (standard normal, in `dtype`) for `text_format="text_states"`.
+    format) or "text_states" (standard normal, in `dtype`) for `text_format="text_states"`; with
+    `micro_conditioning`, the geometry of an uncropped image of the training size.
     """
 
     def __init__(self, image_size: int, text_dim: int, num_samples: int = 100_000, seed: int = 0,
-                 latent_channels: int = 4, dtype: torch.dtype = torch.float16, text_format: str = "tokens"):
+                 latent_channels: int = 4, dtype: torch.dtype = torch.float16, text_format: str = "tokens",
+                 micro_conditioning: bool = False):
         if text_format not in FORMATS:
             raise ValueError(f"text_format {text_format!r} is not one of {FORMATS}")
         self.latent_shape = (latent_channels, image_size // 8, image_size // 8)
         self.text_dim, self.num_samples, self.seed, self.dtype = text_dim, num_samples, seed, dtype
-        self.text_format = text_format
+        self.text_format, self.micro_conditioning = text_format, micro_conditioning
+        self.image_size = image_size
 
     def __len__(self) -> int:
         return self.num_samples
@@ -549,13 +626,15 @@ class SyntheticLatents(Dataset):
             item[TEXT_STATES_KEY] = torch.randn(MAX_LENGTH, self.text_dim, generator=g).to(self.dtype)
         else:
             item[TOKENS_KEY] = torch.randint(0, VOCAB_SIZE, (MAX_LENGTH,), generator=g)
+        if self.micro_conditioning:
+            item.update(geometry_tensors(ImageGeometry(self.image_size, self.image_size, 0, 0)))
         return item
 
 
 def latents_dataloader(*, synthetic: bool, remote: str | None, local: str | None, image_size: int, text_dim: int,
                batch_size_per_device: int, num_workers: int, num_samples: int = 100_000, seed: int = 17,
                latent_channels: int = 4, shuffle: bool = True, synthetic_format: str = "tokens",
-               **streaming_kwargs: Any) -> DataLoader:
+               micro_conditioning: bool = False, **streaming_kwargs: Any) -> DataLoader:
     """Batches of precomputed latents for this rank (what benchmark.py --precomputed uses).
 
     synthetic: SyntheticLatents (in `synthetic_format`) sharded over ranks with Composer's
@@ -567,13 +646,14 @@ def latents_dataloader(*, synthetic: bool, remote: str | None, local: str | None
     """
     kwargs = loader_kwargs(num_workers)
     if synthetic:
-        dataset = SyntheticLatents(image_size, text_dim, num_samples, seed, latent_channels, text_format=synthetic_format)
+        dataset = SyntheticLatents(image_size, text_dim, num_samples, seed, latent_channels, text_format=synthetic_format,
+                                   micro_conditioning=micro_conditioning)
         sampler = dist.get_sampler(dataset, shuffle=shuffle, drop_last=True, seed=seed)
         return DataLoader(dataset, batch_size=batch_size_per_device, sampler=sampler, **kwargs)
     if not remote and not local:
         raise ValueError("latents_dataloader needs remote (where the precomputed shards are) and/or local (the cache)")
     dataset = StreamingLatents(remote=remote or None, local=local, batch_size=batch_size_per_device,
                                image_size=image_size, text_dim=text_dim, shuffle=shuffle, shuffle_seed=seed,
-                               **streaming_kwargs)
+                               micro_conditioning=micro_conditioning, **streaming_kwargs)
     warn_about_large_epoch(dataset)
     return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **kwargs)

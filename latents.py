@@ -97,7 +97,8 @@ from torch.utils.data import DataLoader, Dataset
 import data
 import paths
 from cost import SAMPLES as SAMPLES_AT_SCALE
-from data import LATENT_KEYS, STORAGE_DTYPES, TEXT_STATES_KEY, TOKEN_IDS_COLUMN, TOKEN_IDS_DTYPE, mds_columns
+from data import (GEOMETRY_DTYPE, GEOMETRY_KEYS, LATENT_KEYS, STORAGE_DTYPES, TEXT_STATES_KEY, TOKEN_IDS_COLUMN,
+                  TOKEN_IDS_DTYPE, mds_columns)
 from model import MODEL_CONFIGS, build_components, scale_images
 from tokenizer import MAX_LENGTH, tokenize
 
@@ -132,15 +133,17 @@ class IndexedImageCaptions(data.StreamingImageCaptions):
         try:
             if not isinstance(caption, str):
                 raise TypeError(f"caption is {type(caption).__name__}, not str")
-            image = data.decode_image(sample[self.image_key], self.image_size)
+            image, geometry = data.decode_image_with_geometry(sample[self.image_key], self.image_size)
             ids = tokenize(self.tokenizer, [caption])[0]
-            return {"index": index, "ok": True, "image": image, "captions": ids, "caption": caption}
+            return {"index": index, "ok": True, "image": image, "captions": ids, "caption": caption,
+                    **data.geometry_tensors(geometry)}
         except Exception as error:  # noqa: BLE001  Pillow raises OSError, ValueError, SyntaxError...
             log.warning("sample %d in %s cannot be used (%s: %s); left out of the precomputed data",
                         index, self.shard_name(index), type(error).__name__, error)
             return {"index": index, "ok": False,
                     "image": torch.zeros(3, self.image_size, self.image_size, dtype=torch.uint8),
-                    "captions": torch.zeros(MAX_LENGTH, dtype=torch.long), "caption": ""}
+                    "captions": torch.zeros(MAX_LENGTH, dtype=torch.long), "caption": "",
+                    **data.geometry_tensors(data.ImageGeometry(0, 0, 0, 0))}
 
     def shards_of(self, start: int, stop: int) -> range:
         """Shard ids holding samples [start, stop)."""
@@ -355,10 +358,12 @@ class Encoded:
     so that the GPU encodes the next batch while this process writes this one."""
 
     def __init__(self, indices: list[int], captions: list[str], outputs: tuple[torch.Tensor, ...],
-                 storage_dtype: str, device: torch.device, token_ids: torch.Tensor | None = None):
+                 storage_dtype: str, device: torch.device, token_ids: torch.Tensor | None = None,
+                 geometry: dict[str, torch.Tensor] | None = None):
         mean, logvar, text = outputs  # text None: the token ids are stored instead of text states
         self.indices, self.captions = indices, captions
         self.token_ids = None if token_ids is None else token_ids.numpy().astype(TOKEN_IDS_DTYPE)
+        self.geometry = {key: value.numpy().astype(GEOMETRY_DTYPE) for key, value in (geometry or {}).items()}
         dtype = getattr(torch, STORAGE_DTYPES[storage_dtype])
         text_max = text.abs().amax() if text is not None else torch.zeros((), device=mean.device)
         ranges = torch.stack([mean.abs().amax(), logvar.amin(), logvar.amax(), text_max])
@@ -649,6 +654,9 @@ def encode_chunks(args: argparse.Namespace, source: IndexedImageCaptions, vae: t
                 sample[TEXT_STATES_KEY] = arrays[2][row]
             else:
                 sample[TOKEN_IDS_COLUMN] = encoded.token_ids[row]
+            for key in GEOMETRY_KEYS:
+                if key in columns:  # the image's original size and crop (micro-conditioning)
+                    sample[key] = encoded.geometry[key][row]
             if "caption" in columns:
                 sample["caption"] = encoded.captions[row]
             writer.write(sample)
@@ -685,7 +693,8 @@ def encode_chunks(args: argparse.Namespace, source: IndexedImageCaptions, vae: t
                 rows = torch.tensor(ok)
                 outputs = encode(vae, text_encoder, batch["image"][rows], batch["captions"][rows], device, compute_dtype)
                 encoded = Encoded([indices[i] for i in ok], [batch["caption"][i] for i in ok], outputs,
-                                  args.storage_dtype, device, token_ids=batch["captions"][rows])
+                                  args.storage_dtype, device, token_ids=batch["captions"][rows],
+                                  geometry={key: batch[key][rows] for key in GEOMETRY_KEYS})
             write(pending)  # on GPU this overlaps with the encoding just launched
             pending = encoded
             if decoded >= data.BAD_CHECK_AFTER and stats.bad > args.max_bad_fraction * decoded:
