@@ -25,7 +25,7 @@ What differs from SD2 (model.py), all of it here:
   community's fp16-fix VAE (madebyollin/sdxl-vae-fp16-fix, same architecture and scaling, config
   `force_upcast: false`) runs in fp16. `vae_dtype` follows the config.
 - Caption dropout zeroes both encoders' conditioning (the states and the pooled embedding), as
-  SDXL's own trainer dropped conditioning and as the exported pipeline's unconditional branch
+  the reference SDXL trainer (generative-models) drops it and as the exported pipeline's unconditional branch
   (`force_zeros_for_empty_prompt`) samples it; the size/crop ids are kept.
 
 The two tokenizers are the same CLIP BPE and differ only in padding: ViT-L's pads with the end
@@ -329,7 +329,7 @@ def uncropped_time_ids(batch_size: int, image_size: int, device: torch.device | 
 def drop_conditioning(conditioning: Conditioning, prob: float) -> Conditioning:
     """Each row's text states and pooled embedding zeroed with probability `prob`; time ids kept.
 
-    Zeros, not the empty caption's encoding: SDXL's trainer zeroed dropped conditioning, and the
+    Zeros, not the empty caption's encoding: the reference SDXL trainer zeroes dropped conditioning, and the
     pipeline's unconditional branch (force_zeros_for_empty_prompt) is zeros, so guidance at
     sampling time asks the UNet exactly what dropout taught it. The draw uses the global RNG on
     the states' device (Composer seeds and checkpoints it), so a resumed run drops the same rows.
