@@ -29,11 +29,11 @@ from composer.loggers import WandBLogger
 from composer.utils import dist, reproducibility
 
 import data
-from checks import DEFAULT_LOCAL, PRECISIONS, default_local, record_caches, storage_error, validate, validate_recipe
-from console import ConsoleProgress
-from model import MODEL_CONFIGS, LossByTimestep, StableDiffusion, build_components, build_encoders_aside, sd2_meta_components
-from tokenizer import tokenize
-from throughput import Throughput, count_flops_per_image
+from t2ibench.checks import DEFAULT_LOCAL, PRECISIONS, default_local, record_caches, storage_error, validate, validate_recipe
+from t2ibench.console import ConsoleProgress
+from t2ibench.model import MODEL_CONFIGS, LossByTimestep, StableDiffusion, build_components, build_encoders_aside, sd2_meta_components
+from t2ibench.tokenizer import tokenize
+from t2ibench.throughput import Throughput, count_flops_per_image
 
 SHUFFLE_ALGOS = ("py1e", "py1br", "py1s", "py2s", "naive")  # Streaming 0.13 has no py1b
 DEFAULT_SHUFFLE_ALGO = "py1e"
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         loss_by_timestep = LossByTimestep(args.log_interval)
         recipe_callbacks.append(loss_by_timestep)
     if args.sample_prompts:
-        from sample import SampleImages, load_prompts
+        from t2ibench.sample import SampleImages, load_prompts
         recipe_callbacks.append(SampleImages(
             load_prompts(args.sample_prompts), args.samples_dir or os.path.join(args.save_folder, "samples"),
             args.sample_interval, tokenizer=encoders.tokenizer, text_encoder=encoders.text_encoder, vae=encoders.vae,

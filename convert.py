@@ -69,7 +69,7 @@ from streaming.base.hashing import get_hashes
 from streaming.base.util import bytes_to_int
 from tqdm import tqdm
 
-import paths
+from t2ibench import paths
 from data import load_image, to_rgb
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}

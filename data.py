@@ -29,8 +29,8 @@ from PIL import Image, ImageOps
 from streaming import Stream, StreamingDataLoader, StreamingDataset
 from torch.utils.data import DataLoader, Dataset
 
-from model import LATENT_SCALE
-from tokenizer import MAX_LENGTH, VOCAB_SIZE, tokenize
+from t2ibench.model import LATENT_SCALE
+from t2ibench.tokenizer import MAX_LENGTH, VOCAB_SIZE, tokenize
 
 
 class SyntheticImageCaptions(Dataset):

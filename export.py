@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 
-from model import MODEL_CONFIGS, build_encoders_aside
-from sample import SAMPLERS, make_sampler
+from t2ibench.model import MODEL_CONFIGS, build_encoders_aside
+from t2ibench.sample import SAMPLERS, make_sampler
 
 
 def fail(message: str) -> None:

@@ -95,11 +95,11 @@ from streaming.base.util import bytes_to_int
 from torch.utils.data import DataLoader, Dataset
 
 import data
-import paths
+from t2ibench import paths
 from cost import SAMPLES as SAMPLES_AT_SCALE
 from data import LATENT_KEYS, STORAGE_DTYPES, TEXT_STATES_KEY, TOKEN_IDS_COLUMN, TOKEN_IDS_DTYPE, mds_columns
-from model import MODEL_CONFIGS, build_components, scale_images
-from tokenizer import MAX_LENGTH, tokenize
+from t2ibench.model import MODEL_CONFIGS, build_components, scale_images
+from t2ibench.tokenizer import MAX_LENGTH, tokenize
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ def build_model(model_config: str, device: str, dtype: torch.dtype):
     """`StableDiffusion` with random weights; trainable UNet in `dtype`, frozen parts in fp32."""
     from diffusers import DDPMScheduler
 
-    from model import SCHEDULER_CONFIG, StableDiffusion, sd2_meta_components
+    from t2ibench.model import SCHEDULER_CONFIG, StableDiffusion, sd2_meta_components
     unet, vae, text_encoder = sd2_meta_components(model_config)
     g = torch.Generator(device="cpu").manual_seed(0)
     for module in (unet, vae, text_encoder):

@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
-from model import StableDiffusion, build_components
-from tokenizer import tokenize
+from t2ibench.model import StableDiffusion, build_components
+from t2ibench.tokenizer import tokenize
 
 # name -> (autocast dtype or None, channels_last, compile)
 SETTINGS = {

@@ -35,9 +35,9 @@ from PIL import Image, ImageColor, ImageDraw
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model import StableDiffusion, build_components  # noqa: E402
-from sample import make_sampler, sample_latents  # noqa: E402
-from tokenizer import tokenize  # noqa: E402
+from t2ibench.model import StableDiffusion, build_components  # noqa: E402
+from t2ibench.sample import make_sampler, sample_latents  # noqa: E402
+from t2ibench.tokenizer import tokenize  # noqa: E402
 
 SHAPES = ("square", "rectangle", "circle", "ellipse", "triangle", "diamond", "star", "cross", "hexagon")
 

@@ -24,7 +24,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import benchmark  # noqa: E402
-import checks  # noqa: E402
+from t2ibench import checks  # noqa: E402
 import data  # noqa: E402
 
 TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
@@ -249,7 +249,7 @@ def test_a_cache_filled_from_another_remote_is_refused(images, latents, tmp_path
 
 
 def test_latent_shards_without_the_flag_suggest_it_in_data_too(latents, tmp_path):
-    from tokenizer import bundled_tokenizer
+    from t2ibench.tokenizer import bundled_tokenizer
     with pytest.raises(ValueError, match="--precomputed"):
         data.StreamingImageCaptions(remote=None, local=str(latents), tokenizer=bundled_tokenizer(), image_size=32,
                                     batch_size=1)
@@ -257,7 +257,7 @@ def test_latent_shards_without_the_flag_suggest_it_in_data_too(latents, tmp_path
 
 def test_too_many_bad_images_is_one_line(tmp_path):
     from streaming import MDSWriter
-    from tokenizer import bundled_tokenizer
+    from t2ibench.tokenizer import bundled_tokenizer
     with MDSWriter(out=str(tmp_path / "rotten"), columns={"jpg": "bytes", "caption": "str", "key": "str"}) as w:
         for i in range(6):
             w.write({"jpg": b"not an image %d" % i, "caption": "x", "key": str(i)})

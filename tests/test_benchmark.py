@@ -14,8 +14,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model import StableDiffusion, build_components, count_parameters, sd2_meta_components  # noqa: E402
-from tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize  # noqa: E402
+from t2ibench.model import StableDiffusion, build_components, count_parameters, sd2_meta_components  # noqa: E402
+from t2ibench.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize  # noqa: E402
 
 TINY_RUN = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
             "--max_duration", "4ba", "--num_workers", "0", "--warmup_batches", "1"]
@@ -147,7 +147,7 @@ def test_pretrained_parts_load_from_a_local_diffusers_folder(tmp_path):
     from diffusers import AutoencoderKL
     from transformers import CLIPTextModel
 
-    from model import _load_pretrained
+    from t2ibench.model import _load_pretrained
 
     parts = build_components("tiny")
     parts.vae.save_pretrained(tmp_path / "vae")

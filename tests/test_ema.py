@@ -193,7 +193,7 @@ def _tiny_sd():
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from model import MODEL_CONFIGS, SCHEDULER_CONFIG, StableDiffusion
+    from t2ibench.model import MODEL_CONFIGS, SCHEDULER_CONFIG, StableDiffusion
     cfg = MODEL_CONFIGS["tiny"]
     torch.manual_seed(0)
     return StableDiffusion(UNet2DConditionModel(**cfg["unet"]), AutoencoderKL(**cfg["vae"]),
@@ -420,7 +420,7 @@ def _fsdp_worker(out: str) -> None:
     container = torch.nn.Module()
     from diffusers import UNet2DConditionModel
 
-    from model import MODEL_CONFIGS
+    from t2ibench.model import MODEL_CONFIGS
     torch.manual_seed(0)
     unet = UNet2DConditionModel(**MODEL_CONFIGS["tiny"]["unet"])
     container.unet = FSDP(unet, device_id=torch.device("cpu"), use_orig_params=True)

@@ -39,7 +39,7 @@ import bench_gpu  # noqa: E402
 import benchmark  # noqa: E402
 import cost  # noqa: E402
 import data  # noqa: E402
-from model import scale_images  # noqa: E402
+from t2ibench.model import scale_images  # noqa: E402
 
 TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
         "--num_workers", "0", "--num_synthetic_samples", "64", "--log_interval", "1ba"]

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import data  # noqa: E402
-from model import scale_images  # noqa: E402
+from t2ibench.model import scale_images  # noqa: E402
 import latents  # noqa: E402
 
 NUM_SAMPLES, BAD_INDEX, IMAGE_SIZE, CHUNK, SEED = 20, 7, 64, 6, 17
@@ -104,7 +104,7 @@ def reference(source):
     from composer.utils import reproducibility
     from streaming import StreamingDataset
 
-    from model import build_components
+    from t2ibench.model import build_components
 
     reproducibility.seed_all(SEED)
     parts = build_components("tiny")
@@ -128,7 +128,7 @@ def test_sizes_and_columns():
 @pytest.mark.parametrize("fmt", ["tokens", "text_states"])
 def test_precompute_stores_every_sample_once_as_the_encoders_compute_it(single, states, reference, fmt):
     import data
-    from tokenizer import tokenize
+    from t2ibench.tokenizer import tokenize
 
     out, stdout = single if fmt == "tokens" else states
     assert sorted(p.name for p in out.glob("chunk*")) == [latents.chunk_name(k) for k in range(NUM_CHUNKS)]
@@ -269,8 +269,8 @@ def test_synthetic_latents_are_deterministic_and_shaped_like_the_shards():
 
 @pytest.mark.parametrize("data_source, ranks", [("synthetic", 1), ("tokens", 1), ("tokens", 2), ("text_states", 1)])
 def test_benchmark_trains_on_precomputed_latents(single, states, tmp_path, data_source, ranks):
-    from model import sd2_meta_components
-    from throughput import count_flops_per_image
+    from t2ibench.model import sd2_meta_components
+    from t2ibench.throughput import count_flops_per_image
 
     results = tmp_path / "results.json"
     shards = tmp_path / "latents"  # a copy: Streaming decompresses shards next to the ones it reads
@@ -305,7 +305,7 @@ def test_text_states_computed_online_from_stored_tokens_equal_the_stored_ones(si
     equals, to fp16 precision, what latents.py --store_text_states stored."""
     from composer.utils import reproducibility
 
-    from model import StableDiffusion, build_components
+    from t2ibench.model import StableDiffusion, build_components
 
     reproducibility.seed_all(SEED)  # as benchmark.py --precomputed on tokens builds its parts
     parts = build_components("tiny", with_encoders=False, with_text_encoder=True)
@@ -406,7 +406,7 @@ def test_two_sources_mixed_in_one_run(single, states, source, tmp_path):
     # Mixed formats are refused; the image loader takes several sources too.
     with pytest.raises(ValueError, match="mix precomputed formats"):
         data.StreamingLatents(remote=f"{single[0]},{states[0]}", local=str(tmp_path / "mixed"), batch_size=4)
-    from tokenizer import bundled_tokenizer
+    from t2ibench.tokenizer import bundled_tokenizer
 
     source2 = tmp_path / "source2"
     shutil.copytree(source, source2)

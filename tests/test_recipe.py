@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import benchmark  # noqa: E402
-from model import TINY_SCALING_FACTOR, StableDiffusion, build_components  # noqa: E402
-from tokenizer import tokenize  # noqa: E402
+from t2ibench.model import TINY_SCALING_FACTOR, StableDiffusion, build_components  # noqa: E402
+from t2ibench.tokenizer import tokenize  # noqa: E402
 
 TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
         "--num_workers", "0", "--num_synthetic_samples", "12", "--warmup_batches", "1", "--log_interval", "1ba"]

@@ -12,8 +12,8 @@ from composer.models import ComposerClassifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model import sd2_meta_components  # noqa: E402
-from throughput import Throughput, count_flops_per_image  # noqa: E402
+from t2ibench.model import sd2_meta_components  # noqa: E402
+from t2ibench.throughput import Throughput, count_flops_per_image  # noqa: E402
 
 
 def test_sd2_base_flops_per_512_image_match_the_reference():

@@ -18,7 +18,7 @@ from composer.utils import dist
 from diffusers import DDIMScheduler, EulerDiscreteScheduler
 from PIL import Image
 
-from tokenizer import tokenize
+from t2ibench.tokenizer import tokenize
 
 SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler}
 

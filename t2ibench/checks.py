@@ -28,7 +28,7 @@ from composer.core import Time
 from composer.utils import dist
 
 import data
-from model import MODEL_CONFIGS
+from t2ibench.model import MODEL_CONFIGS
 
 PRECISIONS = ("auto", "fp32", "amp_bf16", "amp_fp16")
 DEFAULT_LOCAL = "/tmp/mds-cache"
@@ -513,7 +513,7 @@ def validate_recipe(args: argparse.Namespace) -> None:
     if Time.from_timestring(args.ema_half_life).value <= 0:
         fail(f"--ema_half_life {args.ema_half_life} must be positive")
     if args.sample_prompts:
-        from sample import load_prompts
+        from t2ibench.sample import load_prompts
         try:
             load_prompts(args.sample_prompts)
         except ValueError as e:

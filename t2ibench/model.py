@@ -22,7 +22,7 @@ from composer.utils import dist
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-from tokenizer import bundled_tokenizer
+from t2ibench.tokenizer import bundled_tokenizer
 
 _CROSS_DOWN = ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"]
 _CROSS_UP = ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3
