@@ -1,57 +1,74 @@
 """Pre-flight checks of benchmark.py: everything that can be checked before the model, the data or
 the Trainer is built, so that a mistake costs a second and one line, not a traceback after an hour.
 
-Each check ends the run with `benchmark.py: error: <flag or file>: <what is wrong; what to do>`
-(a SystemExit, so no traceback): dataset size against the global batch (from the MDS index or the
-synthetic count), time-string units, counts and rates, URI schemes, writable output locations,
-checkpoint files, the columns and kind of the shards, caches filled from another remote, and object
-stores that cannot be read. `validate(args, world_size)` runs them all; `benchmark.main` calls it first.
+Each check fails through `errors.fail` with the flag or file and what to do: dataset size against
+the global batch (from the MDS index or the synthetic count), time-string units, counts and rates,
+URI schemes, writable output locations, checkpoint files, the columns and kind of the shards,
+caches filled from another remote, and object stores that cannot be read. `validate(args,
+world_size)` runs them all, first thing in `benchmark.main`; it parses the data sources once into
+`args.sources` (`sources.Source`), which the data loader then reads.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import math
-import os
-import re
 import tarfile
 import tempfile
-import urllib.parse
 import zipfile
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 from composer.core import Time
-from composer.utils import dist
 
-import data
-from t2ibench.model import MODEL_CONFIGS
+from t2ibench.errors import fail, storage_error
+from t2ibench.families import ModelFamily
+from t2ibench.flags import check_shared
+from t2ibench.locations import CHECKPOINT_SCHEMES, LOAD_SCHEMES, is_remote, normalise, unwritable
+from t2ibench.sources import Source, check_cache, parse_sources
 
 PRECISIONS = ("auto", "fp32", "amp_bf16", "amp_fp16")
-DEFAULT_LOCAL = "/tmp/mds-cache"
+# Time units the run counts: tokens are never counted here, and Composer refuses `dur` and
+# wall-clock `sec` for max_duration and anything but ep/ba for the console log.
+TIME_UNITS = {"max_duration": ("ba", "ep", "sp"), "save_interval": ("ba", "ep", "sp", "dur"),
+              "log_interval": ("ba", "ep")}
 
 
-def default_local(remote: str | None) -> str:
-    """A cache folder per remote: Streaming trusts an index.json already in the cache, so one shared
-    default folder would silently serve the previous remote's samples."""
-    return f"{DEFAULT_LOCAL}/{hashlib.sha1(str(remote).encode()).hexdigest()[:12]}"
+def validate(args: argparse.Namespace, world_size: int) -> ModelFamily:
+    """Fail at once, with a one-line message naming the flag, on values that would fail later.
+
+    Sets `args.sources` (the data sources, parsed and normalised once) and the other location
+    flags to their normalised form (file:// URIs become paths); returns the model's family.
+    """
+    family = check_shared(args)
+    check_locations(args)  # before the checks below: they look at the normalised locations
+    check_run(args, world_size)
+    check_numbers(args)
+    check_recipe(args, family)
+    check_outputs(args)
+    check_checkpoint(args)
+    check_data(args)
+    return family
 
 
-def validate(args: argparse.Namespace, world_size: int) -> None:
-    """Fail at once, with a one-line message naming the flag, on values that would fail later."""
-    def fail(message: str) -> None:
-        raise SystemExit(f"benchmark.py: error: {message}")
+def check_locations(args: argparse.Namespace) -> None:
+    """file:// URIs become local paths; other URIs must use a scheme the flag supports."""
+    supported = {"save_folder": CHECKPOINT_SCHEMES, "load_path": LOAD_SCHEMES, "results_json": (),
+                 "ema_export_dir": (), "samples_dir": ()}
+    for flag, schemes in supported.items():
+        if getattr(args, flag):
+            setattr(args, flag, normalise(f"--{flag}", getattr(args, flag), schemes))
+    args.sources = parse_sources(args.remote, args.local)
 
-    check_locations(args)  # first: it turns file:// URIs into the paths the checks below look at
-    if args.model_config not in MODEL_CONFIGS:
-        fail(f"--model_config '{args.model_config}' is unknown; choose one of {sorted(MODEL_CONFIGS)}")
+
+def check_run(args: argparse.Namespace, world_size: int) -> None:
+    """Precision, batch and microbatch against the world size, and flags that need other flags."""
     if args.precision not in PRECISIONS:
         fail(f"--precision '{args.precision}' is unknown; choose one of {PRECISIONS}")
-    if args.image_size <= 0 or args.image_size % 8:
-        fail(f"--image_size {args.image_size} must be a positive multiple of 8 (the VAE downsamples by 8)")
+    if args.precision == "amp_fp16" and not torch.cuda.is_available():
+        # amp_bf16 runs on CPU under torch's CPU autocast (the model's); fp16 autocast has no CPU path here.
+        fail(f"--precision {args.precision} needs a CUDA GPU (none here); on CPU use fp32, auto or amp_bf16 (CPU autocast)")
     if args.batch_size <= 0 or args.batch_size % world_size:
         fail(f"--batch_size {args.batch_size} must be a positive multiple of the world size {world_size}")
     per_device = args.batch_size // world_size
@@ -64,17 +81,30 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             fail(f"--batch_size {args.batch_size} over {world_size} device(s) gives {per_device} per device, "
                  f"which --device_train_microbatch_size {micro} does not divide")
         args.device_train_microbatch_size = micro
-    if not args.use_synth_data and not args.remote and not args.local:
-        fail("no data: pass --use_synth_data, or --remote (with --local as cache), or --local with MDS shards already there")
-    if not args.use_synth_data and not args.remote and not Path(args.local).is_dir():
-        fail(f"--local {args.local} is not a folder; give --remote to stream shards into it")
-    try:
-        sources = data.parse_sources(args.remote)
-    except ValueError as error:
-        fail(str(error))
-    for source, _ in sources:
-        if not args.use_synth_data and not uri_scheme(source) and not Path(source, "index.json").is_file():
-            fail(f"--remote {source} holds no MDS dataset (no index.json); write one with convert.py first")
+    if args.precomputed_format != "tokens" and not (args.precomputed and args.use_synth_data):
+        fail("--precomputed_format only applies with --precomputed --use_synth_data (shards carry their own format)")
+    if args.xformers and importlib.util.find_spec("xformers") is None:
+        fail("--xformers: xformers is not installed; on a GPU machine `pip install xformers==0.0.30`, or drop the flag")
+    if args.ema_export_dir and not args.use_ema:
+        fail("--ema_export_dir needs --use_ema")
+    for flag in ("max_duration", "save_interval", "log_interval"):
+        try:
+            Time.from_timestring(getattr(args, flag))
+        except (ValueError, TypeError):
+            fail(f"--{flag} '{getattr(args, flag)}' is not a Composer time string such as 20ba, 1ep or 1000sp")
+    if args.autoresume and not (args.save_folder and args.run_name):
+        fail("--autoresume needs --save_folder and --run_name (the same on every restart) to find the latest checkpoint")
+    if args.autoresume and not is_remote(args.save_folder) and Path(args.save_folder).is_dir():
+        # Composer replaces `latest` by delete-then-link: a kill in between leaves checkpoints but no
+        # `latest`, and autoresume would silently start over and overwrite them.
+        saved = sorted(Path(args.save_folder).glob("ep*-ba*-rank0.pt"), key=lambda p: p.stat().st_mtime)
+        if saved and not (Path(args.save_folder) / "latest-rank0.pt").exists():
+            fail(f"--autoresume: {args.save_folder} holds checkpoints but no latest-rank0.pt; "
+                 f"resume explicitly with --load_path {saved[-1]} (or move the old checkpoints away)")
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Counts, rates and time strings: refuse values that hang, crash later or mean nothing."""
     if args.epoch_size is not None:
         try:
             from streaming.base.util import number_abbrev_to_int
@@ -85,135 +115,22 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     for flag in ("shuffle_block_size", "num_canonical_nodes", "sampling_granularity"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             fail(f"--{flag} {getattr(args, flag)} must be positive")
-    if args.precomputed_format != "tokens" and not (args.precomputed and args.use_synth_data):
-        fail("--precomputed_format only applies with --precomputed --use_synth_data (shards carry their own format)")
-    if args.num_workers < 0:
-        fail(f"--num_workers {args.num_workers} must be >= 0")
-    if args.peak_tflops is not None and args.peak_tflops <= 0:
-        fail(f"--peak_tflops {args.peak_tflops} must be positive (TFLOP/s of one device)")
-    if args.xformers and importlib.util.find_spec("xformers") is None:
-        fail("--xformers: xformers is not installed; on a GPU machine `pip install xformers==0.0.30`, or drop the flag")
-    if args.ema_export_dir and not args.use_ema:
-        fail("--ema_export_dir needs --use_ema")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        fail(f"--peak_tflops {args.peak_tflops} must be a positive number (TFLOP/s of one device)")
     if args.warmup_batches < 0:
         fail(f"--warmup_batches {args.warmup_batches} must be >= 0")
-    for flag in ("max_duration", "save_interval", "log_interval"):
-        try:
-            Time.from_timestring(getattr(args, flag))
-        except (ValueError, TypeError):
-            fail(f"--{flag} '{getattr(args, flag)}' is not a Composer time string such as 20ba, 1ep or 1000sp")
-    if args.autoresume and not (args.save_folder and args.run_name):
-        fail("--autoresume needs --save_folder and --run_name (the same on every restart) to find the latest checkpoint")
-    if args.autoresume and not uri_scheme(args.save_folder) and Path(args.save_folder).is_dir():
-        # Composer replaces `latest` by delete-then-link: a kill in between leaves checkpoints but no
-        # `latest`, and autoresume would silently start over and overwrite them.
-        saved = sorted(Path(args.save_folder).glob("ep*-ba*-rank0.pt"), key=lambda p: p.stat().st_mtime)
-        if saved and not (Path(args.save_folder) / "latest-rank0.pt").exists():
-            fail(f"--autoresume: {args.save_folder} holds checkpoints but no latest-rank0.pt; "
-                 f"resume explicitly with --load_path {saved[-1]} (or move the old checkpoints away)")
-    check_numbers(args)
-    check_outputs(args)
-    check_checkpoint(args)
-    check_data(args)
-
-
-# -----------------------------------------------------------------------------------------------
-# Bad input: what can be checked before the model, the data or the Trainer is built.
-# Every check ends the run with one line that names the flag or file and says what to do.
-# -----------------------------------------------------------------------------------------------
-
-def fail(message: str) -> NoReturn:
-    raise SystemExit(f"benchmark.py: error: {message}")
-
-
-# Composer's object stores (checkpoints; Composer also fetches --load_path over http(s)).
-CHECKPOINT_SCHEMES = ("s3", "gs", "oci", "azure", "dbfs")
-# Time units the run counts: tokens are never counted here, and Composer refuses `dur` and
-# wall-clock `sec` for max_duration and anything but ep/ba for the console log.
-TIME_UNITS = {"max_duration": ("ba", "ep", "sp"), "save_interval": ("ba", "ep", "sp", "dur"),
-              "log_interval": ("ba", "ep")}
-# Written into a --remote's cache folder: the remote it holds (Streaming trusts any index.json there).
-CACHE_RECORD = "remote.json"
-
-
-def data_schemes() -> list[str]:
-    """URI schemes Streaming can download --remote shards from (its own downloader table)."""
-    from streaming.base.storage.download import DOWNLOADER_MAPPINGS
-    return sorted(s for s in DOWNLOADER_MAPPINGS if s and s != "dbfs-uc")  # dbfs-uc is dbfs:/Volumes
-
-
-def uri_scheme(location: str) -> str:
-    """'s3' for s3://bucket/x, 'dbfs' for dbfs:/Volumes/x, '' for a local path."""
-    if "://" in location:
-        return location.split("://", 1)[0].lower()
-    return "dbfs" if location.startswith("dbfs:/") else ""
-
-
-def check_location(flag: str, location: str, schemes: list[str]) -> str:
-    """`location` with a file:// URI turned into its path; an unsupported scheme fails, naming `flag`."""
-    scheme = uri_scheme(location)
-    if scheme == "file":
-        parsed = urllib.parse.urlparse(location)
-        if parsed.netloc not in ("", "localhost"):
-            fail(f"--{flag} {location}: a file:// URI names a path on this machine; write file:///path or the path")
-        return urllib.parse.unquote(parsed.path)
-    if scheme and scheme not in schemes:
-        if not schemes:
-            fail(f"--{flag} takes a local path, not a URI ({location})")
-        fail(f"--{flag} {location}: unsupported scheme '{scheme}://'; use a local path or one of "
-             + ", ".join("dbfs:/Volumes/" if s == "dbfs" else f"{s}://" for s in schemes))
-    one_slash = re.match(r"([A-Za-z][\w+.-]*):/(?!/)", location)
-    if one_slash and one_slash.group(1).lower() in [*schemes, "file"] and not scheme:
-        fail(f"--{flag} {location} looks like a URI with one slash; write "
-             f"{one_slash.group(1)}://{location[one_slash.end():]}")
-    return location
-
-
-def check_locations(args: argparse.Namespace) -> None:
-    """file:// URIs become local paths; other URIs must use a scheme the flag supports. --remote may
-    name several sources (data.parse_sources): each is checked, and rewritten in place."""
-    supported = {"save_folder": list(CHECKPOINT_SCHEMES), "load_path": [*CHECKPOINT_SCHEMES, "http", "https"],
-                 "local": [], "results_json": [], "ema_export_dir": []}
-    for flag, schemes in supported.items():
-        if getattr(args, flag):
-            setattr(args, flag, check_location(flag, getattr(args, flag), schemes))
-    if args.remote:
-        try:
-            sources = data.parse_sources(args.remote)
-        except ValueError as error:
-            fail(str(error))
-        args.remote = ",".join(("" if proportion is None else f"{proportion:g}=")
-                               + check_location("remote", source, data_schemes()) for source, proportion in sources)
-
-
-def check_numbers(args: argparse.Namespace) -> None:
-    """Counts, rates and time strings: refuse values that hang, crash later or mean nothing."""
-    if not 0 <= args.seed < 2**32:
-        fail(f"--seed {args.seed} must be in 0..{2**32 - 1}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         fail(f"--lr {args.lr} must be a positive number, e.g. 1e-4")
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         fail(f"--weight_decay {args.weight_decay} must be a number >= 0")
     if args.num_synthetic_samples <= 0:
         fail(f"--num_synthetic_samples {args.num_synthetic_samples} must be positive")
-    if args.peak_tflops is not None and not math.isfinite(args.peak_tflops):
-        fail(f"--peak_tflops {args.peak_tflops} must be a positive number (TFLOP/s of one device)")
     if args.predownload is not None and args.predownload < 1:
         fail(f"--predownload {args.predownload} must be >= 1 sample (leave it out for 8 x the per-device batch)")
     if args.download_retry < 0:
         fail(f"--download_retry {args.download_retry} must be >= 0")
     if not (math.isfinite(args.download_timeout) and args.download_timeout > 0):
         fail(f"--download_timeout {args.download_timeout} must be a positive number of seconds")
-    if not 0 <= args.max_bad_fraction <= 1:
-        fail(f"--max_bad_fraction {args.max_bad_fraction} must be a fraction between 0 and 1")
-    if args.cache_limit is not None:
-        from streaming.base.util import bytes_to_int
-        try:
-            limit = bytes_to_int(args.cache_limit)
-        except ValueError:
-            fail(f"--cache_limit '{args.cache_limit}' is not a size such as 500gb or 20mb")
-        if limit <= 0:
-            fail(f"--cache_limit '{args.cache_limit}' must be a positive size such as 500gb")
     if args.validate_hash is not None:
         from streaming.base.hashing import get_hashes
         if args.validate_hash not in get_hashes():
@@ -221,7 +138,7 @@ def check_numbers(args: argparse.Namespace) -> None:
                  "(and one that index.json lists, as convert.py's sha1 and xxh64)")
     if args.save_num_checkpoints_to_keep < -1:
         fail(f"--save_num_checkpoints_to_keep {args.save_num_checkpoints_to_keep}: use -1 to keep all, or N >= 1")
-    if args.save_num_checkpoints_to_keep == 0 and args.save_folder and not uri_scheme(args.save_folder):
+    if args.save_num_checkpoints_to_keep == 0 and args.save_folder and not is_remote(args.save_folder):
         # Composer's 0 means "keep no local copy", which only makes sense when an object store keeps them.
         fail(f"--save_num_checkpoints_to_keep 0 keeps no checkpoint in the local --save_folder {args.save_folder}; "
              "use -1 to keep all, or N >= 1 to keep the newest N")
@@ -236,51 +153,17 @@ def check_numbers(args: argparse.Namespace) -> None:
         if flag == "max_duration" and time.unit.value == "sp" and time.value < args.batch_size:
             fail(f"--max_duration {value} is less than one global batch (--batch_size {args.batch_size}): "
                  "no step would run")
-    if args.precision == "amp_fp16" and not torch.cuda.is_available():
-        # amp_bf16 runs on CPU under torch's CPU autocast (see main); fp16 autocast has no CPU path here.
-        fail(f"--precision {args.precision} needs a CUDA GPU (none here); on CPU use fp32, auto or amp_bf16 (CPU autocast)")
-
-
-def unwritable(path: str, folder: bool) -> str | None:
-    """Why `path` (a file, or a folder if `folder`) cannot be written, or None if it can.
-
-    Probes by doing what the run will do, without leaving anything: a temporary file in the
-    nearest existing folder, or opening an existing file for appending (which changes nothing).
-    """
-    target = Path(path).expanduser().absolute()
-    if target.exists():
-        if folder != target.is_dir():
-            return f"is {'a file, not a folder' if folder else 'a folder, not a file'}"
-        if not folder:
-            try:
-                with open(target, "a"):
-                    pass
-            except OSError as error:
-                return f"cannot be written ({error.strerror})"
-            return None
-    parent = target if target.is_dir() else target.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"cannot be created: {parent} is a file"
-    try:
-        with tempfile.TemporaryFile(dir=parent):
-            pass
-    except OSError as error:
-        return f"is not writable ({error.strerror})" if parent == target else \
-            f"cannot be created in {parent} ({error.strerror})"
-    return None
 
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Output locations are checked before training, not found unwritable after the last batch."""
     for flag, folder in (("results_json", False), ("ema_export_dir", True), ("save_folder", True)):
         location = getattr(args, flag)
-        if location and not uri_scheme(location):
-            why = unwritable(location, folder)
-            if why:
-                fail(f"--{flag} {location} {why}; choose a writable location")
-    if args.save_folder and not uri_scheme(args.save_folder) and not (args.autoresume or args.load_path):
+        if location and not is_remote(location):
+            problem = unwritable(f"--{flag}", location, folder)
+            if problem:
+                fail(problem)
+    if args.save_folder and not is_remote(args.save_folder) and not (args.autoresume or args.load_path):
         # Composer refuses (at start) to save where a checkpoint of another run could be overwritten.
         saved = sorted(Path(args.save_folder).glob("ep*-ba*-rank*.pt"))
         if saved:
@@ -291,7 +174,7 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 def check_checkpoint(args: argparse.Namespace) -> None:
     """A local --load_path must be a checkpoint file (Composer's: a torch zip archive, or compressed)."""
-    if not args.load_path or uri_scheme(args.load_path):
+    if not args.load_path or is_remote(args.load_path):
         return
     path = Path(args.load_path)
     if not path.exists():
@@ -352,103 +235,41 @@ def check_dataset_size(num_samples: int, label: str, args: argparse.Namespace) -
              f"no step could run; pass a --batch_size of at most {num_samples}, or use more data")
 
 
-def cache_source(remote: str) -> str:
-    """The form of a --remote recorded in its cache: absolute for paths, no trailing slash."""
-    return remote.rstrip("/") if uri_scheme(remote) else os.path.abspath(remote)
-
-
-def check_cache(local: str, remote: str) -> None:
-    """Refuse a cache folder filled from another remote: Streaming would serve its samples silently."""
-    record, index = Path(local, CACHE_RECORD), Path(local, "index.json")
-    if record.is_file():
-        try:
-            cached = json.loads(record.read_text())["remote"]
-        except (OSError, ValueError, KeyError, TypeError):
-            cached = f"an unreadable {record}"
-        if cached != cache_source(remote):
-            fail(f"--local {local} is the cache of --remote {cached}, not {remote}: pass another --local "
-                 "(or leave it out: the default cache is one folder per remote)")
-    elif index.is_file():
-        same = not uri_scheme(remote) and Path(remote, "index.json").is_file() \
-            and Path(remote, "index.json").read_bytes() == index.read_bytes()
-        # The default cache is named by a hash of the remote: an index there came from that remote.
-        mine = os.path.abspath(local) in (cache_source(remote), os.path.abspath(default_local(remote)))
-        if not same and not mine:
-            fail(f"--local {local} already holds an MDS dataset that was not streamed from --remote {remote} "
-                 f"(no {CACHE_RECORD}); Streaming would train on it instead: pass an empty or new --local")
-
-
-def record_cache(local: str, remote: str) -> None:
-    """Write the cache's remote (once per node, atomically: other ranks may be reading it)."""
-    if os.path.abspath(local) == cache_source(remote) or dist.get_local_rank() != 0:
-        return
-    record = Path(local, CACHE_RECORD)
-    if record.is_file():
-        return
-    record.parent.mkdir(parents=True, exist_ok=True)
-    partial = record.with_name(f"{CACHE_RECORD}.{os.getpid()}.tmp")
-    partial.write_text(json.dumps({"remote": cache_source(remote)}) + "\n")
-    os.replace(partial, record)
-
-
-def data_caches(args: argparse.Namespace) -> list[tuple[str, str | None]]:
-    """(cache folder, remote) of every source, as the loaders will use them: one source streams into
-    --local (or its default), several each into their own subfolder of --local (data.stream_local)."""
-    sources = data.parse_sources(args.remote)
-    if not sources:
-        return [(args.local, None)]
-    if len(sources) == 1 and sources[0][1] is None:
-        return [(args.local or default_local(sources[0][0]), sources[0][0])]
-    if not args.local:
-        fail("several --remote sources need --local, the folder their caches go under")
-    return [(data.stream_local(args.local, source), source) for source, _ in sources]
-
-
-def record_caches(args: argparse.Namespace) -> None:
-    for local, remote in data_caches(args):
-        if remote:
-            record_cache(local, remote)
-
-
 def check_data(args: argparse.Namespace) -> None:
     """The dataset the flags name: it exists, is MDS, has the columns asked for and >= one global batch."""
-    if args.use_synth_data and (args.remote or args.local):
+    if args.use_synth_data and args.sources:
         fail("--use_synth_data trains on random samples and would ignore " + ("--remote" if args.remote else "--local")
              + "; pass one or the other")
     if args.use_synth_data:
         check_dataset_size(args.num_synthetic_samples,
                            f"the synthetic dataset (--num_synthetic_samples {args.num_synthetic_samples})", args)
         return
-    if args.local and Path(args.local).exists() and not Path(args.local).is_dir():
-        fail(f"--local {args.local} is a file, not a folder")
-    num_samples, labels = 0, []
-    for local, remote in data_caches(args):
-        num_samples += check_source(local, remote, args)
-        labels.append(f"--remote {remote}" if remote else f"--local {local}")
+    if not args.sources:
+        fail("no data: pass --use_synth_data, or --remote (with --local as cache), or --local with MDS shards "
+             "already there")
+    if not args.remote and not Path(args.sources[0].local).is_dir():
+        fail(f"--local {args.local} is not a folder; give --remote to stream shards into it")
+    for source in args.sources:
+        if source.remote and not is_remote(source.remote) and not Path(source.remote, "index.json").is_file():
+            fail(f"--remote {source.remote} holds no MDS dataset (no index.json); write one with convert.py first")
+    num_samples = sum(check_source(source, args) for source in args.sources)
     if args.epoch_size is None:
         # With --epoch_size, Streaming draws that many samples whatever the sources hold.
-        check_dataset_size(num_samples, " + ".join(labels), args)
+        check_dataset_size(num_samples, " + ".join(source.label for source in args.sources), args)
 
 
-def check_source(local: str, remote: str | None, args: argparse.Namespace) -> int:
+def check_source(source: Source, args: argparse.Namespace) -> int:
     """One source's cache and index (see check_data); returns its number of samples."""
+    local, remote = source.local, source.remote
     if Path(local).exists() and not Path(local).is_dir():
         fail(f"--local {local} is a file, not a folder")
-    if remote:
-        check_cache(local, remote)
-    elif Path(local, CACHE_RECORD).is_file():
-        try:
-            cached = json.loads(Path(local, CACHE_RECORD).read_text())["remote"]
-        except (OSError, ValueError, KeyError, TypeError):
-            cached = "that filled it"
-        fail(f"--local {local} is the cache of --remote {cached}: pass --remote {cached} again "
-             "(shards already cached are not downloaded again)")
+    check_cache(source)
     if Path(local, "index.json").is_file():  # Streaming reads the cached index rather than the remote's
         return check_index(read_index(Path(local, "index.json"), local), f"--local {local}", args)
     if not remote:
         fail(f"--local {local} holds no MDS dataset (no index.json): write one with convert.py, "
              "or pass --remote to stream one into it")
-    if not uri_scheme(remote):
+    if not is_remote(remote):
         return check_index(read_index(Path(remote, "index.json"), remote), f"--remote {remote}", args)
     # The index is small: fetch it with Streaming's own downloader to check it before anything
     # is built; credentials, endpoint and path errors surface here, as one line.
@@ -464,31 +285,8 @@ def check_source(local: str, remote: str | None, args: argparse.Namespace) -> in
         return check_index(read_index(Path(folder, "index.json"), remote), f"--remote {remote}", args)
 
 
-def storage_error(error: BaseException) -> str | None:
-    """One line for an object-store failure (credentials, endpoint, missing object), else None."""
-    seen = error
-    while seen is not None:
-        module = type(seen).__module__
-        if module.startswith(("botocore", "boto3", "google", "oci", "azure", "libcloud", "paramiko")):
-            line = f"{type(seen).__name__}: {str(seen).splitlines()[0] if str(seen) else ''}"
-            if type(seen).__name__ == "NoCredentialsError":
-                line += " (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
-            elif type(seen).__name__ in ("EndpointConnectionError", "ConnectTimeoutError"):
-                line += " (check S3_ENDPOINT_URL and the network)"
-            return line
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-# What --ema_export_dir holds once written: a diffusers StableDiffusionPipeline folder (export.py).
-PIPELINE_ENTRIES = {"model_index.json", "unet", "vae", "text_encoder", "tokenizer", "scheduler"}
-
-
-def validate_recipe(args: argparse.Namespace) -> None:
-    """One-line errors for the training-recipe, sampling and export flags."""
-    def fail(message: str) -> None:
-        raise SystemExit(f"benchmark.py: error: {message}")
-
+def check_recipe(args: argparse.Namespace, family: ModelFamily) -> None:
+    """The training-recipe, sampling and export flags."""
     if args.lr_warmup_batches < 0:
         fail(f"--lr_warmup_batches {args.lr_warmup_batches} must be >= 0")
     if args.grad_clip_norm is not None and args.grad_clip_norm <= 0:
@@ -513,14 +311,14 @@ def validate_recipe(args: argparse.Namespace) -> None:
     if Time.from_timestring(args.ema_half_life).value <= 0:
         fail(f"--ema_half_life {args.ema_half_life} must be positive")
     if args.sample_prompts:
-        from t2ibench.sample import load_prompts
+        from t2ibench.sampling import load_prompts
         try:
             load_prompts(args.sample_prompts)
         except ValueError as e:
             fail(f"--sample_prompts {e}")
         if not args.samples_dir and not args.save_folder:
             fail("--sample_prompts needs --samples_dir or --save_folder (samples go to <save_folder>/samples)")
-        if not args.samples_dir and "://" in args.save_folder:
+        if not args.samples_dir and is_remote(args.save_folder):
             fail(f"--sample_prompts: --save_folder {args.save_folder} is an object store; give a local --samples_dir")
         if args.sample_steps <= 0:
             fail(f"--sample_steps {args.sample_steps} must be positive")
@@ -529,6 +327,6 @@ def validate_recipe(args: argparse.Namespace) -> None:
     if args.ema_export_dir and Path(args.ema_export_dir).is_dir() and any(Path(args.ema_export_dir).iterdir()):
         entries = {p.name for p in Path(args.ema_export_dir).iterdir()}
         # A resumed or retried job finds the pipeline it exported before: that one it may rewrite.
-        own_export = entries <= PIPELINE_ENTRIES and (args.autoresume or args.load_path)
+        own_export = entries <= {"model_index.json", *family.pipeline_parts} and (args.autoresume or args.load_path)
         if not own_export:
             fail(f"--ema_export_dir {args.ema_export_dir} is not empty; choose a new folder (nothing is overwritten)")
