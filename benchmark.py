@@ -29,13 +29,13 @@ from composer.utils import dist
 from torch.utils.data import DataLoader
 
 import data
-from t2ibench import errors, flags
+from t2ibench import checks, errors, flags
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
 from t2ibench.callbacks.nonfinite_loss import NonFiniteLossError, StopOnNonFiniteLoss
 from t2ibench.callbacks.progress import ConsoleProgress
 from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
-from t2ibench.checks import PRECISIONS, validate
+from t2ibench.checks import PRECISIONS
 from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
 from t2ibench.locations import DEFAULT_CACHE_ROOT
 from t2ibench.model import DiffusionModel, unwrap_model
@@ -126,6 +126,12 @@ def build_parser() -> flags.Parser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
+
+
+def validate(args: argparse.Namespace, world_size: int) -> ModelFamily:
+    """Every check of the flags (t2ibench.checks), as the command reports them; the model's family."""
+    with errors.command("benchmark.py"):
+        return checks.validate(args, world_size)
 
 
 def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None = None) -> dict:

@@ -1,37 +1,19 @@
-"""Command-line flags shared by the commands, declared once, and the parser every command uses.
-
-`Parser` is argparse with the project's conventions: a flag file is read where `@FILE` stands
-(`benchmark.py @recipes/sd2-stage1.args --remote s3://...`; flags later on the line win, so a
-recipe's value can be overridden), one or more flags per line and `#` comments; an error is one line,
-`<command>: error: <message>`. The groups below are the flags benchmark.py and latents.py share
-(the data source, the model, seeds and workers); `check_shared` checks them the same way in both.
+"""Command-line flags shared by benchmark.py and latents.py, declared once: the data source, the
+model, seeds and workers, and (benchmark.py) the Streaming settings. `check_shared` checks them the
+same way in both. The parser itself is `cli.Parser`.
 """
 from __future__ import annotations
 
 import argparse
 import math
-import shlex
 
+from t2ibench.cli import Parser  # noqa: F401 - the commands' parser, with these groups
 from t2ibench.errors import fail
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of
 from t2ibench.sources import JoinSources
 from t2ibench.streaming import SHUFFLE_ALGOS, StreamingSettings
 
 MAX_BAD_FRACTION = 0.01  # the default bad-data policy (see data.StreamingImageCaptions)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with @FILE flag files (several flags per line, # comments) and one-line errors."""
-
-    def __init__(self, prog: str, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
-        super().__init__(prog=prog, fromfile_prefix_chars="@", **kwargs)
-
-    def convert_arg_line_to_args(self, line: str) -> list[str]:
-        return shlex.split(line, comments=True)
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")  # the full usage is in --help
 
 
 def add_source(p: argparse.ArgumentParser, local_help: str) -> None:

@@ -24,8 +24,8 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import benchmark  # noqa: E402
-from t2ibench import checks  # noqa: E402
 import data  # noqa: E402
+from t2ibench.sources import Source, record_cache  # noqa: E402
 
 TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
         "--max_duration", "2ba", "--num_workers", "0", "--warmup_batches", "1"]
@@ -174,7 +174,7 @@ def test_file_uri_is_a_local_path(images, tmp_path):
     args = benchmark.parse_args(REAL + ["--remote", f"file://{images}", "--local", str(tmp_path / "cache"),
                                         "--results_json", f"file://{tmp_path}/r.json"])
     benchmark.validate(args, 1)
-    assert args.remote == str(images) and args.results_json == f"{tmp_path}/r.json"
+    assert args.sources[0].remote == str(images) and args.results_json == f"{tmp_path}/r.json"
 
 
 @pytest.mark.parametrize("case", ["missing", "folder", "text", "zip"])
@@ -235,7 +235,7 @@ def test_a_cache_filled_from_another_remote_is_refused(images, latents, tmp_path
     cache = tmp_path / "cache"
     first = benchmark.parse_args(REAL + ["--remote", str(images), "--local", str(cache)])
     benchmark.validate(first, 1)
-    checks.record_cache(str(cache), str(images))
+    record_cache(Source(str(images), str(cache)))
     (cache / "index.json").write_bytes((images / "index.json").read_bytes())  # as Streaming leaves it
     benchmark.validate(benchmark.parse_args(REAL + ["--remote", f"{images}/", "--local", str(cache)]), 1)  # same
     message = error_of(REAL + ["--remote", str(latents), "--precomputed", "--local", str(cache)])

@@ -148,9 +148,11 @@ class SD2(ModelFamily):
     def meta_parts(self, config: str) -> Parts:
         cfg = CONFIGS[config]
         with torch.device("meta"):
-            return Parts(UNet2DConditionModel(**cfg["unet"]), AutoencoderKL(**cfg["vae"]),
-                         {"text_encoder": CLIPTextModel(CLIPTextConfig(**cfg["text_encoder"]))}, {},
-                         DDPMScheduler(**SCHEDULER_CONFIG), float(cfg["vae"]["scaling_factor"]))
+            unet, vae = UNet2DConditionModel(**cfg["unet"]), AutoencoderKL(**cfg["vae"])
+            text_encoder = CLIPTextModel(CLIPTextConfig(**cfg["text_encoder"]))
+        # The schedule's tensors are real: they are tiny, and a model built on these parts trains.
+        return Parts(unet, vae, {"text_encoder": text_encoder}, {}, DDPMScheduler(**SCHEDULER_CONFIG),
+                     float(cfg["vae"]["scaling_factor"]))
 
     def latent_channels(self, config: str) -> int:
         return CONFIGS[config]["vae"]["latent_channels"]
