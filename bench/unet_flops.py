@@ -160,28 +160,23 @@ def unet_flops(config: dict, latent_side: int, text_tokens: int = TEXT_TOKENS) -
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_config", nargs="+", default=["sdxl-base", "sd2-base"],
-                   help="configs to count (sd2-base, tiny, sdxl-base, sdxl-tiny)")
+                   help="configs to count (any --model_config whose denoiser is a UNet2DConditionModel)")
     p.add_argument("--image_size", type=int, nargs="+", default=None,
                    help="pixels (default: each config's training size, 512 for SD2, 1024 for SDXL)")
     p.add_argument("--no_flop_counter", action="store_true", help="print the hand count only (fast)")
     args = p.parse_args(argv)
-    import model
-    import sdxl
-    import throughput
+    from t2ibench.families import family_of
 
     rows = []
     for name in args.model_config:
-        is_xl = name in sdxl.CONFIGS
-        config = (sdxl.CONFIGS if is_xl else model.MODEL_CONFIGS)[name]["unet"]
-        sizes = args.image_size or [config["sample_size"] * 8]
-        if not args.no_flop_counter:
-            unet = sdxl.meta_components(name).unet if is_xl else model.sd2_meta_components(name)[0]
+        family = family_of(name)
+        config = dict(family.meta_parts(name).denoiser.config)  # what the family builds, read back
+        sizes = args.image_size or [config["sample_size"] * family.latent_downsample]
         for size in sizes:
-            fwd, fwd_bwd = unet_flops(config, size // 8)
+            fwd, fwd_bwd = unet_flops(config, size // family.latent_downsample)
             row = {"model_config": name, "image_size": size, "hand_fwd": fwd, "hand_fwd_bwd": fwd_bwd}
             if not args.no_flop_counter:
-                counted = (sdxl.count_flops_per_image(unet, None, None, None, size) if is_xl
-                           else throughput.count_flops_per_image(unet, None, None, size))
+                counted = family.flops_per_image(name, size, vae=False, text_encoders=False)
                 row.update(counter_fwd=counted["unet_fwd"], counter_fwd_bwd=counted["unet_fwd_bwd"])
             rows.append(row)
             line = f"{name} at {size}px: by hand {fwd / 1e9:,.1f} GFLOP fwd, {fwd_bwd / 1e9:,.1f} fwd+bwd"

@@ -17,10 +17,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import data  # noqa: E402
-import sdxl  # noqa: E402
 import unet_flops  # noqa: E402
-from model import scale_images  # noqa: E402
-from tokenizer import tokenize  # noqa: E402
+from t2ibench.families import sdxl  # noqa: E402
+from t2ibench.model import scale_images  # noqa: E402
+from t2ibench.tokenizer import tokenize  # noqa: E402
 
 CAPTIONS = ["a red square!", "", "a blue circle on a green field, oil painting"]
 

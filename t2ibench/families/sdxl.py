@@ -50,8 +50,9 @@ from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionXLPipeline, U
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from model import SCHEDULER_CONFIG, TINY, TINY_VAE_LOGVAR_BIAS, _load_pretrained
-from tokenizer import MAX_LENGTH, bundled_tokenizer
+from t2ibench.families.family import load_pretrained as _load_pretrained
+from t2ibench.families.sd2 import SCHEDULER_CONFIG, TINY, TINY_VAE_LOGVAR_BIAS
+from t2ibench.tokenizer import MAX_LENGTH, bundled_tokenizer
 
 MODEL_NAME = "stabilityai/stable-diffusion-xl-base-1.0"
 FP16_FIX_VAE_NAME = "madebyollin/sdxl-vae-fp16-fix"  # same architecture and scaling, runs in fp16
