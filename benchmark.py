@@ -162,9 +162,10 @@ def build_data(args: argparse.Namespace, run: Runtime, family: ModelFamily) -> T
                   family=family)
     settings = StreamingSettings.from_args(args)
     if args.precomputed:
-        text_dim = next(iter(family.conditioning_shapes(args.model_config).values()))[-1]
+        shapes = family.conditioning_shapes(args.model_config)
         loader = data.latents_dataloader(
-            synthetic=args.use_synth_data, sources=args.sources, image_size=args.image_size, text_dim=text_dim,
+            synthetic=args.use_synth_data, sources=args.sources, image_size=args.image_size,
+            text_dim=next(iter(shapes.values()))[-1], conditioning_shapes=shapes,
             latent_channels=family.latent_channels(args.model_config), num_samples=args.num_synthetic_samples,
             synthetic_format=args.precomputed_format, settings=settings, **common)
         return TrainingData(loader, loader.dataset.text_format, None)
@@ -222,7 +223,8 @@ def build_model(args: argparse.Namespace, run: Runtime, family: ModelFamily, tra
     if args.caption_drop_prob > 0:
         empty = family.tokenize(encoders.tokenizers, [""])
         with torch.no_grad():
-            model.set_caption_dropout(args.caption_drop_prob, empty, family.encode_text(encoders.text_encoders, empty))
+            model.set_caption_dropout(args.caption_drop_prob, empty,
+                                      family.as_unconditional(family.encode_text(encoders.text_encoders, empty)))
     apply_speed_settings(args, run, model)
     flops = family.flops_per_image(args.model_config, args.image_size, vae=not args.precomputed,
                                    text_encoders=text_format != "text_states")

@@ -12,6 +12,7 @@ import torch
 from composer.models import ComposerModel
 
 from t2ibench.families import ModelFamily, Parts
+from t2ibench.images import GEOMETRY_KEYS
 
 
 def scale_images(images: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -47,7 +48,10 @@ class DiffusionModel(ComposerModel):
 
     Training-recipe options (all off by default, and then the step is exactly the plain one):
     `snr_gamma` (min-SNR-gamma loss weighting), `offset_noise` (a per-channel constant added to the
-    noise) and caption dropout (`set_caption_dropout`). Every step also adds its per-sample errors
+    noise) and caption dropout (`set_caption_dropout`; for a family whose "no caption" is zeros, the
+    dropped rows' text conditioning is zeroed after encoding instead). A family with
+    micro-conditioning (SDXL) also gets each image's `original_size` and `crop_top_left` from the
+    batch in its conditioning. Every step also adds its per-sample errors
     to `loss_bins` sums by timestep (a few element-wise ops on the latents, no host sync).
     """
 
@@ -156,9 +160,27 @@ class DiffusionModel(ComposerModel):
                 return self._forward(batch)
         return self._forward(batch)
 
+    def _drop_rows(self, batch: dict) -> torch.Tensor:
+        """Which samples lose their caption (B,) bool: one draw per sample from the global RNG."""
+        first = next(batch[key] for key in (*self.family.conditioning_keys, *self.family.text_input_keys)
+                     if key in batch)
+        return torch.rand(first.shape[0], device=first.device) < self.caption_drop_prob
+
+    def _zero_dropped(self, conditioning: dict[str, torch.Tensor], drop: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The dropped rows of the text conditioning zeroed (families whose "no caption" is zeros)."""
+        dropped = dict(conditioning)
+        for key in self.family.conditioning_keys:
+            rows = conditioning[key]
+            dropped[key] = rows.masked_fill(drop.to(rows.device).view(-1, *([1] * (rows.dim() - 1))), 0)
+        return dropped
+
     def _forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        drop_to_zeros = None
         if self.caption_drop_prob > 0:
-            batch = self._drop_captions(batch)
+            if self.family.unconditional == "zeros":
+                drop_to_zeros = self._drop_rows(batch)  # drawn where the other families draw theirs
+            else:
+                batch = self._drop_captions(batch)
         if "latent_mean" in batch:
             # Sample the stored posterior as the VAE would: mean + std * eps, then shift and scale.
             mean, logvar = batch["latent_mean"].float(), batch["latent_logvar"].float()
@@ -175,6 +197,14 @@ class DiffusionModel(ComposerModel):
                              "precomputed without --store_text_states)")
         else:
             conditioning = self.encode_text({key: batch[key] for key in self.family.text_input_keys})
+        if drop_to_zeros is not None:
+            conditioning = self._zero_dropped(conditioning, drop_to_zeros)
+        if self.family.micro_conditioning:  # each image's original size and crop, from the data
+            missing = [key for key in GEOMETRY_KEYS if key not in batch]
+            if missing:
+                raise ValueError(f"this model is conditioned on each image's original size and crop, but the batch "
+                                 f"has no {' or '.join(missing)}: build the loader with this model's family")
+            conditioning.update({key: batch[key] for key in GEOMETRY_KEYS})
         # Noise is added in fp32 whatever the autocast dtype of the VAE output, and drawn with
         # torch.randn, not randn_like, so the draws do not depend on dtype or memory format.
         latents = latents.float()

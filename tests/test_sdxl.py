@@ -1,6 +1,6 @@
-"""SDXL as a model family (sdxl.py): configs built offline, conditioning as diffusers' pipeline computes
-it, zeroed caption dropout, size/crop ids from the data, FLOPs against a hand count, export to a
-StableDiffusionXLPipeline folder that loads offline and samples."""
+"""SDXL as a model family (t2ibench/families/sdxl.py): configs built offline, conditioning as diffusers'
+pipeline computes it, zeroed caption dropout, size/crop ids from the data, FLOPs against a hand
+count, a pipeline folder that StableDiffusionXLPipeline loads offline and samples from."""
 from __future__ import annotations
 
 import io
@@ -18,9 +18,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import data  # noqa: E402
 import unet_flops  # noqa: E402
+from t2ibench.families import MODEL_CONFIGS, Parts  # noqa: E402
 from t2ibench.families import sdxl  # noqa: E402
-from t2ibench.model import scale_images  # noqa: E402
+from t2ibench.model import DiffusionModel, scale_images  # noqa: E402
 from t2ibench.tokenizer import tokenize  # noqa: E402
+
+FAMILY = MODEL_CONFIGS["sdxl-base"]
 
 CAPTIONS = ["a red square!", "", "a blue circle on a green field, oil painting"]
 
@@ -36,9 +39,9 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny() -> sdxl.Components:
+def tiny() -> Parts:
     torch.manual_seed(0)
-    return sdxl.build_components("sdxl-tiny")
+    return FAMILY.build("sdxl-tiny")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -46,18 +49,18 @@ def tiny() -> sdxl.Components:
 # -----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def base_on_meta() -> sdxl.Components:
-    return sdxl.meta_components("sdxl-base")
+def base_on_meta() -> Parts:
+    return FAMILY.meta_parts("sdxl-base")
 
 
 def test_sdxl_base_builds_offline_with_the_published_architecture(base_on_meta):
     parts = base_on_meta
-    counts = {name: sum(p.numel() for p in getattr(parts, name).parameters())
-              for name in ("unet", "vae", "text_encoder", "text_encoder_2")}
+    modules = {"unet": parts.denoiser, "vae": parts.vae, **parts.text_encoders}
+    counts = {name: sum(p.numel() for p in module.parameters()) for name, module in modules.items()}
     # The published SDXL base 1.0: UNet 2.567B, VAE 83.7M (SD's), CLIP ViT-L text 123.1M, bigG text 694.7M.
     assert counts == {"unet": 2_567_463_684, "vae": 83_653_863, "text_encoder": 123_060_480,
                       "text_encoder_2": 694_659_840}
-    unet = parts.unet
+    unet = parts.denoiser
     assert unet.add_embedding.linear_1.in_features == 6 * 256 + 1280 == 2816
     # Transformer depths 1 / 2 / 10 at the two attention levels and in the middle; 64-wide heads.
     depths = [len(block.attentions[0].transformer_blocks) for block in unet.down_blocks if hasattr(block, "attentions")]
@@ -78,18 +81,20 @@ def test_unet_widths_agree_with_the_text_encoders(name):
 
 
 def test_sdxl_tiny_is_a_miniature_of_a_few_million_parameters():
-    counts = sdxl.parameter_counts("sdxl-tiny")
-    assert 1e6 < counts["unet"] < 5e6
-    assert sum(counts.values()) < 10e6  # mostly the encoders' token embeddings
+    parts = FAMILY.meta_parts("sdxl-tiny")
+    unet = sum(p.numel() for p in parts.denoiser.parameters())
+    frozen = sum(p.numel() for m in (parts.vae, *parts.text_encoders.values()) for p in m.parameters())
+    assert 1e6 < unet < 5e6
+    assert frozen < 6e6  # mostly the encoders' token embeddings
+    assert FAMILY.default_image_size("sdxl-tiny") == 64 and FAMILY.default_image_size("sdxl-base") == 1024
 
 
 # -----------------------------------------------------------------------------------------------
 # FLOPs: flop_counter on meta tensors against a count by hand from the config.
 # -----------------------------------------------------------------------------------------------
 
-def test_sdxl_base_flops_per_1024_image_equal_a_count_by_hand(base_on_meta):
-    parts = base_on_meta
-    counted = sdxl.count_flops_per_image(parts.unet, None, None, None, image_size=1024)
+def test_sdxl_base_flops_per_1024_image_equal_a_count_by_hand():
+    counted = FAMILY.flops_per_image("sdxl-base", 1024, vae=False, text_encoders=False)
     by_hand_fwd, by_hand_fwd_bwd = unet_flops.unet_flops(sdxl.SDXL_BASE["unet"], 1024 // 8)
     assert counted["unet_fwd"] == by_hand_fwd
     assert counted["unet_fwd_bwd"] == by_hand_fwd_bwd
@@ -98,8 +103,7 @@ def test_sdxl_base_flops_per_1024_image_equal_a_count_by_hand(base_on_meta):
 
 
 def test_encoder_flops_are_counted_when_they_run():
-    parts = sdxl.meta_components("sdxl-tiny")
-    online = sdxl.count_flops_per_image(parts.unet, parts.vae, parts.text_encoder, parts.text_encoder_2, 64)
+    online = FAMILY.flops_per_image("sdxl-tiny", 64)
     assert online["vae_encoder"] > 0 and online["text_encoder"] > 0
     assert online["total"] == pytest.approx(online["unet_fwd_bwd"] + online["vae_encoder"] + online["text_encoder"])
     fwd, fwd_bwd = unet_flops.unet_flops(sdxl.SDXL_TINY["unet"], 8)
@@ -111,7 +115,8 @@ def test_encoder_flops_are_counted_when_they_run():
 # -----------------------------------------------------------------------------------------------
 
 def test_two_tokenizers_differ_only_in_padding(tmp_path):
-    tokenizer, tokenizer_2 = sdxl.bundled_tokenizers()
+    tokenizers = sdxl.bundled_tokenizers()
+    tokenizer, tokenizer_2 = tokenizers["tokenizer"], tokenizers["tokenizer_2"]
     assert (tokenizer.pad_token, tokenizer_2.pad_token) == ("<|endoftext|>", "!")
     first, second = tokenize(tokenizer, CAPTIONS), tokenize(tokenizer_2, CAPTIONS)
     assert not torch.equal(first, second)
@@ -121,77 +126,106 @@ def test_two_tokenizers_differ_only_in_padding(tmp_path):
     tokenizer.save_pretrained(tmp_path)
     from transformers import CLIPTokenizer
     assert torch.equal(tokenize(CLIPTokenizer.from_pretrained(tmp_path), CAPTIONS), first)
+    assert torch.equal(FAMILY.tokenize(tokenizers, CAPTIONS)["captions"], second)  # one set of ids: bigG's
 
 
 def test_conditioning_equals_the_diffusers_pipeline(tiny):
-    from diffusers import StableDiffusionXLPipeline
-
-    pipeline = StableDiffusionXLPipeline(vae=tiny.vae, text_encoder=tiny.text_encoder, text_encoder_2=tiny.text_encoder_2,
-                                         tokenizer=tiny.tokenizer, tokenizer_2=tiny.tokenizer_2, unet=tiny.unet,
-                                         scheduler=tiny.noise_scheduler, add_watermarker=False)
+    pipeline = FAMILY.make_pipeline(tiny, tiny.noise_scheduler)
     expected_states, _, expected_pooled, _ = pipeline.encode_prompt(CAPTIONS, device="cpu", do_classifier_free_guidance=False)
-    states, pooled = sdxl.encode_text(tiny.text_encoder, tiny.text_encoder_2, tokenize(tiny.tokenizer_2, CAPTIONS),
-                                      tiny.tokenizer.pad_token_id)
-    assert states.shape == (3, 77, 96) and pooled.shape == (3, 64)
-    torch.testing.assert_close(states, expected_states)
-    torch.testing.assert_close(pooled, expected_pooled)
+    with torch.no_grad():
+        conditioning = FAMILY.encode_text(tiny.text_encoders, FAMILY.tokenize(tiny.tokenizers, CAPTIONS))
+    assert {k: tuple(v.shape[1:]) for k, v in conditioning.items()} == FAMILY.conditioning_shapes("sdxl-tiny")
+    assert conditioning["text_states"].shape == (3, 77, 96) and conditioning["pooled_text_states"].shape == (3, 64)
+    torch.testing.assert_close(conditioning["text_states"], expected_states)
+    torch.testing.assert_close(conditioning["pooled_text_states"], expected_pooled)
     # Without re-padding, ViT-L's states at the padded positions would differ from the pipeline's.
-    wrong, _ = sdxl.encode_text(tiny.text_encoder, tiny.text_encoder_2, tokenize(tiny.tokenizer_2, CAPTIONS),
-                                tiny.tokenizer_2.pad_token_id)
-    assert not torch.allclose(wrong, expected_states)
+    with torch.no_grad():
+        wrong = tiny.text_encoders["text_encoder"](FAMILY.tokenize(tiny.tokenizers, CAPTIONS)["captions"],
+                                                   output_hidden_states=True).hidden_states[-2]
+    assert not torch.allclose(wrong, expected_states[..., :32])
 
 
-def test_caption_dropout_zeroes_both_encoders_and_keeps_the_size_ids():
-    batch = 4000
-    cond = sdxl.Conditioning(torch.randn(batch, 77, 96) + 3, torch.randn(batch, 64) + 3,
-                             sdxl.uncropped_time_ids(batch, 64))
+class Recorder(torch.nn.Module):
+    """Stands in for the UNet in a DiffusionModel: keeps the conditioning it is called with."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.seen: list[dict] = []
+
+    def forward(self, noisy, timesteps, states, added_cond_kwargs):
+        self.seen.append({"states": states, **added_cond_kwargs})
+        return type("Out", (), {"sample": noisy * self.weight})()
+
+
+def test_caption_dropout_zeroes_both_encoders_and_keeps_the_size_ids(tiny):
+    parts = Parts(Recorder(), None, tiny.text_encoders, {}, tiny.noise_scheduler, tiny.latent_scale)
+    model = DiffusionModel(FAMILY, parts)
+    model.set_caption_dropout(0.25)
+    batch_size = 400
+    ids = FAMILY.tokenize(tiny.tokenizers, ["a red square"] * batch_size)["captions"]
+    batch = {"latent_mean": torch.randn(batch_size, 4, 8, 8), "latent_logvar": torch.full((batch_size, 4, 8, 8), -20.0),
+             "captions": ids, "original_size": torch.tensor([[480, 640]] * batch_size),
+             "crop_top_left": torch.tensor([[0, 11]] * batch_size)}
     torch.manual_seed(0)
-    dropped = sdxl.drop_conditioning(cond, 0.25)
-    states_zero = (dropped.text_states == 0).flatten(1).all(1)
-    pooled_zero = (dropped.pooled == 0).all(1)
-    assert torch.equal(states_zero, pooled_zero)  # the same rows lose both
-    assert 0.22 < states_zero.float().mean() < 0.28
-    kept = ~states_zero
-    assert torch.equal(dropped.text_states[kept], cond.text_states[kept])
-    assert torch.equal(dropped.time_ids, cond.time_ids)
-    assert torch.equal(sdxl.drop_conditioning(cond, 0.0).text_states, cond.text_states)
+    model(batch)
+    seen = parts.denoiser.seen[-1]
+    states_zero = (seen["states"] == 0).flatten(1).all(1)
+    pooled_zero = (seen["text_embeds"] == 0).all(1)
+    assert torch.equal(states_zero, pooled_zero)  # the same rows lose both encoders' conditioning
+    assert 0.17 < states_zero.float().mean() < 0.33
+    kept = seen["states"][~states_zero]
+    assert torch.allclose(kept, kept[:1].expand_as(kept))  # the others keep their caption's states
+    assert seen["time_ids"][0].tolist() == [480, 640, 0, 11, 64, 64]  # size ids of every row kept
+    assert (seen["time_ids"] == seen["time_ids"][:1]).all()
+    # Stored conditioning (latents.py --store_text_states) is dropped the same way.
+    with torch.no_grad():
+        stored = FAMILY.encode_text(tiny.text_encoders, {"captions": ids})
+    model({**{k: v for k, v in batch.items() if k != "captions"}, **stored})
+    seen = parts.denoiser.seen[-1]
+    assert torch.equal((seen["states"] == 0).flatten(1).all(1), (seen["text_embeds"] == 0).all(1))
+    assert 0.17 < (seen["states"] == 0).flatten(1).all(1).float().mean() < 0.33
+    # Without the size and crop the model refuses the batch rather than guess them.
+    with pytest.raises(ValueError, match="original size and crop"):
+        model({k: v for k, v in batch.items() if k != "crop_top_left"})
+    assert FAMILY.as_unconditional(stored)["pooled_text_states"].abs().sum() == 0
 
 
 def test_time_ids_reach_the_unet_and_its_added_embedding_learns(tiny):
     torch.manual_seed(1)
-    unet = tiny.unet
+    unet = tiny.denoiser
     latents = torch.randn(2, 4, 8, 8)
     timesteps = torch.tensor([10, 900])
-    states, pooled = sdxl.encode_text(tiny.text_encoder, tiny.text_encoder_2, tokenize(tiny.tokenizer_2, CAPTIONS[:2]))
-    square = sdxl.time_ids(torch.tensor([[64, 64], [64, 64]]), torch.zeros(2, 2), 64)
-    assert square.tolist() == [[64, 64, 0, 0, 64, 64]] * 2
-    cropped = sdxl.time_ids(torch.tensor([[480, 640], [480, 640]]), torch.tensor([[0, 11], [0, 11]]), 64)
-    a = sdxl.predict(unet, latents, timesteps, sdxl.Conditioning(states, pooled, square))
-    b = sdxl.predict(unet, latents, timesteps, sdxl.Conditioning(states, pooled, cropped))
+    with torch.no_grad():
+        conditioning = FAMILY.encode_text(tiny.text_encoders, FAMILY.tokenize(tiny.tokenizers, CAPTIONS[:2]))
+    square = {**conditioning, "original_size": torch.tensor([[64, 64]] * 2), "crop_top_left": torch.zeros(2, 2)}
+    cropped = {**conditioning, "original_size": torch.tensor([[480, 640]] * 2), "crop_top_left": torch.tensor([[0, 11]] * 2)}
+    assert sdxl.time_ids(square["original_size"], square["crop_top_left"], (64, 64)).tolist() == [[64, 64, 0, 0, 64, 64]] * 2
+    a = FAMILY.predict(unet, latents, timesteps, square)
+    b = FAMILY.predict(unet, latents, timesteps, cropped)
     assert a.shape == latents.shape and not torch.allclose(a, b)
+    # Sampling passes no size: the uncropped target size, as the pipeline's default.
+    torch.testing.assert_close(FAMILY.predict(unet, latents, timesteps, conditioning), a.detach())
     a.pow(2).mean().backward()
     assert unet.add_embedding.linear_1.weight.grad.abs().sum() > 0
     unet.zero_grad(set_to_none=True)
 
 
 def test_a_few_steps_lower_the_loss_on_one_batch(tiny):
-    """A training step assembled from the family's pieces learns (epsilon target, DDPM noise)."""
+    """The training model (DiffusionModel with the SDXL family) learns one batch of images."""
     import copy
 
     torch.manual_seed(2)
-    unet = copy.deepcopy(tiny.unet)
-    images = torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8)
-    with torch.no_grad():
-        latents = tiny.vae.encode(scale_images(images)).latent_dist.mean * tiny.latent_scale
-    states, pooled = sdxl.encode_text(tiny.text_encoder, tiny.text_encoder_2, tokenize(tiny.tokenizer_2, CAPTIONS + ["x"]))
-    cond = sdxl.Conditioning(states, pooled, sdxl.uncropped_time_ids(4, 64))
-    noise = torch.randn(latents.shape)
-    timesteps = torch.tensor([100, 300, 500, 700])
-    noisy = tiny.noise_scheduler.add_noise(latents, noise, timesteps)
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=2e-3)
+    parts = Parts(copy.deepcopy(tiny.denoiser), tiny.vae, tiny.text_encoders, {}, tiny.noise_scheduler, tiny.latent_scale)
+    model = DiffusionModel(FAMILY, parts)
+    batch = {"image": torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8),
+             **FAMILY.tokenize(tiny.tokenizers, CAPTIONS + ["x"]),
+             "original_size": torch.tensor([[64, 64]] * 4), "crop_top_left": torch.zeros(4, 2, dtype=torch.long)}
+    optimizer = torch.optim.AdamW(model.denoiser.parameters(), lr=2e-3)
     losses = []
     for _ in range(10):
-        loss = torch.nn.functional.mse_loss(sdxl.predict(unet, noisy, timesteps, cond), noise)
+        torch.manual_seed(3)  # the same noise and timesteps every step: only the weights change
+        loss = model.loss(model(batch), batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -199,27 +233,19 @@ def test_a_few_steps_lower_the_loss_on_one_batch(tiny):
     assert losses[-1] < 0.7 * losses[0]
 
 
-def test_vae_dtype_keeps_an_fp16_overflowing_vae_in_fp32(tiny, base_on_meta):
-    base = base_on_meta.vae
-    assert sdxl.vae_dtype(base, torch.float16) == torch.float32  # SDXL's own VAE: force_upcast
-    assert sdxl.vae_dtype(base, torch.bfloat16) == torch.bfloat16
-    assert sdxl.vae_dtype(tiny.vae, torch.float16) == torch.float16
-    assert sdxl.vae_dtype(tiny.vae, None) == torch.float32
-
-
 def test_parts_are_random_offline_and_the_same_whatever_else_is_built(tmp_path):
     # sdxl-base without a pipeline folder: the bundled tokenizers (not random parts) and SDXL's scale.
-    base = sdxl.build_components("sdxl-base", str(tmp_path / "absent"), with_unet=False, with_vae=False,
-                                 with_text_encoders=False)
-    assert base.random == [] and base.pretrained == [] and base.tokenizer_2.pad_token == "!"
+    base = FAMILY.build("sdxl-base", str(tmp_path / "absent"), denoiser=False, vae=False, text_encoders=False)
+    assert base.random == [] and base.pretrained == [] and base.tokenizers["tokenizer_2"].pad_token == "!"
     assert base.latent_scale == 0.13025
     torch.manual_seed(5)
-    alone = sdxl.build_components("sdxl-tiny", with_unet=False, with_vae=False, with_tokenizers=False)
+    alone = FAMILY.build("sdxl-tiny", denoiser=False, vae=False, tokenizers=False)
     assert alone.random == ["text_encoder", "text_encoder_2"]
     torch.manual_seed(5)
-    everything = sdxl.build_components("sdxl-tiny")
+    everything = FAMILY.build("sdxl-tiny")
     assert everything.random == ["vae", "text_encoder", "text_encoder_2"]
-    for a, b in zip(alone.text_encoder_2.parameters(), everything.text_encoder_2.parameters()):
+    for a, b in zip(alone.text_encoders["text_encoder_2"].parameters(),
+                    everything.text_encoders["text_encoder_2"].parameters()):
         assert torch.equal(a, b)
     assert everything.latent_scale == sdxl.SDXL_TINY["vae"]["scaling_factor"]
 
@@ -228,11 +254,12 @@ def test_parts_are_random_offline_and_the_same_whatever_else_is_built(tmp_path):
 # The exported pipeline.
 # -----------------------------------------------------------------------------------------------
 
-def test_exported_folder_loads_offline_in_the_sdxl_pipeline_and_samples(tiny, tmp_path, monkeypatch):
-    from diffusers import DDIMScheduler, StableDiffusionXLPipeline
+def test_pipeline_folder_loads_offline_in_the_sdxl_pipeline_and_samples(tiny, tmp_path, monkeypatch):
+    from diffusers import StableDiffusionXLPipeline
 
-    sdxl.write_pipeline(tmp_path / "pipe", tiny.unet, tiny.vae, tiny.text_encoder, tiny.text_encoder_2, tiny.tokenizer,
-                        tiny.tokenizer_2, DDIMScheduler.from_config(tiny.noise_scheduler.config))
+    from t2ibench.sampling import write_pipeline
+
+    write_pipeline(tmp_path / "pipe", FAMILY, tiny)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     pipeline = StableDiffusionXLPipeline.from_pretrained(tmp_path / "pipe")
     assert (pipeline.tokenizer.pad_token, pipeline.tokenizer_2.pad_token) == ("<|endoftext|>", "!")
@@ -240,8 +267,8 @@ def test_exported_folder_loads_offline_in_the_sdxl_pipeline_and_samples(tiny, tm
     out = pipeline("a red square", num_inference_steps=2, guidance_scale=5.0, output_type="np",
                    generator=torch.Generator().manual_seed(0))
     assert out.images.shape == (1, 64, 64, 3) and np.isfinite(out.images).all()  # 64 px: sdxl-tiny's default size
-    for name in ("unet", "text_encoder_2"):
-        for (key, a), b in zip(getattr(tiny, name).state_dict().items(), getattr(pipeline, name).state_dict().values()):
+    for name, module in (("unet", tiny.denoiser), ("text_encoder_2", tiny.text_encoders["text_encoder_2"])):
+        for (key, a), b in zip(module.state_dict().items(), getattr(pipeline, name).state_dict().values()):
             assert torch.equal(a, b), key
 
 
@@ -279,15 +306,15 @@ def test_streamed_and_synthetic_batches_carry_the_geometry(tmp_path):
     with MDSWriter(out=str(tmp_path / "mds"), columns={"jpg": "bytes", "caption": "str"}) as writer:
         writer.write({"jpg": jpeg(300, 200), "caption": "a wide one"})
         writer.write({"jpg": jpeg(200, 300), "caption": "a tall one"})
-    tokenizer = sdxl.bundled_tokenizers()[1]
-    dataset = data.StreamingImageCaptions(remote=None, local=str(tmp_path / "mds"), tokenizer=tokenizer, image_size=64,
-                                          batch_size=2, shuffle=False, micro_conditioning=True)
+    dataset = data.StreamingImageCaptions(remote=None, local=str(tmp_path / "mds"), tokenizer=sdxl.bundled_tokenizers(),
+                                          image_size=64, batch_size=2, shuffle=False, family=FAMILY)
     samples = [dataset[i] for i in range(2)]
     assert samples[0]["original_size"].tolist() == [200, 300] and samples[0]["crop_top_left"].tolist() == [0, 16]
     assert samples[1]["original_size"].tolist() == [300, 200] and samples[1]["crop_top_left"].tolist() == [16, 0]
-    synthetic = data.SyntheticImageCaptions(32, 4, micro_conditioning=True)[0]
+    assert samples[0]["captions"].shape == (77,)
+    synthetic = data.SyntheticImageCaptions(32, 4, family=FAMILY)[0]
     assert synthetic["original_size"].tolist() == [32, 32] and synthetic["crop_top_left"].tolist() == [0, 0]
-    assert "original_size" not in data.SyntheticImageCaptions(32, 4)[0]
+    assert "original_size" not in data.SyntheticImageCaptions(32, 4)[0]  # SD2's batches are as before
 
 
 def test_precomputed_shards_store_the_geometry_and_refuse_without_it(tmp_path):
@@ -311,8 +338,11 @@ def test_precomputed_shards_store_the_geometry_and_refuse_without_it(tmp_path):
     dataset = data.StreamingLatents(remote=None, local=str(tmp_path / "xl"), batch_size=2, image_size=64,
                                     shuffle=False, micro_conditioning=True)
     assert dataset[1]["original_size"].tolist() == [481, 640] and dataset[1]["crop_top_left"].tolist() == [0, 11]
-    with pytest.raises(ValueError, match="original size and crop"):
+    with pytest.raises(ValueError, match="without original_size, crop_top_left, which this model is conditioned on"):
         data.StreamingLatents(remote=None, local=str(tmp_path / "sd2"), batch_size=2, image_size=64,
                               micro_conditioning=True)
-    synthetic = data.SyntheticLatents(64, 96, num_samples=2, micro_conditioning=True)[0]
+    shapes = FAMILY.conditioning_shapes("sdxl-tiny")
+    synthetic = data.SyntheticLatents(64, 96, num_samples=2, family=FAMILY, text_format="text_states",
+                                      conditioning_shapes=shapes)[0]
     assert synthetic["original_size"].tolist() == [64, 64]
+    assert {k: tuple(synthetic[k].shape) for k in shapes} == shapes

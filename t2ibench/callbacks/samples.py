@@ -129,7 +129,8 @@ class SampleImages(Callback):
             sampler = make_sampler(self.sampler_name, noise_scheduler.config)
             size = self.image_size // self.family.latent_downsample
             latents = sample_latents(self.family, denoiser, {k: v[:-1] for k, v in states.items()},
-                                     {k: v[-1:] for k, v in states.items()}, sampler, self.num_steps,
+                                     self.family.as_unconditional({k: v[-1:] for k, v in states.items()}),
+                                     sampler, self.num_steps,
                                      self.guidance_scale, [self.seed + i for i in indices],
                                      (vae.config.latent_channels, size, size))
             images = decode(vae, latents, self.encoders.latent_scale, self.encoders.latent_shift)

@@ -90,6 +90,10 @@ class ModelFamily(ABC):
     # Conditioned on each image's original size and crop (SDXL): the data yields them with every
     # sample (data.GEOMETRY_KEYS), latents.py stores them, and the model passes them to `predict`.
     micro_conditioning: ClassVar[bool] = False
+    # Classifier-free guidance's "no caption": "empty_caption" (SD2: the empty caption's encoding;
+    # caption dropout swaps in its token ids, or its stored encoding) or "zeros" (SDXL: the text
+    # conditioning zeroed after encoding, as SDXL's trainer dropped it and its pipeline samples it).
+    unconditional: ClassVar[str] = "empty_caption"
     # (memory at least this many GiB, microbatch per device) for --device_train_microbatch_size auto
     # on several GPUs, training online; precomputed latents double it. Below the first: `min_microbatch`.
     microbatch_by_memory_gib: ClassVar[tuple[tuple[int, int], ...]]
@@ -102,6 +106,10 @@ class ModelFamily(ABC):
         """The parts asked for: the denoiser random (from the global RNG), frozen parts pretrained
         from `model_name` when available, else random (each from its own seeded generator, see
         `seeded`), tokenizers always usable offline."""
+
+    def default_image_size(self, config: str) -> int:
+        """Pixels a run trains at without --image_size (the 2023 benchmark's 512 unless a family says)."""
+        return 512
 
     @abstractmethod
     def meta_parts(self, config: str) -> Parts:
@@ -127,6 +135,12 @@ class ModelFamily(ABC):
     @abstractmethod
     def encode_text(self, text_encoders: dict[str, torch.nn.Module], text_inputs: TextInputs) -> Conditioning:
         """The frozen text encoders' outputs the denoiser is conditioned on."""
+
+    def as_unconditional(self, empty_caption: Conditioning) -> Conditioning:
+        """Guidance's "no caption" conditioning (`unconditional`), from the empty caption's encoding."""
+        if self.unconditional == "zeros":
+            return {key: torch.zeros_like(value) for key, value in empty_caption.items()}
+        return empty_caption
 
     # -- training ----------------------------------------------------------------------------------
     @abstractmethod
