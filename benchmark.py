@@ -33,6 +33,7 @@ from t2ibench import checks, errors, flags
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
 from t2ibench.callbacks.nonfinite_loss import NonFiniteLossError, StopOnNonFiniteLoss
 from t2ibench.callbacks.progress import ConsoleProgress
+from t2ibench.callbacks.resume_rng import RestoreRngOnStreamingResume
 from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
 from t2ibench.checks import PRECISIONS
@@ -295,8 +296,9 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, loader: 
     if args.grad_clip_norm:
         from composer.algorithms import GradientClipping
         algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=args.grad_clip_norm))
+    restore_rng = RestoreRngOnStreamingResume()
     callbacks = [SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), measured.throughput,
-                 StopOnNonFiniteLoss(args.load_path, args.save_folder), ConsoleProgress(args.log_interval)]
+                 StopOnNonFiniteLoss(args.load_path, args.save_folder), ConsoleProgress(args.log_interval), restore_rng]
     if measured.loss_by_timestep:
         callbacks.append(measured.loss_by_timestep)
     if args.sample_prompts:
@@ -315,6 +317,7 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, loader: 
         save_num_checkpoints_to_keep=args.save_num_checkpoints_to_keep, save_overwrite=args.autoresume,
         load_path=args.load_path, autoresume=args.autoresume,
         progress_bar=False, log_to_console=False)  # callbacks.progress.ConsoleProgress prints the progress line
+    restore_rng.arm(trainer)
     if run.on_gpu and model.vae is not None:
         # Training only encodes: the VAE decoder (~50M parameters) waits on the host. Anything that
         # decodes during a run (sampling) moves it back to the device first.

@@ -1,10 +1,13 @@
-"""Turn a Composer checkpoint of benchmark.py into a diffusers pipeline folder (SD2: StableDiffusionPipeline).
+"""Turn a Composer checkpoint of benchmark.py into a diffusers pipeline folder (SD2: StableDiffusionPipeline,
+SDXL: StableDiffusionXLPipeline).
 
     python export.py runs/sd2/ep0-ba1000-rank0.pt --out sd2-pipeline          # trained UNet
     python export.py s3://bucket/run/latest-rank0.pt --out sd2-pipeline --ema  # EMA UNet
     python -c "from diffusers import StableDiffusionPipeline as P; P.from_pretrained('sd2-pipeline')"
+    python -c "from diffusers import StableDiffusionXLPipeline as P; P.from_pretrained('sdxl-pipeline')"
 
-The folder holds unet/, vae/, text_encoder/, tokenizer/, scheduler/ and model_index.json. The
+The folder holds unet/, vae/, text_encoder/, tokenizer/, scheduler/ and model_index.json (SDXL
+also text_encoder_2/ and tokenizer_2/). The
 model's configuration is recognised from the denoiser's weight shapes. The VAE and text encoder
 are the ones in the checkpoint when the run trained with them; after a run on precomputed latents
 they are loaded from `--model_name` (or, for the tiny model, rebuilt from `--seed` as latents.py
@@ -63,8 +66,10 @@ def build_parser() -> flags.Parser:
     p.add_argument("--out", required=True, help="folder to write the pipeline to (must be empty or absent)")
     p.add_argument("--ema", action="store_true", help="export the EMA weights of the denoiser (run with --use_ema)")
     p.add_argument("--scheduler", default="ddim", choices=sorted(SAMPLERS), help="the pipeline's sampler")
-    p.add_argument("--model_name", default="stabilityai/stable-diffusion-2-base",
-                   help="where the VAE/text encoder come from when the checkpoint has none (precomputed runs)")
+    p.add_argument("--model_name", default=None,
+                   help="where the VAE/text encoders come from when the checkpoint has none (precomputed runs); "
+                        "default: the model's own (stabilityai/stable-diffusion-2-base, "
+                        "stabilityai/stable-diffusion-xl-base-1.0)")
     p.add_argument("--seed", type=int, default=17, help="benchmark.py --seed of a tiny precomputed run (random encoders)")
     return p
 
@@ -108,9 +113,10 @@ def export(args: argparse.Namespace) -> Path:
     denoiser = family.build(config, denoiser=True, vae=False, text_encoders=False, tokenizers=False).denoiser
     denoiser.load_state_dict({k: v.float() for k, v in denoiser_weights.items()})
 
-    parts = build_aside(family, config, args.model_name, args.seed)
+    model_name = args.model_name or family.default_model_name
+    parts = build_aside(family, config, model_name, args.seed)
     if config in family.pretrained_configs and parts.random_encoders:
-        fail(f"--model_name {args.model_name}: pretrained {' and '.join(parts.random_encoders)} not found; "
+        fail(f"--model_name {model_name}: pretrained {' and '.join(parts.random_encoders)} not found; "
              "pass a local diffusers folder of the model the run trained with")
     for name, module in [("vae", parts.vae), *parts.text_encoders.items()]:
         trained_with = {k[len(name) + 1:]: v for k, v in weights.items() if k.startswith(name + ".")}

@@ -23,7 +23,8 @@ import torch
 from composer.core import Time
 
 from t2ibench.errors import fail, storage_error
-from t2ibench.families import ModelFamily
+from t2ibench.families import ModelFamily, family_of
+from t2ibench.images import GEOMETRY_KEYS
 from t2ibench.flags import check_shared
 from t2ibench.locations import CHECKPOINT_SCHEMES, LOAD_SCHEMES, is_remote, normalise, unwritable
 from t2ibench.sources import Source, check_cache, parse_sources
@@ -216,6 +217,16 @@ def check_index(index: dict, label: str, args: argparse.Namespace) -> int:
              "drop --precomputed, or write latents from them with latents.py")
     if not args.precomputed and "latent_mean" in columns:
         fail(f"{label} holds precomputed latents (columns {columns}); add --precomputed to train from them")
+    if args.precomputed:
+        family = family_of(args.model_config)
+        needed = list(GEOMETRY_KEYS) if family.micro_conditioning else []
+        if "token_ids" not in columns:  # the text_states format: every conditioning tensor of the family
+            needed += family.conditioning_keys
+        missing = [key for key in needed if key not in columns]
+        if missing:
+            fail(f"--precomputed: {label} holds latents without {', '.join(missing)}, which --model_config "
+                 f"{args.model_config} is conditioned on (precomputed for another model?); write them with "
+                 f"latents.py --model_config {args.model_config}")
     hashes = shards[0].get("hashes", []) if shards else []
     if args.validate_hash and args.validate_hash not in hashes:
         fail(f"--validate_hash {args.validate_hash}: the shards of {label} list no such hash (they have {hashes}); "

@@ -5,5 +5,7 @@
   `throughput.Pauses`, the time sampling takes out of the measured window;
 - `loss_by_timestep.LossByTimestep`: `loss/timestep_<first>-<last>`, the loss by noise level;
 - `nonfinite_loss.StopOnNonFiniteLoss`: stops at a NaN/inf loss before its checkpoint, logs nothing;
-- `samples.SampleImages`: sample grids (`samples` images, PNG files).
+- `samples.SampleImages`: sample grids (`samples` images, PNG files);
+- `resume_rng.RestoreRngOnStreamingResume`: the checkpoint's RNG state after a mid-epoch resume on
+  streamed data (which Composer 0.32.1 leaves unrestored), logs nothing.
 """
