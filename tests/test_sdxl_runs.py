@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -74,9 +75,10 @@ def copy_of(shards: Path, where: Path) -> Path:
 # Two ranks, one killed and resumed (started first: they run while the in-process tests do).
 # -----------------------------------------------------------------------------------------------
 
-RESUME = XL + ["--batch_size", "4", "--max_duration", "6ba", "--save_interval", "2ba", "--use_ema",
+RESUME = XL + ["--batch_size", "4", "--max_duration", "4ba", "--save_interval", "2ba", "--use_ema",
                "--caption_drop_prob", "0.5", "--run_name", "xl-resume", "--autoresume", "--log_interval", "1ba"]
-KILL_AFTER, FINAL = "ep0-ba2-rank0.pt", "ep1-ba6-rank0.pt"  # 16 samples / 4 a batch: 4 batches an epoch
+# 16 samples, 4 a batch (2 per rank): an epoch of 4 batches, killed in its middle, after batch 2.
+KILL_AFTER = "ep0-ba2-rank0.pt"
 
 
 class Launch:
@@ -102,37 +104,61 @@ class Launch:
         return self.log.read_text(errors="replace")
 
 
+class TwoRankRuns:
+    """A reference run and a run SIGKILLed after its batch-2 checkpoint, then relaunched with --autoresume.
+
+    Watched by a thread, so that the in-process tests below run meanwhile (each launch spends much of
+    its time starting up); `wait()` returns once all have exited.
+    """
+
+    def __init__(self, shards: Path, tmp: Path):
+        self.shards, self.tmp = shards, tmp
+        self.reference, self.killed = self.launch("reference", "reference"), self.launch("killed", "killed")
+        self.resumed: Launch | None = None
+        self.problem: str | None = None
+        self.thread = threading.Thread(target=self.watch, daemon=True)
+        self.thread.start()
+
+    def launch(self, name: str, folder: str) -> Launch:
+        data_dir = self.tmp / f"{folder}-data"
+        if not data_dir.exists():
+            copy_of(self.shards, data_dir)
+        return Launch(RESUME + ["--local", str(data_dir), "--save_folder", str(self.tmp / folder),
+                                "--results_json", str(self.tmp / f"{name}.json")], self.tmp / f"{name}.log")
+
+    def launches(self) -> list[Launch]:
+        return [run for run in (self.reference, self.killed, self.resumed) if run is not None]
+
+    def watch(self) -> None:
+        link = self.tmp / "killed" / "latest-rank0.pt"
+        while self.resumed is None or any(run.running() for run in self.launches()):
+            if self.resumed is None:
+                if link.is_symlink() and os.readlink(link) == KILL_AFTER:
+                    self.killed.kill()
+                    self.resumed = self.launch("resumed", "killed")
+                elif not self.killed.running():
+                    self.problem = f"the run to kill ended before {KILL_AFTER}:\n{self.killed.output()[-4000:]}"
+                    break
+            if any(time.monotonic() - run.started > TIMEOUT for run in self.launches() if run.running()):
+                self.problem = "a launch ran over its time:\n" + "\n".join(r.output()[-2000:] for r in self.launches())
+                break
+            time.sleep(0.2)
+        for run in self.launches():
+            run.kill()
+
+    def wait(self) -> "TwoRankRuns":
+        self.thread.join()
+        if self.problem:
+            pytest.fail(self.problem)
+        return self
+
+
 @pytest.fixture(scope="module")
 def two_rank_runs(shards, tmp_path_factory):
-    """A reference run and a run SIGKILLed after its batch-2 checkpoint, then relaunched with --autoresume."""
-    tmp = tmp_path_factory.mktemp("xl-resume")
-
-    def launch(name: str, folder: str) -> Launch:
-        data_dir = tmp / f"{folder}-data"
-        if not data_dir.exists():
-            copy_of(shards, data_dir)
-        return Launch(RESUME + ["--local", str(data_dir), "--save_folder", str(tmp / folder),
-                                "--results_json", str(tmp / f"{name}.json")], tmp / f"{name}.log")
-
-    reference, killed = launch("reference", "reference"), launch("killed", "killed")
-    launches, resumed = [reference, killed], None
-    try:
-        while any(run.running() for run in launches) or resumed is None:
-            if resumed is None:
-                link = tmp / "killed" / "latest-rank0.pt"
-                if link.is_symlink() and os.readlink(link) == KILL_AFTER:
-                    killed.kill()
-                    resumed = launch("resumed", "killed")
-                    launches.append(resumed)
-                elif not killed.running():
-                    pytest.fail(f"the run to kill ended before {KILL_AFTER}:\n{killed.output()[-4000:]}")
-            if any(time.monotonic() - run.started > TIMEOUT for run in launches if run.running()):
-                pytest.fail("a launch ran over its time:\n" + "\n".join(run.output()[-2000:] for run in launches))
-            time.sleep(0.2)
-    finally:
-        for run in launches:
-            run.kill()
-    return dict(tmp=tmp, reference=reference, killed=killed, resumed=resumed)
+    runs = TwoRankRuns(shards, tmp_path_factory.mktemp("xl-resume"))
+    yield runs
+    for run in runs.launches():
+        run.kill()
 
 
 # -----------------------------------------------------------------------------------------------
@@ -140,8 +166,9 @@ def two_rank_runs(shards, tmp_path_factory):
 # -----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def online(shards, tmp_path_factory):
-    """sdxl-tiny trained 2 batches on the shards: caption dropout, EMA exported as a pipeline, a sample grid."""
+def online(shards, tmp_path_factory, two_rank_runs):
+    """sdxl-tiny trained 2 batches on the shards: caption dropout, EMA exported as a pipeline, a sample grid.
+    (The two-rank runs are started first, to run meanwhile.)"""
     tmp = tmp_path_factory.mktemp("xl-online")
     results = benchmark.main(XL + [
         "--local", str(copy_of(shards, tmp / "data")), "--batch_size", "4", "--max_duration", "2ba",
@@ -243,18 +270,20 @@ def test_precomputed_sd2_latents_are_refused_for_sdxl(tmp_path):
 # -----------------------------------------------------------------------------------------------
 
 def test_two_ranks_resume_after_sigkill_to_the_uninterrupted_weights_ema_and_loss(two_rank_runs):
-    runs = two_rank_runs
-    reference, killed, resumed = runs["reference"], runs["killed"], runs["resumed"]
+    runs = two_rank_runs.wait()
+    reference, killed, resumed = runs.reference, runs.killed, runs.resumed
     assert reference.proc.returncode == 0, reference.output()[-4000:]
     assert killed.proc.returncode == -signal.SIGKILL
     assert resumed.proc.returncode == 0, resumed.output()[-4000:]
-    assert "batch 3/6 " in resumed.output() and "batch 1/6 " not in resumed.output()
-    ref = torch.load(runs["tmp"] / "reference" / FINAL, map_location="cpu", weights_only=False)["state"]
-    res = torch.load(runs["tmp"] / "killed" / FINAL, map_location="cpu", weights_only=False)["state"]
+    assert "batch 3/4 " in resumed.output() and "batch 1/4 " not in resumed.output()
+    final = os.readlink(runs.tmp / "reference" / "latest-rank0.pt")
+    assert "-ba4-" in final and os.readlink(runs.tmp / "killed" / "latest-rank0.pt") == final
+    ref = torch.load(runs.tmp / "reference" / final, map_location="cpu", weights_only=False)["state"]
+    res = torch.load(runs.tmp / "killed" / final, map_location="cpu", weights_only=False)["state"]
     assert ref["model"].keys() == res["model"].keys()
     assert all(torch.equal(ref["model"][k], res["model"][k]) for k in ref["model"]), "weights differ"
     ema_ref, ema_res = dict(ref["algorithms"])["EMA"]["shadow"], dict(res["algorithms"])["EMA"]["shadow"]
     assert all(torch.equal(ema_ref[k], ema_res[k]) for k in ema_ref), "EMA differs"
-    summary = [json.loads((runs["tmp"] / f"{name}.json").read_text()) for name in ("reference", "resumed")]
+    summary = [json.loads((runs.tmp / f"{name}.json").read_text()) for name in ("reference", "resumed")]
     assert summary[0]["world_size"] == 2 and summary[0]["final_loss"] == summary[1]["final_loss"]
     assert {k.split(".")[0] for k in ref["model"]} == {"unet", "vae", "text_encoder", "text_encoder_2"}
