@@ -377,7 +377,7 @@ def positive(kind: type):
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
-        "cost.py", formatter_class=argparse.HelpFormatter,
+        "cost.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Time and cost to train SD2 base from measured images/sec, as in the 2023 "
                     "MosaicML table. days = samples / images_per_sec / 86400; GPU-hours = "
                     "days * 24 * GPUs; cost = GPU-hours * price.",
