@@ -37,7 +37,6 @@ from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
 from t2ibench.checks import PRECISIONS
 from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
-from t2ibench.locations import DEFAULT_CACHE_ROOT
 from t2ibench.model import DiffusionModel, unwrap_model
 from t2ibench.runtime import Runtime
 from t2ibench.sampling import load_prompts, write_pipeline
@@ -58,8 +57,7 @@ def build_parser() -> flags.Parser:
     g.add_argument("--wandb_project", type=str, default=None, help="W&B project (enables W&B logging)")
     g.add_argument("--device_train_microbatch_size", type=str, default="auto",
                    help="images per device per forward/backward, or 'auto' (GPU: largest that fits; CPU: no accumulation)")
-    flags.add_source(p, f"local cache for --remote shards (default {DEFAULT_CACHE_ROOT}/<hash of remote>), or "
-                        "shards already on disk; with several sources, the folder their caches go under")
+    flags.add_source(p)
     flags.add_model(p)
     flags.add_run(p, "seeds model init, noise, timesteps, data order")
     g = p.add_argument_group("run length, precision, results")

@@ -40,6 +40,11 @@ from t2ibench.tokenizer import MAX_LENGTH
 DEFAULT_FAMILY = MODEL_CONFIGS["sd2-base"]
 
 
+def sample_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of synthetic sample `index`: the same sample for an index on every rank and epoch."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + index)
+
+
 class SyntheticImageCaptions(Dataset):
     """Random images and random token ids: measures the model, not the data pipeline.
 
@@ -55,7 +60,7 @@ class SyntheticImageCaptions(Dataset):
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        g = sample_generator(self.seed, index)
         image = torch.randint(0, 256, (3, self.image_size, self.image_size), generator=g, dtype=torch.uint8)
         return {"image": image, **self.family.random_text_inputs(g)}
 
@@ -466,7 +471,7 @@ class SyntheticLatents(Dataset):
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        g = sample_generator(self.seed, index)
         mean = torch.randn(self.latent_shape, generator=g) / self.latent_scale
         logvar = torch.randn(self.latent_shape, generator=g) * 0.5 - 10.0
         item = {"latent_mean": mean.to(self.dtype), "latent_logvar": logvar.to(self.dtype)}

@@ -98,7 +98,7 @@ from data import LATENT_KEYS, STORAGE_DTYPES, TEXT_STATES_KEY, TOKEN_IDS_COLUMN,
 from t2ibench import errors, flags
 from t2ibench.errors import UserError, fail
 from t2ibench.families import ModelFamily, require_pretrained
-from t2ibench.locations import DEFAULT_CACHE_ROOT, is_remote, missing_upload_credentials, normalise, overlap, \
+from t2ibench.locations import is_remote, missing_upload_credentials, normalise, overlap, \
     unwritable, upload_schemes
 from t2ibench.mds import INDEX_FILE, SHARD_NAME
 from t2ibench.model import scale_images
@@ -398,8 +398,7 @@ def _writer(out: str, name: str, columns: dict[str, str], args: argparse.Namespa
 def build_parser() -> flags.Parser:
     p = flags.Parser("latents.py", description=__doc__)
     p.add_argument("--out", type=str, required=True, help="output folder, or s3:// gs:// oci:// ... URI")
-    flags.add_source(p, f"cache for --remote (default {DEFAULT_CACHE_ROOT}/<hash of remote>, as benchmark.py's), or "
-                        "the shards themselves without --remote")
+    flags.add_source(p)
     flags.add_model(p)
     flags.add_run(p, "seeds randomly initialized encoders (as benchmark.py --seed)")
     g = p.add_argument_group("encoding and output")
