@@ -159,6 +159,8 @@ def build_data(args: argparse.Namespace, run: Runtime, family: ModelFamily) -> T
     common = dict(batch_size_per_device=run.batch_size_per_device, num_workers=args.num_workers, seed=args.seed,
                   family=family)
     settings = StreamingSettings.from_args(args)
+    for source in [] if args.use_synth_data else args.sources:
+        record_cache(source)  # the remote a cache holds, before Streaming fills it
     if args.precomputed:
         text_dim = next(iter(family.conditioning_shapes(args.model_config).values()))[-1]
         loader = data.latents_dataloader(
@@ -169,8 +171,6 @@ def build_data(args: argparse.Namespace, run: Runtime, family: ModelFamily) -> T
     if args.use_synth_data:
         return TrainingData(data.synthetic_dataloader(args.image_size, num_samples=args.num_synthetic_samples,
                                                       **common), None, None)
-    for source in args.sources:
-        record_cache(source)
     tokenizers = family.build(args.model_config, args.model_name, denoiser=False, vae=False, text_encoders=False)
     loader = data.laion_dataloader(sources=args.sources, tokenizer=tokenizers.tokenizers, image_size=args.image_size,
                                    settings=settings, image_key=args.image_key, caption_key=args.caption_key,

@@ -31,7 +31,7 @@ prints the bytes per sample stored and what 2,867,200,000 such samples take.
 
 Why the distribution and not a latent: the VAE encoder outputs a Gaussian, and online training
 draws a fresh latent from it every time it sees the image. Storing the mean and log-variance lets
-`model.StableDiffusion.forward` do the same draw (mean + exp(logvar / 2) * noise) each epoch, so
+`t2ibench.model.DiffusionModel` do the same draw (mean + exp(logvar / 2) * noise) each epoch, so
 training on precomputed data is the same training, not training on one frozen noise sample.
 
 Storage dtype (--storage_dtype, default fp16). fp16 keeps 11 significant bits (relative error
