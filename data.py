@@ -30,10 +30,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from t2ibench.families import MODEL_CONFIGS, ModelFamily
 from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
-from t2ibench.flags import MAX_BAD_FRACTION
 from t2ibench.images import decode_pixels, load_image, to_rgb  # noqa: F401 - load_image, to_rgb: data's API
 from t2ibench.sources import Source, parse_sources
-from t2ibench.streaming import StreamingSettings
+from t2ibench.streaming import BAD_CHECK_AFTER, MAX_BAD_FRACTION, StreamingSettings
 from t2ibench.tokenizer import MAX_LENGTH
 
 # The 2023 benchmark's model: the family of data built without one named.
@@ -92,11 +91,6 @@ def synthetic_dataloader(image_size: int, batch_size_per_device: int, num_worker
 
 log = logging.getLogger(__name__)
 
-# Bad data policy. A worker stops the run when more than this fraction of the images it decoded
-# failed, once it has decoded at least BAD_CHECK_AFTER of them (the minimum keeps one bad image
-# early in an epoch from counting as "100% bad"). Dataloader workers are separate processes, so
-# the counts (and the check) are per worker: with 8 workers each sees about 1/8 of the samples.
-BAD_CHECK_AFTER = 1000
 
 
 class CompactSpanner:
@@ -222,7 +216,7 @@ class StreamingImageCaptions(StreamingDataset):
             batch by batch, which makes the order deterministic and resumable mid-epoch.
         family: the model family whose token ids the samples carry (default: SD2).
         image_key, caption_key: MDS column names of the encoded image and of the caption.
-        max_bad_fraction, bad_check_after: the bad-data policy (see BAD_CHECK_AFTER above).
+        max_bad_fraction, bad_check_after: the bad-data policy (t2ibench.streaming.MAX_BAD_FRACTION).
         shuffle and **streaming_kwargs: StreamingDataset's (`StreamingSettings.dataset_kwargs`).
 
     A sample whose image cannot be decoded (or whose caption is not a string) is replaced by the

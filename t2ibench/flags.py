@@ -12,9 +12,7 @@ from t2ibench.errors import fail
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of
 from t2ibench.locations import DEFAULT_CACHE_ROOT
 from t2ibench.sources import JoinSources
-from t2ibench.streaming import SHUFFLE_ALGOS, StreamingSettings
-
-MAX_BAD_FRACTION = 0.01  # the default bad-data policy (see data.StreamingImageCaptions)
+from t2ibench.streaming import MAX_BAD_FRACTION, SHUFFLE_ALGOS, StreamingSettings
 
 
 def add_source(p: argparse.ArgumentParser) -> None:
