@@ -38,7 +38,6 @@ from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
 from t2ibench.checks import PRECISIONS
 from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
-from t2ibench.locations import DEFAULT_CACHE_ROOT
 from t2ibench.model import DiffusionModel, unwrap_model
 from t2ibench.runtime import Runtime
 from t2ibench.sampling import load_prompts, write_pipeline
@@ -59,8 +58,7 @@ def build_parser() -> flags.Parser:
     g.add_argument("--wandb_project", type=str, default=None, help="W&B project (enables W&B logging)")
     g.add_argument("--device_train_microbatch_size", type=str, default="auto",
                    help="images per device per forward/backward, or 'auto' (GPU: largest that fits; CPU: no accumulation)")
-    flags.add_source(p, f"local cache for --remote shards (default {DEFAULT_CACHE_ROOT}/<hash of remote>), or "
-                        "shards already on disk; with several sources, the folder their caches go under")
+    flags.add_source(p)
     flags.add_model(p)
     flags.add_run(p, "seeds model init, noise, timesteps, data order")
     g = p.add_argument_group("run length, precision, results")
@@ -162,6 +160,8 @@ def build_data(args: argparse.Namespace, run: Runtime, family: ModelFamily) -> T
     common = dict(batch_size_per_device=run.batch_size_per_device, num_workers=args.num_workers, seed=args.seed,
                   family=family)
     settings = StreamingSettings.from_args(args)
+    for source in [] if args.use_synth_data else args.sources:
+        record_cache(source)  # the remote a cache holds, before Streaming fills it
     if args.precomputed:
         shapes = family.conditioning_shapes(args.model_config)
         loader = data.latents_dataloader(
@@ -173,8 +173,6 @@ def build_data(args: argparse.Namespace, run: Runtime, family: ModelFamily) -> T
     if args.use_synth_data:
         return TrainingData(data.synthetic_dataloader(args.image_size, num_samples=args.num_synthetic_samples,
                                                       **common), None, None)
-    for source in args.sources:
-        record_cache(source)
     tokenizers = family.build(args.model_config, args.model_name, denoiser=False, vae=False, text_encoders=False)
     loader = data.laion_dataloader(sources=args.sources, tokenizer=tokenizers.tokenizers, image_size=args.image_size,
                                    settings=settings, image_key=args.image_key, caption_key=args.caption_key,
