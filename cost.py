@@ -52,16 +52,17 @@ from t2ibench import errors
 from t2ibench.cli import Parser
 from t2ibench.errors import fail
 from t2ibench.locations import normalise
-from t2ibench.scale import SAMPLES, USD_PER_GPU_HOUR  # the 2023 table's: 1.4M steps x 2048, $2 per A100-hour
+from t2ibench.scale import PRICED_MODELS, SAMPLES, USD_PER_GPU_HOUR  # the 2023 table's: 1.4M steps x 2048, $2/A100-hour
 SECONDS_PER_DAY = 86_400
 # The default table runs at least to this count, the largest one in the 2023 table.
 DEFAULT_MAX_GPUS = 256
 # The one-time pass of a run on precomputed latents (cost.py --precompute): latents.py encodes each
-# distinct image once. Its default speed comes from the encoders' FLOPs (throughput.py's count, per
+# distinct image once. Its default speed comes from the encoders' FLOPs (the family's count, per
 # 512x512 image: VAE encoder 1,117 GFLOP; the text encoder's 45 only with --store_text_states) on an
 # A100 (312 dense bf16 TFLOP/s) at an assumed 40% MFU: 312e12 x 0.4 / 1.117e12 = 111.7 images/s per GPU.
+# For SDXL at 1024 (VAE encoder 4,879 GFLOP, PRICED_MODELS) the same rule gives 25.6.
 PRECOMPUTE_IMAGES = 2_000_000_000  # distinct images behind the 2.9B samples (about LAION-2B)
-VAE_ENCODER_FLOPS = 1_117e9
+VAE_ENCODER_FLOPS = PRICED_MODELS["sd2-base"][2]
 PRECOMPUTE_PEAK_FLOPS, PRECOMPUTE_MFU = 312e12, 0.40
 PRECOMPUTE_IMAGES_PER_SEC = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / VAE_ENCODER_FLOPS  # per GPU
 
@@ -381,7 +382,8 @@ def positive(kind: type):
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         "cost.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Time and cost to train SD2 base from measured images/sec, as in the 2023 "
+        description="Time and cost to train SD2 base (or SDXL base, or what the results measured) from "
+                    "measured images/sec, as in the 2023 "
                     "MosaicML table. days = samples / images_per_sec / 86400; GPU-hours = "
                     "days * 24 * GPUs; cost = GPU-hours * price.",
         epilog="Prediction for unmeasured GPU counts: per-GPU images/s is fitted as ln(t) linear "
@@ -416,9 +418,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add the one-time latents.py pass to every row (for --precomputed throughputs)")
     p.add_argument("--precompute_images", type=positive(float), default=PRECOMPUTE_IMAGES,
                    help=f"distinct images the pass encodes (default {PRECOMPUTE_IMAGES:,})")
-    p.add_argument("--precompute_images_per_sec", type=positive(float), default=PRECOMPUTE_IMAGES_PER_SEC,
-                   help="images/s of the pass per GPU (latents.py's images_per_sec / world_size; default "
-                        f"{PRECOMPUTE_IMAGES_PER_SEC:.1f}: A100 at 40%% MFU on the VAE encoder's 1,117 GFLOP/image)")
+    p.add_argument("--precompute_images_per_sec", type=positive(float), default=None,
+                   help="images/s of the pass per GPU (latents.py's images_per_sec / world_size; default: an A100 at "
+                        f"40%% MFU on the measured model's VAE encoder, {PRECOMPUTE_IMAGES_PER_SEC:.1f} for SD2 base "
+                        f"at 512 (1,117 GFLOP/image), "
+                        f"{PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / PRICED_MODELS['sdxl-base'][2]:.1f} for SDXL base "
+                        "at 1024 (4,879)")
     return p
 
 
@@ -426,17 +431,28 @@ def build_parser() -> argparse.ArgumentParser:
 SD2_BASE = ("sd2-base", 512)
 
 
+def measured_model(measurements: list[Measurement]) -> tuple[str, int]:
+    """(--model_config, image size) of the measurements; what a result lacks (and --gpus /
+    --images_per_sec values) is taken to be the 2023 benchmark's: SD2 base at 512x512."""
+    model = next((m.model_config for m in measurements if m.model_config), SD2_BASE[0])
+    return model, next((m.image_size for m in measurements if m.image_size), SD2_BASE[1])
+
+
 def describe(measurements: list[Measurement]) -> tuple[str, str | None]:
     """(what was measured, a note when it is not SD2 base at 512x512 trained from images).
 
-    The first part names the model in titles and captions. Fields a result lacks (and --gpus /
-    --images_per_sec values) are taken to be the 2023 benchmark's: SD2 base, 512x512, images.
+    The first part names the model in titles and captions: a priced model (SD2 base, SDXL base 1.0)
+    by its name, anything else by its config name. SDXL base at its 1024x1024 is priced as itself,
+    with a note that the sample count is the 2023 SD2 run's unless --samples says otherwise.
     """
-    model = next((m.model_config for m in measurements if m.model_config), SD2_BASE[0])
-    size = next((m.image_size for m in measurements if m.image_size), SD2_BASE[1])
+    model, size = measured_model(measurements)
     precomputed = any(m.precomputed for m in measurements)
-    name = "SD2 base" if model == SD2_BASE[0] else f"model '{model}'"
+    name = PRICED_MODELS[model][0] if model in PRICED_MODELS else f"model '{model}'"
     what = f"{name} at {size}x{size}" + (" from precomputed latents" if precomputed else "")
+    if model in PRICED_MODELS and model != SD2_BASE[0] and size == PRICED_MODELS[model][1]:
+        return what, (f"the table prices {what}, trained from scratch on --samples images (by default the 2023 SD2 "
+                      "run's 2.87 billion; SDXL's own schedule was not published in samples): not Stable Diffusion 2 "
+                      "base")
     if (model, size) != SD2_BASE:
         return what, (f"these results are for {what}, not SD2 base at 512x512: the table is the time and cost "
                       "of training that model, not Stable Diffusion 2 base")
@@ -474,6 +490,11 @@ def table(args: argparse.Namespace) -> list[Row]:
         fail("no measurements: give results JSON files or --gpus N --images_per_sec X")
 
     what, warning = describe(measurements)
+    if args.precompute_images_per_sec is None:  # a priced model's VAE encoder at its size; else SD2's at 512
+        model, size = measured_model(measurements)
+        priced = PRICED_MODELS.get(model)
+        vae_flops = priced[2] if priced and priced[1] == size else VAE_ENCODER_FLOPS
+        args.precompute_images_per_sec = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / vae_flops
     measured, notes = average_by_gpus(measurements)
     model = fit_scaling(measured)
     notes += model_notes(model)

@@ -94,12 +94,33 @@ def test_sdxl_tiny_is_a_miniature_of_a_few_million_parameters():
 # -----------------------------------------------------------------------------------------------
 
 def test_sdxl_base_flops_per_1024_image_equal_a_count_by_hand():
-    counted = FAMILY.flops_per_image("sdxl-base", 1024, vae=False, text_encoders=False)
+    from t2ibench.scale import PRICED_MODELS
+
+    counted = FAMILY.flops_per_image("sdxl-base", 1024, text_encoders=False)
+    assert counted["vae_encoder"] == pytest.approx(PRICED_MODELS["sdxl-base"][2], rel=1e-3)  # cost.py's constant
+    counted["total"] -= counted["vae_encoder"]
     by_hand_fwd, by_hand_fwd_bwd = unet_flops.unet_flops(sdxl.SDXL_BASE["unet"], 1024 // 8)
     assert counted["unet_fwd"] == by_hand_fwd
     assert counted["unet_fwd_bwd"] == by_hand_fwd_bwd
     assert 2.9 < by_hand_fwd_bwd / by_hand_fwd < 3.0  # backward: about twice the forward
     assert counted["total"] == counted["unet_fwd_bwd"]  # precomputed: no encoder runs
+
+
+def test_cost_table_is_labelled_for_sdxl_base_at_1024(tmp_path, capsys):
+    import json
+
+    import cost
+
+    result = tmp_path / "sdxl.json"
+    result.write_text(json.dumps({"images_per_sec": 100.0, "world_size": 8, "image_size": 1024,
+                                  "model_config": "sdxl-base", "precomputed": True, "device": "NVIDIA H100"}))
+    rows = cost.main([str(result), "--num_gpus", "8", "--precompute"])
+    out = capsys.readouterr().out
+    assert out.startswith("SDXL base 1.0 at 1024x1024 from precomputed latents:") and "SD2 base at" not in out
+    assert "not Stable Diffusion 2 base" in out
+    # The one-time pass at SDXL's VAE encoder cost: 312 TFLOP/s x 40% / 4,879 GFLOP = 25.6 images/s per A100.
+    assert "at 25.6 images/s per GPU" in out
+    assert rows[0].days == pytest.approx(2_867_200_000 / 100 / 86_400 + 2e9 / 25.58 / 3600 / 24 / 8, rel=1e-3)
 
 
 def test_encoder_flops_are_counted_when_they_run():
