@@ -51,7 +51,6 @@ import io
 import json
 import multiprocessing
 import os
-import re
 import shutil
 import signal
 import sys
@@ -69,8 +68,12 @@ from streaming.base.hashing import get_hashes
 from streaming.base.util import bytes_to_int
 from tqdm import tqdm
 
-import paths
-from data import load_image, to_rgb
+from t2ibench import errors
+from t2ibench.cli import Parser
+from t2ibench.errors import UserError
+from t2ibench.images import load_image, to_rgb
+from t2ibench.locations import is_remote, missing_upload_credentials, normalise, overlap, scheme, upload_schemes
+from t2ibench.mds import SHARD_NAME
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -91,12 +94,11 @@ TRUNCATED = "cut off by the end of a truncated tar"
 # The files MDSWriter names shards (shard.00000.mds, shard.00000.mds.zstd): with index.json, the
 # only files --overwrite deletes. A local output is written in STAGING inside --out and moved into
 # place when complete, so a failed or interrupted conversion never leaves a dataset that looks whole.
-SHARD_NAME = re.compile(r"shard\.\d{5,}\.mds(\.[a-z0-9:]+)?")
 STAGING = ".convert-partial"
 
 
-class ConvertError(Exception):
-    """Bad input or output: printed as one line, no traceback."""
+class ConvertError(UserError):
+    """Bad input or output: printed as one line (`convert.py: error: ...`), no traceback."""
 
 
 @dataclass
@@ -330,7 +332,7 @@ def find_sources(inputs: list[str], fmt: str, image_column: str | None = None,
     Raises ConvertError when an input is missing or holds nothing to convert.
     """
     report = report if report is not None else Report(out="")
-    resolved = [(name, Path(name).expanduser().resolve()) for name in inputs if not paths.scheme(name)]
+    resolved = [(name, Path(name).expanduser().resolve()) for name in inputs if not is_remote(name)]
     for i, (name, path) in enumerate(resolved):
         for other, other_path in resolved[i + 1:]:
             if path == other_path or path in other_path.parents or other_path in path.parents:
@@ -341,7 +343,7 @@ def find_sources(inputs: list[str], fmt: str, image_column: str | None = None,
     damaged: list[str] = []
     names = {"webdataset": ".tar shard(s)", "parquet": ".parquet file(s)", "folder": "image(s)"}
     for name in inputs:
-        if paths.scheme(name):
+        if is_remote(name):
             raise ConvertError(f"input {name}: inputs are local files or folders (download remote data first)")
         path = Path(name).expanduser()
         if not path.exists():
@@ -464,10 +466,6 @@ def _batches(items: Iterator[Candidate], size: int) -> Iterator[list[Candidate]]
 # The output.
 # -----------------------------------------------------------------------------------------------
 
-def is_remote(out: str) -> bool:
-    return paths.scheme(out) != ""
-
-
 def _remote_index_exists(out: str) -> bool:
     """Whether the remote --out holds an index.json; a store that cannot be reached (no
     credentials, unknown bucket or endpoint) is an error now, not after the conversion."""
@@ -586,6 +584,8 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
             image_column: str | None = None, caption_column: str | None = None, progress: bool = True,
             allow_truncated: bool = False) -> Report:
     """Convert `inputs` to MDS shards in `out`; returns the report (also printed by main)."""
+    inputs = [normalise("INPUT", name, ()) if scheme(name) == "file" else name for name in inputs]
+    out = normalise("--out", out, upload_schemes())
     if fmt not in ("auto", "folder", "webdataset", "parquet"):
         raise ConvertError(f"--format {fmt} is unknown; choose auto, folder, webdataset or parquet")
     if min_size < 0 or max_size < 0 or (max_size and max_size < min_size):
@@ -605,9 +605,8 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
             raise ValueError
     except (ValueError, TypeError):
         raise ConvertError(f"--size_limit {size_limit} must be a size such as 64mb, below 4gb") from None
-    problem = paths.check_scheme("--out", out, paths.output_schemes())
-    problem = problem or paths.overlap("--out", out, [("INPUT", name) for name in inputs])
-    problem = problem or paths.check_upload_credentials("--out", out)
+    problem = overlap("--out", out, [("INPUT", name) for name in inputs])
+    problem = problem or missing_upload_credentials("--out", out)
     if problem:
         raise ConvertError(problem)
     report = Report(out=out)
@@ -663,8 +662,8 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
     return report
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> Parser:
+    p = Parser("convert.py", description=__doc__)
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="image folders, .tar shards (or folders of them), .parquet files")
     p.add_argument("--out", required=True, help="output folder, or s3:// gs:// oci:// ... URI")
     p.add_argument("--format", dest="fmt", default="auto", choices=("auto", "folder", "webdataset", "parquet"),
@@ -685,24 +684,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allow_truncated", action="store_true",
                    help="convert the readable part of truncated tar shards instead of refusing (the loss is reported)")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def disk_error(error: BaseException) -> str | None:
+    """One line for an OSError: a disk that fills up, an input that cannot be read."""
+    return f"{type(error).__name__}: {error}" if isinstance(error, OSError) else None
 
 
 def main(argv: list[str] | None = None) -> Report:
     args = parse_args(argv)
     compression = None if args.compression.lower() in ("", "none") else args.compression
     hashes = tuple(h for h in args.hashes.split(",") if h.strip())
-    try:
+    with errors.command("convert.py", debug=args.debug, explain=disk_error):
         report = convert(args.inputs, args.out, fmt=args.fmt, compression=compression, hashes=hashes,
                          size_limit=args.size_limit, min_size=args.min_size, max_size=args.max_size,
                          quality=args.quality, overwrite=args.overwrite, workers=args.workers,
                          image_column=args.image_column, caption_column=args.caption_column,
                          progress=not args.no_progress, allow_truncated=args.allow_truncated)
-    except (ConvertError, OSError) as error:  # OSError: a disk that fills up, a file that cannot be read...
-        if args.debug:
-            raise
-        detail = str(error) if isinstance(error, ConvertError) else f"{type(error).__name__}: {error}"
-        raise SystemExit(f"convert.py: error: {detail}") from None
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(report.summary(), flush=True)

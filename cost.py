@@ -48,9 +48,8 @@ import math
 import os
 from dataclasses import dataclass
 
-# Assumptions of the 2023 table: 1.4M steps at global batch 2048, and $2 per A100-hour.
-SAMPLES = 1_400_000 * 2048  # 2,867,200,000 images
-USD_PER_GPU_HOUR = 2.0
+from t2ibench.cli import Parser
+from t2ibench.scale import SAMPLES, USD_PER_GPU_HOUR  # the 2023 table's: 1.4M steps x 2048, $2 per A100-hour
 SECONDS_PER_DAY = 86_400
 # The default table runs at least to this count, the largest one in the 2023 table.
 DEFAULT_MAX_GPUS = 256
@@ -376,14 +375,9 @@ def positive(kind: type):
     return parse
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        # one line that names the flag or file; the full usage is in --help
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
+        "cost.py", formatter_class=argparse.HelpFormatter,
         description="Time and cost to train SD2 base from measured images/sec, as in the 2023 "
                     "MosaicML table. days = samples / images_per_sec / 86400; GPU-hours = "
                     "days * 24 * GPUs; cost = GPU-hours * price.",

@@ -1,36 +1,43 @@
-"""Training data: everything `benchmark.py` reads, in one place.
+"""Training data: everything `benchmark.py` reads, in one place (the 2023 benchmark's data.py).
 
 - the synthetic dataset of the 2023 benchmark;
 - LAION-style image-caption MDS shards (written by convert.py), streamed with MosaicML Streaming;
 - precomputed VAE latents and text states (written by latents.py): their on-disk format, defined
   here once, and the datasets that train from them.
 
-Image datasets yield dicts with `image` (3, S, S) uint8 pixels and `captions` (77,) int64
-token ids (images cross from the loader workers as bytes, a quarter of float32's shared memory,
-pinned memory and host-to-device traffic; `model.scale_images` maps them to [-1, 1] on the
-device); precomputed ones `latent_mean`, `latent_logvar` and either `captions` (token ids, the
-default format) or `text_states`. All are what `model.StableDiffusion` consumes.
+Image datasets yield dicts with `image` (3, S, S) uint8 pixels and the model family's token ids
+(SD2: `captions` (77,) int64; images cross from the loader workers as bytes, a quarter of float32's
+shared memory, pinned memory and host-to-device traffic; `t2ibench.model.scale_images` maps them to
+[-1, 1] on the device); precomputed ones `latent_mean`, `latent_logvar` and either `captions`
+(token ids, the default format) or `text_states`. All are what `t2ibench.model.DiffusionModel`
+consumes. This file stays at the root, where users of the 2023 benchmark import it from, and is
+built from the package's parts (`t2ibench.sources`, `t2ibench.streaming`, `t2ibench.images`, the
+model families); the package never imports it.
 """
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import logging
 import os
-import re
 from collections import Counter
 from typing import Any
 
 import numpy as np
 import torch
 from composer.utils import dist
-from PIL import Image, ImageOps
 from streaming import Stream, StreamingDataLoader, StreamingDataset
 from torch.utils.data import DataLoader, Dataset
 
-from model import LATENT_SCALE
-from tokenizer import MAX_LENGTH, VOCAB_SIZE, tokenize
+from t2ibench.families import MODEL_CONFIGS, ModelFamily
+from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
+from t2ibench.flags import MAX_BAD_FRACTION
+from t2ibench.images import decode_pixels, load_image, to_rgb  # noqa: F401 - load_image, to_rgb: data's API
+from t2ibench.sources import Source, parse_sources
+from t2ibench.streaming import StreamingSettings
+from t2ibench.tokenizer import MAX_LENGTH
+
+# The 2023 benchmark's model: the family of data built without one named.
+DEFAULT_FAMILY = MODEL_CONFIGS["sd2-base"]
 
 
 class SyntheticImageCaptions(Dataset):
@@ -40,8 +47,9 @@ class SyntheticImageCaptions(Dataset):
     the same index, and no memory is spent storing them.
     """
 
-    def __init__(self, image_size: int, num_samples: int = 100_000, seed: int = 0):
+    def __init__(self, image_size: int, num_samples: int = 100_000, seed: int = 0, family: ModelFamily | None = None):
         self.image_size, self.num_samples, self.seed = image_size, num_samples, seed
+        self.family = family or DEFAULT_FAMILY
 
     def __len__(self) -> int:
         return self.num_samples
@@ -49,8 +57,7 @@ class SyntheticImageCaptions(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         image = torch.randint(0, 256, (3, self.image_size, self.image_size), generator=g, dtype=torch.uint8)
-        captions = torch.randint(0, VOCAB_SIZE, (MAX_LENGTH,), generator=g)
-        return {"image": image, "captions": captions}
+        return {"image": image, **self.family.random_text_inputs(g)}
 
 
 def loader_kwargs(num_workers: int) -> dict:
@@ -62,9 +69,9 @@ def loader_kwargs(num_workers: int) -> dict:
 
 
 def synthetic_dataloader(image_size: int, batch_size_per_device: int, num_workers: int,
-                         num_samples: int = 100_000, seed: int = 0) -> DataLoader:
+                         num_samples: int = 100_000, seed: int = 0, family: ModelFamily | None = None) -> DataLoader:
     """Synthetic samples, each rank reading its own shard through Composer's distributed sampler."""
-    dataset = SyntheticImageCaptions(image_size, num_samples, seed)
+    dataset = SyntheticImageCaptions(image_size, num_samples, seed, family)
     sampler = dist.get_sampler(dataset, shuffle=True, drop_last=True)
     return DataLoader(dataset, batch_size=batch_size_per_device, sampler=sampler, **loader_kwargs(num_workers))
 
@@ -84,9 +91,7 @@ log = logging.getLogger(__name__)
 # failed, once it has decoded at least BAD_CHECK_AFTER of them (the minimum keeps one bad image
 # early in an epoch from counting as "100% bad"). Dataloader workers are separate processes, so
 # the counts (and the check) are per worker: with 8 workers each sees about 1/8 of the samples.
-MAX_BAD_FRACTION = 0.01
 BAD_CHECK_AFTER = 1000
-_ALPHA_MODES = {"RGBA", "RGBa", "LA", "La", "PA"}
 
 
 class CompactSpanner:
@@ -125,58 +130,10 @@ class BadDataError(RuntimeError):
     """Too many samples of the dataset could not be decoded: the data, not the run, needs fixing."""
 
 
-def to_rgb(image: Image.Image) -> Image.Image:
-    """Any Pillow image as 8-bit RGB: transparency composited on white, grayscale/CMYK/16-bit converted.
-
-    Composite on white (not black, and not by dropping alpha) because transparent areas of logos
-    and product photos are meant to be seen on a white page; dropping alpha would expose whatever
-    colors the encoder left under the transparent pixels.
-    """
-    if image.mode == "I" or image.mode.startswith("I;16"):
-        # 16-bit grayscale PNG/TIFF: Pillow's convert("RGB") clips at 255; scale 0..65535 to 0..255.
-        image = Image.fromarray((np.asarray(image, dtype=np.float32) / 257.0).clip(0, 255).astype(np.uint8))
-    if "transparency" in image.info and image.mode in ("P", "L", "RGB"):
-        image = image.convert("RGBA")  # a palette entry or one gray/RGB value (PNG tRNS) is transparent
-    if image.mode in _ALPHA_MODES:
-        rgba = image.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        white.alpha_composite(rgba)
-        return white.convert("RGB")
-    return image if image.mode == "RGB" else image.convert("RGB")
-
-
-def load_image(data: bytes) -> Image.Image:
-    """Decode encoded image bytes (format detected from the content, never from a file name)."""
-    image = Image.open(io.BytesIO(data))
-    image.load()  # decode now: a truncated or corrupt file fails here, not later in a resize
-    return image
-
-
 def decode_image(data: bytes, size: int) -> torch.Tensor:
-    """Encoded image bytes -> (3, size, size) uint8 tensor (`model.scale_images` makes it [-1, 1]).
-
-    The image is oriented by its EXIF tag, converted to RGB (`to_rgb`), resized so that its shorter
-    side is `size` pixels (bicubic, antialiased: Pillow filters over the whole footprint when it
-    downsamples) and center-cropped to a square. Resize and crop are one `resize(box=...)` call,
-    which only resamples the pixels that survive the crop.
-    """
-    image = Image.open(io.BytesIO(data))
-    width, height = image.size
-    if min(width, height) >= 4 * size:
-        # A big JPEG can be decoded at 1/2, 1/4 or 1/8 scale by the IDCT itself, several times
-        # faster. Stay at >= 2x the target so the bicubic filter still does the final antialiasing
-        # (the same rule as Pillow's thumbnail(), reducing_gap=2).
-        scale = 2 * size / min(width, height)
-        image.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))
-    image.load()
-    ImageOps.exif_transpose(image, in_place=True)  # phone photos are stored sideways plus a tag
-    image = to_rgb(image)
-    width, height = image.size
-    side = min(width, height)
-    left, top = (width - side) / 2, (height - side) / 2
-    image = image.resize((size, size), Image.Resampling.BICUBIC, box=(left, top, left + side, top + side))
-    pixels = torch.from_numpy(np.array(image, dtype=np.uint8))  # (size, size, 3), a writable copy
-    return pixels.permute(2, 0, 1).contiguous()  # channels first
+    """Encoded image bytes -> (3, size, size) uint8 tensor (`model.scale_images` makes it [-1, 1] on the
+    device); the image prepared as `images.decode_pixels` says (EXIF, RGB, resize, center crop)."""
+    return torch.from_numpy(decode_pixels(data, size)).permute(2, 0, 1).contiguous()  # channels first
 
 
 def _check_local_only(local: str) -> None:
@@ -202,49 +159,23 @@ def _check_local_only(local: str) -> None:
                 "downloaded again), or point --local at the converted dataset itself")
 
 
-# Several sources, mixed. `--remote` takes one source or several (repeat the flag, or separate them
-# by commas), each optionally prefixed by its proportion of every epoch: `0.7=s3://a/mds,0.3=gs://b/mds`.
-# A prefix, not a ":0.7" suffix: a suffix could be part of a URI or path (s3://b/year=2023, C:\data),
-# while no URI scheme and no Windows drive starts with "<number>=" (a relative path that does is
-# written "./0.5=data"). Proportions are relative (Streaming normalizes them); give them for every
-# source or for none (then each source contributes all its samples once per epoch).
-_PROPORTION = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)=(.+)$")
+def stream_arguments(sources: list[Source]) -> dict[str, Any]:
+    """StreamingDataset's location arguments: remote/local for one source without a proportion,
+    else one `Stream` per source, each cached in its own folder (see `t2ibench.sources`)."""
+    if len(sources) == 1 and sources[0].proportion is None:
+        return {"remote": sources[0].remote, "local": sources[0].local, "streams": None}
+    return {"remote": None, "local": None,
+            "streams": [Stream(remote=s.remote, local=s.local, proportion=s.proportion) for s in sources]}
 
 
-def parse_sources(remote: str | None) -> list[tuple[str, float | None]]:
-    """'0.7=s3://a/mds,0.3=/data/b' -> [('s3://a/mds', 0.7), ('/data/b', 0.3)]; raises ValueError on bad input."""
-    sources = []
-    for item in (remote or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        match = _PROPORTION.match(item)
-        proportion, source = (float(match.group(1)), match.group(2)) if match else (None, item)
-        if proportion is not None and proportion <= 0:
-            raise ValueError(f"--remote {item}: the proportion must be positive")
-        sources.append((source, proportion))
-    given = [p is not None for _, p in sources]
-    if any(given) and not all(given):
-        raise ValueError(f"--remote {remote}: give a proportion to every source (0.7=s3://a,0.3=s3://b) or to none")
-    return sources
-
-
-def stream_local(local: str, remote: str) -> str:
-    """The cache folder of one of several sources: its own subfolder of `local`, named by a hash of
-    the source, so two sources never share (and overwrite) an index.json."""
-    return os.path.join(local, hashlib.sha1(remote.encode()).hexdigest()[:12])
-
-
-def make_streams(remote: str | None, local: str | None, **stream_kwargs: Any) -> list[Stream] | None:
-    """Streaming `Stream`s for several sources (see parse_sources), each cached in its own folder;
-    None for a single source without a proportion (StreamingDataset's remote/local, as before)."""
-    sources = parse_sources(remote)
-    if len(sources) <= 1 and all(p is None for _, p in sources):
-        return None
-    if not local:
-        raise ValueError("several --remote sources need --local, the folder their caches go under")
-    return [Stream(remote=source, local=stream_local(local, source), proportion=proportion, **stream_kwargs)
-            for source, proportion in sources]
+def resolve_sources(sources: list[Source] | None, remote: str | list[str] | None, local: str | None) -> list[Source]:
+    """`sources` as benchmark.py parsed them, or, for a caller of this module, those `remote` and
+    `local` name (see t2ibench.sources.parse_sources)."""
+    if sources is not None:
+        return sources
+    if not remote and not local:
+        raise ValueError("a streaming dataset needs remote (where the shards are) and/or local (the cache)")
+    return parse_sources(remote, local)
 
 
 # Memory to start an epoch, per sample of the epoch (bench/index_scale.py, shuffle py1e): the node's
@@ -273,47 +204,38 @@ def first_shards(dataset: StreamingDataset) -> list[tuple[str, Any]]:
 
 
 class StreamingImageCaptions(StreamingDataset):
-    """Image-caption pairs streamed from MDS shards: yields {"image": (3,S,S) uint8, "captions": (77,)}.
+    """Image-caption pairs streamed from MDS shards: yields {"image": (3,S,S) uint8, <token ids>}.
 
     Args:
-        remote: where the shards live (s3://bucket/path, gs://, oci://, azure://, hf://, a local
-            path...), or None when `local` already holds them (index.json plus shards).
-        local: cache folder the shards are downloaded to (or the shards themselves if remote is None).
-        tokenizer: CLIP tokenizer; it is pickled into every dataloader worker.
+        remote, local: where the shards live (s3://bucket/path, gs://, oci://, azure://, hf://, a
+            local path...; several sources as --remote takes them) and the cache they are downloaded
+            to (or the shards themselves without a remote); or `sources`, already parsed.
+        tokenizer: the family's tokenizer (SD2's CLIP tokenizer), or a dict of them by name; it is
+            pickled into every dataloader worker.
         image_size: output side S in pixels.
         batch_size: per-device batch size. Streaming partitions samples over ranks and workers
             batch by batch, which makes the order deterministic and resumable mid-epoch.
-        shuffle, shuffle_seed: shuffle every epoch (Streaming's py1e block shuffle), reproducibly.
-        predownload: samples each worker downloads ahead of the one it yields (None: 8 x batch_size).
-        download_retry, download_timeout: per-shard download attempts and seconds before failing.
-        cache_limit: evict least-recently-used shards to keep `local` under this size ("500gb"),
-            None to keep everything.
-        validate_hash: check each downloaded shard against this hash from index.json ("xxh64").
+        family: the model family whose token ids the samples carry (default: SD2).
         image_key, caption_key: MDS column names of the encoded image and of the caption.
-        max_bad_fraction, bad_check_after: the bad-data policy (see MAX_BAD_FRACTION above).
-        **streaming_kwargs: any other StreamingDataset argument (num_canonical_nodes, epoch_size...).
+        max_bad_fraction, bad_check_after: the bad-data policy (see BAD_CHECK_AFTER above).
+        shuffle and **streaming_kwargs: StreamingDataset's (`StreamingSettings.dataset_kwargs`).
 
     A sample whose image cannot be decoded (or whose caption is not a string) is replaced by the
     next index (index + 1, wrapping around), which is the same on every rank and every run; each
     replacement is logged with the sample index and shard name, and counted in `bad_samples`.
     """
 
-    def __init__(self, *, remote: str | None, local: str | None, tokenizer: Any, image_size: int,
-                 batch_size: int, shuffle: bool = True, shuffle_seed: int = 9176, predownload: int | None = None,
-                 download_retry: int = 2, download_timeout: float = 60.0, cache_limit: int | str | None = None,
-                 validate_hash: str | None = None, image_key: str = "jpg", caption_key: str = "caption",
-                 max_bad_fraction: float = MAX_BAD_FRACTION, bad_check_after: int = BAD_CHECK_AFTER,
-                 **streaming_kwargs: Any):
-        if not remote and local:
-            _check_local_only(local)
-        streams = make_streams(remote, local)
-        if streams:
-            remote = local = None  # StreamingDataset takes streams or remote/local, not both
-        super().__init__(streams=streams, remote=remote, local=local, batch_size=batch_size, shuffle=shuffle,
-                         shuffle_seed=shuffle_seed, predownload=predownload, download_retry=download_retry,
-                         download_timeout=download_timeout, cache_limit=cache_limit,
-                         validate_hash=validate_hash, **streaming_kwargs)
-        self.tokenizer, self.image_size = tokenizer, image_size
+    def __init__(self, *, remote: str | None = None, local: str | None = None, tokenizer: Any, image_size: int,
+                 batch_size: int, sources: list[Source] | None = None, family: ModelFamily | None = None,
+                 image_key: str = "jpg", caption_key: str = "caption", max_bad_fraction: float = MAX_BAD_FRACTION,
+                 bad_check_after: int = BAD_CHECK_AFTER, shuffle: bool = True, **streaming_kwargs: Any):
+        sources = resolve_sources(sources, remote, local)
+        if len(sources) == 1 and not sources[0].remote:
+            _check_local_only(sources[0].local)
+        super().__init__(**stream_arguments(sources), batch_size=batch_size, shuffle=shuffle, **streaming_kwargs)
+        self.family = family or DEFAULT_FAMILY
+        self.tokenizers = tokenizer if isinstance(tokenizer, dict) else {"tokenizer": tokenizer}
+        self.image_size = image_size
         self.image_key, self.caption_key = image_key, caption_key
         self.max_bad_fraction, self.bad_check_after = max_bad_fraction, bad_check_after
         # Per process (the main process, or each dataloader worker after it gets its pickled copy).
@@ -329,6 +251,10 @@ class StreamingImageCaptions(StreamingDataset):
                     raise ValueError(f"{flag}={key!r} is not a column of the shards in {where}; "
                                      f"their columns are {columns}")
 
+    def token_ids(self, caption: str) -> dict[str, torch.Tensor]:
+        """The caption's token ids, one tensor per batch key of the family (SD2: "captions" (77,))."""
+        return {key: ids[0] for key, ids in self.family.tokenize(self.tokenizers, [caption]).items()}
+
     def shard_name(self, index: int) -> str:
         """Where sample `index` lives, for messages: '<remote or local>/shard.00012.mds.zstd'."""
         shard_id, _ = self.spanner[index]
@@ -343,7 +269,7 @@ class StreamingImageCaptions(StreamingDataset):
         if not isinstance(caption, str):
             raise TypeError(f"caption is {type(caption).__name__}, not str")
         image = decode_image(sample[self.image_key], self.image_size)
-        return {"image": image, "captions": tokenize(self.tokenizer, [caption])[0]}
+        return {"image": image, **self.token_ids(caption)}
 
     def get_item(self, index: int) -> dict[str, torch.Tensor]:
         """Sample `index`, decoded; an undecodable one is replaced by the next index (see class doc)."""
@@ -371,27 +297,24 @@ class StreamingImageCaptions(StreamingDataset):
                            f"(the first tried: sample {index} in {self.shard_name(index)})")
 
 
-def laion_dataloader(remote: str | None, local: str | None, tokenizer: Any, image_size: int,
-                     batch_size_per_device: int, num_workers: int, seed: int = 17, *,
-                     image_key: str = "jpg", caption_key: str = "caption", shuffle: bool = True,
-                     predownload: int | None = None, download_retry: int = 2, download_timeout: float = 60.0,
-                     cache_limit: int | str | None = None, validate_hash: str | None = None,
+def laion_dataloader(remote: str | None = None, local: str | None = None, tokenizer: Any = None, image_size: int = 512,
+                     batch_size_per_device: int = 1, num_workers: int = 0, seed: int = 17, *,
+                     sources: list[Source] | None = None, settings: StreamingSettings | None = None,
+                     family: ModelFamily | None = None, image_key: str = "jpg", caption_key: str = "caption",
                      max_bad_fraction: float = MAX_BAD_FRACTION, bad_check_after: int = BAD_CHECK_AFTER,
                      **streaming_kwargs: Any) -> StreamingDataLoader:
     """LAION-style MDS shards as batches {"image": (B,3,S,S) uint8, "captions": (B,77)} for this rank.
 
     `remote` None means the shards are already in `local`. The loader is a StreamingDataLoader, so
-    Composer checkpoints its position and resumes mid-epoch. `seed` seeds the shuffle (the same on
-    every rank, as Streaming requires).
+    Composer checkpoints its position and resumes mid-epoch. `settings` (or single settings as
+    keyword arguments) go to StreamingDataset; `seed` seeds the shuffle (the same on every rank, as
+    Streaming requires).
     """
-    if not remote and not local:
-        raise ValueError("laion_dataloader needs remote (where the shards are) and/or local (the cache)")
     dataset = StreamingImageCaptions(
-        remote=remote or None, local=local, tokenizer=tokenizer, image_size=image_size,
-        batch_size=batch_size_per_device, shuffle=shuffle, shuffle_seed=seed, predownload=predownload,
-        download_retry=download_retry, download_timeout=download_timeout, cache_limit=cache_limit,
-        validate_hash=validate_hash, image_key=image_key, caption_key=caption_key,
-        max_bad_fraction=max_bad_fraction, bad_check_after=bad_check_after, **streaming_kwargs)
+        remote=remote, local=local, sources=sources, tokenizer=tokenizer, image_size=image_size,
+        batch_size=batch_size_per_device, family=family, image_key=image_key, caption_key=caption_key,
+        max_bad_fraction=max_bad_fraction, bad_check_after=bad_check_after,
+        **{**(settings or StreamingSettings()).dataset_kwargs(seed), **streaming_kwargs})
     warn_about_large_epoch(dataset)
     return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **loader_kwargs(num_workers))
 
@@ -466,19 +389,20 @@ class StreamingLatents(StreamingDataset):
     """Precomputed shards (written by latents.py) streamed for training.
 
     Yields {"latent_mean": (4, S/8, S/8), "latent_logvar": (4, S/8, S/8)} in the stored dtype (fp16 by
-    default: `model.StableDiffusion.forward` casts them) plus, by the shards' format (`text_format`),
+    default: `t2ibench.model.DiffusionModel` casts them) plus, by the shards' format (`text_format`),
     "captions": (77,) int64 token ids or "text_states": (77, D). `image_size` and `text_dim`, when
     given, are checked against the shapes the shards were written with, so that a run at another
     resolution or with another text encoder fails at once with a clear message. `remote` may name
-    several sources (see parse_sources), which must all have the same format and shapes. Other
-    arguments are StreamingDataset's (local, batch_size, shuffle, shuffle_seed, cache_limit...).
+    several sources (see t2ibench.sources), or `sources` name them, parsed; they must all have the
+    same format and shapes. Other arguments are StreamingDataset's (batch_size, shuffle,
+    shuffle_seed, cache_limit...).
     """
 
-    def __init__(self, *, remote: str | None, local: str | None, batch_size: int, image_size: int | None = None,
-                 text_dim: int | None = None, shuffle: bool = True, shuffle_seed: int = 9176, **streaming_kwargs: Any):
-        streams = make_streams(remote, local)
-        super().__init__(streams=streams, remote=None if streams else remote, local=None if streams else local,
-                         batch_size=batch_size, shuffle=shuffle, shuffle_seed=shuffle_seed, **streaming_kwargs)
+    def __init__(self, *, remote: str | None = None, local: str | None = None, batch_size: int,
+                 sources: list[Source] | None = None, image_size: int | None = None, text_dim: int | None = None,
+                 shuffle: bool = True, shuffle_seed: int = 9176, **streaming_kwargs: Any):
+        super().__init__(**stream_arguments(resolve_sources(sources, remote, local)), batch_size=batch_size,
+                         shuffle=shuffle, shuffle_seed=shuffle_seed, **streaming_kwargs)
         formats = {}
         for where, shard in first_shards(self):
             formats[where] = self._check_shard(where, shard, image_size, text_dim)
@@ -530,50 +454,53 @@ class SyntheticLatents(Dataset):
     """
 
     def __init__(self, image_size: int, text_dim: int, num_samples: int = 100_000, seed: int = 0,
-                 latent_channels: int = 4, dtype: torch.dtype = torch.float16, text_format: str = "tokens"):
+                 latent_channels: int = 4, dtype: torch.dtype = torch.float16, text_format: str = "tokens",
+                 family: ModelFamily | None = None, latent_scale: float = SD2_LATENT_SCALE):
         if text_format not in FORMATS:
             raise ValueError(f"text_format {text_format!r} is not one of {FORMATS}")
         self.latent_shape = (latent_channels, image_size // 8, image_size // 8)
         self.text_dim, self.num_samples, self.seed, self.dtype = text_dim, num_samples, seed, dtype
-        self.text_format = text_format
+        self.text_format, self.family, self.latent_scale = text_format, family or DEFAULT_FAMILY, latent_scale
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        mean = torch.randn(self.latent_shape, generator=g) / LATENT_SCALE
+        mean = torch.randn(self.latent_shape, generator=g) / self.latent_scale
         logvar = torch.randn(self.latent_shape, generator=g) * 0.5 - 10.0
         item = {"latent_mean": mean.to(self.dtype), "latent_logvar": logvar.to(self.dtype)}
         if self.text_format == "text_states":
             item[TEXT_STATES_KEY] = torch.randn(MAX_LENGTH, self.text_dim, generator=g).to(self.dtype)
         else:
-            item[TOKENS_KEY] = torch.randint(0, VOCAB_SIZE, (MAX_LENGTH,), generator=g)
+            item.update(self.family.random_text_inputs(g))
         return item
 
 
-def latents_dataloader(*, synthetic: bool, remote: str | None, local: str | None, image_size: int, text_dim: int,
-               batch_size_per_device: int, num_workers: int, num_samples: int = 100_000, seed: int = 17,
-               latent_channels: int = 4, shuffle: bool = True, synthetic_format: str = "tokens",
-               **streaming_kwargs: Any) -> DataLoader:
+def latents_dataloader(*, synthetic: bool, remote: str | None = None, local: str | None = None, image_size: int,
+                       text_dim: int, batch_size_per_device: int, num_workers: int, num_samples: int = 100_000,
+                       seed: int = 17, latent_channels: int = 4, shuffle: bool = True, synthetic_format: str = "tokens",
+                       sources: list[Source] | None = None, settings: StreamingSettings | None = None,
+                       family: ModelFamily | None = None, **streaming_kwargs: Any) -> DataLoader:
     """Batches of precomputed latents for this rank (what benchmark.py --precomputed uses).
 
     synthetic: SyntheticLatents (in `synthetic_format`) sharded over ranks with Composer's
     distributed sampler. Otherwise the shards written by latents.py, streamed from `remote` (one or
-    several sources, see parse_sources) into `local` (or read from `local` when `remote` is None)
-    by a StreamingDataLoader, which Composer checkpoints and resumes mid-epoch; `seed` seeds the
-    shuffle. Extra keyword arguments go to StreamingDataset (cache_limit, predownload, epoch_size...),
-    as for laion_dataloader. The dataset's `text_format` says which text input the batches carry.
+    several sources, see t2ibench.sources; or `sources`, parsed) into `local` (or read from `local`
+    when `remote` is None) by a StreamingDataLoader, which Composer checkpoints and resumes
+    mid-epoch; `seed` seeds the shuffle. `settings` (or single settings as keyword arguments) go to
+    StreamingDataset, as for laion_dataloader. The dataset's `text_format` says which text input
+    the batches carry.
     """
     kwargs = loader_kwargs(num_workers)
+    settings = settings or StreamingSettings(shuffle=shuffle)
     if synthetic:
-        dataset = SyntheticLatents(image_size, text_dim, num_samples, seed, latent_channels, text_format=synthetic_format)
-        sampler = dist.get_sampler(dataset, shuffle=shuffle, drop_last=True, seed=seed)
+        dataset = SyntheticLatents(image_size, text_dim, num_samples, seed, latent_channels, text_format=synthetic_format,
+                                   family=family)
+        sampler = dist.get_sampler(dataset, shuffle=settings.shuffle, drop_last=True, seed=seed)
         return DataLoader(dataset, batch_size=batch_size_per_device, sampler=sampler, **kwargs)
-    if not remote and not local:
-        raise ValueError("latents_dataloader needs remote (where the precomputed shards are) and/or local (the cache)")
-    dataset = StreamingLatents(remote=remote or None, local=local, batch_size=batch_size_per_device,
-                               image_size=image_size, text_dim=text_dim, shuffle=shuffle, shuffle_seed=seed,
-                               **streaming_kwargs)
+    dataset = StreamingLatents(remote=remote, local=local, sources=sources, batch_size=batch_size_per_device,
+                               image_size=image_size, text_dim=text_dim,
+                               **{**settings.dataset_kwargs(seed), **streaming_kwargs})
     warn_about_large_epoch(dataset)
     return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **kwargs)

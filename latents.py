@@ -80,7 +80,6 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -95,19 +94,23 @@ from streaming.base.util import bytes_to_int
 from torch.utils.data import DataLoader, Dataset
 
 import data
-import paths
-from cost import SAMPLES as SAMPLES_AT_SCALE
 from data import LATENT_KEYS, STORAGE_DTYPES, TEXT_STATES_KEY, TOKEN_IDS_COLUMN, TOKEN_IDS_DTYPE, mds_columns
-from model import MODEL_CONFIGS, build_components, scale_images
-from tokenizer import MAX_LENGTH, tokenize
+from t2ibench import errors, flags
+from t2ibench.errors import UserError, fail
+from t2ibench.families import ModelFamily, require_pretrained
+from t2ibench.locations import DEFAULT_CACHE_ROOT, is_remote, missing_upload_credentials, normalise, overlap, \
+    unwritable, upload_schemes
+from t2ibench.mds import INDEX_FILE, SHARD_NAME
+from t2ibench.model import scale_images
+from t2ibench.scale import SAMPLES as SAMPLES_AT_SCALE
+from t2ibench.sources import Source, parse_sources
+from t2ibench.tokenizer import MAX_LENGTH
 
 log = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
-DEFAULT_SOURCE_CACHE = "/tmp/latents-source-cache"
 SETTINGS_FILE = "precompute.json"
-INDEX_FILE = "index.json"
 
 
 def chunk_name(k: int) -> str:
@@ -123,7 +126,7 @@ class IndexedImageCaptions(data.StreamingImageCaptions):
 
     Training replaces an undecodable sample by the next one; here that would store one sample
     twice, so the sample is flagged (`ok` False) and left out of the output instead. Images and
-    captions are prepared exactly as for online training (data.decode_image, tokenizer.tokenize).
+    captions are prepared exactly as for online training (data.decode_image, the family's tokenize).
     """
 
     def get_item(self, index: int) -> dict[str, Any]:
@@ -133,8 +136,7 @@ class IndexedImageCaptions(data.StreamingImageCaptions):
             if not isinstance(caption, str):
                 raise TypeError(f"caption is {type(caption).__name__}, not str")
             image = data.decode_image(sample[self.image_key], self.image_size)
-            ids = tokenize(self.tokenizer, [caption])[0]
-            return {"index": index, "ok": True, "image": image, "captions": ids, "caption": caption}
+            return {"index": index, "ok": True, "image": image, **self.token_ids(caption), "caption": caption}
         except Exception as error:  # noqa: BLE001  Pillow raises OSError, ValueError, SyntaxError...
             log.warning("sample %d in %s cannot be used (%s: %s); left out of the precomputed data",
                         index, self.shard_name(index), type(error).__name__, error)
@@ -166,10 +168,6 @@ class _ByIndex(Dataset):
 # -----------------------------------------------------------------------------------------------
 # The output folder: local path or object-store URI.
 # -----------------------------------------------------------------------------------------------
-
-def is_remote(out: str) -> bool:
-    return urllib.parse.urlparse(out).scheme not in ("", "file")
-
 
 def join(out: str, *names: str) -> str:
     return "/".join([out.rstrip("/"), *names]) if is_remote(out) else os.path.join(out, *names)
@@ -256,9 +254,6 @@ def check_settings(existing: dict | None, settings: dict) -> str | None:
             "): use another --out, the same settings, or --overwrite")
 
 
-SHARD_NAME = re.compile(r"shard\.\d{5,}\.mds(\.[a-z0-9:]+)?")  # what MDSWriter names shard files
-
-
 def clear_output(out: str) -> None:
     """--overwrite on a local folder: delete a precomputed dataset there, and only what this script
     writes (precompute.json, index.json, chunkNNNNNN folders of MDS files); anything else: refuse."""
@@ -266,8 +261,8 @@ def clear_output(out: str) -> None:
     if not path.is_dir() or not any(path.iterdir()):
         return
     if not (path / SETTINGS_FILE).is_file():  # an index.json alone could be any dataset, the source even
-        raise SystemExit(f"latents.py: error: --out {out} is not empty and holds no precomputed latents "
-                         f"(no {SETTINGS_FILE}): refusing to delete it; choose a new or empty folder")
+        fail(f"--out {out} is not empty and holds no precomputed latents (no {SETTINGS_FILE}): refusing to delete "
+             "it; choose a new or empty folder")
     ours = {SETTINGS_FILE, f".{SETTINGS_FILE}.tmp", INDEX_FILE}
     chunk = re.compile(r"chunk\d{6}")
     foreign = []
@@ -278,9 +273,9 @@ def clear_output(out: str) -> None:
         elif not (entry.is_file() and entry.name in ours):
             foreign.append(entry.name)
     if foreign:
-        raise SystemExit(f"latents.py: error: --out {out} holds files latents.py did not write "
-                         f"({', '.join(foreign[:3])}{'...' if len(foreign) > 3 else ''}): --overwrite deletes only "
-                         "precomputed latents; move them away or choose another --out")
+        fail(f"--out {out} holds files latents.py did not write ({', '.join(foreign[:3])}"
+             f"{'...' if len(foreign) > 3 else ''}): --overwrite deletes only precomputed latents; move them away "
+             "or choose another --out")
     for entry in path.iterdir():
         if entry.is_dir():
             shutil.rmtree(entry)
@@ -290,9 +285,6 @@ def clear_output(out: str) -> None:
 
 def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int) -> list[int]:
     """Rank 0: check --out, record the settings there, and return the chunks still to do."""
-    def fail(message: str) -> None:
-        raise SystemExit(f"latents.py: error: --out {args.out}: {message}")
-
     if args.overwrite and not is_remote(args.out):
         clear_output(args.out)
     existing = read_json(args.out, SETTINGS_FILE)
@@ -302,11 +294,12 @@ def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int) -> list
         foreign = (path.is_dir() and any(path.iterdir())) if not is_remote(args.out) else \
             read_json(args.out, INDEX_FILE) is not None
         if foreign:
-            fail(f"not empty and holds no precomputed latents (no {SETTINGS_FILE}); choose a new or empty folder")
+            fail(f"--out {args.out}: not empty and holds no precomputed latents (no {SETTINGS_FILE}); choose a new "
+                 "or empty folder")
     elif not args.overwrite:
         problem = check_settings(existing, settings)
         if problem:
-            fail(problem)
+            fail(f"--out {args.out}: {problem}")
     write_json(args.out, SETTINGS_FILE, settings)
     done = set() if args.overwrite and is_remote(args.out) else completed_chunks(args.out, num_chunks)
     return [k for k in range(num_chunks) if k not in done]
@@ -317,10 +310,11 @@ def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int) -> list
 # -----------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def encode(vae: torch.nn.Module, text_encoder: torch.nn.Module | None, images: torch.Tensor, ids: torch.Tensor,
-           device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """VAE posterior mean and log-variance, and text-encoder last hidden states (None without a text
-    encoder: the token ids are stored instead), as float32 on `device`."""
+def encode(family: ModelFamily, vae: torch.nn.Module, text_encoders: dict[str, torch.nn.Module], images: torch.Tensor,
+           ids: torch.Tensor, device: torch.device,
+           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """VAE posterior mean and log-variance, and the text states (the family's conditioning; None
+    without text encoders: the token ids are stored instead), as float32 on `device`."""
     images = scale_images(images.to(device, non_blocking=True))  # uint8 pixels -> [-1, 1] on the device
     ids = ids.to(device, non_blocking=True)
     if device.type == "cuda":
@@ -329,7 +323,8 @@ def encode(vae: torch.nn.Module, text_encoder: torch.nn.Module | None, images: t
                 else contextlib.nullcontext())
     with autocast:
         posterior = vae.encode(images).latent_dist
-        text_states = text_encoder(input_ids=ids).last_hidden_state.float() if text_encoder is not None else None
+        text_states = (family.encode_text(text_encoders, {"captions": ids})[TEXT_STATES_KEY].float()
+                       if text_encoders else None)
     return posterior.mean.float(), posterior.logvar.float(), text_states
 
 
@@ -400,106 +395,88 @@ def _writer(out: str, name: str, columns: dict[str, str], args: argparse.Namespa
                      hashes=args.hashes, size_limit=args.size_limit, **kwargs)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--remote", type=str, default=None, help="image-caption MDS shards to read: s3://, gs://, ... or a path")
-    p.add_argument("--local", type=str, default=None,
-                   help=f"cache for --remote (default {DEFAULT_SOURCE_CACHE}), or the shards themselves without --remote")
+def build_parser() -> flags.Parser:
+    p = flags.Parser("latents.py", description=__doc__)
     p.add_argument("--out", type=str, required=True, help="output folder, or s3:// gs:// oci:// ... URI")
-    p.add_argument("--model_name", type=str, default="stabilityai/stable-diffusion-2-base",
-                   help="hub id or local diffusers folder with the pretrained vae/ and text_encoder/")
-    p.add_argument("--model_config", type=str, default="sd2-base", help=f"one of {sorted(MODEL_CONFIGS)}")
-    p.add_argument("--image_size", type=int, default=512, help="resolution the images are resized to (multiple of 8)")
-    p.add_argument("--batch_size", type=int, default=32, help="images per encoder call on each device")
-    p.add_argument("--dtype", type=str, default="bf16", choices=sorted(COMPUTE_DTYPES),
+    flags.add_source(p, f"cache for --remote (default {DEFAULT_CACHE_ROOT}/<hash of remote>, as benchmark.py's), or "
+                        "the shards themselves without --remote")
+    flags.add_model(p)
+    flags.add_run(p, "seeds randomly initialized encoders (as benchmark.py --seed)")
+    g = p.add_argument_group("encoding and output")
+    g.add_argument("--batch_size", type=int, default=32, help="images per encoder call on each device")
+    g.add_argument("--dtype", type=str, default="bf16", choices=sorted(COMPUTE_DTYPES),
                    help="autocast dtype of the encoders on GPU (CPU: always fp32)")
-    p.add_argument("--storage_dtype", type=str, default="fp16", choices=sorted(STORAGE_DTYPES),
+    g.add_argument("--storage_dtype", type=str, default="fp16", choices=sorted(STORAGE_DTYPES),
                    help="dtype of the stored arrays (fp16: half the size, relative error < 5e-4)")
-    p.add_argument("--chunk_size", type=int, default=10_000,
-                   help="samples per chunk, the unit of work and of resumption (a chunk is redone if interrupted)")
-    p.add_argument("--num_workers", type=int, default=8, help="DataLoader processes decoding images, per device")
-    p.add_argument("--seed", type=int, default=17, help="seeds randomly initialized encoders (as benchmark.py --seed)")
-    p.add_argument("--allow_random_encoders", action="store_true",
-                   help="go on when the pretrained VAE/text encoder cannot be loaded (the output is then useless for quality)")
-    p.add_argument("--no_captions", action="store_true", help="do not store the caption strings")
-    p.add_argument("--compression", type=str, default="zstd", help="shard compression: zstd, zstd:<level>, gz, none")
-    p.add_argument("--hashes", type=str, default="xxh64", help="comma-separated shard hashes stored in the index ('' for none)")
-    p.add_argument("--size_limit", type=str, default="256mb",
-                   help="shard size before compression (256mb: 4,081 samples at 512px, 490k shards for 2B samples, "
-                        "whose index every training process holds; see bench/index_scale.py)")
-    p.add_argument("--cache_limit", type=str, default=None, help="keep the --local cache of source shards under this size")
-    p.add_argument("--image_key", type=str, default="jpg", help="source column of the encoded images")
-    p.add_argument("--caption_key", type=str, default="caption", help="source column of the captions")
-    p.add_argument("--max_bad_fraction", type=float, default=data.MAX_BAD_FRACTION,
-                   help="stop when more than this fraction of a rank's samples cannot be decoded")
-    p.add_argument("--max_chunks", type=int, default=0,
-                   help="do at most this many chunks per rank in this run, then stop (0: all); rerun to continue")
-    p.add_argument("--overwrite", action="store_true", help="start over: discard the chunks already in --out")
-    p.add_argument("--dist_timeout", type=float, default=3 * 3600.0, help="seconds a rank may wait for the others")
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
-    # Format: token ids by default, text-encoder states on request.
-    p.add_argument("--store_text_states", action="store_true",
+    g.add_argument("--store_text_states", action="store_true",
                    help="store the text encoder's output (77 x 1024 fp16, 157,696 bytes at SD2) instead of the 77 "
                         "token ids (154 bytes): 3.4x the storage at 512px, to save training 1.9%% of its FLOPs")
-    # Debugging.
-    p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
-    args = p.parse_args(argv)
+    g.add_argument("--chunk_size", type=int, default=10_000,
+                   help="samples per chunk, the unit of work and of resumption (a chunk is redone if interrupted)")
+    g.add_argument("--max_chunks", type=int, default=0,
+                   help="do at most this many chunks per rank in this run, then stop (0: all); rerun to continue")
+    g.add_argument("--no_captions", action="store_true", help="do not store the caption strings")
+    g.add_argument("--compression", type=str, default="zstd", help="shard compression: zstd, zstd:<level>, gz, none")
+    g.add_argument("--hashes", type=str, default="xxh64",
+                   help="comma-separated shard hashes stored in the index ('' for none)")
+    g.add_argument("--size_limit", type=str, default="256mb",
+                   help="shard size before compression (256mb: 4,081 samples at 512px, 490k shards for 2B samples, "
+                        "whose index every training process holds; see bench/index_scale.py)")
+    g.add_argument("--overwrite", action="store_true", help="start over: discard the chunks already in --out")
+    g.add_argument("--dist_timeout", type=float, default=3 * 3600.0, help="seconds a rank may wait for the others")
+    g.add_argument("--no_progress", action="store_true", help="no progress bar")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     args.compression = None if args.compression.lower() in ("", "none") else args.compression
     args.hashes = [h.strip() for h in args.hashes.split(",") if h.strip()]
     return args
 
 
-def validate(args: argparse.Namespace) -> None:
-    def fail(message: str) -> None:
-        raise SystemExit(f"latents.py: error: {message}")
-
-    if args.model_config not in MODEL_CONFIGS:
-        fail(f"--model_config '{args.model_config}' is unknown; choose one of {sorted(MODEL_CONFIGS)}")
-    if args.image_size <= 0 or args.image_size % 8:
-        fail(f"--image_size {args.image_size} must be a positive multiple of 8 (the VAE downsamples by 8)")
+def validate(args: argparse.Namespace) -> tuple[ModelFamily, Source]:
+    """One line naming the flag for every value that would fail later; the family and the source."""
+    family = flags.check_shared(args)
     for flag in ("batch_size", "chunk_size"):
         if getattr(args, flag) <= 0:
             fail(f"--{flag} {getattr(args, flag)} must be positive")
-    if args.num_workers < 0 or args.max_chunks < 0:
-        fail("--num_workers and --max_chunks must be >= 0")
-    if not 0 <= args.seed < 2**32:
-        fail(f"--seed {args.seed} must be from 0 to 2**32 - 1")
-    if not 0.0 <= args.max_bad_fraction <= 1.0:  # also refuses nan
-        fail(f"--max_bad_fraction {args.max_bad_fraction} must be a fraction from 0 to 1")
+    if args.max_chunks < 0:
+        fail(f"--max_chunks {args.max_chunks} must be >= 0")
     if not 0.0 < args.dist_timeout < math.inf:
         fail(f"--dist_timeout {args.dist_timeout} must be a positive number of seconds")
-    for flag in ("size_limit", "cache_limit"):
-        value = getattr(args, flag)
-        try:
-            if value is not None and not 0 < bytes_to_int(value) < (2**32 if flag == "size_limit" else math.inf):
-                raise ValueError
-        except (ValueError, TypeError):
-            fail(f"--{flag} {value} must be a size such as 64mb" + (", below 4gb" if flag == "size_limit" else ""))
+    try:
+        if not 0 < bytes_to_int(args.size_limit) < 2**32:
+            raise ValueError
+    except (ValueError, TypeError):
+        fail(f"--size_limit {args.size_limit} must be a size such as 64mb, below 4gb")
     unknown = [c for c in [args.compression] if c and c not in get_compressions()]
     unknown += [h for h in args.hashes if h not in get_hashes()]
     if unknown:
         fail(f"unknown compression or hash {unknown}: compressions are "
              f"{sorted({c.split(':')[0] for c in get_compressions()})}, hashes are {sorted(get_hashes())}")
-    if not args.remote and not args.local:
+    sources = parse_sources(args.remote, args.local)
+    if not sources:
         fail("no input: pass --remote (with --local as cache) or --local with the image-caption MDS shards")
-    problem = (paths.check_scheme("--remote", args.remote, paths.input_schemes()) if args.remote else None) \
-        or paths.check_scheme("--out", args.out, paths.output_schemes()) \
-        or (paths.check_scheme("--local", args.local, []) if args.local else None)
-    if problem:
-        fail(problem)
-    if not args.remote and not Path(args.local).is_dir():
-        fail(f"--local {args.local} is not a folder; give --remote to stream shards into it")
-    if not args.remote and not Path(args.local, INDEX_FILE).is_file():
-        fail(f"--local {args.local} holds no MDS dataset (no {INDEX_FILE}): point it at the image-caption shards "
+    if len(sources) > 1:
+        fail(f"--remote: latents.py reads one source ({len(sources)} given); precompute each into its own --out "
+             "and train on them together (benchmark.py --precomputed --remote 0.7=A,0.3=B)")
+    source = sources[0]
+    args.out = normalise("--out", args.out, upload_schemes())
+    if not source.remote and not Path(source.local).is_dir():
+        fail(f"--local {source.local} is not a folder; give --remote to stream shards into it")
+    if not source.remote and not Path(source.local, INDEX_FILE).is_file():
+        fail(f"--local {source.local} holds no MDS dataset (no {INDEX_FILE}): point it at the image-caption shards "
              "that convert.py wrote, or give --remote to stream them into it")
-    inputs = [("--local", args.local or DEFAULT_SOURCE_CACHE), ("--remote", args.remote)]
-    problem = paths.overlap("--out", args.out, inputs) or paths.check_upload_credentials("--out", args.out)
+    problem = overlap("--out", args.out, [("--local", source.local), ("--remote", source.remote)]) \
+        or missing_upload_credentials("--out", args.out)
     if not problem and not is_remote(args.out):
-        problem = paths.check_writable_folder("--out", args.out)
-    if not problem and args.remote:  # the cache Streaming downloads the source shards into
-        problem = paths.check_writable_folder("--local", args.local or DEFAULT_SOURCE_CACHE)
+        problem = unwritable("--out", args.out, folder=True)
+    if not problem and source.remote:  # the cache Streaming downloads the source shards into
+        problem = unwritable("--local", source.local, folder=True)
     if problem:
         fail(problem)
+    return family, source
 
 
 def source_fingerprint(source: IndexedImageCaptions) -> str:
@@ -510,107 +487,115 @@ def source_fingerprint(source: IndexedImageCaptions) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
+    """Encode the source into --out; rank 0 returns the report (None on the other ranks)."""
     args = parse_args(argv)
-    validate(args)
+    with errors.command("latents.py", debug=args.debug, explain=source_error):
+        family, source_location = validate(args)
+        device = start(args)
+        vae, text_encoders, tokenizers, random_encoders = build_encoders(args, family, device)
+        source = IndexedImageCaptions(sources=[source_location], tokenizer=tokenizers, family=family,
+                                      image_size=args.image_size, batch_size=args.batch_size, shuffle=False,
+                                      cache_limit=args.cache_limit, image_key=args.image_key,
+                                      caption_key=args.caption_key)
+        text_dim = next(iter(text_encoders.values())).config.hidden_size if text_encoders else None  # tokens: unstored
+        columns = mds_columns(vae.config.latent_channels, args.image_size // family.latent_downsample, text_dim,
+                              args.storage_dtype, not args.no_captions, text_states=args.store_text_states)
+        num_chunks = math.ceil(source.num_samples / args.chunk_size)
+        settings = {
+            "source": source_location.remote or os.path.abspath(source_location.local),
+            "source_samples": source.num_samples, "source_index_sha256": source_fingerprint(source),
+            "chunk_size": args.chunk_size, "image_size": args.image_size, "model_config": args.model_config,
+            "model_name": args.model_name if args.model_config in family.pretrained_configs else None,
+            "random_encoders": random_encoders, "seed": args.seed if random_encoders else None,
+            "columns": columns, "image_key": args.image_key, "caption_key": args.caption_key,
+        }
+        mine = plan(args, settings, num_chunks)
+        stats = Stats()
+        started = time.perf_counter()
+        if mine:
+            encode_chunks(args, family, source, vae, text_encoders, device, columns, mine, stats,
+                          show_progress=dist.get_global_rank() == 0)
+        elapsed = time.perf_counter() - started
+        dist.barrier()
+        all_stats = dist.all_gather_object(vars(stats))
+        if dist.get_global_rank() != 0:
+            return None
+        return finish(args, source.num_samples, num_chunks, all_stats, elapsed, dist.get_world_size(), device)
+
+
+def source_error(error: BaseException) -> str | None:
+    """One line for a source that cannot be read (not MDS, a wrong column, no credentials, an
+    unreachable store): raised while the source dataset is opened."""
+    if isinstance(error, data.BadDataError):
+        return str(error).strip().splitlines()[-1]
+    if isinstance(error, (ValueError, FileNotFoundError, OSError)) or errors.storage_error(error):
+        detail = (str(error).strip().splitlines() or [""])[0][:300]
+        return (f"cannot read the source ({type(error).__name__}: {detail}); check --remote/--local, and for an "
+                "object store its credentials and endpoint")
+    return None
+
+
+def start(args: argparse.Namespace) -> torch.device:
+    """Logging, the device of this rank, the process group, the seeds."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Streaming warns on every run that a chunk folder already exists (MDSWriter is told it may) and
     # that merge_index made a temporary folder: neither tells the user anything.
     logging.getLogger("streaming.base.storage.upload").setLevel(logging.ERROR)
-    world, rank = dist.get_world_size(), dist.get_global_rank()
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(dist.get_local_rank())  # before any CUDA work: one GPU per rank
-    device = torch.device("cuda", dist.get_local_rank()) if on_gpu else torch.device("cpu")
-    if world > 1:
+    if dist.get_world_size() > 1:
         dist.initialize_dist("gpu" if on_gpu else "cpu", timeout=args.dist_timeout)
     reproducibility.seed_all(args.seed)  # the same seed as benchmark.py gives the same random encoders
+    return torch.device("cuda", dist.get_local_rank()) if on_gpu else torch.device("cpu")
 
-    parts = build_components(args.model_config, args.model_name, with_unet=False,
-                             with_text_encoder=args.store_text_states)
-    random_encoders = [p for p in parts.random if p in ("vae", "text_encoder")]
-    if random_encoders and args.model_config != "tiny" and not args.allow_random_encoders:
-        raise SystemExit(
-            f"latents.py: error: pretrained {' and '.join(random_encoders)} not found for --model_name "
-            f"{args.model_name}: latents of random encoders are useless for training (download the model to a "
-            "local folder and pass it), or pass --allow_random_encoders to measure the pipeline anyway")
-    if random_encoders and rank == 0:
-        print(f"note: using randomly initialized {' and '.join(random_encoders)} (seed {args.seed})",
+
+def build_encoders(args: argparse.Namespace, family: ModelFamily,
+                   device: torch.device) -> tuple[torch.nn.Module, dict[str, torch.nn.Module], dict[str, Any], list[str]]:
+    """The frozen VAE, the text encoders (with --store_text_states), the tokenizers, and which are random."""
+    parts = family.build(args.model_config, args.model_name, denoiser=False, text_encoders=args.store_text_states)
+    require_pretrained(parts, needed=args.model_config in family.pretrained_configs,
+                       allowed=args.allow_random_encoders, model_name=args.model_name)
+    if parts.random_encoders and dist.get_global_rank() == 0:
+        print(f"note: using randomly initialized {' and '.join(parts.random_encoders)} (seed {args.seed})",
               file=sys.stderr, flush=True)
-    vae, text_encoder, tokenizer = parts.vae, parts.text_encoder, parts.tokenizer
-    del parts  # the UNet is not needed
-    for module in (vae, text_encoder):
-        if module is not None:
-            module.requires_grad_(False).eval().to(device)
-    if on_gpu:
-        vae.to(memory_format=torch.channels_last)
-    if not args.store_text_states and len(tokenizer) > np.iinfo(TOKEN_IDS_DTYPE).max + 1:
-        raise SystemExit(f"latents.py: error: the tokenizer of --model_name {args.model_name} has {len(tokenizer):,} "
-                         f"tokens, more than {TOKEN_IDS_DTYPE} token ids hold: pass --store_text_states")
-    latent_channels = vae.config.latent_channels
-    text_dim = text_encoder.config.hidden_size if text_encoder is not None else None  # tokens: not stored
-    columns = mds_columns(latent_channels, args.image_size // 8, text_dim, args.storage_dtype, not args.no_captions,
-                          text_states=args.store_text_states)
+    for module in (parts.vae, *parts.text_encoders.values()):
+        module.requires_grad_(False).eval().to(device)
+    if device.type == "cuda":
+        parts.vae.to(memory_format=torch.channels_last)
+    vocabulary = max(len(tokenizer) for tokenizer in parts.tokenizers.values())
+    if not args.store_text_states and vocabulary > np.iinfo(TOKEN_IDS_DTYPE).max + 1:
+        fail(f"the tokenizer of --model_name {args.model_name} has {vocabulary:,} tokens, more than "
+             f"{TOKEN_IDS_DTYPE} token ids hold: pass --store_text_states")
+    return parts.vae, parts.text_encoders, parts.tokenizers, parts.random_encoders
 
-    try:
-        source = IndexedImageCaptions(
-            remote=args.remote or None, local=args.local or DEFAULT_SOURCE_CACHE, tokenizer=tokenizer,
-            image_size=args.image_size, batch_size=args.batch_size, shuffle=False, cache_limit=args.cache_limit,
-            image_key=args.image_key, caption_key=args.caption_key)
-        fingerprint = source_fingerprint(source)
-    except Exception as error:  # noqa: BLE001  not MDS, a wrong column, no credentials, unreachable store...
-        if args.debug:
-            raise
-        detail = (str(error).strip().splitlines() or [""])[0][:300]
-        raise SystemExit(f"latents.py: error: cannot read the source {args.remote or args.local} "
-                         f"({type(error).__name__}: {detail})" + (
-                             "; check the store's credentials and endpoint" if args.remote else "")) from None
-    num_samples = source.num_samples
-    num_chunks = math.ceil(num_samples / args.chunk_size)
-    settings = {
-        "source": args.remote or os.path.abspath(args.local), "source_samples": num_samples,
-        "source_index_sha256": fingerprint,
-        "chunk_size": args.chunk_size, "image_size": args.image_size, "model_config": args.model_config,
-        "model_name": args.model_name if args.model_config == "sd2-base" else None,
-        "random_encoders": random_encoders, "seed": args.seed if random_encoders else None,
-        "columns": columns, "image_key": args.image_key, "caption_key": args.caption_key,
-    }
 
-    # Rank 0 decides what is left to do; everyone gets the same list (or the same error).
-    plan: list[Any] = [None]
+def plan(args: argparse.Namespace, settings: dict, num_chunks: int) -> list[int]:
+    """This rank's chunks: rank 0 decides what is left to do (plan_work) and every rank gets the same
+    list, or the same error."""
+    world, rank = dist.get_world_size(), dist.get_global_rank()
+    box: list[Any] = [None]
     if rank == 0:
         try:
-            plan[0] = plan_work(args, settings, num_chunks)
-        except SystemExit as error:
-            plan[0] = str(error.code)
+            box[0] = plan_work(args, settings, num_chunks)
+        except UserError as error:
+            box[0] = error.message
         except Exception as error:  # noqa: BLE001  e.g. no access to a remote --out: fail on every rank
-            plan[0] = f"latents.py: error: --out {args.out}: {type(error).__name__}: {error}"
-    dist.broadcast_object_list(plan, src=0)
-    if isinstance(plan[0], str):
-        raise SystemExit(plan[0])
-    todo: list[int] = plan[0]
-    mine = todo[rank::world]
-    if args.max_chunks:
-        mine = mine[:args.max_chunks]
+            box[0] = f"--out {args.out}: {type(error).__name__}: {error}"
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        fail(box[0])
+    todo: list[int] = box[0]
     if rank == 0:
-        print(f"{num_samples:,} source samples in {num_chunks} chunk(s) of {args.chunk_size:,}: "
+        print(f"{settings['source_samples']:,} source samples in {num_chunks} chunk(s) of {args.chunk_size:,}: "
               f"{num_chunks - len(todo)} already complete, {len(todo)} to do over {world} rank(s)", flush=True)
-
-    stats = Stats()
-    started = time.perf_counter()
-    if mine:
-        encode_chunks(args, source, vae, text_encoder, device, columns, mine, stats, show_progress=rank == 0)
-    elapsed = time.perf_counter() - started
-
-    dist.barrier()
-    all_stats = dist.all_gather_object(vars(stats))
-    if rank != 0:
-        return None
-    return finish(args, num_samples, num_chunks, all_stats, elapsed, world, device)
+    mine = todo[rank::world]
+    return mine[:args.max_chunks] if args.max_chunks else mine
 
 
-def encode_chunks(args: argparse.Namespace, source: IndexedImageCaptions, vae: torch.nn.Module,
-                  text_encoder: torch.nn.Module, device: torch.device, columns: dict[str, str],
-                  chunks: list[int], stats: Stats, show_progress: bool) -> None:
+def encode_chunks(args: argparse.Namespace, family: ModelFamily, source: IndexedImageCaptions,
+                  vae: torch.nn.Module, text_encoders: dict[str, torch.nn.Module], device: torch.device,
+                  columns: dict[str, str], chunks: list[int], stats: Stats, show_progress: bool) -> None:
     """Encode `chunks` of the source, each into its own MDS dataset OUT/chunkNNNNNN."""
     from tqdm import tqdm
 
@@ -683,7 +668,8 @@ def encode_chunks(args: argparse.Namespace, source: IndexedImageCaptions, vae: t
             encoded = None
             if ok:
                 rows = torch.tensor(ok)
-                outputs = encode(vae, text_encoder, batch["image"][rows], batch["captions"][rows], device, compute_dtype)
+                outputs = encode(family, vae, text_encoders, batch["image"][rows], batch["captions"][rows], device,
+                                 compute_dtype)
                 encoded = Encoded([indices[i] for i in ok], [batch["caption"][i] for i in ok], outputs,
                                   args.storage_dtype, device, token_ids=batch["captions"][rows])
             write(pending)  # on GPU this overlaps with the encoding just launched

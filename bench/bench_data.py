@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root
 
 import data
 from convert import COLUMNS
-from tokenizer import bundled_tokenizer
+from t2ibench.tokenizer import bundled_tokenizer
 
 A100_IMAGES_PER_SEC = 16.0  # the 2023 benchmark, per A100 at 512x512
 H100_IMAGES_PER_SEC = 150.0  # the fast end on an H100 (precomputed latents, tuned kernels)

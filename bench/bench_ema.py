@@ -1,6 +1,6 @@
 """Memory and update time of EMA: this repository's `ema.EMA` against `composer.algorithms.EMA`.
 
-The model is the real `model.StableDiffusion` (UNet trainable; VAE and text encoder frozen, as in
+The model is the real `t2ibench.model.DiffusionModel` (UNet trainable; VAE and text encoder frozen, as in
 training) built from `--model_config` shapes. Weights are random: the model is built on the meta
 device and materialized with uniform values, which is much faster than the modules' own init and
 does not change what an EMA costs. Both algorithms are driven the way Composer's Engine drives
@@ -46,11 +46,12 @@ VARIANTS = ("ours", "composer")
 
 
 def build_model(model_config: str, device: str, dtype: torch.dtype):
-    """`StableDiffusion` with random weights; trainable UNet in `dtype`, frozen parts in fp32."""
-    from diffusers import DDPMScheduler
-
-    from model import SCHEDULER_CONFIG, StableDiffusion, sd2_meta_components
-    unet, vae, text_encoder = sd2_meta_components(model_config)
+    """`DiffusionModel` with random weights; trainable UNet in `dtype`, frozen parts in fp32."""
+    from t2ibench.families import MODEL_CONFIGS
+    from t2ibench.model import DiffusionModel
+    family = MODEL_CONFIGS[model_config]
+    parts = family.meta_parts(model_config)
+    unet, vae, text_encoder = parts.denoiser, parts.vae, parts.text_encoder
     g = torch.Generator(device="cpu").manual_seed(0)
     for module in (unet, vae, text_encoder):
         module.to_empty(device=device)
@@ -62,7 +63,7 @@ def build_model(model_config: str, device: str, dtype: torch.dtype):
                 else:  # CLIP's position_ids
                     t.copy_(torch.arange(t.shape[-1]).expand_as(t))
     unet.to(dtype)
-    return StableDiffusion(unet, vae, text_encoder, DDPMScheduler(**SCHEDULER_CONFIG))
+    return DiffusionModel(family, parts)
 
 
 def rss_bytes() -> int:
@@ -203,7 +204,7 @@ def gb(n: float) -> str:
 def print_table(rows: list[dict], both: dict | None) -> None:
     r0 = rows[0]
     loads = ", ".join(f"{r['loadavg']:.1f}" for r in rows + ([both] if both else []))
-    print(f"\nEMA on StableDiffusion({r0['model_config']}), device={r0['device']}: trainable (UNet) "
+    print(f"\nEMA on DiffusionModel({r0['model_config']}), device={r0['device']}: trainable (UNet) "
           f"{r0['trainable_params'] / 1e6:.1f}M of {r0['total_params'] / 1e6:.1f}M parameters ({r0['dtype']}); "
           f"{r0['updates']} updates; {r0['threads']} threads; 1-min load average after each run: {loads}")
     mem = "RSS" if r0["device"] == "cpu" else "CUDA alloc"

@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
-from model import StableDiffusion, build_components
-from tokenizer import tokenize
+from t2ibench.families import family_of
+from t2ibench.model import DiffusionModel
 
 # name -> (autocast dtype or None, channels_last, compile)
 SETTINGS = {
@@ -38,18 +38,18 @@ def step(setting: str, args: argparse.Namespace, device: torch.device, batch: di
     """Loss and flattened UNet gradient of one forward/backward under `setting`."""
     dtype, channels_last, compile_unet = SETTINGS[setting]
     torch.manual_seed(args.seed)
-    parts = build_components(args.model_config, args.model_name)
-    model = StableDiffusion(parts.unet, parts.vae, parts.text_encoder, parts.noise_scheduler).to(device)
+    family = family_of(args.model_config)
+    model = DiffusionModel(family, family.build(args.model_config, args.model_name, tokenizers=False)).to(device)
     if channels_last:
-        model.unet.to(memory_format=torch.channels_last)
+        model.denoiser.to(memory_format=torch.channels_last)
         model.vae.to(memory_format=torch.channels_last)
     if compile_unet:
-        model.unet.compile()
+        model.denoiser.compile()
     torch.manual_seed(args.seed + 1)  # the same noise, timesteps and VAE sample for every setting
     with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         loss = model.loss(model(batch), batch)
     loss.backward()
-    grad = torch.cat([p.grad.double().flatten() for p in model.unet.parameters()])  # fp64: exact cosine
+    grad = torch.cat([p.grad.double().flatten() for p in model.denoiser.parameters()])  # fp64: exact cosine
     return float(loss), grad
 
 
@@ -72,9 +72,11 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     g = torch.Generator().manual_seed(args.seed)
-    tokenizer = build_components("tiny", with_unet=False).tokenizer
+    family = family_of(args.model_config)
+    tokenizers = family.build(args.model_config, args.model_name, denoiser=False, vae=False, text_encoders=False).tokenizers
+    captions = family.tokenize(tokenizers, [f"a photo of thing number {i}" for i in range(args.batch_size)])
     batch = {"image": (torch.rand(args.batch_size, 3, args.image_size, args.image_size, generator=g) * 2 - 1).to(device),
-             "captions": tokenize(tokenizer, [f"a photo of thing number {i}" for i in range(args.batch_size)]).to(device)}
+             **{key: ids.to(device) for key, ids in captions.items()}}
     base_loss, base_grad = step("fp32", args, device, batch)
     print(f"{'setting':<16} {'loss':>10} {'rel diff':>9} {'grad cos':>9}")
     print(f"{'fp32':<16} {base_loss:>10.6f} {'-':>9} {'-':>9}")

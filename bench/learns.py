@@ -35,9 +35,9 @@ from PIL import Image, ImageColor, ImageDraw
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model import StableDiffusion, build_components  # noqa: E402
-from sample import make_sampler, sample_latents  # noqa: E402
-from tokenizer import tokenize  # noqa: E402
+from t2ibench.families import MODEL_CONFIGS  # noqa: E402
+from t2ibench.model import DiffusionModel  # noqa: E402
+from t2ibench.sampling import make_sampler, sample_latents  # noqa: E402
 
 SHAPES = ("square", "rectangle", "circle", "ellipse", "triangle", "diamond", "star", "cross", "hexagon")
 
@@ -134,26 +134,27 @@ def run(main, argv: list[str], what: str):
 
 
 @torch.no_grad()
-def score(model: StableDiffusion, tokenizer, classes: list[str], encoded: torch.Tensor, labels: torch.Tensor,
+def score(model: DiffusionModel, tokenizers, classes: list[str], encoded: torch.Tensor, labels: torch.Tensor,
           samples_per_class: int, steps: int, guidance_scale: float, seed: int) -> tuple[float, list[int]]:
     """Fraction of sampled latents whose nearest encoded latent has their caption; per-class hits."""
     model.eval()
-    ids = tokenize(tokenizer, classes + [""])
-    states = model.text_encoder(ids)[0]
+    states = model.encode_text(model.family.tokenize(tokenizers, classes + [""]))
     hits = []
     latent_shape = tuple(encoded.shape[1:])
     flat = encoded.flatten(1)
     for c in range(len(classes)):
         seeds = [seed + 1000 * c + k for k in range(samples_per_class)]
         sampler = make_sampler("ddim", model.noise_scheduler.config)
-        cond = states[c:c + 1].expand(samples_per_class, -1, -1)
-        latents = sample_latents(model.unet, cond, states[-1:], sampler, steps, guidance_scale, seeds, latent_shape)
+        cond = {k: v[c:c + 1].expand(samples_per_class, *v.shape[1:]) for k, v in states.items()}
+        empty = {k: v[-1:] for k, v in states.items()}
+        latents = sample_latents(model.family, model.denoiser, cond, empty, sampler, steps, guidance_scale, seeds,
+                                 latent_shape)
         nearest = torch.cdist(latents.flatten(1), flat).argmin(dim=1)
         hits.append(int((labels[nearest] == c).sum()))
     return sum(hits) / (samples_per_class * len(classes)), hits
 
 
-def load_trained(model: StableDiffusion, checkpoint: Path) -> None:
+def load_trained(model: DiffusionModel, checkpoint: Path) -> None:
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state"]["model"]
     model.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
 
@@ -232,15 +233,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 2. The model before training: benchmark.py's initialization under --seed.
     torch.manual_seed(args.seed)
-    parts = build_components("tiny")
-    model = StableDiffusion(parts.unet, parts.vae, parts.text_encoder, parts.noise_scheduler)
+    family = MODEL_CONFIGS["tiny"]
+    parts = family.build("tiny")
+    model = DiffusionModel(family, parts)
     with torch.no_grad():
-        encoded = torch.cat([model.vae.encode(x).latent_dist.mean for x in images.split(64)]) * model.latent_scale
+        encoded = model.to_latent_space(torch.cat([model.vae.encode(x).latent_dist.mean for x in images.split(64)]))
     kwargs = dict(samples_per_class=args.samples_per_caption, steps=args.sample_steps, seed=args.seed)
     score_start = time.perf_counter()
-    before, before_hits = score(model, parts.tokenizer, classes, encoded, labels, guidance_scale=args.guidance_scale,
+    before, before_hits = score(model, parts.tokenizers, classes, encoded, labels, guidance_scale=args.guidance_scale,
                                 **kwargs)
-    before_unguided, _ = score(model, parts.tokenizer, classes, encoded, labels, guidance_scale=1.0, **kwargs)
+    before_unguided, _ = score(model, parts.tokenizers, classes, encoded, labels, guidance_scale=1.0, **kwargs)
     score_seconds = time.perf_counter() - score_start
 
     # 3. Train with benchmark.py's command line.
@@ -257,9 +259,9 @@ def main(argv: list[str] | None = None) -> dict:
     train_seconds = time.perf_counter() - train_start
     checkpoint = sorted(save.glob("ep*-ba*-rank0.pt"), key=lambda p: int(p.name.split("-ba")[1].split("-")[0]))[-1]
     load_trained(model, checkpoint)
-    after, after_hits = score(model, parts.tokenizer, classes, encoded, labels, guidance_scale=args.guidance_scale,
+    after, after_hits = score(model, parts.tokenizers, classes, encoded, labels, guidance_scale=args.guidance_scale,
                               **kwargs)
-    after_unguided, _ = score(model, parts.tokenizer, classes, encoded, labels, guidance_scale=1.0, **kwargs)
+    after_unguided, _ = score(model, parts.tokenizers, classes, encoded, labels, guidance_scale=1.0, **kwargs)
 
     result = {
         "classes": classes, "images": len(keep), "image_size": args.image_size, "batches": args.batches,

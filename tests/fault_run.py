@@ -33,7 +33,7 @@ from composer.loggers import Logger  # noqa: E402
 from composer.utils import checkpoint, dist  # noqa: E402
 
 import benchmark  # noqa: E402
-from throughput import Throughput  # noqa: E402
+from t2ibench.callbacks.throughput import Throughput  # noqa: E402
 
 SAVE_STARTS: list[float] = []
 

@@ -24,8 +24,8 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import benchmark  # noqa: E402
-import checks  # noqa: E402
 import data  # noqa: E402
+from t2ibench.sources import Source, record_cache  # noqa: E402
 
 TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
         "--max_duration", "2ba", "--num_workers", "0", "--warmup_batches", "1"]
@@ -174,7 +174,7 @@ def test_file_uri_is_a_local_path(images, tmp_path):
     args = benchmark.parse_args(REAL + ["--remote", f"file://{images}", "--local", str(tmp_path / "cache"),
                                         "--results_json", f"file://{tmp_path}/r.json"])
     benchmark.validate(args, 1)
-    assert args.remote == str(images) and args.results_json == f"{tmp_path}/r.json"
+    assert args.sources[0].remote == str(images) and args.results_json == f"{tmp_path}/r.json"
 
 
 @pytest.mark.parametrize("case", ["missing", "folder", "text", "zip"])
@@ -235,7 +235,7 @@ def test_a_cache_filled_from_another_remote_is_refused(images, latents, tmp_path
     cache = tmp_path / "cache"
     first = benchmark.parse_args(REAL + ["--remote", str(images), "--local", str(cache)])
     benchmark.validate(first, 1)
-    checks.record_cache(str(cache), str(images))
+    record_cache(Source(str(images), str(cache)))
     (cache / "index.json").write_bytes((images / "index.json").read_bytes())  # as Streaming leaves it
     benchmark.validate(benchmark.parse_args(REAL + ["--remote", f"{images}/", "--local", str(cache)]), 1)  # same
     message = error_of(REAL + ["--remote", str(latents), "--precomputed", "--local", str(cache)])
@@ -249,7 +249,7 @@ def test_a_cache_filled_from_another_remote_is_refused(images, latents, tmp_path
 
 
 def test_latent_shards_without_the_flag_suggest_it_in_data_too(latents, tmp_path):
-    from tokenizer import bundled_tokenizer
+    from t2ibench.tokenizer import bundled_tokenizer
     with pytest.raises(ValueError, match="--precomputed"):
         data.StreamingImageCaptions(remote=None, local=str(latents), tokenizer=bundled_tokenizer(), image_size=32,
                                     batch_size=1)
@@ -257,7 +257,7 @@ def test_latent_shards_without_the_flag_suggest_it_in_data_too(latents, tmp_path
 
 def test_too_many_bad_images_is_one_line(tmp_path):
     from streaming import MDSWriter
-    from tokenizer import bundled_tokenizer
+    from t2ibench.tokenizer import bundled_tokenizer
     with MDSWriter(out=str(tmp_path / "rotten"), columns={"jpg": "bytes", "caption": "str", "key": "str"}) as w:
         for i in range(6):
             w.write({"jpg": b"not an image %d" % i, "caption": "x", "key": str(i)})

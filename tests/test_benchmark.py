@@ -14,8 +14,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model import StableDiffusion, build_components, count_parameters, sd2_meta_components  # noqa: E402
-from tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize  # noqa: E402
+from t2ibench.families import MODEL_CONFIGS  # noqa: E402
+from t2ibench.model import DiffusionModel, count_parameters  # noqa: E402
+from t2ibench.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize  # noqa: E402
+
+SD2 = MODEL_CONFIGS["sd2-base"]
 
 TINY_RUN = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
             "--max_duration", "4ba", "--num_workers", "0", "--warmup_batches", "1"]
@@ -37,7 +40,8 @@ def free_port() -> int:
 
 
 def test_sd2_base_parameter_counts():
-    unet, vae, text_encoder = sd2_meta_components("sd2-base")
+    parts = SD2.meta_parts("sd2-base")
+    unet, vae, text_encoder = parts.denoiser, parts.vae, parts.text_encoder
     assert round(count_parameters(unet) / 1e6, 1) == 865.9
     assert round(count_parameters(vae) / 1e6, 1) == 83.7
     assert round(count_parameters(text_encoder) / 1e6) == 340
@@ -121,8 +125,8 @@ def test_overfitting_one_batch_lowers_the_loss():
     from composer import Trainer
 
     torch.manual_seed(0)
-    parts = build_components("tiny")
-    model = StableDiffusion(parts.unet, parts.vae, parts.text_encoder, parts.noise_scheduler)
+    parts = SD2.build("tiny")
+    model = DiffusionModel(SD2, parts)
     g = torch.Generator().manual_seed(0)
     batch = {"image": torch.rand(8, 3, 32, 32, generator=g) * 2 - 1,
              "captions": tokenize(parts.tokenizer, [f"a photo of a number {i}" for i in range(8)])}
@@ -147,9 +151,9 @@ def test_pretrained_parts_load_from_a_local_diffusers_folder(tmp_path):
     from diffusers import AutoencoderKL
     from transformers import CLIPTextModel
 
-    from model import _load_pretrained
+    from t2ibench.families.family import load_pretrained as _load_pretrained
 
-    parts = build_components("tiny")
+    parts = SD2.build("tiny")
     parts.vae.save_pretrained(tmp_path / "vae")
     parts.text_encoder.save_pretrained(tmp_path / "text_encoder")
     vae = _load_pretrained(AutoencoderKL, str(tmp_path), "vae")

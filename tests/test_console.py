@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import benchmark  # noqa: E402
-from console import ConsoleProgress, format_seconds  # noqa: E402
+from t2ibench.callbacks.progress import ConsoleProgress, format_seconds  # noqa: E402
 
 LINE = re.compile(r"^batch (\d+)/(\d+) \(\s*\d+%\) \|\s+[\d.]+ images/s \| loss [\d.]+ \| elapsed \S+ \| left \S+$")
 

@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import convert  # noqa: E402
 import data  # noqa: E402
-from model import scale_images  # noqa: E402
-from tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize  # noqa: E402
+from t2ibench.model import scale_images  # noqa: E402
+from t2ibench.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize  # noqa: E402
 
 SIZE = 64  # training resolution in these tests
 NUM_PHOTOS = 24  # samples in the `shards` dataset: 2 ranks x 3 batches x 4, or 6 batches of 4

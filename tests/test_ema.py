@@ -190,14 +190,11 @@ def test_bf16_parameters_average_in_fp32(monkeypatch):
 
 
 def _tiny_sd():
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    from model import MODEL_CONFIGS, SCHEDULER_CONFIG, StableDiffusion
-    cfg = MODEL_CONFIGS["tiny"]
+    from t2ibench.families import MODEL_CONFIGS
+    from t2ibench.model import DiffusionModel
+    family = MODEL_CONFIGS["tiny"]
     torch.manual_seed(0)
-    return StableDiffusion(UNet2DConditionModel(**cfg["unet"]), AutoencoderKL(**cfg["vae"]),
-                           CLIPTextModel(CLIPTextConfig(**cfg["text_encoder"])), DDPMScheduler(**SCHEDULER_CONFIG))
+    return DiffusionModel(family, family.build("tiny", tokenizers=False))
 
 
 def test_only_trainable_parameters_are_copied():
@@ -420,9 +417,9 @@ def _fsdp_worker(out: str) -> None:
     container = torch.nn.Module()
     from diffusers import UNet2DConditionModel
 
-    from model import MODEL_CONFIGS
+    from t2ibench.families.sd2 import CONFIGS
     torch.manual_seed(0)
-    unet = UNet2DConditionModel(**MODEL_CONFIGS["tiny"]["unet"])
+    unet = UNet2DConditionModel(**CONFIGS["tiny"]["unet"])
     container.unet = FSDP(unet, device_id=torch.device("cpu"), use_orig_params=True)
     algo = EMA(smoothing=0.5, half_life=None)
     full_snapshots = []

@@ -39,7 +39,11 @@ import bench_gpu  # noqa: E402
 import benchmark  # noqa: E402
 import cost  # noqa: E402
 import data  # noqa: E402
-from model import scale_images  # noqa: E402
+from t2ibench.families import MODEL_CONFIGS  # noqa: E402
+from t2ibench.model import scale_images  # noqa: E402
+from t2ibench.runtime import safe_auto_microbatch  # noqa: E402
+
+SD2 = MODEL_CONFIGS["sd2-base"]
 
 TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
         "--num_workers", "0", "--num_synthetic_samples", "64", "--log_interval", "1ba"]
@@ -176,13 +180,13 @@ def test_amp_fp16_on_cpu_is_refused_in_one_line():
 def test_auto_microbatch_with_several_ranks_follows_the_memory_table():
     gib = 2**30
     # torch's total_memory for A100 40GB, A100/H100 80GB and H200 141GB.
-    assert benchmark.safe_auto_microbatch(int(39.4 * gib), 256, precomputed=False) == 8
-    assert benchmark.safe_auto_microbatch(int(79.1 * gib), 256, precomputed=False) == 32
-    assert benchmark.safe_auto_microbatch(int(139.8 * gib), 256, precomputed=False) == 64
-    assert benchmark.safe_auto_microbatch(int(79.1 * gib), 256, precomputed=True) == 64
-    assert benchmark.safe_auto_microbatch(int(79.1 * gib), 24, precomputed=False) == 8  # must divide 24
-    assert benchmark.safe_auto_microbatch(int(79.1 * gib), 16, precomputed=False) == 16  # at most the batch
-    assert benchmark.safe_auto_microbatch(int(15 * gib), 256, precomputed=False) == 4
+    assert safe_auto_microbatch(SD2, int(39.4 * gib), 256, precomputed=False) == 8
+    assert safe_auto_microbatch(SD2, int(79.1 * gib), 256, precomputed=False) == 32
+    assert safe_auto_microbatch(SD2, int(139.8 * gib), 256, precomputed=False) == 64
+    assert safe_auto_microbatch(SD2, int(79.1 * gib), 256, precomputed=True) == 64
+    assert safe_auto_microbatch(SD2, int(79.1 * gib), 24, precomputed=False) == 8  # must divide 24
+    assert safe_auto_microbatch(SD2, int(79.1 * gib), 16, precomputed=False) == 16  # at most the batch
+    assert safe_auto_microbatch(SD2, int(15 * gib), 256, precomputed=False) == 4
 
 
 def test_images_cross_from_loader_workers_as_uint8():

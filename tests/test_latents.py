@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import data  # noqa: E402
-from model import scale_images  # noqa: E402
+from t2ibench.locations import cache_folder  # noqa: E402
+from t2ibench.model import scale_images  # noqa: E402
+from t2ibench.sources import parse_sources  # noqa: E402
 import latents  # noqa: E402
 
 NUM_SAMPLES, BAD_INDEX, IMAGE_SIZE, CHUNK, SEED = 20, 7, 64, 6, 17
@@ -104,10 +106,10 @@ def reference(source):
     from composer.utils import reproducibility
     from streaming import StreamingDataset
 
-    from model import build_components
+    from t2ibench.families import MODEL_CONFIGS
 
     reproducibility.seed_all(SEED)
-    parts = build_components("tiny")
+    parts = MODEL_CONFIGS["tiny"].build("tiny")
     raw = StreamingDataset(local=str(source), batch_size=1, shuffle=False)
     return parts, [raw[i] for i in range(NUM_SAMPLES)]
 
@@ -128,7 +130,7 @@ def test_sizes_and_columns():
 @pytest.mark.parametrize("fmt", ["tokens", "text_states"])
 def test_precompute_stores_every_sample_once_as_the_encoders_compute_it(single, states, reference, fmt):
     import data
-    from tokenizer import tokenize
+    from t2ibench.tokenizer import tokenize
 
     out, stdout = single if fmt == "tokens" else states
     assert sorted(p.name for p in out.glob("chunk*")) == [latents.chunk_name(k) for k in range(NUM_CHUNKS)]
@@ -269,8 +271,7 @@ def test_synthetic_latents_are_deterministic_and_shaped_like_the_shards():
 
 @pytest.mark.parametrize("data_source, ranks", [("synthetic", 1), ("tokens", 1), ("tokens", 2), ("text_states", 1)])
 def test_benchmark_trains_on_precomputed_latents(single, states, tmp_path, data_source, ranks):
-    from model import sd2_meta_components
-    from throughput import count_flops_per_image
+    from t2ibench.families import MODEL_CONFIGS
 
     results = tmp_path / "results.json"
     shards = tmp_path / "latents"  # a copy: Streaming decompresses shards next to the ones it reads
@@ -287,7 +288,7 @@ def test_benchmark_trains_on_precomputed_latents(single, states, tmp_path, data_
 
         benchmark.main(argv)
     r = json.loads(results.read_text())
-    online = count_flops_per_image(*sd2_meta_components("tiny"), IMAGE_SIZE)
+    online = MODEL_CONFIGS["tiny"].flops_per_image("tiny", IMAGE_SIZE)
     assert r["precomputed"] is True and r["images_per_sec"] > 0 and r["measured_batches"] == 1
     assert r["world_size"] == ranks and r["use_ema"] == (data_source == "tokens")
     # Tokens (also the synthetic default): the text encoder runs, the VAE does not.
@@ -305,15 +306,17 @@ def test_text_states_computed_online_from_stored_tokens_equal_the_stored_ones(si
     equals, to fp16 precision, what latents.py --store_text_states stored."""
     from composer.utils import reproducibility
 
-    from model import StableDiffusion, build_components
+    from t2ibench.families import MODEL_CONFIGS
+    from t2ibench.model import DiffusionModel
 
     reproducibility.seed_all(SEED)  # as benchmark.py --precomputed on tokens builds its parts
-    parts = build_components("tiny", with_encoders=False, with_text_encoder=True)
+    family = MODEL_CONFIGS["tiny"]
+    parts = family.build("tiny", vae=False, tokenizers=False)
     assert parts.vae is None and parts.tokenizer is None and parts.text_encoder is not None
-    model = StableDiffusion(parts.unet, None, parts.text_encoder, parts.noise_scheduler)
+    model = DiffusionModel(family, parts)
     tokens, stored = read_samples(single[0]), read_samples(states[0])
     ids = torch.from_numpy(np.stack([tokens[i]["token_ids"].astype(np.int64) for i in GOOD]))
-    online = model.encode_text(ids)
+    online = model.encode_text({"captions": ids})["text_states"]
     expected = torch.from_numpy(np.stack([stored[i]["text_states"] for i in GOOD]).astype(np.float32))
     assert online.shape == expected.shape == (len(GOOD), 77, 64)
     torch.testing.assert_close(online, expected, rtol=1e-3, atol=1e-3)  # fp16 keeps 11 bits
@@ -321,17 +324,30 @@ def test_text_states_computed_online_from_stored_tokens_equal_the_stored_ones(si
 
 
 def test_sources_syntax():
-    assert data.parse_sources(None) == [] and data.parse_sources("s3://a/mds") == [("s3://a/mds", None)]
-    assert data.parse_sources("0.7=s3://a/mds, .3=C:\\data\\b") == [("s3://a/mds", 0.7), ("C:\\data\\b", 0.3)]
+    from t2ibench.errors import UserError
+    from t2ibench.sources import Source
+
+    def pairs(remote):
+        return [(s.remote, s.proportion) for s in parse_sources(remote, "/tmp/x")]
+
+    assert parse_sources(None, None) == [] and pairs("s3://a/mds") == [("s3://a/mds", None)]
+    assert pairs("0.7=s3://a/mds, .3=C:\\data\\b") == [("s3://a/mds", 0.7), ("C:\\data\\b", 0.3)]
+    assert pairs(["0.7=s3://a/mds", ".3=gs://b"]) == [("s3://a/mds", 0.7), ("gs://b", 0.3)]  # --remote repeated
     # '=' elsewhere is part of the URI (Hive-style keys); a path starting with "<number>=" is written "./...".
-    assert data.parse_sources("s3://b/year=2023,./1=x") == [("s3://b/year=2023", None), ("./1=x", None)]
-    with pytest.raises(ValueError, match="to every source .* or to none"):
-        data.parse_sources("0.5=s3://a,s3://b")
-    with pytest.raises(ValueError, match="must be positive"):
-        data.parse_sources("0=s3://a,1=s3://b")
-    assert data.make_streams("s3://a/mds", "/tmp/x") is None  # one source: StreamingDataset's remote/local
-    streams = data.make_streams("s3://a/mds,gs://b/mds", "/tmp/x")
-    assert [s.local for s in streams] == [data.stream_local("/tmp/x", "s3://a/mds"), data.stream_local("/tmp/x", "gs://b/mds")]
+    assert pairs("s3://b/year=2023,./1=x") == [("s3://b/year=2023", None), ("./1=x", None)]
+    with pytest.raises(UserError, match="to every source .* or to none"):
+        parse_sources("0.5=s3://a,s3://b", "/tmp/x")
+    with pytest.raises(UserError, match="must be positive"):
+        parse_sources("0=s3://a,1=s3://b", "/tmp/x")
+    with pytest.raises(UserError, match="need --local"):
+        parse_sources("s3://a,gs://b", None)
+    # One source streams into --local, or by default into one cache folder per remote.
+    assert parse_sources("s3://a/mds", "/tmp/x") == [Source("s3://a/mds", "/tmp/x")]
+    assert parse_sources("s3://a/mds", None)[0].local == cache_folder("/tmp/mds-cache", "s3://a/mds")
+    assert parse_sources("file:///data/mds", None)[0].remote == "/data/mds"  # file:// is the path
+    assert data.stream_arguments(parse_sources("s3://a/mds", "/tmp/x"))["streams"] is None
+    streams = data.stream_arguments(parse_sources("s3://a/mds,gs://b/mds", "/tmp/x"))["streams"]
+    assert [s.local for s in streams] == [cache_folder("/tmp/x", "s3://a/mds"), cache_folder("/tmp/x", "gs://b/mds")]
     assert len({s.local for s in streams}) == 2 and all(s.local.startswith("/tmp/x/") for s in streams)
 
 
@@ -348,7 +364,8 @@ def test_bad_sources_fail_before_training(single, capsys):
             benchmark.validate(benchmark.parse_args(argv), 1)
         assert "benchmark.py: error:" in str(error.value) and message in str(error.value)
     args = benchmark.parse_args(base + ["--remote", "0.3=s3://a", "--remote", "0.7=s3://b,0.5=s3://c"])
-    assert args.remote == "0.3=s3://a,0.7=s3://b,0.5=s3://c"  # repeating the flag adds sources
+    sources = parse_sources(args.remote, args.local)  # repeating the flag adds sources
+    assert [s.spec for s in sources] == ["0.3=s3://a", "0.7=s3://b", "0.5=s3://c"]
 
 
 class Inspect(Callback):
@@ -399,14 +416,14 @@ def test_two_sources_mixed_in_one_run(single, states, source, tmp_path):
     assert [s.remote for s in dataset.streams] == [str(single[0]), str(other)]
     assert [s.choose for s in dataset.streams] == [4, 12]  # 16 samples per epoch, a quarter from the first
     for stream in dataset.streams:  # each source cached in its own folder, and read
-        assert stream.local == data.stream_local(str(cache), stream.remote)
+        assert stream.local == cache_folder(str(cache), stream.remote)
         assert (Path(stream.local) / "index.json").is_file() and list(Path(stream.local).rglob("shard.*.mds*"))
     assert json.loads(results.read_text())["measured_batches"] == 3  # 4 batches, 1 warm-up
 
     # Mixed formats are refused; the image loader takes several sources too.
     with pytest.raises(ValueError, match="mix precomputed formats"):
         data.StreamingLatents(remote=f"{single[0]},{states[0]}", local=str(tmp_path / "mixed"), batch_size=4)
-    from tokenizer import bundled_tokenizer
+    from t2ibench.tokenizer import bundled_tokenizer
 
     source2 = tmp_path / "source2"
     shutil.copytree(source, source2)

@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 from pathlib import Path
 
@@ -22,8 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import benchmark  # noqa: E402
-from model import TINY_SCALING_FACTOR, StableDiffusion, build_components  # noqa: E402
-from tokenizer import tokenize  # noqa: E402
+from t2ibench.families import MODEL_CONFIGS  # noqa: E402
+from t2ibench.families.sd2 import TINY_SCALING_FACTOR  # noqa: E402
+from t2ibench.model import DiffusionModel  # noqa: E402
+from t2ibench.tokenizer import tokenize  # noqa: E402
+
+SD2 = MODEL_CONFIGS["tiny"]
 
 TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
         "--num_workers", "0", "--num_synthetic_samples", "12", "--warmup_batches", "1", "--log_interval", "1ba"]
@@ -102,11 +108,11 @@ def test_bad_recipe_flags_fail_at_once(args, flag):
 
 def test_caption_dropout_in_every_data_path():
     torch.manual_seed(0)
-    parts = build_components("tiny")
-    model = StableDiffusion(parts.unet, parts.vae, parts.text_encoder, parts.noise_scheduler)
+    parts = SD2.build("tiny")
+    model = DiffusionModel(SD2, parts)
     empty_ids = tokenize(parts.tokenizer, [""])
     empty_states = parts.text_encoder(empty_ids)[0].detach()
-    model.set_caption_dropout(0.5, empty_ids, empty_states)
+    model.set_caption_dropout(0.5, {"captions": empty_ids}, {"text_states": empty_states})
     captions = tokenize(parts.tokenizer, [f"caption {i}" for i in range(64)])
     states = torch.randn(64, 77, 64)
     for key, rows, empty in (("captions", captions, empty_ids), ("text_states", states, empty_states)):
@@ -118,7 +124,7 @@ def test_caption_dropout_in_every_data_path():
         is_empty = (dropped == empty).flatten(1).all(1)
         kept = (dropped == rows).flatten(1).all(1)
         assert (is_empty | kept).all() and 16 < int(is_empty.sum()) < 48
-    model.set_caption_dropout(0.5, empty_ids, None)
+    model.set_caption_dropout(0.5, {"captions": empty_ids}, None)
     with pytest.raises(ValueError, match="text_states"):
         model._drop_captions({"text_states": states})
 
@@ -126,9 +132,9 @@ def test_caption_dropout_in_every_data_path():
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
 def test_min_snr_gamma_weights(prediction_type):
     torch.manual_seed(0)
-    parts = build_components("tiny", with_encoders=False)
+    parts = SD2.build("tiny", vae=False, text_encoders=False, tokenizers=False)
     scheduler = parts.noise_scheduler.__class__.from_config(parts.noise_scheduler.config, prediction_type=prediction_type)
-    model = StableDiffusion(parts.unet, None, None, scheduler, 1.0, snr_gamma=5.0)
+    model = DiffusionModel(SD2, dataclasses.replace(parts, noise_scheduler=scheduler, latent_scale=1.0), snr_gamma=5.0)
     prediction, target = torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2)
     timesteps = torch.tensor([0, 500, 999])
     alpha = scheduler.alphas_cumprod[timesteps]
@@ -141,7 +147,7 @@ def test_min_snr_gamma_weights(prediction_type):
 
 def test_tiny_vae_is_a_miniature_of_a_trained_one():
     torch.manual_seed(0)
-    vae = build_components("tiny", with_unet=False).vae
+    vae = SD2.build("tiny", denoiser=False).vae
     assert vae.config.scaling_factor == TINY_SCALING_FACTOR
     posterior = vae.encode(torch.rand(4, 3, 32, 32) * 2 - 1).latent_dist
     assert posterior.std.max() < 0.01  # nearly deterministic, like a trained VAE

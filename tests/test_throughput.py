@@ -12,20 +12,20 @@ from composer.models import ComposerClassifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model import sd2_meta_components  # noqa: E402
-from throughput import Throughput, count_flops_per_image  # noqa: E402
+from t2ibench.callbacks.throughput import Pauses, Throughput  # noqa: E402
+from t2ibench.families import MODEL_CONFIGS  # noqa: E402
 
 
 def test_sd2_base_flops_per_512_image_match_the_reference():
-    unet, vae, text_encoder = sd2_meta_components("sd2-base")
-    flops = count_flops_per_image(unet, vae, text_encoder, image_size=512)
+    family = MODEL_CONFIGS["sd2-base"]
+    flops = family.flops_per_image("sd2-base", image_size=512)
     # Reference (torch.utils.flop_counter on the SD2-base configs): 2,409 GFLOP UNet fwd+bwd,
     # 1,117 VAE encoder, 45 text encoder, 3,570 online total.
     assert flops["unet_fwd_bwd"] == pytest.approx(2409e9, rel=0.02)
     assert flops["unet_fwd"] == pytest.approx(804e9, rel=0.02)
     assert flops["vae_encoder"] == pytest.approx(1117e9, rel=0.02)
     assert flops["total"] == pytest.approx(3570e9, rel=0.02)
-    precomputed = count_flops_per_image(unet, None, None, image_size=512)
+    precomputed = family.flops_per_image("sd2-base", image_size=512, vae=False, text_encoders=False)
     assert precomputed["total"] == precomputed["unet_fwd_bwd"] == pytest.approx(flops["unet_fwd_bwd"])
 
 
@@ -73,3 +73,26 @@ def test_short_run_excludes_only_the_first_batch():
     summary = fit(SlowLoader(3, slow_batches=1, slow_s=0.3), Throughput(warmup_batches=5))
     assert summary["warmup_batches"] == 1 and summary["measured_batches"] == 2
     assert summary["measured_seconds"] < 0.3
+
+
+def test_pauses_recorded_inside_the_window_are_left_out():
+    # A callback that draws samples (here: sleeps 1 s) at batch 6 records the pause in the run's
+    # Pauses; Throughput leaves it out of the measured seconds. A pause before the window does not count.
+    from composer.core import Callback
+
+    pauses = Pauses()
+
+    class Pause(Callback):
+        def batch_end(self, state, logger):
+            if int(state.timestamp.batch) in (1, 6):
+                start = time.perf_counter()
+                time.sleep(1.0)
+                pauses.record(start, time.perf_counter() - start)
+
+    throughput = Throughput(warmup_batches=2, pauses=pauses)
+    model = ComposerClassifier(torch.nn.Linear(8, 2), num_classes=2)
+    Trainer(model=model, train_dataloader=SlowLoader(10, slow_batches=0, slow_s=0.0), max_duration="10ba",
+            callbacks=[throughput, Pause()], optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            progress_bar=False).fit()
+    assert throughput.summary["measured_seconds"] < 0.9  # the 1 s pause at batch 6 is not training time
+    assert pauses.seconds_since(0.0) >= 2.0  # both pauses were recorded

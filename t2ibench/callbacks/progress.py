@@ -6,6 +6,9 @@ platform log reads as a table. Composer's console logger prints every metric of 
 separate lines, and its progress bar counts batches per second per epoch with no images/s and no
 time left for a run of several epochs: this callback replaces both. Everything else Composer logs
 (W&B, the metrics it computes) is unchanged; the final summary is printed by `benchmark.py`.
+
+It logs no metrics. The line: `batch N/total (percent)`, images/s (all ranks, over the last
+`window_batches` batches), the loss (mean over ranks and microbatches), elapsed and left (1h02m, 3m07s).
 """
 from __future__ import annotations
 

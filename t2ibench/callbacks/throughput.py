@@ -1,10 +1,21 @@
-"""Throughput math: FLOPs per training image, and a callback that measures what SpeedMonitor does not.
+"""The benchmark's measurement: a callback that measures what Composer's SpeedMonitor does not.
 
 Composer's `SpeedMonitor` logs rolling images/sec, FLOPs/sec and MFU from the model's
 `flops_per_batch`. `Throughput` adds the figures a benchmark needs over the whole run after
 warm-up: images/sec (global and per device), MFU, peak device memory, the share of step time
 spent waiting for the loader and the seconds spent saving checkpoints. Its `summary` is what
-`benchmark.py` prints and writes to JSON.
+`benchmark.py` prints and writes to JSON, and what it logs, as `benchmark/<key>`:
+
+    images_per_sec, images_per_sec_per_device   images/s over the measured window
+    measured_batches, warmup_batches             batches in and before the window
+    measured_seconds                             seconds of the window, pauses left out
+    data_wait_fraction, data_wait_fraction_mean  share of the window in the loader's next() (max, mean over ranks)
+    checkpoint_seconds_in_window, checkpoint_seconds_after_window   seconds saving checkpoints
+    peak_memory_bytes, peak_memory_reserved_bytes                   bytes (max over ranks)
+    flops_per_image, peak_flops_per_device, mfu                     FLOPs, FLOP/s, fraction
+
+Time spent on purpose outside training inside the window (sample grids) is recorded in a `Pauses`
+shared with the callback that pauses, and left out of the measured seconds.
 """
 from __future__ import annotations
 
@@ -13,47 +24,29 @@ import time
 from typing import Any
 
 import torch
-from composer.callbacks.speed_monitor import get_gpu_flops_available
 from composer.callbacks import CheckpointSaver
+from composer.callbacks.speed_monitor import get_gpu_flops_available
 from composer.core import Callback, State, TimeUnit
 from composer.loggers import Logger
 from composer.utils import dist
-from torch.utils.flop_counter import FlopCounterMode
 
 
-def count_flops_per_image(unet: torch.nn.Module, vae: torch.nn.Module | None, text_encoder: torch.nn.Module | None,
-                          image_size: int, seq_len: int = 77) -> dict[str, float]:
-    """FLOPs of one training image, counted by `torch.utils.flop_counter` on meta tensors.
+class Pauses:
+    """Intervals a run spends outside training on purpose (drawing sample grids), in seconds.
 
-    Pass modules built on the meta device (`model.sd2_meta_components`): nothing is computed or
-    allocated. `vae`/`text_encoder` None means their outputs are precomputed and cost nothing.
-    Returns FLOPs (not GFLOP) for `unet_fwd`, `unet_fwd_bwd`, `vae_encoder`, `text_encoder`, `total`.
+    The callback that pauses records them; `Throughput` leaves those inside its window out of the
+    measured time. One object shared by both, passed to each by benchmark.py.
     """
-    latent_size = image_size // 8
-    channels = unet.config.in_channels
-    device = next(unet.parameters()).device
 
-    def counted(fn) -> float:
-        with FlopCounterMode(display=False) as counter:
-            fn()
-        return float(counter.get_total_flops())
+    def __init__(self) -> None:
+        self.intervals: list[tuple[float, float]] = []  # (perf_counter at the start, seconds)
 
-    latents = torch.randn(1, channels, latent_size, latent_size, device=device)
-    timesteps = torch.tensor([500], device=device)
-    text_states = torch.randn(1, seq_len, unet.config.cross_attention_dim, device=device)
-    unet_fwd = counted(lambda: unet(latents, timesteps, text_states))
-    unet_fwd_bwd = counted(lambda: unet(latents, timesteps, text_states).sample.sum().backward())
-    unet.zero_grad(set_to_none=True)
-    flops = {"unet_fwd": unet_fwd, "unet_fwd_bwd": unet_fwd_bwd, "vae_encoder": 0.0, "text_encoder": 0.0}
-    with torch.no_grad():
-        if vae is not None:
-            images = torch.randn(1, 3, image_size, image_size, device=device)
-            flops["vae_encoder"] = counted(lambda: vae.encode(images))
-        if text_encoder is not None:
-            ids = torch.zeros(1, seq_len, dtype=torch.long, device=device)
-            flops["text_encoder"] = counted(lambda: text_encoder(ids))
-    flops["total"] = flops["unet_fwd_bwd"] + flops["vae_encoder"] + flops["text_encoder"]
-    return flops
+    def record(self, start: float, seconds: float) -> None:
+        self.intervals.append((start, seconds))
+
+    def seconds_since(self, start: float) -> float:
+        """Seconds of the pauses that began at or after `start` (a perf_counter reading)."""
+        return sum(seconds for began, seconds in self.intervals if began >= start)
 
 
 def peak_memory_bytes() -> dict[str, Any]:
@@ -140,9 +133,12 @@ class Throughput(Callback):
         flops_per_image: model FLOPs of one training step per image (0: MFU not reported).
         peak_flops_per_device: peak FLOP/s of one device at the run's precision; None asks
             Composer's table (`SpeedMonitor`'s), which knows A100/H100/H200 but not CPUs.
+        pauses: time other callbacks spend outside training (sampling), left out of the window.
     """
 
-    def __init__(self, warmup_batches: int = 5, flops_per_image: float = 0.0, peak_flops_per_device: float | None = None):
+    def __init__(self, warmup_batches: int = 5, flops_per_image: float = 0.0, peak_flops_per_device: float | None = None,
+                 pauses: Pauses | None = None):
+        self.pauses = pauses if pauses is not None else Pauses()
         self.warmup_batches = warmup_batches
         self.flops_per_image = flops_per_image
         self.peak_flops_per_device = peak_flops_per_device
@@ -235,9 +231,7 @@ class Throughput(Callback):
         warmup = self.warmup_batches if num_batches > self.warmup_batches else min(1, num_batches - 1)
         start = self._batch_times[warmup - 1] if warmup > 0 else self._fit_start
         seconds = self._batch_times[-1] - start
-        # Time other callbacks spent outside training (sample.SampleImages: `pauses` of (start, seconds))
-        # inside the measured window is not training time.
-        seconds -= sum(s for cb in state.callbacks for t, s in getattr(cb, "pauses", ()) if t >= start)
+        seconds -= self.pauses.seconds_since(start)  # sampling inside the window is not training time
         samples = self._samples_seen[-1] - (self._samples_seen[warmup - 1] if warmup > 0 else self._fit_start_samples)
         world_size = dist.get_world_size()
         images_per_sec = samples / seconds

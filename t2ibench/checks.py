@@ -1,0 +1,332 @@
+"""Pre-flight checks of benchmark.py: everything that can be checked before the model, the data or
+the Trainer is built, so that a mistake costs a second and one line, not a traceback after an hour.
+
+Each check fails through `errors.fail` with the flag or file and what to do: dataset size against
+the global batch (from the MDS index or the synthetic count), time-string units, counts and rates,
+URI schemes, writable output locations, checkpoint files, the columns and kind of the shards,
+caches filled from another remote, and object stores that cannot be read. `validate(args,
+world_size)` runs them all, first thing in `benchmark.main`; it parses the data sources once into
+`args.sources` (`sources.Source`), which the data loader then reads.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+from composer.core import Time
+
+from t2ibench.errors import fail, storage_error
+from t2ibench.families import ModelFamily
+from t2ibench.flags import check_shared
+from t2ibench.locations import CHECKPOINT_SCHEMES, LOAD_SCHEMES, is_remote, normalise, unwritable
+from t2ibench.sources import Source, check_cache, parse_sources
+
+PRECISIONS = ("auto", "fp32", "amp_bf16", "amp_fp16")
+# Time units the run counts: tokens are never counted here, and Composer refuses `dur` and
+# wall-clock `sec` for max_duration and anything but ep/ba for the console log.
+TIME_UNITS = {"max_duration": ("ba", "ep", "sp"), "save_interval": ("ba", "ep", "sp", "dur"),
+              "log_interval": ("ba", "ep")}
+
+
+def validate(args: argparse.Namespace, world_size: int) -> ModelFamily:
+    """Fail at once, with a one-line message naming the flag, on values that would fail later.
+
+    Sets `args.sources` (the data sources, parsed and normalised once) and the other location
+    flags to their normalised form (file:// URIs become paths); returns the model's family.
+    """
+    family = check_shared(args)
+    check_locations(args)  # before the checks below: they look at the normalised locations
+    check_run(args, world_size)
+    check_numbers(args)
+    check_recipe(args, family)
+    check_outputs(args)
+    check_checkpoint(args)
+    check_data(args)
+    return family
+
+
+def check_locations(args: argparse.Namespace) -> None:
+    """file:// URIs become local paths; other URIs must use a scheme the flag supports."""
+    supported = {"save_folder": CHECKPOINT_SCHEMES, "load_path": LOAD_SCHEMES, "results_json": (),
+                 "ema_export_dir": (), "samples_dir": ()}
+    for flag, schemes in supported.items():
+        if getattr(args, flag):
+            setattr(args, flag, normalise(f"--{flag}", getattr(args, flag), schemes))
+    args.sources = parse_sources(args.remote, args.local)
+
+
+def check_run(args: argparse.Namespace, world_size: int) -> None:
+    """Precision, batch and microbatch against the world size, and flags that need other flags."""
+    if args.precision not in PRECISIONS:
+        fail(f"--precision '{args.precision}' is unknown; choose one of {PRECISIONS}")
+    if args.precision == "amp_fp16" and not torch.cuda.is_available():
+        # amp_bf16 runs on CPU under torch's CPU autocast (the model's); fp16 autocast has no CPU path here.
+        fail(f"--precision {args.precision} needs a CUDA GPU (none here); on CPU use fp32, auto or amp_bf16 (CPU autocast)")
+    if args.batch_size <= 0 or args.batch_size % world_size:
+        fail(f"--batch_size {args.batch_size} must be a positive multiple of the world size {world_size}")
+    per_device = args.batch_size // world_size
+    if args.device_train_microbatch_size != "auto":
+        try:
+            micro = int(args.device_train_microbatch_size)
+        except ValueError:
+            fail(f"--device_train_microbatch_size '{args.device_train_microbatch_size}' must be an integer or 'auto'")
+        if micro <= 0 or per_device % micro:
+            fail(f"--batch_size {args.batch_size} over {world_size} device(s) gives {per_device} per device, "
+                 f"which --device_train_microbatch_size {micro} does not divide")
+        args.device_train_microbatch_size = micro
+    if args.precomputed_format != "tokens" and not (args.precomputed and args.use_synth_data):
+        fail("--precomputed_format only applies with --precomputed --use_synth_data (shards carry their own format)")
+    if args.xformers and importlib.util.find_spec("xformers") is None:
+        fail("--xformers: xformers is not installed; on a GPU machine `pip install xformers==0.0.30`, or drop the flag")
+    if args.ema_export_dir and not args.use_ema:
+        fail("--ema_export_dir needs --use_ema")
+    for flag in ("max_duration", "save_interval", "log_interval"):
+        try:
+            Time.from_timestring(getattr(args, flag))
+        except (ValueError, TypeError):
+            fail(f"--{flag} '{getattr(args, flag)}' is not a Composer time string such as 20ba, 1ep or 1000sp")
+    if args.autoresume and not (args.save_folder and args.run_name):
+        fail("--autoresume needs --save_folder and --run_name (the same on every restart) to find the latest checkpoint")
+    if args.autoresume and not is_remote(args.save_folder) and Path(args.save_folder).is_dir():
+        # Composer replaces `latest` by delete-then-link: a kill in between leaves checkpoints but no
+        # `latest`, and autoresume would silently start over and overwrite them.
+        saved = sorted(Path(args.save_folder).glob("ep*-ba*-rank0.pt"), key=lambda p: p.stat().st_mtime)
+        if saved and not (Path(args.save_folder) / "latest-rank0.pt").exists():
+            fail(f"--autoresume: {args.save_folder} holds checkpoints but no latest-rank0.pt; "
+                 f"resume explicitly with --load_path {saved[-1]} (or move the old checkpoints away)")
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Counts, rates and time strings: refuse values that hang, crash later or mean nothing."""
+    if args.epoch_size is not None:
+        try:
+            from streaming.base.util import number_abbrev_to_int
+            if number_abbrev_to_int(args.epoch_size) <= 0:
+                raise ValueError
+        except (ValueError, TypeError):
+            fail(f"--epoch_size {args.epoch_size} must be a positive number of samples, such as 200000000 or 200m")
+    for flag in ("shuffle_block_size", "num_canonical_nodes", "sampling_granularity"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            fail(f"--{flag} {getattr(args, flag)} must be positive")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        fail(f"--peak_tflops {args.peak_tflops} must be a positive number (TFLOP/s of one device)")
+    if args.warmup_batches < 0:
+        fail(f"--warmup_batches {args.warmup_batches} must be >= 0")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        fail(f"--lr {args.lr} must be a positive number, e.g. 1e-4")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        fail(f"--weight_decay {args.weight_decay} must be a number >= 0")
+    if args.num_synthetic_samples <= 0:
+        fail(f"--num_synthetic_samples {args.num_synthetic_samples} must be positive")
+    if args.predownload is not None and args.predownload < 1:
+        fail(f"--predownload {args.predownload} must be >= 1 sample (leave it out for 8 x the per-device batch)")
+    if args.download_retry < 0:
+        fail(f"--download_retry {args.download_retry} must be >= 0")
+    if not (math.isfinite(args.download_timeout) and args.download_timeout > 0):
+        fail(f"--download_timeout {args.download_timeout} must be a positive number of seconds")
+    if args.validate_hash is not None:
+        from streaming.base.hashing import get_hashes
+        if args.validate_hash not in get_hashes():
+            fail(f"--validate_hash '{args.validate_hash}' is unknown; choose one of {sorted(get_hashes())} "
+                 "(and one that index.json lists, as convert.py's sha1 and xxh64)")
+    if args.save_num_checkpoints_to_keep < -1:
+        fail(f"--save_num_checkpoints_to_keep {args.save_num_checkpoints_to_keep}: use -1 to keep all, or N >= 1")
+    if args.save_num_checkpoints_to_keep == 0 and args.save_folder and not is_remote(args.save_folder):
+        # Composer's 0 means "keep no local copy", which only makes sense when an object store keeps them.
+        fail(f"--save_num_checkpoints_to_keep 0 keeps no checkpoint in the local --save_folder {args.save_folder}; "
+             "use -1 to keep all, or N >= 1 to keep the newest N")
+    for flag, units in TIME_UNITS.items():
+        value = getattr(args, flag)
+        time = Time.from_timestring(value)  # validate() has checked that it parses
+        if time.unit.value not in units:
+            fail(f"--{flag} {value}: unit '{time.unit.value}' is not counted here; use "
+                 + " or ".join(units) + " (e.g. 20ba, 1ep)")
+        if not time.value > 0 or (time.unit.value == "dur" and time.value > 1):
+            fail(f"--{flag} {value} must be positive" + (" and at most 1dur" if time.unit.value == "dur" else ""))
+        if flag == "max_duration" and time.unit.value == "sp" and time.value < args.batch_size:
+            fail(f"--max_duration {value} is less than one global batch (--batch_size {args.batch_size}): "
+                 "no step would run")
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Output locations are checked before training, not found unwritable after the last batch."""
+    for flag, folder in (("results_json", False), ("ema_export_dir", True), ("save_folder", True)):
+        location = getattr(args, flag)
+        if location and not is_remote(location):
+            problem = unwritable(f"--{flag}", location, folder)
+            if problem:
+                fail(problem)
+    if args.save_folder and not is_remote(args.save_folder) and not (args.autoresume or args.load_path):
+        # Composer refuses (at start) to save where a checkpoint of another run could be overwritten.
+        saved = sorted(Path(args.save_folder).glob("ep*-ba*-rank*.pt"))
+        if saved:
+            fail(f"--save_folder {args.save_folder} holds checkpoints of an earlier run ({saved[0].name}...): "
+                 "continue it with --autoresume --run_name NAME, start from one with --load_path, "
+                 "or use a new --save_folder")
+
+
+def check_checkpoint(args: argparse.Namespace) -> None:
+    """A local --load_path must be a checkpoint file (Composer's: a torch zip archive, or compressed)."""
+    if not args.load_path or is_remote(args.load_path):
+        return
+    path = Path(args.load_path)
+    if not path.exists():
+        fail(f"--load_path {path}: no such file; give a checkpoint written with --save_folder (e.g. latest-rank0.pt)")
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.pt"))[:3]
+        fail(f"--load_path {path} is a folder; give a checkpoint file in it"
+             + (f" (it holds {', '.join(found)})" if found else " (it holds no *.pt files)"))
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            if any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist()):
+                return
+    elif path.suffix in (".gz", ".bz2", ".xz", ".lz4", ".zst", ".lzma", ".tar") or tarfile.is_tarfile(path):
+        return  # Composer's compressed and DeepSpeed checkpoints: Composer checks them when it loads
+    fail(f"--load_path {path} is not a checkpoint (not a PyTorch checkpoint archive); "
+         "give a file written with --save_folder, such as ep0-ba100-rank0.pt or latest-rank0.pt")
+
+
+def read_index(index_file: Path, label: str) -> dict:
+    """An MDS index.json, or a one-line error naming `label` (the flag and location)."""
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        fail(f"{label}: {index_file} is not a readable MDS index ({error}); re-create the dataset with convert.py")
+    if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
+        fail(f"{label}: {index_file} is not an MDS index (no list of shards); re-create the dataset with convert.py")
+    return index
+
+
+def check_index(index: dict, label: str, args: argparse.Namespace) -> int:
+    """Columns of an MDS dataset against the flags (the right kind of shards); returns its number of samples."""
+    shards = index["shards"]
+    num_samples = sum(int(shard.get("samples", 0)) for shard in shards)
+    columns = list(shards[0].get("column_names", [])) if shards else []
+    if num_samples == 0:
+        fail(f"{label} holds no samples; convert some data into it with convert.py")
+    if args.precomputed and "latent_mean" not in columns:
+        fail(f"--precomputed: {label} holds image shards (columns {columns}), not precomputed latents; "
+             "drop --precomputed, or write latents from them with latents.py")
+    if not args.precomputed and "latent_mean" in columns:
+        fail(f"{label} holds precomputed latents (columns {columns}); add --precomputed to train from them")
+    hashes = shards[0].get("hashes", []) if shards else []
+    if args.validate_hash and args.validate_hash not in hashes:
+        fail(f"--validate_hash {args.validate_hash}: the shards of {label} list no such hash (they have {hashes}); "
+             + ("use one of them" if hashes else "leave the flag out"))
+    if not args.precomputed:
+        for flag in ("image_key", "caption_key"):
+            if getattr(args, flag) not in columns:
+                fail(f"--{flag} {getattr(args, flag)} is not a column of {label}; its columns are {columns}")
+    return num_samples
+
+
+def check_dataset_size(num_samples: int, label: str, args: argparse.Namespace) -> None:
+    """Every rank drops its last partial batch: fewer samples than one global batch means no step at
+    all (Composer then loops over empty epochs forever, or 'finishes' 1ep after 0 batches)."""
+    if num_samples < args.batch_size:
+        fail(f"{label} holds {num_samples} samples, fewer than one global batch (--batch_size {args.batch_size}): "
+             f"no step could run; pass a --batch_size of at most {num_samples}, or use more data")
+
+
+def check_data(args: argparse.Namespace) -> None:
+    """The dataset the flags name: it exists, is MDS, has the columns asked for and >= one global batch."""
+    if args.use_synth_data and args.sources:
+        fail("--use_synth_data trains on random samples and would ignore " + ("--remote" if args.remote else "--local")
+             + "; pass one or the other")
+    if args.use_synth_data:
+        check_dataset_size(args.num_synthetic_samples,
+                           f"the synthetic dataset (--num_synthetic_samples {args.num_synthetic_samples})", args)
+        return
+    if not args.sources:
+        fail("no data: pass --use_synth_data, or --remote (with --local as cache), or --local with MDS shards "
+             "already there")
+    if not args.remote and not Path(args.sources[0].local).is_dir():
+        fail(f"--local {args.local} is not a folder; give --remote to stream shards into it")
+    for source in args.sources:
+        if source.remote and not is_remote(source.remote) and not Path(source.remote, "index.json").is_file():
+            fail(f"--remote {source.remote} holds no MDS dataset (no index.json); write one with convert.py first")
+    num_samples = sum(check_source(source, args) for source in args.sources)
+    if args.epoch_size is None:
+        # With --epoch_size, Streaming draws that many samples whatever the sources hold.
+        check_dataset_size(num_samples, " + ".join(source.label for source in args.sources), args)
+
+
+def check_source(source: Source, args: argparse.Namespace) -> int:
+    """One source's cache and index (see check_data); returns its number of samples."""
+    local, remote = source.local, source.remote
+    if Path(local).exists() and not Path(local).is_dir():
+        fail(f"--local {local} is a file, not a folder")
+    check_cache(source)
+    if Path(local, "index.json").is_file():  # Streaming reads the cached index rather than the remote's
+        return check_index(read_index(Path(local, "index.json"), local), f"--local {local}", args)
+    if not remote:
+        fail(f"--local {local} holds no MDS dataset (no index.json): write one with convert.py, "
+             "or pass --remote to stream one into it")
+    if not is_remote(remote):
+        return check_index(read_index(Path(remote, "index.json"), remote), f"--remote {remote}", args)
+    # The index is small: fetch it with Streaming's own downloader to check it before anything
+    # is built; credentials, endpoint and path errors surface here, as one line.
+    from streaming.base.storage import CloudDownloader
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            CloudDownloader.direct_download(f"{remote.rstrip('/')}/index.json", f"{folder}/index.json",
+                                            args.download_timeout)
+        except Exception as error:  # noqa: BLE001  any store's client error: reported, not hidden
+            if getattr(args, "debug", False):
+                raise
+            fail(f"--remote {remote}: cannot read index.json: {storage_error(error) or error}")
+        return check_index(read_index(Path(folder, "index.json"), remote), f"--remote {remote}", args)
+
+
+def check_recipe(args: argparse.Namespace, family: ModelFamily) -> None:
+    """The training-recipe, sampling and export flags."""
+    if args.lr_warmup_batches < 0:
+        fail(f"--lr_warmup_batches {args.lr_warmup_batches} must be >= 0")
+    if args.grad_clip_norm is not None and args.grad_clip_norm <= 0:
+        fail(f"--grad_clip_norm {args.grad_clip_norm} must be positive")
+    if not 0.0 <= args.caption_drop_prob < 1.0:
+        fail(f"--caption_drop_prob {args.caption_drop_prob} must be in [0, 1)")
+    if args.snr_gamma is not None and args.snr_gamma <= 0:
+        fail(f"--snr_gamma {args.snr_gamma} must be positive")
+    if args.offset_noise < 0:
+        fail(f"--offset_noise {args.offset_noise} must be >= 0")
+    if args.loss_bins < 0:
+        fail(f"--loss_bins {args.loss_bins} must be >= 0")
+    for flag, units in (("ema_start", ("ba", "ep", "dur")), ("ema_half_life", ("ba",)), ("sample_interval", ("ba", "ep"))):
+        try:
+            unit = Time.from_timestring(getattr(args, flag)).unit.value
+        except (ValueError, TypeError):
+            unit = None
+        if unit not in units:
+            fail(f"--{flag} '{getattr(args, flag)}' must be a Composer time string in {', '.join(units)} (e.g. 1000ba)")
+    if (args.ema_start != "0ba" or args.ema_half_life != "1000ba") and not args.use_ema:
+        fail("--ema_start and --ema_half_life need --use_ema")
+    if Time.from_timestring(args.ema_half_life).value <= 0:
+        fail(f"--ema_half_life {args.ema_half_life} must be positive")
+    if args.sample_prompts:
+        from t2ibench.sampling import load_prompts
+        try:
+            load_prompts(args.sample_prompts)
+        except ValueError as e:
+            fail(f"--sample_prompts {e}")
+        if not args.samples_dir and not args.save_folder:
+            fail("--sample_prompts needs --samples_dir or --save_folder (samples go to <save_folder>/samples)")
+        if not args.samples_dir and is_remote(args.save_folder):
+            fail(f"--sample_prompts: --save_folder {args.save_folder} is an object store; give a local --samples_dir")
+        if args.sample_steps <= 0:
+            fail(f"--sample_steps {args.sample_steps} must be positive")
+    if args.samples_dir and not args.sample_prompts:
+        fail("--samples_dir needs --sample_prompts (a prompt file or a built-in set: default, shapes)")
+    if args.ema_export_dir and Path(args.ema_export_dir).is_dir() and any(Path(args.ema_export_dir).iterdir()):
+        entries = {p.name for p in Path(args.ema_export_dir).iterdir()}
+        # A resumed or retried job finds the pipeline it exported before: that one it may rewrite.
+        own_export = entries <= {"model_index.json", *family.pipeline_parts} and (args.autoresume or args.load_path)
+        if not own_export:
+            fail(f"--ema_export_dir {args.ema_export_dir} is not empty; choose a new folder (nothing is overwritten)")

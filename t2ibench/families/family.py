@@ -1,0 +1,209 @@
+"""What a model family is: the one interface through which the commands use a text-to-image model.
+
+A family (SD2 now; SDXL and Flux.1 next) is one module in this folder, a subclass of
+`ModelFamily`, registered by one line in `families/__init__.py`. It says everything specific to
+the model; the rest of the project is written against this interface only:
+
+- building: its configurations (`--model_config` values), the parts built offline from bundled
+  configs or loaded pretrained from `--model_name` (`build`, `meta_parts`), the diffusers names
+  of those parts (`Parts`: the denoiser trained from scratch, the VAE, one or two text encoders
+  and tokenizers), the latent space (channels, downsampling, patching, scale and shift);
+- conditioning: how captions become token ids (`tokenize`, one tokenizer or two) and ids become
+  what the denoiser attends to (`encode_text`); both are dicts of tensors keyed by name, so SDXL's
+  pooled embedding and size/crop ids or Flux's T5 states and CLIP pooled vector fit;
+- training: the objective (`objective`: epsilon or velocity on a DDPM schedule, or rectified
+  flow) and one denoiser call (`predict`);
+- figures: FLOPs per image of the trained network and of the frozen encoders
+  (`flops_per_image`), the microbatch that fits a GPU's memory (`microbatch_by_memory_gib`), the
+  default data parallelism (`parallelism`: DDP, or FSDP for models whose state does not fit one GPU);
+- use: the diffusers pipeline class for sample grids and export (`make_pipeline`).
+"""
+from __future__ import annotations
+
+import os
+import zlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from t2ibench.errors import fail
+from t2ibench.flops import count_flops
+from t2ibench.objectives import Objective
+
+TextInputs = dict[str, torch.Tensor]  # tokenized captions by batch key, e.g. {"captions": (B, 77) ids}
+Conditioning = dict[str, torch.Tensor]  # what the denoiser is conditioned on, e.g. {"text_states": (B, 77, D)}
+
+
+@dataclass
+class Parts:
+    """A family's modules (diffusers' pipeline names), and which were loaded pretrained.
+
+    `denoiser` is trained from scratch (SD2: the UNet); the VAE and the text encoders are frozen.
+    A part the run does not need is None (or absent from the dicts): training on precomputed
+    latents builds no VAE. `latent_scale` and `latent_shift` map VAE latents to the denoiser's
+    (latents - shift) * scale; they are known also when the VAE is not built.
+    """
+
+    denoiser: torch.nn.Module | None
+    vae: torch.nn.Module | None
+    text_encoders: dict[str, torch.nn.Module]
+    tokenizers: dict[str, Any]
+    noise_scheduler: Any  # the training noise schedule (a diffusers scheduler)
+    latent_scale: float
+    latent_shift: float = 0.0
+    pretrained: list[str] = field(default_factory=list)
+    random: list[str] = field(default_factory=list)
+
+    @property
+    def text_encoder(self) -> torch.nn.Module | None:
+        """The first text encoder (every family so far has one named `text_encoder`)."""
+        return self.text_encoders.get("text_encoder")
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.tokenizers.get("tokenizer")
+
+    @property
+    def random_encoders(self) -> list[str]:
+        """The frozen networks that are randomly initialized (not the tokenizers)."""
+        return [name for name in self.random if name == "vae" or name.startswith("text_encoder")]
+
+
+class ModelFamily(ABC):
+    """One kind of text-to-image model. Subclasses set the class attributes and the methods below."""
+
+    name: ClassVar[str]  # "sd2"
+    configs: ClassVar[tuple[str, ...]]  # its --model_config values; the first is the full-size one
+    pretrained_configs: ClassVar[tuple[str, ...]]  # those whose frozen parts exist pretrained (--model_name)
+    default_model_name: ClassVar[str]  # hub id of the pretrained frozen parts
+    denoiser_name: ClassVar[str] = "unet"  # attribute of the training model: checkpoint keys unet.*
+    pipeline_class: ClassVar[str]  # the diffusers pipeline class of samples and export
+    pipeline_parts: ClassVar[tuple[str, ...]]  # the folders of an exported pipeline (beside model_index.json)
+    parallelism: ClassVar[str] = "ddp"  # the default data parallelism: "ddp" or "fsdp"
+    text_input_keys: ClassVar[tuple[str, ...]]  # batch keys of tokenized captions
+    conditioning_keys: ClassVar[tuple[str, ...]]  # batch keys of precomputed conditioning
+    latent_downsample: ClassVar[int] = 8  # image pixels per latent pixel (the VAE's downsampling)
+    patch_size: ClassVar[int] = 1  # latent pixels per token side (Flux.1 packs 2x2)
+    # (memory at least this many GiB, microbatch per device) for --device_train_microbatch_size auto
+    # on several GPUs, training online; precomputed latents double it. Below the first: `min_microbatch`.
+    microbatch_by_memory_gib: ClassVar[tuple[tuple[int, int], ...]]
+    min_microbatch: ClassVar[int] = 1
+
+    # -- building --------------------------------------------------------------------------------
+    @abstractmethod
+    def build(self, config: str, model_name: str | None = None, *, denoiser: bool = True, vae: bool = True,
+              text_encoders: bool = True, tokenizers: bool = True) -> Parts:
+        """The parts asked for: the denoiser random (from the global RNG), frozen parts pretrained
+        from `model_name` when available, else random (each from its own seeded generator, see
+        `seeded`), tokenizers always usable offline."""
+
+    @abstractmethod
+    def meta_parts(self, config: str) -> Parts:
+        """Every module on the meta device: shapes, parameter counts and FLOPs without memory."""
+
+    @abstractmethod
+    def latent_channels(self, config: str) -> int:
+        """Channels of the VAE latents (before any patching)."""
+
+    @abstractmethod
+    def conditioning_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
+        """Per-sample shape of each conditioning tensor, as stored by latents.py --store_text_states."""
+
+    @abstractmethod
+    def random_text_inputs(self, generator: torch.Generator) -> TextInputs:
+        """Token ids of one random caption (synthetic data), drawn from `generator`."""
+
+    # -- conditioning ------------------------------------------------------------------------------
+    @abstractmethod
+    def tokenize(self, tokenizers: dict[str, Any], captions: list[str]) -> TextInputs:
+        """Token ids of `captions` for every text encoder, by batch key."""
+
+    @abstractmethod
+    def encode_text(self, text_encoders: dict[str, torch.nn.Module], text_inputs: TextInputs) -> Conditioning:
+        """The frozen text encoders' outputs the denoiser is conditioned on."""
+
+    # -- training ----------------------------------------------------------------------------------
+    @abstractmethod
+    def objective(self, noise_scheduler: Any) -> Objective:
+        """The training objective on this noise schedule."""
+
+    @abstractmethod
+    def predict(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                conditioning: Conditioning) -> torch.Tensor:
+        """The denoiser's output for noisy latents (B, C, h, w), in the objective's target space."""
+
+    # -- figures -----------------------------------------------------------------------------------
+    @abstractmethod
+    def flops_per_image(self, config: str, image_size: int, *, vae: bool = True,
+                        text_encoders: bool = True) -> dict[str, float]:
+        """FLOPs of one training image, counted on meta tensors (`flops.count_flops`): keys
+        `denoiser_fwd`, `denoiser_fwd_bwd`, `vae_encoder`, `text_encoder` and `total`; a part
+        left out (its outputs precomputed) costs 0."""
+
+    # -- use ---------------------------------------------------------------------------------------
+    @abstractmethod
+    def make_pipeline(self, parts: Parts, sampler: Any) -> Any:
+        """A diffusers pipeline (`pipeline_class`) of these parts with `sampler` as its scheduler."""
+
+
+# -- helpers for families ---------------------------------------------------------------------------
+
+def load_pretrained(cls: Any, model_name: str | None, subfolder: str) -> Any:
+    """`cls.from_pretrained(model_name, subfolder)`, or None when unavailable offline.
+
+    A local folder is read directly. A hub id is looked up in the local hub cache first and only
+    downloaded when HF_HUB_OFFLINE is not set, so that runs on air-gapped clusters do not hang.
+    """
+    if not model_name:
+        return None
+    attempts = [dict(local_files_only=True)]
+    if not Path(model_name).is_dir() and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
+        attempts.append(dict(local_files_only=False))
+    for kwargs in attempts:
+        try:
+            return cls.from_pretrained(model_name, subfolder=subfolder, **kwargs)
+        except Exception:  # noqa: BLE001 - missing files, no network, bad repo: all mean "not available"
+            continue
+    return None
+
+
+def seeded(name: str, build: Callable[[], Any]) -> Any:
+    """`build()` drawn from its own generator, seeded from the global seed and the part's name, so a
+    random part is the same whatever else is built (the text encoder of latents.py and of a training
+    run on its tokens, for one); the global generator is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed((torch.initial_seed() + zlib.crc32(name.encode())) % 2**63)
+        return build()
+
+
+def build_aside(family: ModelFamily, config: str, model_name: str | None, seed: int) -> Parts:
+    """The frozen parts and tokenizers as latents.py builds them under `seed`, leaving the RNG as it was.
+
+    For a run that trains without encoders (precomputed) but needs them for the empty caption's
+    conditioning, for sampling or for export: random encoders come out identical to the ones that
+    encoded the data, and the denoiser's initialization is not disturbed.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return family.build(config, model_name, denoiser=False)
+
+
+def require_pretrained(parts: Parts, *, needed: bool, allowed: bool, model_name: str | None) -> None:
+    """Refuse random frozen encoders where their outputs would be trained on or stored (`needed`:
+    real data, full-size model) unless `allowed` (--allow_random_encoders)."""
+    missing = parts.random_encoders
+    if missing and needed and not allowed:
+        fail(f"pretrained {' and '.join(missing)} not found for --model_name {model_name}: outputs of random "
+             "encoders are useless for training (download the model to a local folder and pass it), or pass "
+             "--allow_random_encoders to measure throughput anyway")
+
+
+def denoiser_flops(denoiser: torch.nn.Module, call: Callable[[], torch.Tensor]) -> tuple[float, float]:
+    """FLOPs of one forward and of one forward+backward of `denoiser` (meta tensors)."""
+    forward = count_flops(call)
+    forward_backward = count_flops(lambda: call().sum().backward())
+    denoiser.zero_grad(set_to_none=True)
+    return forward, forward_backward

@@ -1,0 +1,67 @@
+"""Images as training sees them: decoded from their bytes, made RGB, resized and center-cropped.
+
+Used by convert.py (which checks and re-encodes images) and by the training data (data.py), so an
+image converts and trains the same way. Pillow and NumPy only: convert.py, a CPU tool, needs no
+deep-learning library.
+"""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image, ImageOps
+
+_ALPHA_MODES = {"RGBA", "RGBa", "LA", "La", "PA"}
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Any Pillow image as 8-bit RGB: transparency composited on white, grayscale/CMYK/16-bit converted.
+
+    Composite on white (not black, and not by dropping alpha) because transparent areas of logos
+    and product photos are meant to be seen on a white page; dropping alpha would expose whatever
+    colors the encoder left under the transparent pixels.
+    """
+    if image.mode == "I" or image.mode.startswith("I;16"):
+        # 16-bit grayscale PNG/TIFF: Pillow's convert("RGB") clips at 255; scale 0..65535 to 0..255.
+        image = Image.fromarray((np.asarray(image, dtype=np.float32) / 257.0).clip(0, 255).astype(np.uint8))
+    if "transparency" in image.info and image.mode in ("P", "L", "RGB"):
+        image = image.convert("RGBA")  # a palette entry or one gray/RGB value (PNG tRNS) is transparent
+    if image.mode in _ALPHA_MODES:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        white.alpha_composite(rgba)
+        return white.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def load_image(data: bytes) -> Image.Image:
+    """Decode encoded image bytes (format detected from the content, never from a file name)."""
+    image = Image.open(io.BytesIO(data))
+    image.load()  # decode now: a truncated or corrupt file fails here, not later in a resize
+    return image
+
+
+def decode_pixels(data: bytes, size: int) -> np.ndarray:
+    """Encoded image bytes -> (size, size, 3) uint8 array, as training sees the image.
+
+    The image is oriented by its EXIF tag, converted to RGB (`to_rgb`), resized so that its shorter
+    side is `size` pixels (bicubic, antialiased: Pillow filters over the whole footprint when it
+    downsamples) and center-cropped to a square. Resize and crop are one `resize(box=...)` call,
+    which only resamples the pixels that survive the crop.
+    """
+    image = Image.open(io.BytesIO(data))
+    width, height = image.size
+    if min(width, height) >= 4 * size:
+        # A big JPEG can be decoded at 1/2, 1/4 or 1/8 scale by the IDCT itself, several times
+        # faster. Stay at >= 2x the target so the bicubic filter still does the final antialiasing
+        # (the same rule as Pillow's thumbnail(), reducing_gap=2).
+        scale = 2 * size / min(width, height)
+        image.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))
+    image.load()
+    ImageOps.exif_transpose(image, in_place=True)  # phone photos are stored sideways plus a tag
+    image = to_rgb(image)
+    width, height = image.size
+    side = min(width, height)
+    left, top = (width - side) / 2, (height - side) / 2
+    image = image.resize((size, size), Image.Resampling.BICUBIC, box=(left, top, left + side, top + side))
+    return np.array(image, dtype=np.uint8)  # (size, size, 3), a writable copy

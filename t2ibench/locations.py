@@ -1,0 +1,146 @@
+"""Location rules, once for every command: what is a URI and what is a path, which stores a flag
+supports, where caches go, and whether an output can be written, before any work starts.
+
+`file://` is decided here, for all five commands: `file:///path` (or `file://localhost/path`) is
+the local path `/path`; any other host is refused. A URI needs `://` (`dbfs:/Volumes/...` is the
+one store that is written with one slash), so a local name with a colon (`C:\\data`, `run:2`) is a
+path, and `s3:/bucket` (one slash) is pointed out rather than taken as a folder named `s3:`.
+Every check names the flag and the location in its one line.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+import urllib.parse
+from pathlib import Path
+
+from t2ibench.errors import fail
+
+# Composer's object stores for checkpoints (Composer also fetches --load_path over http(s)).
+CHECKPOINT_SCHEMES = ("s3", "gs", "oci", "azure", "dbfs")
+LOAD_SCHEMES = (*CHECKPOINT_SCHEMES, "http", "https")
+# Where a --remote is cached when --local is not given: one folder per remote (see cache_folder).
+DEFAULT_CACHE_ROOT = "/tmp/mds-cache"
+
+
+def scheme(location: str) -> str:
+    """'s3' for s3://bucket/x, 'file' for file:///x, 'dbfs' for dbfs:/Volumes/x, '' for a local path."""
+    if "://" in location:
+        return location.split("://", 1)[0].lower()
+    return "dbfs" if location.startswith("dbfs:/") else ""
+
+
+def is_remote(location: str) -> bool:
+    """Whether `location` is on an object store (after `normalise`, file:// URIs are paths)."""
+    return scheme(location) not in ("", "file")
+
+
+def data_schemes() -> list[str]:
+    """Stores Streaming downloads shards from (what --remote may name)."""
+    from streaming.base.storage.download import DOWNLOADER_MAPPINGS
+
+    return sorted(s for s in DOWNLOADER_MAPPINGS if s and s != "dbfs-uc")  # dbfs-uc is dbfs:/Volumes
+
+
+def upload_schemes() -> list[str]:
+    """Stores Streaming's MDSWriter uploads to (what convert.py and latents.py --out may name)."""
+    from streaming.base.storage.upload import UPLOADERS
+
+    return sorted(s for s in UPLOADERS if s and "/" not in s)  # not '' (local) nor 'dbfs:/Volumes'
+
+
+def normalise(flag: str, location: str, schemes: list[str] | tuple[str, ...]) -> str:
+    """`location` as the run will use it: a file:// URI becomes its path; a URI whose scheme the
+    flag does not support, a file:// URI of another host or a one-slash URI fails, naming `flag`."""
+    found = scheme(location)
+    if found == "file":
+        parsed = urllib.parse.urlparse(location)
+        if parsed.netloc not in ("", "localhost"):
+            fail(f"{flag} {location}: a file:// URI names a path on this machine; write file:///path or the path")
+        return urllib.parse.unquote(parsed.path)
+    if found and found not in schemes:
+        if not schemes:
+            fail(f"{flag} takes a local path, not a URI ({location})")
+        fail(f"{flag} {location}: unknown URI scheme '{found}://'; supported: "
+             + ", ".join("dbfs:/Volumes/" if s == "dbfs" else f"{s}://" for s in schemes) + " or a local path")
+    one_slash = re.match(r"([A-Za-z][\w+.-]*):/(?!/)", location)
+    if one_slash and one_slash.group(1).lower() in [*schemes, "file"] and not found:
+        fail(f"{flag} {location} looks like a URI with one slash; write "
+             f"{one_slash.group(1)}://{location[one_slash.end():]}")
+    return location
+
+
+def cache_folder(root: str, remote: str) -> str:
+    """The cache of `remote` under `root`: a folder named by a hash of the remote. Streaming trusts
+    an index.json already in a cache, so two remotes sharing one folder would silently serve the
+    first one's samples."""
+    return os.path.join(root, hashlib.sha1(remote.encode()).hexdigest()[:12])
+
+
+def unwritable(flag: str, location: str, folder: bool) -> str | None:
+    """Why the local `location` (a file, or a folder if `folder`) cannot be written, or None.
+
+    Probes by doing what the run will do, leaving nothing behind: a temporary file in the nearest
+    existing folder, or opening an existing file for appending (which changes nothing).
+    """
+    target = Path(location).expanduser().absolute()
+    if target.exists():
+        if folder != target.is_dir():
+            return f"{flag} {location} is {'a file, not a folder' if folder else 'a folder, not a file'}"
+        if not folder:
+            try:
+                with open(target, "a"):
+                    pass
+            except OSError as error:
+                return f"{flag} {location} cannot be written ({error.strerror}); choose a writable location"
+            return None
+    parent = target if target.is_dir() else target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{flag} {location} cannot be created: {parent} is a file"
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as error:
+        where = "" if parent == target else f" in {parent}"
+        return f"{flag} {location} cannot be written{where} ({error.strerror}); choose a writable location"
+    return None
+
+
+def overlap(output_flag: str, output: str, inputs: list[tuple[str, str | None]]) -> str | None:
+    """Why a local output cannot be written next to these local inputs ([(flag, path)]), or None.
+
+    Refused both ways: an input inside the output would be mixed into it and deleted by
+    --overwrite, and an output inside an input folder would be read back as input by a rerun.
+    """
+    if is_remote(output):
+        return None
+    out = Path(output).expanduser().resolve()
+    for flag, path in inputs:
+        if not path or is_remote(path):
+            continue
+        source = Path(path).expanduser().resolve()
+        if source == out or source in out.parents:
+            where = "is" if source == out else "lies inside"
+            return f"{output_flag} {output} {where} the input ({flag} {path}): write the output to a separate folder"
+        if out in source.parents:
+            return (f"the input ({flag} {path}) lies inside {output_flag} {output}: write the output to a separate "
+                    "folder (the input would be mixed into it, and deleted by --overwrite)")
+    return None
+
+
+def missing_upload_credentials(flag: str, location: str) -> str | None:
+    """Why writing to `location` cannot work for lack of credentials, or None. Only S3 is checked
+    here (boto3's own lookup: environment, profile, instance role); Streaming reads public buckets
+    anonymously, but nothing can be uploaded without credentials."""
+    if scheme(location) != "s3":
+        return None
+    import boto3
+
+    if boto3.session.Session().get_credentials() is None:
+        return (f"{flag} {location}: no AWS credentials found to upload with: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and S3_ENDPOINT_URL for a non-AWS store")
+    return None

@@ -1,0 +1,235 @@
+"""The training model: a Composer model that trains a family's denoiser on VAE latents, conditioned on
+its frozen text encoders' outputs, with the family's objective.
+
+What is specific to a model (the parts, how captions become conditioning, the target) comes from its
+family (`families/`); what is here is the step every family shares: images or precomputed latent
+distributions to scaled latents, noise drawn in fp32, the caption dropout of classifier-free guidance,
+the loss with optional min-SNR-gamma weighting, and its sums by timestep (`LossBins`).
+"""
+from __future__ import annotations
+
+import torch
+from composer.models import ComposerModel
+
+from t2ibench.families import ModelFamily, Parts
+
+
+def scale_images(images: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 pixels (as the loaders yield them) -> `dtype` in [-1, 1]; float input is taken as already scaled.
+
+    Done on the device, after the transfer, so loader workers, pinned memory and the host-to-device
+    copy carry one byte per pixel instead of four.
+    """
+    if images.dtype == torch.uint8:
+        return images.to(dtype).div_(127.5).sub_(1.0)
+    return images.to(dtype)
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The training model inside Composer's DDP wrapper (state.model under several ranks)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def count_parameters(module: torch.nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+class DiffusionModel(ComposerModel):
+    """Training of `parts.denoiser` (from scratch) with the VAE and text encoders frozen.
+
+    The parts are attributes under their diffusers names (SD2: `unet`, `vae`, `text_encoder`), so
+    checkpoint keys are `unet.*`, `vae.*`, `text_encoder.*`. Batches are dicts: `image` (B, 3, H, W)
+    uint8 pixels (or float already in [-1, 1]) and the family's token ids (SD2: `captions` (B, 77)),
+    or, with encoder outputs precomputed (`latents.py`), `latent_mean` and `latent_logvar` (the VAE
+    posterior, before scaling) and either the token ids (the frozen text encoders run in the
+    autocast dtype) or the family's conditioning (SD2: `text_states` (B, 77, D); no encoder runs).
+    The loss is the MSE between the denoiser's output and the objective's target.
+
+    Training-recipe options (all off by default, and then the step is exactly the plain one):
+    `snr_gamma` (min-SNR-gamma loss weighting), `offset_noise` (a per-channel constant added to the
+    noise) and caption dropout (`set_caption_dropout`). Every step also adds its per-sample errors
+    to `loss_bins` sums by timestep (a few element-wise ops on the latents, no host sync).
+    """
+
+    def __init__(self, family: ModelFamily, parts: Parts, *, snr_gamma: float | None = None,
+                 offset_noise: float = 0.0, num_loss_bins: int = 10):
+        super().__init__()
+        self.family = family
+        self.denoiser_name = family.denoiser_name
+        self.add_module(family.denoiser_name, parts.denoiser)
+        self.vae = parts.vae
+        self.text_encoder_names = list(parts.text_encoders)
+        for name, encoder in parts.text_encoders.items():
+            self.add_module(name, encoder)
+        self.objective = family.objective(parts.noise_scheduler)
+        self.noise_scheduler = self.objective.noise_scheduler
+        self.latent_scale, self.latent_shift = parts.latent_scale, parts.latent_shift
+        self.vae_channels_last = False  # set with --channels_last: feed the VAE channels-last images
+        self.cpu_autocast_dtype: torch.dtype | None = None  # set for --precision amp_bf16 on CPU
+        self.flops_per_image = 0.0  # set by the benchmark from the family's count
+        self.snr_gamma, self.offset_noise = snr_gamma, offset_noise
+        self.loss_bins = LossBins(self.objective, num_loss_bins)
+        self.caption_drop_prob = 0.0
+        self.empty_text_inputs: dict[str, torch.Tensor] = {}
+        self.empty_conditioning: dict[str, torch.Tensor] = {}
+        for frozen in self.frozen():
+            frozen.requires_grad_(False)
+            frozen.eval()
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        return getattr(self, self.denoiser_name)
+
+    @property
+    def text_encoders(self) -> dict[str, torch.nn.Module]:
+        return {name: getattr(self, name) for name in self.text_encoder_names}
+
+    def parts(self) -> Parts:
+        """The model's own parts (for samples and export); tokenizers are not the model's."""
+        return Parts(self.denoiser, self.vae, self.text_encoders, {}, self.noise_scheduler, self.latent_scale,
+                     self.latent_shift)
+
+    def set_caption_dropout(self, prob: float, empty_text_inputs: dict[str, torch.Tensor] | None = None,
+                            empty_conditioning: dict[str, torch.Tensor] | None = None) -> None:
+        """Replace each caption by the empty one with probability `prob` (for classifier-free guidance).
+
+        Rows of token-id batches become `empty_text_inputs` (each (1, ...)); rows of stored
+        conditioning become `empty_conditioning`, the text encoders' output for the empty caption.
+        One draw per sample decides for all of a sample's tensors. The draw uses the global RNG,
+        which Composer seeds and checkpoints, so a resumed run drops the same rows.
+        """
+        self.caption_drop_prob = prob
+        self.empty_text_inputs, self.empty_conditioning = empty_text_inputs or {}, empty_conditioning or {}
+
+    def train(self, mode: bool = True) -> "DiffusionModel":
+        # Composer calls model.train() every epoch: the frozen encoders must stay in eval mode.
+        super().train(mode)
+        for frozen in self.frozen():
+            frozen.eval()
+        return self
+
+    def frozen(self) -> list[torch.nn.Module]:
+        """The encoders; absent when training on precomputed latents."""
+        return [m for m in (self.vae, *self.text_encoders.values()) if m is not None]
+
+    def to_latent_space(self, vae_latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents as the denoiser sees them: shifted and scaled to about unit variance."""
+        return (vae_latents - self.latent_shift) * self.latent_scale
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Scaled latents sampled from the VAE posterior of uint8 pixels or floats in [-1, 1].
+
+        The images are scaled here, on their device, into the VAE's dtype (the autocast dtype when
+        the encoders are stored in it).
+        """
+        images = scale_images(images, next(self.vae.parameters()).dtype)
+        if self.vae_channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return self.to_latent_space(self.vae.encode(images).latent_dist.sample())
+
+    @torch.no_grad()
+    def encode_text(self, text_inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The frozen text encoders' outputs for token ids: what the denoiser is conditioned on."""
+        return self.family.encode_text(self.text_encoders, text_inputs)
+
+    def _drop_captions(self, batch: dict) -> dict:
+        """The batch with a random subset of its captions replaced by the empty caption."""
+        stored = all(key in batch for key in self.family.conditioning_keys)
+        keys, empty = ((self.family.conditioning_keys, self.empty_conditioning) if stored
+                       else (self.family.text_input_keys, self.empty_text_inputs))
+        if not all(key in empty for key in keys):
+            raise ValueError(f"caption dropout on {keys} batches needs the empty caption's {keys} (set_caption_dropout)")
+        first = batch[keys[0]]
+        drop = torch.rand(first.shape[0], device=first.device) < self.caption_drop_prob
+        dropped = dict(batch)
+        for key in keys:
+            rows = batch[key]
+            mask = drop.view(-1, *([1] * (rows.dim() - 1)))
+            dropped[key] = torch.where(mask, empty[key].to(device=rows.device, dtype=rows.dtype), rows)
+        return dropped
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.cpu_autocast_dtype is not None:
+            # Composer autocasts on CUDA only (and refuses AMP on CPU): on CPU the model does it itself.
+            with torch.autocast("cpu", dtype=self.cpu_autocast_dtype):
+                return self._forward(batch)
+        return self._forward(batch)
+
+    def _forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.caption_drop_prob > 0:
+            batch = self._drop_captions(batch)
+        if "latent_mean" in batch:
+            # Sample the stored posterior as the VAE would: mean + std * eps, then shift and scale.
+            mean, logvar = batch["latent_mean"].float(), batch["latent_logvar"].float()
+            eps = torch.randn(mean.shape, device=mean.device)
+            latents = self.to_latent_space(mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * eps)
+        elif self.vae is None:
+            raise ValueError("this model was built without a VAE (--precomputed) but got an image batch")
+        else:
+            latents = self.encode_images(batch["image"])
+        if all(key in batch for key in self.family.conditioning_keys):
+            conditioning = {key: batch[key].to(latents.dtype) for key in self.family.conditioning_keys}
+        elif not self.text_encoder_names:
+            raise ValueError("this model was built without text encoders but got token ids (latents "
+                             "precomputed without --store_text_states)")
+        else:
+            conditioning = self.encode_text({key: batch[key] for key in self.family.text_input_keys})
+        # Noise is added in fp32 whatever the autocast dtype of the VAE output, and drawn with
+        # torch.randn, not randn_like, so the draws do not depend on dtype or memory format.
+        latents = latents.float()
+        noise = torch.randn(latents.shape, device=latents.device)
+        if self.offset_noise:
+            # Offset noise: a per-image, per-channel constant lets the model shift mean brightness.
+            noise = noise + self.offset_noise * torch.randn(*latents.shape[:2], 1, 1, device=latents.device)
+        timesteps = self.objective.sample_timesteps(latents.shape[0], latents.device)
+        noisy, target = self.objective.noisy_and_target(latents, noise, timesteps)
+        prediction = self.family.predict(self.denoiser, noisy, timesteps, conditioning)
+        return prediction, target, timesteps
+
+    def flops_per_batch(self, batch: dict) -> float:
+        """Model FLOPs of one training step on `batch` (read by Composer's SpeedMonitor for MFU)."""
+        key = "latent_mean" if "latent_mean" in batch else "image"
+        return self.flops_per_image * batch[key].shape[0]
+
+    def loss(self, outputs: tuple[torch.Tensor, ...], batch: dict) -> torch.Tensor:
+        prediction, target, timesteps = outputs
+        # Per-sample squared error, computed once: the loss, and (detached) the loss-by-timestep bins.
+        errors = (prediction.float() - target.float()).pow(2).flatten(1).mean(1)
+        self.loss_bins.add(errors.detach(), timesteps)
+        if self.snr_gamma is None:
+            return errors.mean()  # every sample has the same size: the plain MSE
+        return (errors * self.objective.loss_weights(timesteps, self.snr_gamma)).mean()
+
+
+class LossBins:
+    """Running sums of the training loss per bin of timesteps (which noise levels lag).
+
+    Kept on the loss's device and never synchronized during the step; `take()` reads and resets
+    the sums of one logging window (`callbacks.loss_by_timestep.LossByTimestep` logs them and keeps
+    the run's total).
+    """
+
+    def __init__(self, objective, num_bins: int):
+        self.objective, self.num_timesteps, self.num_bins = objective, objective.num_timesteps, num_bins
+        self.window: torch.Tensor | None = None  # (2, bins): loss sums, counts
+
+    def edges(self) -> list[tuple[int, int]]:
+        """[first, last] timestep of each bin."""
+        step = self.num_timesteps / self.num_bins
+        return [(round(i * step), round((i + 1) * step) - 1) for i in range(self.num_bins)]
+
+    def add(self, per_sample_loss: torch.Tensor, timesteps: torch.Tensor) -> None:
+        if self.num_bins <= 0:
+            return
+        if self.window is None or self.window.device != per_sample_loss.device:
+            self.window = torch.zeros(2, self.num_bins, dtype=torch.float64, device=per_sample_loss.device)
+        index = self.objective.bin_index(timesteps, self.num_bins)
+        self.window[0].index_add_(0, index, per_sample_loss.double())
+        self.window[1].index_add_(0, index, torch.ones_like(per_sample_loss, dtype=torch.float64))
+
+    def take(self) -> torch.Tensor | None:
+        """The window's (2, bins) sums (None if nothing was added), and a fresh window."""
+        window, self.window = self.window, None
+        return window
+

@@ -1,0 +1,148 @@
+"""Where training data comes from: `--remote`/`--local` parsed once into a list of `Source`s.
+
+`--remote` takes one source or several (repeat the flag, or separate sources by commas), each
+optionally prefixed by its proportion of every epoch: `0.7=s3://a/mds,0.3=gs://b/mds`. A prefix,
+not a ":0.7" suffix: a suffix could be part of a URI or path (s3://b/year=2023, C:\\data), while no
+URI scheme and no Windows drive starts with "<number>=" (a relative path that does is written
+"./0.5=data"). Proportions are relative (Streaming normalises them); give them for every source or
+for none (then each source contributes all its samples once per epoch).
+
+Every source gets its cache folder here, by one rule: a single source streams into `--local` (or
+its default, one folder per remote); several each into their own subfolder of `--local`. A cache
+records the remote it holds (`remote.json`), because Streaming trusts any index.json in a cache:
+a cache filled from another remote is refused, not read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from composer.utils import dist
+
+from t2ibench.errors import fail
+from t2ibench.locations import DEFAULT_CACHE_ROOT, cache_folder, data_schemes, is_remote, normalise
+
+_PROPORTION = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)=(.+)$")
+# Written into a --remote's cache folder: the remote it holds (Streaming trusts any index.json there).
+CACHE_RECORD = "remote.json"
+
+
+@dataclass(frozen=True)
+class Source:
+    """One dataset to read: shards at `remote` (None: already in `local`) cached in `local`."""
+
+    remote: str | None
+    local: str
+    proportion: float | None = None
+
+    @property
+    def label(self) -> str:
+        """How messages name it: by the flag the user gave."""
+        return f"--remote {self.remote}" if self.remote else f"--local {self.local}"
+
+    @property
+    def spec(self) -> str:
+        """The source as --remote writes it (with its proportion), or the --local path."""
+        where = self.remote or self.local
+        return where if self.proportion is None else f"{self.proportion:g}={where}"
+
+
+class JoinSources(argparse.Action):
+    """A repeated --remote adds sources: args.remote is the list of the flag's values, in order."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), values])
+
+
+def parse_sources(remote: list[str] | str | None, local: str | None,
+                  default_cache_root: str = DEFAULT_CACHE_ROOT) -> list[Source]:
+    """The sources the flags name, each location normalised (locations.normalise) and cached.
+
+    `remote`: the values of --remote (each may hold several sources, comma-separated); `local`: the
+    cache folder (several sources: the folder their caches go under), or the shards themselves
+    when there is no remote. Fails, naming the flag, on a bad proportion or scheme.
+    """
+    items = [item.strip() for text in ([remote] if isinstance(remote, str) else remote or [])
+             for item in text.split(",") if item.strip()]
+    if local:
+        local = normalise("--local", local, [])
+    if not items:
+        return [Source(None, local)] if local else []
+    parsed = []
+    for item in items:
+        match = _PROPORTION.match(item)
+        proportion, location = (float(match.group(1)), match.group(2)) if match else (None, item)
+        if proportion is not None and proportion <= 0:
+            fail(f"--remote {item}: the proportion must be positive")
+        parsed.append((normalise("--remote", location, data_schemes()), proportion))
+    given = [p is not None for _, p in parsed]
+    if any(given) and not all(given):
+        fail(f"--remote {','.join(items)}: give a proportion to every source (0.7=s3://a,0.3=s3://b) or to none")
+    if len(parsed) == 1 and parsed[0][1] is None:
+        return [Source(parsed[0][0], local or cache_folder(default_cache_root, parsed[0][0]))]
+    if not local:
+        fail("several --remote sources need --local, the folder their caches go under")
+    return [Source(location, cache_folder(local, location), proportion) for location, proportion in parsed]
+
+
+def cached_remote(source: Source) -> str:
+    """The form of a --remote recorded in its cache: absolute for paths, no trailing slash."""
+    return source.remote.rstrip("/") if is_remote(source.remote) else os.path.abspath(source.remote)
+
+
+def recorded_remote(local: str) -> str | None:
+    """The remote a cache folder says it holds (None: no record; a marker for an unreadable one)."""
+    record = Path(local, CACHE_RECORD)
+    if not record.is_file():
+        return None
+    try:
+        return json.loads(record.read_text())["remote"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"an unreadable {record}"
+
+
+def check_cache(source: Source, default_cache_root: str = DEFAULT_CACHE_ROOT) -> None:
+    """Refuse a cache folder filled from another remote: Streaming would serve its samples silently.
+
+    Without a remote, a folder that is a remote's cache is refused too: Streaming would delete its
+    decompressed shards (expecting the compressed ones beside them) and then fail for lack of a
+    remote to download them from.
+    """
+    cached = recorded_remote(source.local)
+    if not source.remote:
+        if cached is not None:
+            fail(f"--local {source.local} is the cache of --remote {cached}: pass --remote {cached} again "
+                 "(shards already cached are not downloaded again)")
+        return
+    if cached is not None:
+        if cached != cached_remote(source):
+            fail(f"--local {source.local} is the cache of --remote {cached}, not {source.remote}: pass another "
+                 "--local (or leave it out: the default cache is one folder per remote)")
+    elif Path(source.local, "index.json").is_file():
+        index = Path(source.local, "index.json")
+        same = not is_remote(source.remote) and Path(source.remote, "index.json").is_file() \
+            and Path(source.remote, "index.json").read_bytes() == index.read_bytes()
+        # The default cache is named by a hash of the remote: an index there came from that remote.
+        mine = os.path.abspath(source.local) in (cached_remote(source),
+                                                 os.path.abspath(cache_folder(default_cache_root, source.remote)))
+        if not same and not mine:
+            fail(f"--local {source.local} already holds an MDS dataset that was not streamed from --remote "
+                 f"{source.remote} (no {CACHE_RECORD}); Streaming would train on it instead: pass an empty or "
+                 "new --local")
+
+
+def record_cache(source: Source) -> None:
+    """Write the cache's remote (once per node, atomically: other ranks may be reading it)."""
+    if not source.remote or os.path.abspath(source.local) == cached_remote(source) or dist.get_local_rank() != 0:
+        return
+    record = Path(source.local, CACHE_RECORD)
+    if record.is_file():
+        return
+    record.parent.mkdir(parents=True, exist_ok=True)
+    partial = record.with_name(f"{CACHE_RECORD}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps({"remote": cached_remote(source)}) + "\n")
+    os.replace(partial, record)

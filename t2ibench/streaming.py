@@ -1,0 +1,43 @@
+"""The Streaming settings of the real-data loaders: one record from the flags to `StreamingDataset`.
+
+Both loaders (image shards and precomputed latents) take a `StreamingSettings` and hand
+`dataset_kwargs()` to `StreamingDataset`, so a setting added here reaches both, spelled once.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SHUFFLE_ALGOS = ("py1e", "py1br", "py1s", "py2s", "naive")  # Streaming 0.13 has no py1b
+
+
+@dataclass(frozen=True)
+class StreamingSettings:
+    """`StreamingDataset` arguments other than the data's location and the batch size.
+
+    Defaults are Streaming's, except `predownload` (None: Streaming's 8 x the per-device batch) and
+    `shuffle_algo` (py1e, Streaming's default, named so the results say which one ran).
+    """
+
+    shuffle: bool = True
+    predownload: int | None = None  # samples each loader worker downloads ahead
+    download_retry: int = 2  # attempts per shard
+    download_timeout: float = 60.0  # seconds per shard download
+    cache_limit: str | None = None  # e.g. "500gb"; None keeps every shard
+    validate_hash: str | None = None  # "sha1" or "xxh64", from index.json
+    shuffle_algo: str = "py1e"
+    shuffle_block_size: int | None = None  # samples per shuffle block
+    epoch_size: str | None = None  # samples per epoch over all sources, e.g. "200m"
+    num_canonical_nodes: int | None = None
+    sampling_granularity: int = 1  # samples taken from a shard at a time when an epoch picks part of it
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "StreamingSettings":
+        """The settings the flags of `flags.add_streaming` hold (a flag that is absent keeps its default)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+    def dataset_kwargs(self, seed: int) -> dict[str, Any]:
+        """Keyword arguments of `StreamingDataset`; `seed` seeds the shuffle (the same on every rank)."""
+        return {**dataclasses.asdict(self), "shuffle_seed": seed}
