@@ -317,7 +317,8 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, loader: 
         # Training only encodes: the VAE decoder (~50M parameters) waits on the host. Anything that
         # decodes during a run (sampling) moves it back to the device first.
         model.vae.decoder.to("cpu")
-        model.vae.post_quant_conv.to("cpu")
+        if model.vae.post_quant_conv is not None:  # Flux's VAE has none
+            model.vae.post_quant_conv.to("cpu")
     return trainer, measured
 
 

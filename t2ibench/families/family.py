@@ -91,6 +91,10 @@ class ModelFamily(ABC):
     # on several GPUs, training online; precomputed latents double it. Below the first: `min_microbatch`.
     microbatch_by_memory_gib: ClassVar[tuple[tuple[int, int], ...]]
     min_microbatch: ClassVar[int] = 1
+    timestep_samplings: ClassVar[tuple[str, ...]] = ("uniform",)  # --timestep_sampling values it trains with
+    # --sampler name -> diffusers scheduler class for sample grids and export, built from the training
+    # schedule's config; the first is the default.
+    samplers: ClassVar[dict[str, type]]
 
     # -- building --------------------------------------------------------------------------------
     @abstractmethod
@@ -113,8 +117,8 @@ class ModelFamily(ABC):
         """Per-sample shape of each conditioning tensor, as stored by latents.py --store_text_states."""
 
     @abstractmethod
-    def random_text_inputs(self, generator: torch.Generator) -> TextInputs:
-        """Token ids of one random caption (synthetic data), drawn from `generator`."""
+    def random_text_inputs(self, generator: torch.Generator, config: str) -> TextInputs:
+        """Token ids of one random caption (synthetic data) of `config`, drawn from `generator`."""
 
     # -- conditioning ------------------------------------------------------------------------------
     @abstractmethod
@@ -127,8 +131,8 @@ class ModelFamily(ABC):
 
     # -- training ----------------------------------------------------------------------------------
     @abstractmethod
-    def objective(self, noise_scheduler: Any) -> Objective:
-        """The training objective on this noise schedule."""
+    def objective(self, noise_scheduler: Any, timestep_sampling: str = "uniform") -> Objective:
+        """The training objective on this noise schedule; `timestep_sampling` one of `timestep_samplings`."""
 
     @abstractmethod
     def predict(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
