@@ -37,8 +37,9 @@ def add_model(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model_config", type=str, default="sd2-base",
                    help=f"one of {sorted(MODEL_CONFIGS)} (tiny: SD2's structure at a few million parameters)")
-    g.add_argument("--model_name", type=str, default="stabilityai/stable-diffusion-2-base",
-                   help="hub id or local diffusers folder with the pretrained VAE, text encoder and tokenizer")
+    g.add_argument("--model_name", type=str, default=None,
+                   help="hub id or local diffusers folder with the pretrained VAE, text encoder(s) and tokenizer(s) "
+                        "(default: stabilityai/stable-diffusion-2-base for SD2, black-forest-labs/FLUX.1-schnell for Flux)")
     g.add_argument("--image_size", type=int, default=512, help="resolution in pixels (a multiple of 8)")
     g.add_argument("--allow_random_encoders", action="store_true",
                    help="go on with real data when the pretrained VAE/text encoder cannot be loaded "
@@ -86,9 +87,13 @@ def add_streaming(p: argparse.ArgumentParser) -> None:
 def check_shared(args: argparse.Namespace) -> ModelFamily:
     """The shared groups' values (one line naming the flag for a bad one); returns the model's family."""
     family = family_of(args.model_config)
-    if args.image_size <= 0 or args.image_size % family.latent_downsample:
-        fail(f"--image_size {args.image_size} must be a positive multiple of {family.latent_downsample} "
-             f"(the VAE downsamples by {family.latent_downsample})")
+    if args.model_name is None:
+        args.model_name = family.default_model_name
+    multiple = family.latent_downsample * family.patch_size
+    if args.image_size <= 0 or args.image_size % multiple:
+        fail(f"--image_size {args.image_size} must be a positive multiple of {multiple} (the VAE downsamples by "
+             f"{family.latent_downsample}" + (f", and latents are cut into {family.patch_size}x{family.patch_size} "
+                                              "patches)" if family.patch_size > 1 else ")"))
     if not 0 <= args.seed < 2**32:
         fail(f"--seed {args.seed} must be in 0..{2**32 - 1}")
     if args.num_workers < 0:

@@ -95,6 +95,10 @@ class ModelFamily(ABC):
     # --sampler name -> diffusers scheduler class for sample grids and export, built from the training
     # schedule's config; the first is the default.
     samplers: ClassVar[dict[str, type]]
+    # benchmark.py flags the family does not take, with why: refused by name when given.
+    refused_flags: ClassVar[dict[str, str]] = {}
+    # What --precomputed --use_synth_data imitates by default: "tokens" or "text_states".
+    default_precomputed_format: ClassVar[str] = "tokens"
 
     # -- building --------------------------------------------------------------------------------
     @abstractmethod

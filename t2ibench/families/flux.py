@@ -245,6 +245,12 @@ class Flux(ModelFamily):
     patch_size = PATCH_SIZE
     timestep_samplings = ("uniform", "logit_normal")
     samplers = {"euler": FlowMatchEulerDiscreteScheduler}  # FluxPipeline's: Euler on the flow
+    refused_flags = {
+        "snr_gamma": "min-SNR-gamma weights DDPM timesteps by their signal-to-noise ratio; rectified flow "
+                     "trains with the plain MSE to the velocity, as MLPerf's reference does",
+        "xformers": "xFormers' attention processor has no rotary embedding; the transformer uses PyTorch SDPA",
+    }
+    default_precomputed_format = "text_states"  # MLPerf's set-up: T5 and CLIP outputs stored, no encoder in the step
     # Memory arithmetic, NOT measured, for 256x256 under FSDP full_shard on 8 GPUs: weights,
     # gradients, AdamW moments and EMA, 20 B x 11.9B / 8 = 29.7 GB per GPU, plus about 5 GB of
     # gathered blocks, buffers and CUDA context; bf16 activations about 3 GiB per sample (flash
