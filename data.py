@@ -28,7 +28,7 @@ from composer.utils import dist
 from streaming import Stream, StreamingDataLoader, StreamingDataset
 from torch.utils.data import DataLoader, Dataset
 
-from t2ibench.families import MODEL_CONFIGS, ModelFamily
+from t2ibench.families import FAMILIES, MODEL_CONFIGS, ModelFamily
 from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
 from t2ibench.flags import MAX_BAD_FRACTION
 from t2ibench.images import decode_pixels, load_image, to_rgb  # noqa: F401 - load_image, to_rgb: data's API
@@ -344,9 +344,9 @@ STORAGE_DTYPES = {"fp16": "float16", "fp32": "float32"}
 # "clip_ids" and "t5_ids", or "t5_states" and "clip_pooled"; T5's 32,128 ids fit uint16 too).
 
 
-def token_column(key: str) -> str:
+def token_column(key: str, family: ModelFamily | None = None) -> str:
     """The column of a token-id batch key (SD2's `captions` are stored as `token_ids`; others as their key)."""
-    return TOKEN_IDS_COLUMN if key == TOKENS_KEY else key
+    return (family or DEFAULT_FAMILY).token_columns.get(key, key)
 
 
 def stored_shapes(family: ModelFamily, config: str, text_states: bool) -> dict[str, tuple[int, ...]]:
@@ -371,7 +371,7 @@ def mds_columns(latent_channels: int, latent_size: int, text_dim: int | None = N
         shapes = stored_shapes(family, config or family.configs[0], text_states)
     for key, shape in shapes.items():
         encoding = dtype if text_states else TOKEN_IDS_DTYPE
-        columns[key if text_states else token_column(key)] = f"ndarray:{encoding}:{','.join(map(str, shape))}"
+        columns[key if text_states else token_column(key, family)] = f"ndarray:{encoding}:{','.join(map(str, shape))}"
     if captions:
         columns["caption"] = "str"
     return columns
@@ -392,9 +392,9 @@ def text_format(columns: list[str], family: ModelFamily | None = None) -> str | 
     family = family or DEFAULT_FAMILY
     if not all(k in columns for k in LATENT_KEYS):
         return None
-    if all(k in columns for k in family.conditioning_keys):
+    if all(k in columns for k in family.stored_text_columns(text_states=True)):
         return "text_states"
-    return "tokens" if all(token_column(k) in columns for k in family.text_input_keys) else None
+    return "tokens" if all(k in columns for k in family.stored_text_columns(text_states=False)) else None
 
 
 # -----------------------------------------------------------------------------------------------
@@ -445,9 +445,10 @@ class StreamingLatents(StreamingDataset):
         """The format of the shards in `where`; raises ValueError if they do not fit the run."""
         columns = list(getattr(shard, "column_names", []))
         found = text_format(columns, self.family)
-        if found is None and self.family is not DEFAULT_FAMILY and text_format(columns) is not None:
-            raise ValueError(f"{where} holds precomputed latents of another model (its columns are {columns}), not "
-                             f"{self.family.name}'s: precompute them with latents.py --model_config of this run")
+        other = [family.name for family in FAMILIES if family is not self.family and text_format(columns, family)]
+        if found is None and other:
+            raise ValueError(f"{where} holds precomputed latents of {other[0]} (its columns are {columns}), not of "
+                             f"{self.family.name}: precompute them with latents.py --model_config of this run")
         if found is None:
             raise ValueError(f"{where} holds no precomputed latents (its columns are {columns}): write them with "
                              "`python latents.py --out ...`, or train without --precomputed")
@@ -463,7 +464,7 @@ class StreamingLatents(StreamingDataset):
             raise ValueError(f"{where} holds text states of shape {text_shape}, but the UNet attends to "
                              f"({MAX_LENGTH}, {text_dim}): they were computed with another text encoder")
         for key, expected in (self.expected or {}).get(found, {}).items():
-            stored = shapes.get(key if found == "text_states" else token_column(key), (None, None))[1]
+            stored = shapes.get(key if found == "text_states" else token_column(key, self.family), (None, None))[1]
             if stored is not None and tuple(stored) != tuple(expected):
                 raise ValueError(f"{where} holds {key} of shape {tuple(stored)}, but this model takes {tuple(expected)}: "
                                  "they were computed for another --model_config (or another text encoder)")
@@ -478,7 +479,7 @@ class StreamingLatents(StreamingDataset):
                 item[key] = torch.from_numpy(np.array(sample[key]))
         else:
             for key in self.family.text_input_keys:
-                item[key] = torch.from_numpy(sample[token_column(key)].astype(np.int64))
+                item[key] = torch.from_numpy(sample[token_column(key, self.family)].astype(np.int64))
         item["sample_index"] = torch.tensor(index)  # fixes its noise and timestep in the validation loss
         return item
 

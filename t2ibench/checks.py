@@ -23,7 +23,7 @@ import torch
 from composer.core import Time
 
 from t2ibench.errors import fail, storage_error
-from t2ibench.families import ModelFamily
+from t2ibench.families import FAMILIES, ModelFamily, family_of
 from t2ibench.flags import check_shared
 from t2ibench.locations import CHECKPOINT_SCHEMES, LOAD_SCHEMES, is_remote, normalise, unwritable
 from t2ibench.sources import Source, check_cache, parse_sources
@@ -218,6 +218,14 @@ def check_index(index: dict, label: str, args: argparse.Namespace) -> int:
              "drop --precomputed, or write latents from them with latents.py")
     if not args.precomputed and "latent_mean" in columns:
         fail(f"{label} holds precomputed latents (columns {columns}); add --precomputed to train from them")
+    if args.precomputed:
+        family = family_of(args.model_config)
+        if not any(set(family.stored_text_columns(states)) <= set(columns) for states in (True, False)):
+            others = [other.name for other in FAMILIES if other is not family and any(
+                set(other.stored_text_columns(states)) <= set(columns) for states in (True, False))]
+            fail(f"--precomputed: {label} holds " + (f"latents precomputed for {others[0]}" if others else
+                 f"no text columns of {family.name}") + f" (columns {columns}), not for --model_config "
+                 f"{args.model_config}; precompute them with latents.py --model_config {args.model_config}")
     hashes = shards[0].get("hashes", []) if shards else []
     if args.validate_hash and args.validate_hash not in hashes:
         fail(f"--validate_hash {args.validate_hash}: the shards of {label} list no such hash (they have {hashes}); "

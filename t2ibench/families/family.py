@@ -99,6 +99,14 @@ class ModelFamily(ABC):
     refused_flags: ClassVar[dict[str, str]] = {}
     # What --precomputed --use_synth_data imitates by default: "tokens" or "text_states".
     default_precomputed_format: ClassVar[str] = "tokens"
+    # MDS columns of token ids stored under another name than their batch key (SD2: captions -> token_ids).
+    token_columns: ClassVar[dict[str, str]] = {}
+
+    def stored_text_columns(self, text_states: bool) -> tuple[str, ...]:
+        """The text columns of the family's precomputed shards (data.py and latents.py write them)."""
+        if text_states:
+            return tuple(self.conditioning_keys)
+        return tuple(self.token_columns.get(key, key) for key in self.text_input_keys)
 
     # -- building --------------------------------------------------------------------------------
     @abstractmethod
@@ -119,6 +127,10 @@ class ModelFamily(ABC):
     @abstractmethod
     def conditioning_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
         """Per-sample shape of each conditioning tensor, as stored by latents.py --store_text_states."""
+
+    @abstractmethod
+    def text_input_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
+        """Per-sample shape of each token-id tensor (`text_input_keys`), as latents.py stores them."""
 
     @abstractmethod
     def random_text_inputs(self, generator: torch.Generator, config: str) -> TextInputs:

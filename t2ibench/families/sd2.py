@@ -110,6 +110,7 @@ class SD2(ModelFamily):
     microbatch_by_memory_gib = ((36, 8), (72, 32), (128, 64))
     min_microbatch = 4
     samplers = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler}
+    token_columns = {"captions": "token_ids"}  # the column name of the format's first release
 
     def build(self, config: str, model_name: str | None = None, *, denoiser: bool = True, vae: bool = True,
               text_encoders: bool = True, tokenizers: bool = True) -> Parts:
@@ -161,6 +162,9 @@ class SD2(ModelFamily):
 
     def conditioning_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
         return {"text_states": (MAX_LENGTH, CONFIGS[config]["unet"]["cross_attention_dim"])}
+
+    def text_input_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
+        return {"captions": (MAX_LENGTH,)}
 
     def random_text_inputs(self, generator: torch.Generator, config: str) -> dict[str, torch.Tensor]:
         return {"captions": torch.randint(0, VOCAB_SIZE, (MAX_LENGTH,), generator=generator)}
