@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from composer import Trainer
+from composer import Evaluator, Trainer
 from composer.callbacks import SpeedMonitor
 from composer.core import Callback
 from composer.loggers import WandBLogger
@@ -36,12 +36,14 @@ from t2ibench.callbacks.progress import ConsoleProgress
 from t2ibench.callbacks.resume_rng import RestoreRngOnStreamingResume
 from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
+from t2ibench.callbacks.validation import EVAL_LABEL, ValidationLog
 from t2ibench.checks import PRECISIONS
 from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
 from t2ibench.model import DiffusionModel, unwrap_model
 from t2ibench.runtime import Runtime
 from t2ibench.sampling import load_prompts, write_pipeline
-from t2ibench.sources import record_cache
+from t2ibench.objectives import TIMESTEP_SAMPLINGS
+from t2ibench.sources import parse_sources, record_cache
 from t2ibench.streaming import StreamingSettings
 
 
@@ -88,15 +90,18 @@ def build_parser() -> flags.Parser:
     g.add_argument("--precomputed", action="store_true",
                    help="train from precomputed VAE latents (latents.py): no VAE; the text encoder runs on stored "
                         "token ids, or is skipped too for shards written with --store_text_states")
-    g.add_argument("--precomputed_format", type=str, default="tokens", choices=("tokens", "text_states"),
+    g.add_argument("--precomputed_format", type=str, default=None, choices=("tokens", "text_states"),
                    help="with --precomputed --use_synth_data: the format synthetic batches imitate (shards: read "
-                        "from their columns)")
+                        "from their columns); default tokens for SD2, text_states (MLPerf's) for Flux")
     g.add_argument("--channels_last", action="store_true", help="denoiser and VAE in channels-last memory format")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the denoiser (in place: checkpoint keys unchanged)")
     g.add_argument("--fused_adamw", type=str, default="auto", choices=("auto", "on", "off"),
                    help="fused AdamW kernel; auto: on with CUDA")
     g.add_argument("--xformers", action="store_true", help="use xFormers attention in the UNet (default: PyTorch SDPA)")
+    g.add_argument("--activation_checkpointing", action="store_true",
+                   help="recompute each block of the denoiser in the backward pass instead of keeping its activations "
+                        "(diffusers' gradient checkpointing): less memory, about a third more compute")
     g = p.add_argument_group("training recipe (every default keeps the 2023 step)")
     g.add_argument("--lr_warmup_batches", type=int, default=0, help="linear learning-rate warm-up over this many batches")
     g.add_argument("--lr_schedule", type=str, default="constant", choices=("constant", "cosine"),
@@ -112,12 +117,29 @@ def build_parser() -> flags.Parser:
     g.add_argument("--snr_gamma", type=float, default=None, help="min-SNR-gamma loss weighting (5 is the paper's value)")
     g.add_argument("--offset_noise", type=float, default=0.0, help="offset noise strength (e.g. 0.1)")
     g.add_argument("--loss_bins", type=int, default=10, help="log the loss in this many bins of timesteps (0: off)")
+    g.add_argument("--timestep_sampling", type=str, default="uniform", choices=TIMESTEP_SAMPLINGS,
+                   help="how training draws timesteps: uniform (SD2's DDPM steps; Flux: t ~ U(0,1) as MLPerf's "
+                        "reference), or logit_normal (SD3's, Flux only)")
+    g = p.add_argument_group("validation loss (MLPerf's quality measure, every model)")
+    g.add_argument("--eval_interval", type=str, default=None,
+                   help="compute the validation loss at 8 fixed timesteps on held-out samples this often (e.g. "
+                        "1000ba) and at the end; off by default")
+    g.add_argument("--eval_remote", type=str, default=None,
+                   help="held-out MDS shards, in the training data's format (images, or latents with --precomputed)")
+    g.add_argument("--eval_local", type=str, default=None, help="local cache of --eval_remote, or held-out shards on disk")
+    g.add_argument("--eval_samples", type=int, default=None,
+                   help="held-out samples per evaluation (default: 256 synthetic ones with --use_synth_data, "
+                        "else all of --eval_remote)")
+    g.add_argument("--eval_target", type=float, default=None,
+                   help="report when the validation loss first reaches this (MLPerf Flux.1: 0.586)")
     g = p.add_argument_group("sample grids while training")
     g.add_argument("--sample_prompts", type=str, default=None,
                    help="draw these prompts while training: a text file (one per line) or a built-in set: default, shapes")
     g.add_argument("--sample_interval", type=str, default="1000ba", help="sample every this long (and at the end)")
     g.add_argument("--samples_dir", type=str, default=None, help="where sample grids go (default: <--save_folder>/samples)")
-    g.add_argument("--sampler", type=str, default="ddim", choices=("ddim", "euler"), help="diffusers sampler for samples")
+    g.add_argument("--sampler", type=str, default=None, choices=("ddim", "euler"),
+                   help="diffusers sampler for samples: ddim (SD2's default) or euler (for Flux: flow-matching Euler, "
+                        "FluxPipeline's)")
     g.add_argument("--sample_steps", type=int, default=50, help="sampler steps per sample")
     g.add_argument("--guidance_scale", type=float, default=7.5, help="classifier-free guidance scale of samples (1: none)")
     return p
@@ -141,7 +163,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         run = Runtime.start(args, family)
         training_data = build_data(args, run, family)
         model = build_model(args, run, family, training_data)
-        trainer, measured = build_trainer(args, run, model, training_data.loader, extra_callbacks)
+        trainer, measured = build_trainer(args, run, model, training_data, extra_callbacks)
         results = train(args, run, trainer, model, measured)
         report(args, results)
         return results
@@ -152,32 +174,48 @@ class TrainingData:
     loader: DataLoader
     text_format: str | None  # precomputed shards: "tokens" (token ids) or "text_states" (encoder outputs)
     tokenizers: Parts | None  # the tokenizers the image loader uses, with where they came from
+    eval_loader: DataLoader | None = None  # held-out samples for the validation loss (--eval_interval)
 
 
 def build_data(args: argparse.Namespace, run: Runtime, family: ModelFamily) -> TrainingData:
-    """The training loader, built here only. It comes before the model: the shards' format decides
-    which encoders the model needs, and the image loader tokenizes captions in its workers."""
-    common = dict(batch_size_per_device=run.batch_size_per_device, num_workers=args.num_workers, seed=args.seed,
-                  family=family)
-    settings = StreamingSettings.from_args(args)
+    """The training loader and the held-out one, built here only. They come before the model: the
+    shards' format decides which encoders the model needs, and the image loader tokenizes captions
+    in its workers. Held-out data is read like the training data, in stored order; synthetic
+    held-out samples are drawn with another seed than the training ones."""
+    tokenizers = None
     for source in [] if args.use_synth_data else args.sources:
         record_cache(source)  # the remote a cache holds, before Streaming fills it
-    if args.precomputed:
-        shapes = family.conditioning_shapes(args.model_config)
-        loader = data.latents_dataloader(
-            synthetic=args.use_synth_data, sources=args.sources, image_size=args.image_size,
-            text_dim=next(iter(shapes.values()))[-1], conditioning_shapes=shapes,
-            latent_channels=family.latent_channels(args.model_config), num_samples=args.num_synthetic_samples,
-            synthetic_format=args.precomputed_format, settings=settings, **common)
-        return TrainingData(loader, loader.dataset.text_format, None)
-    if args.use_synth_data:
-        return TrainingData(data.synthetic_dataloader(args.image_size, num_samples=args.num_synthetic_samples,
-                                                      **common), None, None)
-    tokenizers = family.build(args.model_config, args.model_name, denoiser=False, vae=False, text_encoders=False)
-    loader = data.laion_dataloader(sources=args.sources, tokenizer=tokenizers.tokenizers, image_size=args.image_size,
-                                   settings=settings, image_key=args.image_key, caption_key=args.caption_key,
-                                   max_bad_fraction=args.max_bad_fraction, **common)
-    return TrainingData(loader, None, tokenizers)
+    if not args.precomputed and not args.use_synth_data:
+        tokenizers = family.build(args.model_config, args.model_name, denoiser=False, vae=False, text_encoders=False)
+
+    def loader(sources: list, seed: int, num_samples: int, held_out: bool) -> DataLoader:
+        common = dict(batch_size_per_device=run.batch_size_per_device, num_workers=args.num_workers, seed=seed,
+                      family=family)
+        settings = StreamingSettings.from_args(args)
+        if held_out:  # every held-out sample once per evaluation, in stored order
+            settings = dataclasses.replace(settings, shuffle=False, epoch_size=None, sampling_granularity=1)
+        if args.precomputed:
+            scaled = family.meta_parts(args.model_config) if args.use_synth_data else None
+            return data.latents_dataloader(
+                synthetic=args.use_synth_data, sources=sources, image_size=args.image_size, text_dim=text_dim,
+                latent_channels=family.latent_channels(args.model_config), num_samples=num_samples,
+                synthetic_format=args.precomputed_format, settings=settings,
+                latent_scale=scaled.latent_scale if scaled else None, latent_shift=scaled.latent_shift if scaled else 0.0,
+                config=args.model_config, **common)
+        if args.use_synth_data:
+            return data.synthetic_dataloader(args.image_size, num_samples=num_samples, shuffle=not held_out,
+                                             config=args.model_config, **common)
+        return data.laion_dataloader(sources=sources, tokenizer=tokenizers.tokenizers, image_size=args.image_size,
+                                     settings=settings, image_key=args.image_key, caption_key=args.caption_key,
+                                     max_bad_fraction=args.max_bad_fraction, **common)
+
+    text_dim = next(iter(family.conditioning_shapes(args.model_config).values()))[-1]
+    training = loader(args.sources, args.seed, args.num_synthetic_samples, False)
+    held_out = None
+    if args.eval_interval:
+        held_out = loader(args.eval_sources, args.seed + 1, args.eval_samples or 256, True)
+    text_format = training.dataset.text_format if args.precomputed else None
+    return TrainingData(training, text_format, tokenizers, held_out)
 
 
 @dataclasses.dataclass
@@ -209,7 +247,8 @@ def build_model(args: argparse.Namespace, run: Runtime, family: ModelFamily, tra
         print(f"note: {why}; using randomly initialized {missing} (throughput does not depend on the weights).",
               file=sys.stderr, flush=True)
     model = DiffusionModel(family, parts, snr_gamma=args.snr_gamma, offset_noise=args.offset_noise,
-                           num_loss_bins=args.loss_bins)
+                           num_loss_bins=args.loss_bins, timestep_sampling=args.timestep_sampling,
+                           validation_seed=args.seed)
     encoders = dataclasses.replace(parts, denoiser=None, tokenizers=tokenizers or {})
     if (args.caption_drop_prob > 0 or args.sample_prompts or args.ema_export_dir) and not (
             parts.vae and parts.text_encoders and tokenizers):
@@ -237,6 +276,8 @@ def apply_speed_settings(args: argparse.Namespace, run: Runtime, model: Diffusio
         model.cpu_autocast_dtype = torch.bfloat16
     if args.xformers:
         model.denoiser.enable_xformers_memory_efficient_attention()
+    if args.activation_checkpointing:
+        model.denoiser.enable_gradient_checkpointing()
     if args.channels_last:
         model.denoiser.to(memory_format=torch.channels_last)
         if model.vae is not None:
@@ -265,12 +306,15 @@ class Measured:
     throughput: Throughput
     loss_by_timestep: LossByTimestep | None
     ema: Callback | None  # ema.EMA (an Algorithm)
+    validation: ValidationLog | None = None
 
 
-def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, loader: DataLoader,
+def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, training_data: TrainingData,
                   extra_callbacks: list[Callback] | None) -> tuple[Trainer, Measured]:
-    """Composer's Trainer: AdamW on the denoiser, the recipe's algorithms, the benchmark's callbacks."""
+    """Composer's Trainer: AdamW on the denoiser, the recipe's algorithms, the benchmark's callbacks,
+    and Composer's evaluator on the held-out data for the validation loss."""
     model, encoders, flops = built.model, built.encoders, built.flops
+    loader = training_data.loader
     fused = args.fused_adamw == "on" or (args.fused_adamw == "auto" and run.on_gpu)
     optimizer = torch.optim.AdamW(model.denoiser.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused)
     schedulers = []
@@ -294,9 +338,21 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, loader: 
     if args.grad_clip_norm:
         from composer.algorithms import GradientClipping
         algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=args.grad_clip_norm))
+    evaluators = []
+    if training_data.eval_loader is not None:
+        measured.validation = ValidationLog(pauses, args.eval_target)
+        # --eval_samples caps held-out shards at whole global batches; synthetic ones are that many.
+        capped = args.eval_samples and not args.use_synth_data
+        evaluators.append(Evaluator(label=EVAL_LABEL, dataloader=training_data.eval_loader,
+                                    metric_names=["ValidationLoss"], device_eval_microbatch_size=run.microbatch
+                                    if isinstance(run.microbatch, int) else None,
+                                    subset_num_batches=-(-args.eval_samples // args.batch_size) if capped else -1))
     restore_rng = RestoreRngOnStreamingResume()
     callbacks = [SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), measured.throughput,
-                 StopOnNonFiniteLoss(args.load_path, args.save_folder), ConsoleProgress(args.log_interval), restore_rng]
+                 StopOnNonFiniteLoss(args.load_path, args.save_folder),
+                 ConsoleProgress(args.log_interval, validation=measured.validation), restore_rng]
+    if measured.validation:
+        callbacks.append(measured.validation)
     if measured.loss_by_timestep:
         callbacks.append(measured.loss_by_timestep)
     if args.sample_prompts:
@@ -307,6 +363,8 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, loader: 
             num_steps=args.sample_steps, guidance_scale=args.guidance_scale, seed=args.seed))
     trainer = Trainer(
         model=model, train_dataloader=loader, optimizers=optimizer, schedulers=schedulers or None,
+        eval_dataloader=evaluators or None, eval_interval=args.eval_interval or 1,
+        eval_subset_num_batches=-1,
         max_duration=args.max_duration, algorithms=algorithms, callbacks=[*callbacks, *(extra_callbacks or [])],
         loggers=[WandBLogger(project=args.wandb_project, name=args.wandb_name)]
         if args.wandb_project or args.wandb_name else [],
@@ -320,7 +378,8 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, loader: 
         # Training only encodes: the VAE decoder (~50M parameters) waits on the host. Anything that
         # decodes during a run (sampling) moves it back to the device first.
         model.vae.decoder.to("cpu")
-        model.vae.post_quant_conv.to("cpu")
+        if model.vae.post_quant_conv is not None:  # Flux's VAE has none
+            model.vae.post_quant_conv.to("cpu")
     return trainer, measured
 
 
@@ -362,6 +421,9 @@ def train(args: argparse.Namespace, run: Runtime, trainer: Trainer, built: Model
         # Mean over all ranks and all microbatches of the last batch (Composer's all-reduced total).
         "final_loss": trainer.state.total_loss_dict.get("loss/train/total"),
         "loss_by_timestep_bin": measured.loss_by_timestep.summary() if measured.loss_by_timestep else [],
+        "timestep_sampling": args.timestep_sampling,
+        "activation_checkpointing": args.activation_checkpointing,
+        **(measured.validation.summary() if measured.validation else {"eval_loss": None}),
         "torch_version": torch.__version__,
     }
     if int(trainer.state.timestamp.batch) == trained_before:
@@ -431,7 +493,14 @@ def print_summary(r: dict) -> None:
         f"{r['measured_seconds']:.1f} s, {r['checkpoint_seconds_after_window']:.1f} s after it; "
         f"{after} from the last batch to the end of fit\n"
         f"peak memory  {r['peak_memory_bytes'] / 2**30:.2f} GiB ({r['peak_memory_kind']}){reserved}{since}\n"
-        f"final loss   {r['final_loss']}\n",
+        f"final loss   {r['final_loss']}\n"
+        + (f"eval loss    {r['eval_loss']:.4f} (validation loss at 8 fixed timesteps, {len(r['eval_history'])} "
+           f"evaluations, {r['eval_seconds']:.1f} s left out of images/s)"
+           + (f"; target {r['eval_target']} " + (f"reached at batch {r['eval_target_reached']['batch']} after "
+                                                 f"{r['eval_target_reached']['training_seconds']:.1f} s of training"
+                                                 if r['eval_target_reached'] else "not reached")
+              if r.get('eval_target') is not None else "") + "\n"
+           if r.get("eval_loss") is not None else ""),
         flush=True,
     )
 

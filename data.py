@@ -28,7 +28,7 @@ from composer.utils import dist
 from streaming import Stream, StreamingDataLoader, StreamingDataset
 from torch.utils.data import DataLoader, Dataset
 
-from t2ibench.families import MODEL_CONFIGS, ModelFamily
+from t2ibench.families import FAMILIES, MODEL_CONFIGS, ModelFamily
 from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
 from t2ibench.images import (CROP_KEY, GEOMETRY_KEYS, ORIGINAL_SIZE_KEY, ImageGeometry,  # noqa: F401
                              decode_pixels, decode_pixels_with_geometry, load_image, to_rgb)  # data's API
@@ -52,9 +52,11 @@ class SyntheticImageCaptions(Dataset):
     the same index, and no memory is spent storing them.
     """
 
-    def __init__(self, image_size: int, num_samples: int = 100_000, seed: int = 0, family: ModelFamily | None = None):
+    def __init__(self, image_size: int, num_samples: int = 100_000, seed: int = 0, family: ModelFamily | None = None,
+                 config: str | None = None):
         self.image_size, self.num_samples, self.seed = image_size, num_samples, seed
         self.family = family or DEFAULT_FAMILY
+        self.config = config or self.family.configs[0]
 
     def __len__(self) -> int:
         return self.num_samples
@@ -62,7 +64,7 @@ class SyntheticImageCaptions(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         g = sample_generator(self.seed, index)
         image = torch.randint(0, 256, (3, self.image_size, self.image_size), generator=g, dtype=torch.uint8)
-        item = {"image": image, **self.family.random_text_inputs(g)}
+        item = {"image": image, **self.family.random_text_inputs(g, self.config), "sample_index": torch.tensor(index)}
         if self.family.micro_conditioning:  # generated at the training size: nothing was resized or cropped
             item.update(geometry_tensors(ImageGeometry(self.image_size, self.image_size, 0, 0)))
         return item
@@ -77,10 +79,11 @@ def loader_kwargs(num_workers: int) -> dict:
 
 
 def synthetic_dataloader(image_size: int, batch_size_per_device: int, num_workers: int,
-                         num_samples: int = 100_000, seed: int = 0, family: ModelFamily | None = None) -> DataLoader:
+                         num_samples: int = 100_000, seed: int = 0, family: ModelFamily | None = None,
+                         config: str | None = None, shuffle: bool = True) -> DataLoader:
     """Synthetic samples, each rank reading its own shard through Composer's distributed sampler."""
-    dataset = SyntheticImageCaptions(image_size, num_samples, seed, family)
-    sampler = dist.get_sampler(dataset, shuffle=True, drop_last=True)
+    dataset = SyntheticImageCaptions(image_size, num_samples, seed, family, config)
+    sampler = dist.get_sampler(dataset, shuffle=shuffle, drop_last=True)
     return DataLoader(dataset, batch_size=batch_size_per_device, sampler=sampler, **loader_kwargs(num_workers))
 
 
@@ -299,7 +302,7 @@ class StreamingImageCaptions(StreamingDataset):
             sample = super().get_item(candidate)  # download errors are not bad data: they propagate
             self.decoded += 1
             try:
-                return self._decode(sample)
+                return {**self._decode(sample), "sample_index": torch.tensor(candidate)}  # for the validation loss
             except Exception as error:  # noqa: BLE001  Pillow raises OSError, ValueError, SyntaxError...
                 shard = self.shard_name(candidate)
                 self.bad_samples[shard] += 1
@@ -361,24 +364,38 @@ TOKENS_KEY = "captions"
 GEOMETRY_DTYPE = "int32"
 FORMATS = ("tokens", "text_states")
 STORAGE_DTYPES = {"fp16": "float16", "fp32": "float32"}
+# Another family's format: the same two kinds, one column per batch key of the family (Flux:
+# "clip_ids" and "t5_ids", or "t5_states" and "clip_pooled"; T5's 32,128 ids fit uint16 too).
 
 
-def mds_columns(latent_channels: int, latent_size: int, text_dim: int | None, storage_dtype: str = "fp16",
-                captions: bool = True, text_states: bool = False,
-                conditioning_shapes: dict[str, tuple[int, ...]] | None = None,
-                micro_conditioning: bool = False) -> dict[str, str]:
+def token_column(key: str, family: ModelFamily | None = None) -> str:
+    """The column of a token-id batch key (SD2's `captions` are stored as `token_ids`; others as their key)."""
+    return (family or DEFAULT_FAMILY).token_columns.get(key, key)
+
+
+def stored_shapes(family: ModelFamily, config: str, text_states: bool) -> dict[str, tuple[int, ...]]:
+    """{batch key: per-sample shape} of the text columns of a family's precomputed format."""
+    return family.conditioning_shapes(config) if text_states else family.text_input_shapes(config)
+
+
+def mds_columns(latent_channels: int, latent_size: int, text_dim: int | None = None, storage_dtype: str = "fp16",
+                captions: bool = True, text_states: bool = False, *, family: ModelFamily | None = None,
+                config: str | None = None, micro_conditioning: bool = False) -> dict[str, str]:
     """MDS columns of a precomputed dataset; the shapes are fixed, so no per-sample shape header.
 
-    With `text_states`, one column per conditioning tensor: `conditioning_shapes` (the family's,
-    e.g. SDXL's text_states and pooled_text_states), or SD2's text_states of width `text_dim`."""
+    Without `family`, SD2's (77 token ids, or 77 x `text_dim` text states); with it, the family's
+    batch keys at `config`'s shapes. `micro_conditioning` (SDXL) adds each image's original size and crop.
+    """
     dtype = STORAGE_DTYPES[storage_dtype]
     latent = f"ndarray:{dtype}:{latent_channels},{latent_size},{latent_size}"
     columns = {"index": "int64", "latent_mean": latent, "latent_logvar": latent}
-    if text_states:
-        for key, shape in (conditioning_shapes or {TEXT_STATES_KEY: (MAX_LENGTH, text_dim)}).items():
-            columns[key] = f"ndarray:{dtype}:{','.join(str(n) for n in shape)}"
+    if family is None:
+        shapes = {TEXT_STATES_KEY: (MAX_LENGTH, text_dim)} if text_states else {TOKENS_KEY: (MAX_LENGTH,)}
     else:
-        columns[TOKEN_IDS_COLUMN] = f"ndarray:{TOKEN_IDS_DTYPE}:{MAX_LENGTH}"
+        shapes = stored_shapes(family, config or family.configs[0], text_states)
+    for key, shape in shapes.items():
+        encoding = dtype if text_states else TOKEN_IDS_DTYPE
+        columns[key if text_states else token_column(key, family)] = f"ndarray:{encoding}:{','.join(map(str, shape))}"
     if micro_conditioning:
         columns.update({key: f"ndarray:{GEOMETRY_DTYPE}:2" for key in GEOMETRY_KEYS})
     if captions:
@@ -399,13 +416,15 @@ def bytes_per_sample(image_size: int, text_dim: int = 1024, storage_dtype: str =
     return 2 * latent * itemsize + text + geometry + 8
 
 
-def text_format(columns: list[str]) -> str | None:
-    """"tokens" or "text_states" from a shard's column names; None if they are not precomputed latents."""
+def text_format(columns: list[str], family: ModelFamily | None = None) -> str | None:
+    """"tokens" or "text_states" from a shard's column names (the family's, SD2's by default); None
+    if they are not precomputed latents of that family."""
+    family = family or DEFAULT_FAMILY
     if not all(k in columns for k in LATENT_KEYS):
         return None
-    if TEXT_STATES_KEY in columns:
+    if all(k in columns for k in family.stored_text_columns(text_states=True)):
         return "text_states"
-    return "tokens" if TOKEN_IDS_COLUMN in columns else None
+    return "tokens" if all(k in columns for k in family.stored_text_columns(text_states=False)) else None
 
 
 # -----------------------------------------------------------------------------------------------
@@ -430,25 +449,27 @@ class StreamingLatents(StreamingDataset):
     given, are checked against the shapes the shards were written with, so that a run at another
     resolution or with another text encoder fails at once with a clear message. `remote` may name
     several sources (see t2ibench.sources), or `sources` name them, parsed; they must all have the
-    same format and shapes. In the text_states format the batches carry `conditioning_keys` (the
-    family's; SD2: text_states). `micro_conditioning` requires and yields each image's original
-    size and crop (GEOMETRY_KEYS), which latents.py stores for a family conditioned on them. Other
+    same format and shapes. In the text_states format the batches carry the family's
+    `conditioning_keys` (SD2: text_states). A family with micro-conditioning requires and yields
+    each image's original size and crop (GEOMETRY_KEYS), which latents.py stores for it. Other
     arguments are StreamingDataset's (batch_size, shuffle, shuffle_seed, cache_limit...).
     """
 
     def __init__(self, *, remote: str | None = None, local: str | None = None, batch_size: int,
                  sources: list[Source] | None = None, image_size: int | None = None, text_dim: int | None = None,
-                 shuffle: bool = True, shuffle_seed: int = 9176, conditioning_keys: tuple[str, ...] = (TEXT_STATES_KEY,),
-                 micro_conditioning: bool = False, **streaming_kwargs: Any):
+                 shuffle: bool = True, shuffle_seed: int = 9176, family: ModelFamily | None = None,
+                 config: str | None = None, **streaming_kwargs: Any):
         super().__init__(**stream_arguments(resolve_sources(sources, remote, local)), batch_size=batch_size,
                          shuffle=shuffle, shuffle_seed=shuffle_seed, **streaming_kwargs)
+        self.family = family or DEFAULT_FAMILY
+        # The shapes the run expects: the family's at `config`; SD2 without one: text_dim only.
+        self.expected = None if config is None else {
+            fmt: stored_shapes(self.family, config, fmt == "text_states") for fmt in FORMATS}
         formats = {}
         for where, shard in first_shards(self):
             formats[where] = self._check_shard(where, shard, image_size, text_dim)
             columns = list(getattr(shard, "column_names", []))
-            missing = [key for key in GEOMETRY_KEYS if micro_conditioning and key not in columns]
-            if formats[where] == "text_states":
-                missing += [key for key in conditioning_keys if key not in columns]
+            missing = [key for key in GEOMETRY_KEYS if self.family.micro_conditioning and key not in columns]
             if missing:
                 raise ValueError(f"{where} holds latents without {', '.join(missing)}, which this model is conditioned "
                                  "on: precompute them with latents.py for this --model_config")
@@ -456,13 +477,15 @@ class StreamingLatents(StreamingDataset):
             raise ValueError(f"the sources mix precomputed formats ({formats}): precompute them all the same way "
                              "(with or without latents.py --store_text_states)")
         self.text_format = next(iter(formats.values()))
-        self.conditioning_keys, self.micro_conditioning = conditioning_keys, micro_conditioning
 
-    @staticmethod
-    def _check_shard(where: str, shard: Any, image_size: int | None, text_dim: int | None) -> str:
+    def _check_shard(self, where: str, shard: Any, image_size: int | None, text_dim: int | None) -> str:
         """The format of the shards in `where`; raises ValueError if they do not fit the run."""
         columns = list(getattr(shard, "column_names", []))
-        found = text_format(columns)
+        found = text_format(columns, self.family)
+        other = [family.name for family in FAMILIES if family is not self.family and text_format(columns, family)]
+        if found is None and other:
+            raise ValueError(f"{where} holds precomputed latents of {other[0]} (its columns are {columns}), not of "
+                             f"{self.family.name}: precompute them with latents.py --model_config of this run")
         if found is None:
             raise ValueError(f"{where} holds no precomputed latents (its columns are {columns}): write them with "
                              "`python latents.py --out ...`, or train without --precomputed")
@@ -473,10 +496,15 @@ class StreamingLatents(StreamingDataset):
             raise ValueError(f"{where} holds latents of {latent_shape[1] * 8}x{latent_shape[2] * 8} images, "
                              f"not {image_size}x{image_size}: precompute at --image_size {image_size} "
                              f"(or train at --image_size {latent_shape[1] * 8})")
-        if found == "text_states" and text_dim is not None and text_shape is not None \
+        if self.expected is None and found == "text_states" and text_dim is not None and text_shape is not None \
                 and text_shape != (MAX_LENGTH, text_dim):
             raise ValueError(f"{where} holds text states of shape {text_shape}, but the UNet attends to "
                              f"({MAX_LENGTH}, {text_dim}): they were computed with another text encoder")
+        for key, expected in (self.expected or {}).get(found, {}).items():
+            stored = shapes.get(key if found == "text_states" else token_column(key, self.family), (None, None))[1]
+            if stored is not None and tuple(stored) != tuple(expected):
+                raise ValueError(f"{where} holds {key} of shape {tuple(stored)}, but this model takes {tuple(expected)}: "
+                                 "they were computed for another --model_config (or another text encoder)")
         return found
 
     def get_item(self, index: int) -> dict[str, torch.Tensor]:
@@ -484,11 +512,14 @@ class StreamingLatents(StreamingDataset):
         # MDS decodes arrays as read-only views of the shard: copy into tensors the batch can own.
         item = {key: torch.from_numpy(np.array(sample[key])) for key in LATENT_KEYS}
         if self.text_format == "text_states":
-            item.update({key: torch.from_numpy(np.array(sample[key])) for key in self.conditioning_keys})
+            for key in self.family.conditioning_keys:
+                item[key] = torch.from_numpy(np.array(sample[key]))
         else:
-            item[TOKENS_KEY] = torch.from_numpy(sample[TOKEN_IDS_COLUMN].astype(np.int64))
-        if self.micro_conditioning:
+            for key in self.family.text_input_keys:
+                item[key] = torch.from_numpy(sample[token_column(key, self.family)].astype(np.int64))
+        if self.family.micro_conditioning:
             item.update({key: torch.from_numpy(sample[key].astype(np.int64)) for key in GEOMETRY_KEYS})
+        item["sample_index"] = torch.tensor(index)  # fixes its noise and timestep in the validation loss
         return item
 
 
@@ -499,38 +530,43 @@ class SyntheticLatents(Dataset):
     index on every rank and epoch, nothing stored). Means have the spread of SD2's latents (unit
     variance after scaling by 0.18215), log-variances are around -10, in `dtype` (fp16, as the
     precomputed shards store them); then "captions" (random token ids, the default "tokens"
-    format) or, for `text_format="text_states"`, each of `conditioning_shapes` (standard normal, in
-    `dtype`; default SD2's text_states of width `text_dim`); and, for a family with
-    micro-conditioning, the geometry of an uncropped image of the training size.
+    format) or "text_states" (standard normal, in `dtype`) for `text_format="text_states"`. With
+    `config`, the family's keys and shapes at that config (Flux: `t5_states` and `clip_pooled`, or
+    `clip_ids` and `t5_ids`), means around `latent_shift`; for a family with micro-conditioning
+    (SDXL), the geometry of an uncropped image of the training size. Every sample carries its
+    `sample_index`.
     """
 
     def __init__(self, image_size: int, text_dim: int, num_samples: int = 100_000, seed: int = 0,
                  latent_channels: int = 4, dtype: torch.dtype = torch.float16, text_format: str = "tokens",
-                 family: ModelFamily | None = None, latent_scale: float = SD2_LATENT_SCALE,
-                 conditioning_shapes: dict[str, tuple[int, ...]] | None = None):
+                 family: ModelFamily | None = None, latent_scale: float = SD2_LATENT_SCALE, config: str | None = None,
+                 latent_shift: float = 0.0):
         if text_format not in FORMATS:
             raise ValueError(f"text_format {text_format!r} is not one of {FORMATS}")
         self.image_size = image_size
         self.latent_shape = (latent_channels, image_size // 8, image_size // 8)
         self.text_dim, self.num_samples, self.seed, self.dtype = text_dim, num_samples, seed, dtype
         self.text_format, self.family, self.latent_scale = text_format, family or DEFAULT_FAMILY, latent_scale
-        self.conditioning_shapes = conditioning_shapes or {TEXT_STATES_KEY: (MAX_LENGTH, text_dim)}
+        self.config, self.latent_shift = config or self.family.configs[0], latent_shift
+        self.state_shapes = (self.family.conditioning_shapes(config) if config is not None
+                             else {TEXT_STATES_KEY: (MAX_LENGTH, text_dim)})
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         g = sample_generator(self.seed, index)
-        mean = torch.randn(self.latent_shape, generator=g) / self.latent_scale
+        mean = torch.randn(self.latent_shape, generator=g) / self.latent_scale + self.latent_shift
         logvar = torch.randn(self.latent_shape, generator=g) * 0.5 - 10.0
         item = {"latent_mean": mean.to(self.dtype), "latent_logvar": logvar.to(self.dtype)}
         if self.text_format == "text_states":
-            item.update({key: torch.randn(shape, generator=g).to(self.dtype)
-                         for key, shape in self.conditioning_shapes.items()})
+            for key, shape in self.state_shapes.items():
+                item[key] = torch.randn(shape, generator=g).to(self.dtype)
         else:
-            item.update(self.family.random_text_inputs(g))
+            item.update(self.family.random_text_inputs(g, self.config))
         if self.family.micro_conditioning:
             item.update(geometry_tensors(ImageGeometry(self.image_size, self.image_size, 0, 0)))
+        item["sample_index"] = torch.tensor(index)
         return item
 
 
@@ -538,8 +574,8 @@ def latents_dataloader(*, synthetic: bool, remote: str | None = None, local: str
                        text_dim: int, batch_size_per_device: int, num_workers: int, num_samples: int = 100_000,
                        seed: int = 17, latent_channels: int = 4, shuffle: bool = True, synthetic_format: str = "tokens",
                        sources: list[Source] | None = None, settings: StreamingSettings | None = None,
-                       family: ModelFamily | None = None, conditioning_shapes: dict[str, tuple[int, ...]] | None = None,
-                       **streaming_kwargs: Any) -> DataLoader:
+                       family: ModelFamily | None = None, config: str | None = None, latent_scale: float | None = None,
+                       latent_shift: float = 0.0, **streaming_kwargs: Any) -> DataLoader:
     """Batches of precomputed latents for this rank (what benchmark.py --precomputed uses).
 
     synthetic: SyntheticLatents (in `synthetic_format`) sharded over ranks with Composer's
@@ -548,19 +584,19 @@ def latents_dataloader(*, synthetic: bool, remote: str | None = None, local: str
     when `remote` is None) by a StreamingDataLoader, which Composer checkpoints and resumes
     mid-epoch; `seed` seeds the shuffle. `settings` (or single settings as keyword arguments) go to
     StreamingDataset, as for laion_dataloader. The dataset's `text_format` says which text input
-    the batches carry.
+    the batches carry. `config` (with `family`) sets the shapes the shards must have, and with
+    `latent_scale` and `latent_shift` those of synthetic latents.
     """
     kwargs = loader_kwargs(num_workers)
     settings = settings or StreamingSettings(shuffle=shuffle)
     if synthetic:
         dataset = SyntheticLatents(image_size, text_dim, num_samples, seed, latent_channels, text_format=synthetic_format,
-                                   family=family, conditioning_shapes=conditioning_shapes)
+                                   family=family, config=config, latent_scale=latent_scale or SD2_LATENT_SCALE,
+                                   latent_shift=latent_shift)
         sampler = dist.get_sampler(dataset, shuffle=settings.shuffle, drop_last=True, seed=seed)
         return DataLoader(dataset, batch_size=batch_size_per_device, sampler=sampler, **kwargs)
     dataset = StreamingLatents(remote=remote, local=local, sources=sources, batch_size=batch_size_per_device,
-                               image_size=image_size, text_dim=text_dim,
-                               conditioning_keys=tuple(conditioning_shapes or (TEXT_STATES_KEY,)),
-                               micro_conditioning=(family or DEFAULT_FAMILY).micro_conditioning,
+                               image_size=image_size, text_dim=text_dim, family=family, config=config,
                                **{**settings.dataset_kwargs(seed), **streaming_kwargs})
     warn_about_large_epoch(dataset)
     return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **kwargs)

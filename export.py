@@ -1,13 +1,15 @@
 """Turn a Composer checkpoint of benchmark.py into a diffusers pipeline folder (SD2: StableDiffusionPipeline,
-SDXL: StableDiffusionXLPipeline).
+SDXL: StableDiffusionXLPipeline; Flux.1: FluxPipeline).
 
     python export.py runs/sd2/ep0-ba1000-rank0.pt --out sd2-pipeline          # trained UNet
     python export.py s3://bucket/run/latest-rank0.pt --out sd2-pipeline --ema  # EMA UNet
     python -c "from diffusers import StableDiffusionPipeline as P; P.from_pretrained('sd2-pipeline')"
     python -c "from diffusers import StableDiffusionXLPipeline as P; P.from_pretrained('sdxl-pipeline')"
 
-The folder holds unet/, vae/, text_encoder/, tokenizer/, scheduler/ and model_index.json (SDXL
-also text_encoder_2/ and tokenizer_2/). The
+    python export.py runs/flux/latest-rank0.pt --out flux-pipeline             # Flux: transformer/, text_encoder_2/...
+
+The folder holds unet/ (Flux: transformer/), vae/, text_encoder/, tokenizer/ (SDXL and Flux also
+text_encoder_2/, tokenizer_2/), scheduler/ and model_index.json. The
 model's configuration is recognised from the denoiser's weight shapes. The VAE and text encoder
 are the ones in the checkpoint when the run trained with them; after a run on precomputed latents
 they are loaded from `--model_name` (or, for the tiny model, rebuilt from `--seed` as latents.py
@@ -66,11 +68,13 @@ def build_parser() -> Parser:
     p.add_argument("checkpoint", help="Composer checkpoint of benchmark.py: a path or s3://, gs://, oci://... URI")
     p.add_argument("--out", required=True, help="folder to write the pipeline to (must be empty or absent)")
     p.add_argument("--ema", action="store_true", help="export the EMA weights of the denoiser (run with --use_ema)")
-    p.add_argument("--scheduler", default="ddim", choices=sorted(SAMPLERS), help="the pipeline's sampler")
+    p.add_argument("--scheduler", default=None, choices=sorted(SAMPLERS),
+                   help="the pipeline's sampler (default: the family's: ddim for SD2, euler for SDXL, euler, "
+                        "flow-matching, for Flux)")
     p.add_argument("--model_name", default=None,
                    help="where the VAE/text encoders come from when the checkpoint has none (precomputed runs); "
                         "default: the model's own (stabilityai/stable-diffusion-2-base, "
-                        "stabilityai/stable-diffusion-xl-base-1.0)")
+                        "stabilityai/stable-diffusion-xl-base-1.0, black-forest-labs/FLUX.1-schnell)")
     p.add_argument("--seed", type=int, default=17, help="benchmark.py --seed of a tiny precomputed run (random encoders)")
     return p
 
@@ -111,6 +115,9 @@ def export(args: argparse.Namespace) -> Path:
     if config is None:
         fail("the checkpoint's denoiser matches none of the model configurations " + str(sorted(MODEL_CONFIGS)))
     family = MODEL_CONFIGS[config]
+    if args.scheduler is not None and args.scheduler not in family.samplers:
+        fail(f"--scheduler {args.scheduler} does not sample {config}; choose {' or '.join(family.samplers)}")
+    args.model_name = args.model_name or family.default_model_name
     denoiser = family.build(config, denoiser=True, vae=False, text_encoders=False, tokenizers=False).denoiser
     denoiser.load_state_dict({k: v.float() for k, v in denoiser_weights.items()})
 

@@ -94,8 +94,8 @@ from streaming.base.util import bytes_to_int
 from torch.utils.data import DataLoader, Dataset
 
 import data
-from data import (GEOMETRY_DTYPE, GEOMETRY_KEYS, LATENT_KEYS, STORAGE_DTYPES, TEXT_STATES_KEY, TOKEN_IDS_COLUMN,
-                  TOKEN_IDS_DTYPE, mds_columns)
+from data import (GEOMETRY_DTYPE, GEOMETRY_KEYS, LATENT_KEYS, STORAGE_DTYPES, TOKEN_IDS_DTYPE, mds_columns,
+                  token_column)
 from t2ibench import errors, flags
 from t2ibench.errors import UserError, fail
 from t2ibench.families import ModelFamily, require_pretrained
@@ -106,7 +106,6 @@ from t2ibench.images import ImageGeometry
 from t2ibench.model import scale_images
 from t2ibench.scale import SAMPLES as SAMPLES_AT_SCALE
 from t2ibench.sources import Source, parse_sources
-from t2ibench.tokenizer import MAX_LENGTH
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +144,7 @@ class IndexedImageCaptions(data.StreamingImageCaptions):
                         index, self.shard_name(index), type(error).__name__, error)
             return {"index": index, "ok": False,
                     "image": torch.zeros(3, self.image_size, self.image_size, dtype=torch.uint8),
-                    "captions": torch.zeros(MAX_LENGTH, dtype=torch.long), "caption": "",
+                    **{key: torch.zeros_like(ids) for key, ids in self.token_ids("").items()}, "caption": "",
                     **data.geometry_tensors(ImageGeometry(0, 0, 0, 0))}
 
     def shards_of(self, start: int, stop: int) -> range:
@@ -315,23 +314,22 @@ def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int) -> list
 
 @torch.no_grad()
 def encode(family: ModelFamily, vae: torch.nn.Module, text_encoders: dict[str, torch.nn.Module], images: torch.Tensor,
-           ids: torch.Tensor, device: torch.device,
-           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None]:
-    """VAE posterior mean and log-variance, and the family's conditioning by key (SD2: text_states;
-    SDXL: text_states and pooled_text_states; None without text encoders: the token ids are stored
-    instead), as float32 on `device`."""
+           ids: dict[str, torch.Tensor], device: torch.device,
+           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """VAE posterior mean and log-variance, and the text states (the family's conditioning by key,
+    SD2: text_states, Flux: t5_states and clip_pooled; empty without text encoders: the token ids
+    are stored instead), as float32 on `device`."""
     images = scale_images(images.to(device, non_blocking=True))  # uint8 pixels -> [-1, 1] on the device
-    ids = ids.to(device, non_blocking=True)
+    ids = {key: value.to(device, non_blocking=True) for key, value in ids.items()}
     if device.type == "cuda":
         images = images.contiguous(memory_format=torch.channels_last)
     autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
                 else contextlib.nullcontext())
     with autocast:
         posterior = vae.encode(images).latent_dist
-        conditioning = ({key: value.float() for key, value in
-                         family.encode_text(text_encoders, {family.text_input_keys[0]: ids}).items()}
-                        if text_encoders else None)
-    return posterior.mean.float(), posterior.logvar.float(), conditioning
+        text_states = ({key: value.float() for key, value in family.encode_text(text_encoders, ids).items()}
+                       if text_encoders else {})
+    return posterior.mean.float(), posterior.logvar.float(), text_states
 
 
 STAT_NAMES = ("max_abs_mean", "min_logvar", "max_logvar", "max_abs_text")
@@ -355,20 +353,20 @@ class Encoded:
     """One batch's outputs on their way to the host: copied asynchronously (pinned memory on GPU),
     so that the GPU encodes the next batch while this process writes this one."""
 
-    def __init__(self, indices: list[int], captions: list[str], outputs: tuple,
-                 storage_dtype: str, device: torch.device, token_ids: torch.Tensor | None = None,
+    def __init__(self, indices: list[int], captions: list[str], outputs: tuple[Any, ...],
+                 storage_dtype: str, device: torch.device, token_ids: dict[str, torch.Tensor] | None = None,
                  geometry: dict[str, torch.Tensor] | None = None):
-        mean, logvar, conditioning = outputs  # conditioning None: the token ids are stored instead
+        mean, logvar, text = outputs  # text {}: the token ids are stored instead of text states
         self.indices, self.captions = indices, captions
-        self.token_ids = None if token_ids is None else token_ids.numpy().astype(TOKEN_IDS_DTYPE)
+        self.token_ids = {key: ids.numpy().astype(TOKEN_IDS_DTYPE) for key, ids in (token_ids or {}).items()}
         self.geometry = {key: value.numpy().astype(GEOMETRY_DTYPE) for key, value in (geometry or {}).items()}
-        self.conditioning_keys = list(conditioning or {})
+        self.keys = [*LATENT_KEYS, *text]  # the stored arrays, in order
         dtype = getattr(torch, STORAGE_DTYPES[storage_dtype])
-        text_max = (torch.stack([t.abs().amax() for t in conditioning.values()]).amax() if conditioning
+        text_max = (torch.stack([t.abs().amax() for t in text.values()]).amax() if text
                     else torch.zeros((), device=mean.device))
         ranges = torch.stack([mean.abs().amax(), logvar.amin(), logvar.amax(), text_max])
         pinned = device.type == "cuda"
-        tensors = [mean, logvar, *(conditioning or {}).values(), ranges]
+        tensors = [mean, logvar, *text.values(), ranges]
         self.host = [torch.empty(t.shape, dtype=t.dtype if t is ranges else dtype, pin_memory=pinned) for t in tensors]
         for host, tensor in zip(self.host, tensors):
             host.copy_(tensor.to(host.dtype), non_blocking=pinned)
@@ -384,7 +382,7 @@ class Encoded:
             self.event.synchronize()
         arrays = [t.numpy() for t in self.host[:-1]]
         ranges = self.host[-1].tolist()
-        for key, array in zip((*LATENT_KEYS, *self.conditioning_keys), arrays):
+        for key, array in zip(self.keys, arrays):
             rows = ~np.isfinite(array.reshape(len(array), -1)).all(axis=1)
             if not rows.any():
                 continue
@@ -419,7 +417,11 @@ def build_parser() -> flags.Parser:
                    help="dtype of the stored arrays (fp16: half the size, relative error < 5e-4)")
     g.add_argument("--store_text_states", action="store_true",
                    help="store the text encoder's output (77 x 1024 fp16, 157,696 bytes at SD2) instead of the 77 "
-                        "token ids (154 bytes): 3.4x the storage at 512px, to save training 1.9%% of its FLOPs")
+                        "token ids (154 bytes): 3.4x the storage at 512px, to save training 1.9%% of its FLOPs; "
+                        "Flux's default (MLPerf's format: T5 states 256 x 4096 and CLIP pooled 768)")
+    g.add_argument("--store_token_ids", action="store_true",
+                   help="Flux: store the token ids instead of the text states (T5-XXL and CLIP then run in training, "
+                        "12%% more FLOPs at 256px); SD2 stores token ids by default")
     g.add_argument("--chunk_size", type=int, default=10_000,
                    help="samples per chunk, the unit of work and of resumption (a chunk is redone if interrupted)")
     g.add_argument("--max_chunks", type=int, default=0,
@@ -447,6 +449,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def validate(args: argparse.Namespace) -> tuple[ModelFamily, Source]:
     """One line naming the flag for every value that would fail later; the family and the source."""
     family = flags.check_shared(args)
+    if args.store_text_states and args.store_token_ids:
+        fail("--store_text_states and --store_token_ids: choose one")
+    args.store_text_states = args.store_text_states or (
+        family.default_precomputed_format == "text_states" and not args.store_token_ids)
     for flag in ("batch_size", "chunk_size"):
         if getattr(args, flag) <= 0:
             fail(f"--{flag} {getattr(args, flag)} must be positive")
@@ -505,8 +511,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         source, fingerprint = open_source(args, family, source_location, tokenizers)
         columns = mds_columns(vae.config.latent_channels, args.image_size // family.latent_downsample, None,
                               args.storage_dtype, not args.no_captions, text_states=args.store_text_states,
-                              conditioning_shapes=family.conditioning_shapes(args.model_config),
-                              micro_conditioning=family.micro_conditioning)
+                              family=family, config=args.model_config, micro_conditioning=family.micro_conditioning)
         num_chunks = math.ceil(source.num_samples / args.chunk_size)
         settings = {
             "source": source_location.remote or os.path.abspath(source_location.local),
@@ -647,11 +652,9 @@ def encode_chunks(args: argparse.Namespace, family: ModelFamily, source: Indexed
         arrays, value_ranges = encoded.arrays(args.storage_dtype, args.dtype)
         stats.update(value_ranges)
         for row, index in enumerate(encoded.indices):
-            sample = {"index": index, "latent_mean": arrays[0][row], "latent_logvar": arrays[1][row]}
-            if TEXT_STATES_KEY in columns:
-                sample.update({key: arrays[2 + i][row] for i, key in enumerate(encoded.conditioning_keys)})
-            else:
-                sample[TOKEN_IDS_COLUMN] = encoded.token_ids[row]
+            sample = {"index": index, **{key: array[row] for key, array in zip(encoded.keys, arrays)}}
+            for key, ids in encoded.token_ids.items():  # the tokens format: text states are not stored
+                sample[token_column(key, family)] = ids[row]
             for key in GEOMETRY_KEYS:
                 if key in columns:  # the image's original size and crop (micro-conditioning)
                     sample[key] = encoded.geometry[key][row]
@@ -689,10 +692,10 @@ def encode_chunks(args: argparse.Namespace, family: ModelFamily, source: Indexed
             encoded = None
             if ok:
                 rows = torch.tensor(ok)
-                outputs = encode(family, vae, text_encoders, batch["image"][rows], batch["captions"][rows], device,
-                                 compute_dtype)
+                ids = {key: batch[key][rows] for key in family.text_input_keys}
+                outputs = encode(family, vae, text_encoders, batch["image"][rows], ids, device, compute_dtype)
                 encoded = Encoded([indices[i] for i in ok], [batch["caption"][i] for i in ok], outputs,
-                                  args.storage_dtype, device, token_ids=batch["captions"][rows],
+                                  args.storage_dtype, device, token_ids=None if text_encoders else ids,
                                   geometry={key: batch[key][rows] for key in GEOMETRY_KEYS})
             write(pending)  # on GPU this overlaps with the encoding just launched
             pending = encoded

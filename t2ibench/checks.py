@@ -23,7 +23,7 @@ import torch
 from composer.core import Time
 
 from t2ibench.errors import fail, storage_error
-from t2ibench.families import ModelFamily, family_of
+from t2ibench.families import FAMILIES, ModelFamily, family_of
 from t2ibench.images import GEOMETRY_KEYS
 from t2ibench.flags import check_shared
 from t2ibench.locations import CHECKPOINT_SCHEMES, LOAD_SCHEMES, is_remote, normalise, unwritable
@@ -50,6 +50,7 @@ def validate(args: argparse.Namespace, world_size: int) -> ModelFamily:
     check_outputs(args)
     check_checkpoint(args)
     check_data(args)
+    check_evaluation(args)
     return family
 
 
@@ -61,6 +62,7 @@ def check_locations(args: argparse.Namespace) -> None:
         if getattr(args, flag):
             setattr(args, flag, normalise(f"--{flag}", getattr(args, flag), schemes))
     args.sources = parse_sources(args.remote, args.local)
+    args.eval_sources = parse_sources(args.eval_remote, args.eval_local)
 
 
 def check_run(args: argparse.Namespace, world_size: int) -> None:
@@ -82,7 +84,7 @@ def check_run(args: argparse.Namespace, world_size: int) -> None:
             fail(f"--batch_size {args.batch_size} over {world_size} device(s) gives {per_device} per device, "
                  f"which --device_train_microbatch_size {micro} does not divide")
         args.device_train_microbatch_size = micro
-    if args.precomputed_format != "tokens" and not (args.precomputed and args.use_synth_data):
+    if args.precomputed_format is not None and not (args.precomputed and args.use_synth_data):
         fail("--precomputed_format only applies with --precomputed --use_synth_data (shards carry their own format)")
     if args.xformers and importlib.util.find_spec("xformers") is None:
         fail("--xformers: xformers is not installed; on a GPU machine `pip install xformers==0.0.30`, or drop the flag")
@@ -219,10 +221,13 @@ def check_index(index: dict, label: str, args: argparse.Namespace) -> int:
         fail(f"{label} holds precomputed latents (columns {columns}); add --precomputed to train from them")
     if args.precomputed:
         family = family_of(args.model_config)
-        needed = list(GEOMETRY_KEYS) if family.micro_conditioning else []
-        if "token_ids" not in columns:  # the text_states format: every conditioning tensor of the family
-            needed += family.conditioning_keys
-        missing = [key for key in needed if key not in columns]
+        if not any(set(family.stored_text_columns(states)) <= set(columns) for states in (True, False)):
+            others = [other.name for other in FAMILIES if other is not family and any(
+                set(other.stored_text_columns(states)) <= set(columns) for states in (True, False))]
+            fail(f"--precomputed: {label} holds " + (f"latents precomputed for {others[0]}" if others else
+                 f"no text columns of {family.name}") + f" (columns {columns}), not for --model_config "
+                 f"{args.model_config}; precompute them with latents.py --model_config {args.model_config}")
+        missing = [key for key in GEOMETRY_KEYS if family.micro_conditioning and key not in columns]
         if missing:
             fail(f"--precomputed: {label} holds latents without {', '.join(missing)}, which --model_config "
                  f"{args.model_config} is conditioned on (precomputed for another model?); write them with "
@@ -296,8 +301,59 @@ def check_source(source: Source, args: argparse.Namespace) -> int:
         return check_index(read_index(Path(folder, "index.json"), remote), f"--remote {remote}", args)
 
 
+def check_evaluation(args: argparse.Namespace) -> None:
+    """The validation-loss flags, and the held-out data they name (as check_data checks the training data)."""
+    given = [flag for flag in ("eval_remote", "eval_local", "eval_samples", "eval_target") if getattr(args, flag) is not None]
+    if not args.eval_interval:
+        if given:
+            fail(f"--{given[0]} needs --eval_interval (how often to compute the validation loss, e.g. 1000ba)")
+        return
+    try:
+        unit = Time.from_timestring(args.eval_interval).unit.value
+    except (ValueError, TypeError):
+        unit = None
+    if unit not in ("ba", "ep") or not Time.from_timestring(args.eval_interval).value > 0:
+        fail(f"--eval_interval '{args.eval_interval}' must be a positive Composer time string in ba or ep (e.g. 1000ba)")
+    if args.eval_samples is not None and args.eval_samples <= 0:
+        fail(f"--eval_samples {args.eval_samples} must be positive")
+    if args.eval_target is not None and not (math.isfinite(args.eval_target) and args.eval_target > 0):
+        fail(f"--eval_target {args.eval_target} must be a positive loss, e.g. 0.586")
+    if args.use_synth_data:
+        if args.eval_sources:
+            fail("--use_synth_data evaluates on synthetic held-out samples and would ignore --eval_remote/--eval_local; "
+                 "pass one or the other")
+        check_dataset_size(args.eval_samples or 256, f"the synthetic held-out set (--eval_samples {args.eval_samples or 256})",
+                           args)
+        return
+    if not args.eval_sources:
+        fail("--eval_interval needs held-out data: --eval_remote (with --eval_local as cache) or --eval_local with MDS "
+             "shards in the training data's format")
+    for source in args.eval_sources:
+        if source.remote and not is_remote(source.remote) and not Path(source.remote, "index.json").is_file():
+            fail(f"--eval_remote {source.remote} holds no MDS dataset (no index.json)")
+        if not source.remote and not Path(source.local, "index.json").is_file():
+            fail(f"--eval_local {source.local} holds no MDS dataset (no index.json); pass --eval_remote to stream one")
+    num_samples = sum(check_source(source, args) for source in args.eval_sources)
+    check_dataset_size(min(num_samples, args.eval_samples or num_samples),
+                       "the held-out data (--eval_remote/--eval_local)", args)
+
+
 def check_recipe(args: argparse.Namespace, family: ModelFamily) -> None:
-    """The training-recipe, sampling and export flags."""
+    """The training-recipe, sampling and export flags; flags the model family does not take are refused by name."""
+    for flag, why in family.refused_flags.items():
+        value = getattr(args, flag)
+        if value not in (None, False, 0, 0.0):
+            fail(f"--{flag} does not apply to --model_config {args.model_config}: {why}")
+    if args.timestep_sampling not in family.timestep_samplings:
+        fail(f"--timestep_sampling {args.timestep_sampling} does not apply to --model_config {args.model_config}; "
+             f"it trains with {', '.join(family.timestep_samplings)}")
+    if args.sampler is None:
+        args.sampler = next(iter(family.samplers))
+    elif args.sampler not in family.samplers:
+        fail(f"--sampler {args.sampler} does not sample --model_config {args.model_config}; choose "
+             f"{' or '.join(family.samplers)}")
+    if args.precomputed and args.use_synth_data and args.precomputed_format is None:
+        args.precomputed_format = family.default_precomputed_format
     if args.lr_warmup_batches < 0:
         fail(f"--lr_warmup_batches {args.lr_warmup_batches} must be >= 0")
     if args.grad_clip_norm is not None and args.grad_clip_norm <= 0:

@@ -38,15 +38,15 @@ def add_model(p: argparse.ArgumentParser) -> None:
     """Which model, and where its pretrained frozen parts come from."""
     g = p.add_argument_group("model")
     g.add_argument("--model_config", type=str, default="sd2-base",
-                   help=f"one of {sorted(MODEL_CONFIGS)} (tiny, sdxl-tiny: SD2's and SDXL's structure at a few "
-                        "million parameters)")
+                   help=f"one of {sorted(MODEL_CONFIGS)} (tiny, sdxl-tiny, flux1-tiny: SD2's, SDXL's and Flux.1's "
+                        "structure at a few million parameters)")
     g.add_argument("--model_name", type=str, default=None,
                    help="hub id or local diffusers folder with the pretrained VAE, text encoder(s) and tokenizer(s) "
                         "(default: the model's own: stabilityai/stable-diffusion-2-base for SD2, "
-                        "stabilityai/stable-diffusion-xl-base-1.0 for SDXL)")
+                        "stabilityai/stable-diffusion-xl-base-1.0 for SDXL, black-forest-labs/FLUX.1-schnell for Flux)")
     g.add_argument("--image_size", type=int, default=None,
-                   help="resolution in pixels, a multiple of 8 (default: the model's training size: 512 for SD2, "
-                        "1024 for sdxl-base, 64 for sdxl-tiny)")
+                   help="resolution in pixels, a multiple of 8 (16 for Flux.1) (default: the model's training "
+                        "size: 512 for SD2 and Flux.1, 1024 for sdxl-base, 64 for sdxl-tiny)")
     g.add_argument("--allow_random_encoders", action="store_true",
                    help="go on with real data when the pretrained VAE/text encoder cannot be loaded "
                         "(measures throughput; useless for quality)")
@@ -97,9 +97,11 @@ def check_shared(args: argparse.Namespace) -> ModelFamily:
         args.model_name = family.default_model_name
     if args.image_size is None:
         args.image_size = family.default_image_size(args.model_config)
-    if args.image_size <= 0 or args.image_size % family.latent_downsample:
-        fail(f"--image_size {args.image_size} must be a positive multiple of {family.latent_downsample} "
-             f"(the VAE downsamples by {family.latent_downsample})")
+    multiple = family.latent_downsample * family.patch_size
+    if args.image_size <= 0 or args.image_size % multiple:
+        fail(f"--image_size {args.image_size} must be a positive multiple of {multiple} (the VAE downsamples by "
+             f"{family.latent_downsample}" + (f", and latents are cut into {family.patch_size}x{family.patch_size} "
+                                              "patches)" if family.patch_size > 1 else ")"))
     if not 0 <= args.seed < 2**32:
         fail(f"--seed {args.seed} must be in 0..{2**32 - 1}")
     if args.num_workers < 0:

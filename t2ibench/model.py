@@ -13,6 +13,7 @@ from composer.models import ComposerModel
 
 from t2ibench.families import ModelFamily, Parts
 from t2ibench.images import GEOMETRY_KEYS
+from t2ibench.validation import NUM_VALIDATION_TIMESTEPS, ValidationLoss, validation_noise, validation_timestep_index
 
 
 def scale_images(images: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -56,7 +57,8 @@ class DiffusionModel(ComposerModel):
     """
 
     def __init__(self, family: ModelFamily, parts: Parts, *, snr_gamma: float | None = None,
-                 offset_noise: float = 0.0, num_loss_bins: int = 10):
+                 offset_noise: float = 0.0, num_loss_bins: int = 10, timestep_sampling: str = "uniform",
+                 validation_seed: int = 0):
         super().__init__()
         self.family = family
         self.denoiser_name = family.denoiser_name
@@ -65,7 +67,7 @@ class DiffusionModel(ComposerModel):
         self.text_encoder_names = list(parts.text_encoders)
         for name, encoder in parts.text_encoders.items():
             self.add_module(name, encoder)
-        self.objective = family.objective(parts.noise_scheduler)
+        self.objective = family.objective(parts.noise_scheduler, timestep_sampling)
         self.noise_scheduler = self.objective.noise_scheduler
         self.latent_scale, self.latent_shift = parts.latent_scale, parts.latent_shift
         self.vae_channels_last = False  # set with --channels_last: feed the VAE channels-last images
@@ -73,6 +75,7 @@ class DiffusionModel(ComposerModel):
         self.flops_per_image = 0.0  # set by the benchmark from the family's count
         self.snr_gamma, self.offset_noise = snr_gamma, offset_noise
         self.loss_bins = LossBins(self.objective, num_loss_bins)
+        self.validation_seed = validation_seed  # fixes the noise of every held-out sample (t2ibench.validation)
         self.caption_drop_prob = 0.0
         self.empty_text_inputs: dict[str, torch.Tensor] = {}
         self.empty_conditioning: dict[str, torch.Tensor] = {}
@@ -181,33 +184,9 @@ class DiffusionModel(ComposerModel):
                 drop_to_zeros = self._drop_rows(batch)  # drawn where the other families draw theirs
             else:
                 batch = self._drop_captions(batch)
-        if "latent_mean" in batch:
-            # Sample the stored posterior as the VAE would: mean + std * eps, then shift and scale.
-            mean, logvar = batch["latent_mean"].float(), batch["latent_logvar"].float()
-            eps = torch.randn(mean.shape, device=mean.device)
-            latents = self.to_latent_space(mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * eps)
-        elif self.vae is None:
-            raise ValueError("this model was built without a VAE (--precomputed) but got an image batch")
-        else:
-            latents = self.encode_images(batch["image"])
-        if all(key in batch for key in self.family.conditioning_keys):
-            conditioning = {key: batch[key].to(latents.dtype) for key in self.family.conditioning_keys}
-        elif not self.text_encoder_names:
-            raise ValueError("this model was built without text encoders but got token ids (latents "
-                             "precomputed without --store_text_states)")
-        else:
-            conditioning = self.encode_text({key: batch[key] for key in self.family.text_input_keys})
+        latents, conditioning = self.latents_and_conditioning(batch)
         if drop_to_zeros is not None:
             conditioning = self._zero_dropped(conditioning, drop_to_zeros)
-        if self.family.micro_conditioning:  # each image's original size and crop, from the data
-            missing = [key for key in GEOMETRY_KEYS if key not in batch]
-            if missing:
-                raise ValueError(f"this model is conditioned on each image's original size and crop, but the batch "
-                                 f"has no {' or '.join(missing)}: build the loader with this model's family")
-            conditioning.update({key: batch[key] for key in GEOMETRY_KEYS})
-        # Noise is added in fp32 whatever the autocast dtype of the VAE output, and drawn with
-        # torch.randn, not randn_like, so the draws do not depend on dtype or memory format.
-        latents = latents.float()
         noise = torch.randn(latents.shape, device=latents.device)
         if self.offset_noise:
             # Offset noise: a per-image, per-channel constant lets the model shift mean brightness.
@@ -216,6 +195,71 @@ class DiffusionModel(ComposerModel):
         noisy, target = self.objective.noisy_and_target(latents, noise, timesteps)
         prediction = self.family.predict(self.denoiser, noisy, timesteps, conditioning)
         return prediction, target, timesteps
+
+    def latents_and_conditioning(self, batch: dict, sample_posterior: bool = True
+                                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Latents in the denoiser's space (fp32) and the conditioning, from a batch of any form.
+
+        `sample_posterior=False` takes the posterior's mean instead of a draw (the validation loss,
+        whose problems must not change between evaluations).
+        """
+        if "latent_mean" in batch:
+            # Sample the stored posterior as the VAE would: mean + std * eps, then shift and scale.
+            mean, logvar = batch["latent_mean"].float(), batch["latent_logvar"].float()
+            if sample_posterior:
+                eps = torch.randn(mean.shape, device=mean.device)
+                mean = mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * eps
+            latents = self.to_latent_space(mean)
+        elif self.vae is None:
+            raise ValueError("this model was built without a VAE (--precomputed) but got an image batch")
+        elif sample_posterior:
+            latents = self.encode_images(batch["image"])
+        else:
+            with torch.no_grad():
+                images = scale_images(batch["image"], next(self.vae.parameters()).dtype)
+                latents = self.to_latent_space(self.vae.encode(images).latent_dist.mean)
+        if all(key in batch for key in self.family.conditioning_keys):
+            conditioning = {key: batch[key].to(latents.dtype) for key in self.family.conditioning_keys}
+        elif not self.text_encoder_names:
+            raise ValueError("this model was built without text encoders but got token ids (latents "
+                             "precomputed without --store_text_states)")
+        else:
+            conditioning = self.encode_text({key: batch[key] for key in self.family.text_input_keys})
+        if self.family.micro_conditioning:  # each image's original size and crop, from the data
+            missing = [key for key in GEOMETRY_KEYS if key not in batch]
+            if missing:
+                raise ValueError(f"this model is conditioned on each image's original size and crop, but the batch "
+                                 f"has no {' or '.join(missing)}: build the loader with this model's family")
+            conditioning.update({key: batch[key] for key in GEOMETRY_KEYS})
+        # Noise is added in fp32 whatever the autocast dtype of the VAE output, and drawn with
+        # torch.randn, not randn_like, so the draws do not depend on dtype or memory format.
+        return latents.float(), conditioning
+
+    # -- the validation loss (t2ibench.validation): Composer's evaluation calls these ----------------
+    def get_metrics(self, is_train: bool = False) -> dict:
+        return {} if is_train else {"ValidationLoss": ValidationLoss()}
+
+    def eval_forward(self, batch: dict, outputs: object = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per held-out sample, the loss at fixed timestep k/8 of the schedule, k = its `sample_index`
+        mod 8, with noise fixed by that index: (per-sample errors, k)."""
+        if self.cpu_autocast_dtype is not None:
+            with torch.autocast("cpu", dtype=self.cpu_autocast_dtype):
+                return self._validation_errors(batch)
+        return self._validation_errors(batch)
+
+    @torch.no_grad()
+    def _validation_errors(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        latents, conditioning = self.latents_and_conditioning(batch, sample_posterior=False)
+        index = batch["sample_index"]
+        k = validation_timestep_index(index).to(latents.device)
+        timesteps = self.objective.fixed_timesteps(k, NUM_VALIDATION_TIMESTEPS)
+        noise = validation_noise(index, latents.shape[1:], self.validation_seed).to(latents.device)
+        noisy, target = self.objective.noisy_and_target(latents, noise, timesteps)
+        prediction = self.family.predict(self.denoiser, noisy, timesteps, conditioning)
+        return (prediction.float() - target.float()).pow(2).flatten(1).mean(1), k
+
+    def update_metric(self, batch: dict, outputs: tuple[torch.Tensor, torch.Tensor], metric) -> None:
+        metric.update(*outputs)
 
     def flops_per_batch(self, batch: dict) -> float:
         """Model FLOPs of one training step on `batch` (read by Composer's SpeedMonitor for MFU)."""

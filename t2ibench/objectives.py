@@ -3,7 +3,7 @@
 A model family names its objective (`ModelFamily.objective`). `DDPMObjective` is SD2's (and SDXL's):
 integer timesteps uniform over the DDPM schedule, the target the noise (`epsilon`) or the velocity
 (`v_prediction`). A rectified-flow objective (Flux.1: interpolate data and noise, the velocity
-noise - data as target, timesteps drawn in [0, 1]) is another subclass of `Objective`.
+noise - data as target, timesteps drawn in [0, 1]) is `RectifiedFlowObjective`.
 """
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ class Objective(ABC):
         """The loss bin of each timestep (integers 0..num_bins-1)."""
         return (timesteps * num_bins) // self.num_timesteps
 
+    def fixed_timesteps(self, index: torch.Tensor, num: int) -> torch.Tensor:
+        """Timestep k/num of the schedule for each k in `index` (the validation loss's fixed timesteps)."""
+        return (index.long() * self.num_timesteps) // num
+
 
 class DDPMObjective(Objective):
     """Denoising diffusion on diffusers' DDPM schedule: `epsilon` or `v_prediction` targets."""
@@ -70,3 +74,46 @@ class DDPMObjective(Objective):
         snr = self.snr.to(timesteps.device)[timesteps]
         clipped = torch.clamp(snr, max=snr_gamma)
         return clipped / snr if self.prediction_type == "epsilon" else clipped / (snr + 1.0)
+
+
+TIMESTEP_SAMPLINGS = ("uniform", "logit_normal")  # --timestep_sampling
+
+
+class RectifiedFlowObjective(Objective):
+    """Rectified flow (Flux.1, SD3): x_t = (1 - s) x0 + s noise, the target the velocity noise - x0.
+
+    s in [0, 1] is carried as the timestep t = 1000 s, the scale of diffusers' flow-matching
+    sampler (FlowMatchEulerDiscreteScheduler) and of the loss-by-timestep bins; the family's
+    `predict` hands the denoiser s, as FluxPipeline does. `sampling` draws s as MLPerf's Flux.1
+    reference does, `uniform` (torch.rand), or as SD3 does, `logit_normal`: the sigmoid of a normal
+    (`logit_mean`, `logit_std`; SD3's 0 and 1), which trains the middle noise levels more often.
+    """
+
+    def __init__(self, noise_scheduler, sampling: str = "uniform", logit_mean: float = 0.0, logit_std: float = 1.0):
+        if sampling not in TIMESTEP_SAMPLINGS:
+            raise ValueError(f"--timestep_sampling '{sampling}' is not one of {TIMESTEP_SAMPLINGS}")
+        self.noise_scheduler = copy.deepcopy(noise_scheduler)
+        self.num_timesteps = self.noise_scheduler.config.num_train_timesteps
+        self.sampling, self.logit_mean, self.logit_std = sampling, logit_mean, logit_std
+
+    def sample_timesteps(self, batch_size: int, device: torch.device) -> torch.Tensor:
+        if self.sampling == "uniform":
+            s = torch.rand(batch_size, device=device)
+        else:
+            s = torch.sigmoid(torch.randn(batch_size, device=device) * self.logit_std + self.logit_mean)
+        return s * self.num_timesteps
+
+    def noisy_and_target(self, latents: torch.Tensor, noise: torch.Tensor,
+                         timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = (timesteps.float() / self.num_timesteps).view(-1, *([1] * (latents.dim() - 1)))
+        return (1.0 - s) * latents + s * noise, noise - latents
+
+    def loss_weights(self, timesteps: torch.Tensor, snr_gamma: float) -> torch.Tensor:
+        raise ValueError("--snr_gamma weights DDPM timesteps by their signal-to-noise ratio; rectified flow has "
+                         "no such weighting here")
+
+    def bin_index(self, timesteps: torch.Tensor, num_bins: int) -> torch.Tensor:
+        return (timesteps.float() * num_bins / self.num_timesteps).long().clamp_(0, num_bins - 1)
+
+    def fixed_timesteps(self, index: torch.Tensor, num: int) -> torch.Tensor:
+        return index.float() * self.num_timesteps / num

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers import DDIMScheduler, EulerDiscreteScheduler
+from diffusers import DDIMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 from PIL import Image
 
 from t2ibench.families import ModelFamily, Parts
 
-SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler}
+SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler}  # SD2's (families.sd2.SD2.samplers)
 
 # Built-in prompt sets (`--sample_prompts NAME`); a path to a text file gives one prompt per line.
 PROMPT_SETS = {
@@ -51,9 +51,13 @@ def load_prompts(spec: str) -> list[str]:
     return prompts
 
 
-def make_sampler(name: str, noise_scheduler_config) -> DDIMScheduler | EulerDiscreteScheduler:
-    """diffusers' DDIM or Euler sampler for the training noise schedule (betas, prediction type)."""
-    return SAMPLERS[name].from_config(noise_scheduler_config)
+def make_sampler(name: str, noise_scheduler_config, family: ModelFamily | None = None):
+    """The family's sampler `name` (SD2's by default: DDIM or Euler) for the training noise schedule
+    (betas and prediction type; for Flux the flow-matching schedule)."""
+    samplers = family.samplers if family is not None else SAMPLERS
+    if name not in samplers:
+        raise ValueError(f"--sampler {name} does not sample this model; choose from {sorted(samplers)}")
+    return samplers[name].from_config(noise_scheduler_config)
 
 
 def _guided(conditioning: dict[str, torch.Tensor], empty: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -75,14 +79,21 @@ def sample_latents(family: ModelFamily, denoiser: torch.nn.Module, conditioning:
     device = first.device
     dtype = next(denoiser.parameters()).dtype
     noise = torch.stack([torch.randn(latent_shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
-    latents = noise.to(device) * sampler.init_noise_sigma
+    # Flow matching starts from plain noise and scales no model input (no init_noise_sigma,
+    # no scale_model_input); it runs FluxPipeline's schedule, sigma from 1 to 1/steps.
+    flow = isinstance(sampler, FlowMatchEulerDiscreteScheduler)
+    latents = noise.to(device) * (1.0 if flow else sampler.init_noise_sigma)
     guided = guidance_scale > 1.0 and empty_conditioning is not None
     states = _guided(conditioning, empty_conditioning) if guided else conditioning
     states = {key: value.to(dtype) if value.is_floating_point() else value for key, value in states.items()}
-    sampler.set_timesteps(num_steps, device=device)
+    if flow:
+        sampler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps).tolist(), device=device)
+    else:
+        sampler.set_timesteps(num_steps, device=device)
     for t in sampler.timesteps:
         model_input = torch.cat([latents, latents]) if guided else latents
-        model_input = sampler.scale_model_input(model_input, t)
+        if not flow:
+            model_input = sampler.scale_model_input(model_input, t)
         output = family.predict(denoiser, model_input.to(dtype), t, states).float()
         if guided:
             uncond, cond = output.chunk(2)
@@ -111,8 +122,9 @@ def image_grid(images: np.ndarray, columns: int | None = None) -> Image.Image:
     return Image.fromarray(grid)
 
 
-def write_pipeline(out: str | os.PathLike, family: ModelFamily, parts: Parts, sampler: str = "ddim") -> None:
+def write_pipeline(out: str | os.PathLike, family: ModelFamily, parts: Parts, sampler: str | None = None) -> None:
     """Save a complete diffusers pipeline folder of `parts` (the family's pipeline class); its
-    scheduler is `sampler` on the training schedule."""
-    pipeline = family.make_pipeline(parts, make_sampler(sampler, parts.noise_scheduler.config))
+    scheduler is `sampler` (default: the family's first) on the training schedule."""
+    sampler = sampler or next(iter(family.samplers))
+    pipeline = family.make_pipeline(parts, make_sampler(sampler, parts.noise_scheduler.config, family))
     pipeline.save_pretrained(out, safe_serialization=True)

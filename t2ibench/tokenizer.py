@@ -76,13 +76,16 @@ def write_tokenizer_files(folder: Path) -> None:
         os.replace(tmp, folder / name)
 
 
-def bundled_tokenizer() -> CLIPTokenizer:
-    """SD2's tokenizer (pad token "!", 77 tokens) built from the locally installed BPE vocabulary."""
+def bundled_tokenizer(pad_token: str = "!") -> CLIPTokenizer:
+    """SD2's tokenizer (pad token "!", 77 tokens) built from the locally installed BPE vocabulary.
+
+    `pad_token="<|endoftext|>"` gives OpenAI's CLIP-L tokenizer, as SD1 and Flux use it (same vocabulary).
+    """
     if not all((CACHE_DIR / name).is_file() for name in ("vocab.json", "merges.txt", "tokenizer_config.json")):
         write_tokenizer_files(CACHE_DIR)
     # from_pretrained on a folder reads the files the same way in transformers 4 and 5
     # (their constructors differ: file paths in 4, vocab dict and merges list in 5).
-    return CLIPTokenizer.from_pretrained(str(CACHE_DIR))
+    return CLIPTokenizer.from_pretrained(str(CACHE_DIR), pad_token=pad_token)
 
 
 def tokenize(tokenizer: CLIPTokenizer, captions: list[str]) -> "torch.Tensor":  # noqa: F821

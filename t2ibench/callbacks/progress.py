@@ -8,7 +8,8 @@ time left for a run of several epochs: this callback replaces both. Everything e
 (W&B, the metrics it computes) is unchanged; the final summary is printed by `benchmark.py`.
 
 It logs no metrics. The line: `batch N/total (percent)`, images/s (all ranks, over the last
-`window_batches` batches), the loss (mean over ranks and microbatches), elapsed and left (1h02m, 3m07s).
+`window_batches` batches), the loss (mean over ranks and microbatches), the last validation loss
+(with `--eval_interval`), elapsed and left (1h02m, 3m07s).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import os
 import sys
 import time
 from collections import deque
-from typing import TextIO
+from typing import Any, TextIO
 
 from composer.core import Callback, State, Time, TimeUnit
 from composer.loggers import Logger
@@ -67,7 +68,7 @@ class ConsoleProgress(Callback):
     """
 
     def __init__(self, log_interval: str | Time = "10ba", window_batches: int = 20, stream: TextIO | None = None,
-                 terminal: bool | None = None):
+                 terminal: bool | None = None, validation: Any = None):
         self.log_interval = Time.from_timestring(log_interval) if isinstance(log_interval, str) else log_interval
         self.stream = stream or sys.stdout
         if terminal is None:
@@ -78,6 +79,7 @@ class ConsoleProgress(Callback):
         self.fit_start_seconds = 0.0
         self.last_draw_seconds = 0.0
         self.line_open = False  # a terminal line was drawn and not ended yet
+        self.validation = validation  # callbacks.validation.ValidationLog: its last loss joins the line
 
     def fit_start(self, state: State, logger: Logger) -> None:
         self.fit_start_seconds = time.perf_counter()
@@ -131,6 +133,8 @@ class ConsoleProgress(Callback):
             parts[0] += f" ({100 * batch / total:3.0f}%)"
         parts.append(f"{images_per_sec:8.2f} images/s" if math.isfinite(images_per_sec) else "    ---- images/s")
         parts.append(f"loss {loss:.4f}" if loss is not None else "loss ?")
+        if self.validation is not None and self.validation.last_loss is not None:
+            parts.append(f"eval loss {self.validation.last_loss:.4f}")
         parts.append(f"elapsed {format_seconds(elapsed)}")
         if total and len(self.window) > 1:
             (t0, _), (t1, _) = self.window[0], self.window[-1]

@@ -126,7 +126,7 @@ class SampleImages(Callback):
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             states = self.family.encode_text(self.encoders.text_encoders,
                                              {key: value.to(device) for key, value in inputs.items()})
-            sampler = make_sampler(self.sampler_name, noise_scheduler.config)
+            sampler = make_sampler(self.sampler_name, noise_scheduler.config, self.family)
             size = self.image_size // self.family.latent_downsample
             latents = sample_latents(self.family, denoiser, {k: v[:-1] for k, v in states.items()},
                                      self.family.as_unconditional({k: v[-1:] for k, v in states.items()}),
@@ -135,5 +135,6 @@ class SampleImages(Callback):
                                      (vae.config.latent_channels, size, size))
             images = decode(vae, latents, self.encoders.latent_scale, self.encoders.latent_shift)
         vae.decoder.to(decoder_device)
-        vae.post_quant_conv.to(decoder_device)
+        if vae.post_quant_conv is not None:  # Flux's VAE has none
+            vae.post_quant_conv.to(decoder_device)
         return [image.numpy() for image in images]

@@ -10,10 +10,11 @@ import torch
 
 from t2ibench.errors import fail
 from t2ibench.families.family import ModelFamily, Parts, build_aside, require_pretrained
+from t2ibench.families.flux import Flux
 from t2ibench.families.sd2 import SD2
 from t2ibench.families.sdxl import SDXL
 
-FAMILIES: tuple[ModelFamily, ...] = (SD2(), SDXL())  # one entry per family
+FAMILIES: tuple[ModelFamily, ...] = (SD2(), SDXL(), Flux())  # one entry per family
 
 MODEL_CONFIGS: dict[str, ModelFamily] = {config: family for family in FAMILIES for config in family.configs}
 

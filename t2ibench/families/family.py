@@ -98,6 +98,22 @@ class ModelFamily(ABC):
     # on several GPUs, training online; precomputed latents double it. Below the first: `min_microbatch`.
     microbatch_by_memory_gib: ClassVar[tuple[tuple[int, int], ...]]
     min_microbatch: ClassVar[int] = 1
+    timestep_samplings: ClassVar[tuple[str, ...]] = ("uniform",)  # --timestep_sampling values it trains with
+    # --sampler name -> diffusers scheduler class for sample grids and export, built from the training
+    # schedule's config; the first is the default.
+    samplers: ClassVar[dict[str, type]]
+    # benchmark.py flags the family does not take, with why: refused by name when given.
+    refused_flags: ClassVar[dict[str, str]] = {}
+    # What --precomputed --use_synth_data imitates by default: "tokens" or "text_states".
+    default_precomputed_format: ClassVar[str] = "tokens"
+    # MDS columns of token ids stored under another name than their batch key (SD2: captions -> token_ids).
+    token_columns: ClassVar[dict[str, str]] = {}
+
+    def stored_text_columns(self, text_states: bool) -> tuple[str, ...]:
+        """The text columns of the family's precomputed shards (data.py and latents.py write them)."""
+        if text_states:
+            return tuple(self.conditioning_keys)
+        return tuple(self.token_columns.get(key, key) for key in self.text_input_keys)
 
     # -- building --------------------------------------------------------------------------------
     @abstractmethod
@@ -124,8 +140,12 @@ class ModelFamily(ABC):
         """Per-sample shape of each conditioning tensor, as stored by latents.py --store_text_states."""
 
     @abstractmethod
-    def random_text_inputs(self, generator: torch.Generator) -> TextInputs:
-        """Token ids of one random caption (synthetic data), drawn from `generator`."""
+    def text_input_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
+        """Per-sample shape of each token-id tensor (`text_input_keys`), as latents.py stores them."""
+
+    @abstractmethod
+    def random_text_inputs(self, generator: torch.Generator, config: str) -> TextInputs:
+        """Token ids of one random caption (synthetic data) of `config`, drawn from `generator`."""
 
     # -- conditioning ------------------------------------------------------------------------------
     @abstractmethod
@@ -144,8 +164,8 @@ class ModelFamily(ABC):
 
     # -- training ----------------------------------------------------------------------------------
     @abstractmethod
-    def objective(self, noise_scheduler: Any) -> Objective:
-        """The training objective on this noise schedule."""
+    def objective(self, noise_scheduler: Any, timestep_sampling: str = "uniform") -> Objective:
+        """The training objective on this noise schedule; `timestep_sampling` one of `timestep_samplings`."""
 
     @abstractmethod
     def predict(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,

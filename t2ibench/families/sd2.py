@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import (AutoencoderKL, DDIMScheduler, DDPMScheduler, EulerDiscreteScheduler, StableDiffusionPipeline,
+                       UNet2DConditionModel)
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from t2ibench.families.family import ModelFamily, Parts, denoiser_flops, load_pretrained, seeded
@@ -108,6 +109,8 @@ class SD2(ModelFamily):
     # microbatch). Below 36 GiB, the 2023 benchmark's 4 on a 40 GB A100, the smallest known to fit.
     microbatch_by_memory_gib = ((36, 8), (72, 32), (128, 64))
     min_microbatch = 4
+    samplers = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler}
+    token_columns = {"captions": "token_ids"}  # the column name of the format's first release
 
     def build(self, config: str, model_name: str | None = None, *, denoiser: bool = True, vae: bool = True,
               text_encoders: bool = True, tokenizers: bool = True) -> Parts:
@@ -160,7 +163,10 @@ class SD2(ModelFamily):
     def conditioning_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
         return {"text_states": (MAX_LENGTH, CONFIGS[config]["unet"]["cross_attention_dim"])}
 
-    def random_text_inputs(self, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    def text_input_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
+        return {"captions": (MAX_LENGTH,)}
+
+    def random_text_inputs(self, generator: torch.Generator, config: str) -> dict[str, torch.Tensor]:
         return {"captions": torch.randint(0, VOCAB_SIZE, (MAX_LENGTH,), generator=generator)}
 
     def tokenize(self, tokenizers: dict[str, Any], captions: list[str]) -> dict[str, torch.Tensor]:
@@ -171,8 +177,8 @@ class SD2(ModelFamily):
         # The last hidden states (SD2 does not use the pooled output).
         return {"text_states": text_encoders["text_encoder"](text_inputs["captions"])[0]}
 
-    def objective(self, noise_scheduler: Any) -> DDPMObjective:
-        return DDPMObjective(noise_scheduler)
+    def objective(self, noise_scheduler: Any, timestep_sampling: str = "uniform") -> DDPMObjective:
+        return DDPMObjective(noise_scheduler)  # uniform over the schedule's integer timesteps
 
     def predict(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: dict[str, torch.Tensor]) -> torch.Tensor:

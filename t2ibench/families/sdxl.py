@@ -47,7 +47,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+from diffusers import (AutoencoderKL, DDIMScheduler, DDPMScheduler, EulerDiscreteScheduler, StableDiffusionXLPipeline,
+                       UNet2DConditionModel)
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from t2ibench.families.family import Conditioning, ModelFamily, Parts, load_pretrained, seeded
@@ -180,7 +181,10 @@ class SDXL(ModelFamily):
     parallelism = "ddp"
     text_input_keys = (TOKENS_KEY,)
     conditioning_keys = (TEXT_STATES_KEY, POOLED_KEY)
+    token_columns = {TOKENS_KEY: "token_ids"}  # stored as SD2's, so the tokens format reads alike
     micro_conditioning = True
+    # Euler first: the scheduler of SDXL's own pipeline (model_index.json of sdxl-base-1.0).
+    samplers = {"euler": EulerDiscreteScheduler, "ddim": DDIMScheduler}
     unconditional = "zeros"
     # Memory arithmetic, NOT measured (docs/sdxl.md, "Memory"): per GPU under DDP the UNet's fp32
     # weights, gradients, DDP buckets, EMA and two AdamW moments are 6 x 10.27 GB = 61.6 GB, the bf16
@@ -251,7 +255,10 @@ class SDXL(ModelFamily):
         width, pooled = text_widths(config)
         return {TEXT_STATES_KEY: (MAX_LENGTH, width), POOLED_KEY: (pooled,)}
 
-    def random_text_inputs(self, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    def text_input_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
+        return {TOKENS_KEY: (MAX_LENGTH,)}
+
+    def random_text_inputs(self, generator: torch.Generator, config: str) -> dict[str, torch.Tensor]:
         return {TOKENS_KEY: torch.randint(0, VOCAB_SIZE, (MAX_LENGTH,), generator=generator)}
 
     def tokenize(self, tokenizers: dict[str, Any], captions: list[str]) -> dict[str, torch.Tensor]:
@@ -267,7 +274,7 @@ class SDXL(ModelFamily):
         second = text_encoders["text_encoder_2"](ids, output_hidden_states=True)
         return {TEXT_STATES_KEY: torch.cat([first, second.hidden_states[-2]], dim=-1), POOLED_KEY: second.text_embeds}
 
-    def objective(self, noise_scheduler: Any) -> DDPMObjective:
+    def objective(self, noise_scheduler: Any, timestep_sampling: str = "uniform") -> DDPMObjective:
         return DDPMObjective(noise_scheduler)
 
     def predict(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
