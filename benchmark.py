@@ -38,7 +38,6 @@ from t2ibench.callbacks.throughput import Pauses, Throughput
 from t2ibench.callbacks.validation import EVAL_LABEL, ValidationLog
 from t2ibench.checks import PRECISIONS
 from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
-from t2ibench.locations import DEFAULT_CACHE_ROOT
 from t2ibench.model import DiffusionModel, unwrap_model
 from t2ibench.runtime import Runtime
 from t2ibench.sampling import load_prompts, write_pipeline
@@ -60,8 +59,7 @@ def build_parser() -> flags.Parser:
     g.add_argument("--wandb_project", type=str, default=None, help="W&B project (enables W&B logging)")
     g.add_argument("--device_train_microbatch_size", type=str, default="auto",
                    help="images per device per forward/backward, or 'auto' (GPU: largest that fits; CPU: no accumulation)")
-    flags.add_source(p, f"local cache for --remote shards (default {DEFAULT_CACHE_ROOT}/<hash of remote>), or "
-                        "shards already on disk; with several sources, the folder their caches go under")
+    flags.add_source(p)
     flags.add_model(p)
     flags.add_run(p, "seeds model init, noise, timesteps, data order")
     g = p.add_argument_group("run length, precision, results")
@@ -184,9 +182,9 @@ def build_data(args: argparse.Namespace, run: Runtime, family: ModelFamily) -> T
     in its workers. Held-out data is read like the training data, in stored order; synthetic
     held-out samples are drawn with another seed than the training ones."""
     tokenizers = None
+    for source in [] if args.use_synth_data else [*args.sources, *args.eval_sources]:
+        record_cache(source)  # the remote a cache holds, before Streaming fills it
     if not args.precomputed and not args.use_synth_data:
-        for source in args.sources:
-            record_cache(source)
         tokenizers = family.build(args.model_config, args.model_name, denoiser=False, vae=False, text_encoders=False)
 
     def loader(sources: list, seed: int, num_samples: int, held_out: bool) -> DataLoader:

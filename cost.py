@@ -48,7 +48,10 @@ import math
 import os
 from dataclasses import dataclass
 
+from t2ibench import errors
 from t2ibench.cli import Parser
+from t2ibench.errors import fail
+from t2ibench.locations import normalise
 from t2ibench.scale import SAMPLES, USD_PER_GPU_HOUR  # the 2023 table's: 1.4M steps x 2048, $2 per A100-hour
 SECONDS_PER_DAY = 86_400
 # The default table runs at least to this count, the largest one in the 2023 table.
@@ -377,7 +380,7 @@ def positive(kind: type):
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
-        "cost.py", formatter_class=argparse.HelpFormatter,
+        "cost.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Time and cost to train SD2 base from measured images/sec, as in the 2023 "
                     "MosaicML table. days = samples / images_per_sec / 86400; GPU-hours = "
                     "days * 24 * GPUs; cost = GPU-hours * price.",
@@ -444,24 +447,31 @@ def describe(measurements: list[Measurement]) -> tuple[str, str | None]:
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    parser = build_parser()
-    args = parser.parse_intermixed_args(argv)  # files may come before or after the flags
+    args = build_parser().parse_intermixed_args(argv)  # files may come before or after the flags
+    with errors.command("cost.py"):
+        return table(args)
 
+
+def table(args: argparse.Namespace) -> list[Row]:
+    """Check the inputs (one line naming the flag or file), then print and write the table."""
     if len(args.gpus) != len(args.images_per_sec):
-        parser.error(f"--gpus has {len(args.gpus)} value(s) but --images_per_sec has "
-                     f"{len(args.images_per_sec)}; give one --images_per_sec per --gpus")
+        fail(f"--gpus has {len(args.gpus)} value(s) but --images_per_sec has "
+             f"{len(args.images_per_sec)}; give one --images_per_sec per --gpus")
     for flag in ("plot", "csv", "markdown"):  # fail before any work, not after it
         path = getattr(args, flag)
-        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            parser.error(f"--{flag}: directory of {path} does not exist")
+        if path is not None:
+            path = normalise(f"--{flag}", path, ())
+            setattr(args, flag, path)
+            if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                fail(f"--{flag}: directory of {path} does not exist")
     try:
-        measurements = [load_results(path) for path in args.files + args.results]
+        measurements = [load_results(normalise("RESULTS", path, ())) for path in args.files + args.results]
         check_consistent(measurements)
     except ValueError as e:
-        parser.error(str(e))
+        fail(str(e))
     measurements += [Measurement(n, x) for n, x in zip(args.gpus, args.images_per_sec)]
     if not measurements:
-        parser.error("no measurements: give results JSON files or --gpus N --images_per_sec X")
+        fail("no measurements: give results JSON files or --gpus N --images_per_sec X")
 
     what, warning = describe(measurements)
     measured, notes = average_by_gpus(measurements)

@@ -30,14 +30,18 @@ from torch.utils.data import DataLoader, Dataset
 
 from t2ibench.families import FAMILIES, MODEL_CONFIGS, ModelFamily
 from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
-from t2ibench.flags import MAX_BAD_FRACTION
 from t2ibench.images import decode_pixels, load_image, to_rgb  # noqa: F401 - load_image, to_rgb: data's API
 from t2ibench.sources import Source, parse_sources
-from t2ibench.streaming import StreamingSettings
+from t2ibench.streaming import BAD_CHECK_AFTER, MAX_BAD_FRACTION, StreamingSettings
 from t2ibench.tokenizer import MAX_LENGTH
 
 # The 2023 benchmark's model: the family of data built without one named.
 DEFAULT_FAMILY = MODEL_CONFIGS["sd2-base"]
+
+
+def sample_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of synthetic sample `index`: the same sample for an index on every rank and epoch."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + index)
 
 
 class SyntheticImageCaptions(Dataset):
@@ -57,7 +61,7 @@ class SyntheticImageCaptions(Dataset):
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        g = sample_generator(self.seed, index)
         image = torch.randint(0, 256, (3, self.image_size, self.image_size), generator=g, dtype=torch.uint8)
         return {"image": image, **self.family.random_text_inputs(g, self.config), "sample_index": torch.tensor(index)}
 
@@ -90,11 +94,6 @@ def synthetic_dataloader(image_size: int, batch_size_per_device: int, num_worker
 
 log = logging.getLogger(__name__)
 
-# Bad data policy. A worker stops the run when more than this fraction of the images it decoded
-# failed, once it has decoded at least BAD_CHECK_AFTER of them (the minimum keeps one bad image
-# early in an epoch from counting as "100% bad"). Dataloader workers are separate processes, so
-# the counts (and the check) are per worker: with 8 workers each sees about 1/8 of the samples.
-BAD_CHECK_AFTER = 1000
 
 
 class CompactSpanner:
@@ -220,7 +219,7 @@ class StreamingImageCaptions(StreamingDataset):
             batch by batch, which makes the order deterministic and resumable mid-epoch.
         family: the model family whose token ids the samples carry (default: SD2).
         image_key, caption_key: MDS column names of the encoded image and of the caption.
-        max_bad_fraction, bad_check_after: the bad-data policy (see BAD_CHECK_AFTER above).
+        max_bad_fraction, bad_check_after: the bad-data policy (t2ibench.streaming.MAX_BAD_FRACTION).
         shuffle and **streaming_kwargs: StreamingDataset's (`StreamingSettings.dataset_kwargs`).
 
     A sample whose image cannot be decoded (or whose caption is not a string) is replaced by the
@@ -513,7 +512,7 @@ class SyntheticLatents(Dataset):
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        g = sample_generator(self.seed, index)
         mean = torch.randn(self.latent_shape, generator=g) / self.latent_scale + self.latent_shift
         logvar = torch.randn(self.latent_shape, generator=g) * 0.5 - 10.0
         item = {"latent_mean": mean.to(self.dtype), "latent_logvar": logvar.to(self.dtype)}

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from t2ibench import errors, flags
+from t2ibench import errors
+from t2ibench.cli import Parser
 from t2ibench.errors import fail
 from t2ibench.families import FAMILIES, MODEL_CONFIGS, build_aside, detect_config
 from t2ibench.locations import LOAD_SCHEMES, is_remote, normalise, unwritable
@@ -61,8 +62,8 @@ def ema_shadow(state: dict) -> dict[str, torch.Tensor]:
     fail("--ema: the checkpoint holds no EMA state (trained without --use_ema)")
 
 
-def build_parser() -> flags.Parser:
-    p = flags.Parser("export.py", description=__doc__)
+def build_parser() -> Parser:
+    p = Parser("export.py", description=__doc__)
     p.add_argument("checkpoint", help="Composer checkpoint of benchmark.py: a path or s3://, gs://, oci://... URI")
     p.add_argument("--out", required=True, help="folder to write the pipeline to (must be empty or absent)")
     p.add_argument("--ema", action="store_true", help="export the EMA weights of the denoiser (run with --use_ema)")

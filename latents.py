@@ -31,7 +31,7 @@ prints the bytes per sample stored and what 2,867,200,000 such samples take.
 
 Why the distribution and not a latent: the VAE encoder outputs a Gaussian, and online training
 draws a fresh latent from it every time it sees the image. Storing the mean and log-variance lets
-`model.StableDiffusion.forward` do the same draw (mean + exp(logvar / 2) * noise) each epoch, so
+`t2ibench.model.DiffusionModel` do the same draw (mean + exp(logvar / 2) * noise) each epoch, so
 training on precomputed data is the same training, not training on one frozen noise sample.
 
 Storage dtype (--storage_dtype, default fp16). fp16 keeps 11 significant bits (relative error
@@ -98,7 +98,7 @@ from data import LATENT_KEYS, STORAGE_DTYPES, TOKEN_IDS_DTYPE, mds_columns, toke
 from t2ibench import errors, flags
 from t2ibench.errors import UserError, fail
 from t2ibench.families import ModelFamily, require_pretrained
-from t2ibench.locations import DEFAULT_CACHE_ROOT, is_remote, missing_upload_credentials, normalise, overlap, \
+from t2ibench.locations import is_remote, missing_upload_credentials, normalise, overlap, \
     unwritable, upload_schemes
 from t2ibench.mds import INDEX_FILE, SHARD_NAME
 from t2ibench.model import scale_images
@@ -400,8 +400,7 @@ def _writer(out: str, name: str, columns: dict[str, str], args: argparse.Namespa
 def build_parser() -> flags.Parser:
     p = flags.Parser("latents.py", description=__doc__)
     p.add_argument("--out", type=str, required=True, help="output folder, or s3:// gs:// oci:// ... URI")
-    flags.add_source(p, f"cache for --remote (default {DEFAULT_CACHE_ROOT}/<hash of remote>, as benchmark.py's), or "
-                        "the shards themselves without --remote")
+    flags.add_source(p)
     flags.add_model(p)
     flags.add_run(p, "seeds randomly initialized encoders (as benchmark.py --seed)")
     g = p.add_argument_group("encoding and output")
@@ -499,21 +498,18 @@ def source_fingerprint(source: IndexedImageCaptions) -> str:
 def main(argv: list[str] | None = None) -> dict | None:
     """Encode the source into --out; rank 0 returns the report (None on the other ranks)."""
     args = parse_args(argv)
-    with errors.command("latents.py", debug=args.debug, explain=source_error):
+    with errors.command("latents.py", debug=args.debug, explain=bad_data):
         family, source_location = validate(args)
         device = start(args)
         vae, text_encoders, tokenizers, random_encoders = build_encoders(args, family, device)
-        source = IndexedImageCaptions(sources=[source_location], tokenizer=tokenizers, family=family,
-                                      image_size=args.image_size, batch_size=args.batch_size, shuffle=False,
-                                      cache_limit=args.cache_limit, image_key=args.image_key,
-                                      caption_key=args.caption_key)
+        source, fingerprint = open_source(args, family, source_location, tokenizers)
         columns = mds_columns(vae.config.latent_channels, args.image_size // family.latent_downsample, None,
                               args.storage_dtype, not args.no_captions, text_states=args.store_text_states,
                               family=family, config=args.model_config)
         num_chunks = math.ceil(source.num_samples / args.chunk_size)
         settings = {
             "source": source_location.remote or os.path.abspath(source_location.local),
-            "source_samples": source.num_samples, "source_index_sha256": source_fingerprint(source),
+            "source_samples": source.num_samples, "source_index_sha256": fingerprint,
             "chunk_size": args.chunk_size, "image_size": args.image_size, "model_config": args.model_config,
             "model_name": args.model_name if args.model_config in family.pretrained_configs else None,
             "random_encoders": random_encoders, "seed": args.seed if random_encoders else None,
@@ -533,16 +529,27 @@ def main(argv: list[str] | None = None) -> dict | None:
         return finish(args, source.num_samples, num_chunks, all_stats, elapsed, dist.get_world_size(), device)
 
 
-def source_error(error: BaseException) -> str | None:
-    """One line for a source that cannot be read (not MDS, a wrong column, no credentials, an
-    unreachable store): raised while the source dataset is opened."""
-    if isinstance(error, data.BadDataError):
-        return str(error).strip().splitlines()[-1]
-    if isinstance(error, (ValueError, FileNotFoundError, OSError)) or errors.storage_error(error):
+def bad_data(error: BaseException) -> str | None:
+    """One line when more of the source could not be decoded than --max_bad_fraction allows."""
+    return str(error).strip().splitlines()[-1] if isinstance(error, data.BadDataError) else None
+
+
+def open_source(args: argparse.Namespace, family: ModelFamily, location: Source,
+                tokenizers: dict[str, Any]) -> tuple[IndexedImageCaptions, str]:
+    """The image-caption shards, read by index, and their fingerprint (source_fingerprint); a source
+    that cannot be read (not MDS, a wrong column, no credentials, an unreachable store) is one line."""
+    try:
+        source = IndexedImageCaptions(sources=[location], tokenizer=tokenizers, family=family,
+                                      image_size=args.image_size, batch_size=args.batch_size, shuffle=False,
+                                      cache_limit=args.cache_limit, image_key=args.image_key,
+                                      caption_key=args.caption_key)
+        return source, source_fingerprint(source)
+    except Exception as error:  # noqa: BLE001  any store's or format's error: reported, not hidden
+        if args.debug:
+            raise
         detail = (str(error).strip().splitlines() or [""])[0][:300]
-        return (f"cannot read the source ({type(error).__name__}: {detail}); check --remote/--local, and for an "
-                "object store its credentials and endpoint")
-    return None
+        fail(f"cannot read the source {location.remote or location.local} ({type(error).__name__}: {detail})"
+             + ("; check the store's credentials and endpoint" if location.remote else ""))
 
 
 def start(args: argparse.Namespace) -> torch.device:

@@ -11,7 +11,7 @@ Without --data, images are drawn for each caption: a shape in the caption's colo
 position and size on a plain grey background (the caption must name a colour PIL knows and one of
 the shapes below). With --data, the classes are its distinct captions (or the --captions among them).
 
-The score: for each caption, latents are sampled with the project's sampler (sample.py: diffusers
+The score: for each caption, latents are sampled with the project's sampler (t2ibench/sampling.py: diffusers
 DDIM, fixed seeds) from the UNet, and each sample counts as right when the nearest (L2) of the
 encoded latents of all the dataset's images (VAE posterior means, scaled) belongs to its own
 caption. It is judged in latent space because the tiny VAE is random: its decoded pictures mean

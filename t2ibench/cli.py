@@ -12,11 +12,22 @@ import argparse
 import shlex
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written (it holds example commands); every flag with its default, unless it
+    has none (None, or off) or its help already says it in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False):
+            return text
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with @FILE flag files (several flags per line, # comments) and one-line errors."""
 
     def __init__(self, prog: str, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(prog=prog, fromfile_prefix_chars="@", **kwargs)
 
     def convert_arg_line_to_args(self, line: str) -> list[str]:

@@ -10,19 +10,21 @@ import math
 from t2ibench.cli import Parser  # noqa: F401 - the commands' parser, with these groups
 from t2ibench.errors import fail
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of
+from t2ibench.locations import DEFAULT_CACHE_ROOT
 from t2ibench.sources import JoinSources
-from t2ibench.streaming import SHUFFLE_ALGOS, StreamingSettings
-
-MAX_BAD_FRACTION = 0.01  # the default bad-data policy (see data.StreamingImageCaptions)
+from t2ibench.streaming import MAX_BAD_FRACTION, SHUFFLE_ALGOS, StreamingSettings
 
 
-def add_source(p: argparse.ArgumentParser, local_help: str) -> None:
+def add_source(p: argparse.ArgumentParser) -> None:
     """Where the image-caption (or precomputed) MDS shards are, and how to read their samples."""
     g = p.add_argument_group("data source")
     g.add_argument("--remote", type=str, default=None, action=JoinSources,
                    help="MDS shards to stream: s3://, gs://, oci://, ... or a path. Several sources: repeat the flag "
                         "or separate them by commas, each optionally prefixed by its proportion: 0.7=s3://a,0.3=s3://b")
-    g.add_argument("--local", type=str, default=None, help=local_help)
+    g.add_argument("--local", type=str, default=None,
+                   help=f"cache for --remote (default: {DEFAULT_CACHE_ROOT}/<hash of remote>, one folder per remote "
+                        "for every command), or shards already on disk; with several sources, the folder their "
+                        "caches go under")
     g.add_argument("--image_key", type=str, default="jpg", help="MDS column holding the encoded image bytes")
     g.add_argument("--caption_key", type=str, default="caption", help="MDS column holding the caption text")
     g.add_argument("--cache_limit", type=str, default=None,

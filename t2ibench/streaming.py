@@ -11,6 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 SHUFFLE_ALGOS = ("py1e", "py1br", "py1s", "py2s", "naive")  # Streaming 0.13 has no py1b
+# The bad-data policy of the image loaders (data.StreamingImageCaptions): a loader process stops the
+# run when more than MAX_BAD_FRACTION of the images it decoded failed, once it has decoded at least
+# BAD_CHECK_AFTER of them (the minimum keeps one bad image early in an epoch from counting as "100%
+# bad"). Loader workers are separate processes, so the counts (and the check) are per worker.
+MAX_BAD_FRACTION = 0.01
+BAD_CHECK_AFTER = 1000
 
 
 @dataclass(frozen=True)

@@ -325,7 +325,7 @@ def test_export_loads_with_from_pretrained_and_swap_restores(tmp_path):
 def test_export_dir_option_writes_at_fit_end(tmp_path):
     from diffusers import UNet2DConditionModel
 
-    class TinySD(ComposerModel):  # a trainable `unet` attribute, as in model.StableDiffusion
+    class TinySD(ComposerModel):  # a trainable `unet` attribute, as in t2ibench.model.DiffusionModel
         def __init__(self):
             super().__init__()
             self.unet = _tiny_sd().unet

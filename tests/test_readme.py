@@ -1,16 +1,14 @@
-"""Every README command that runs on a CPU is run here, as written, so the README cannot go stale.
+"""Every command of the README and of docs/ that runs on a CPU is run here, as written, and the flag
+reference is the commands' own --help, so the documentation cannot go stale.
 
-A fenced `bash` block that follows the line `<!-- cpu-test -->` in README.md is one test: its lines
-run in order under `bash -euo pipefail`, in a fresh copy of the repository (so relative paths such
-as `results/` or `photos/` land there, not in the checkout), offline. The one exception is the
-install step of the quick start (`pip install -r requirements.txt && `): the suite already runs
-on the installed requirements, and CI installs them with the same file first.
+A fenced `bash` block that follows the line `<!-- cpu-test -->` in README.md or docs/*.md is one
+test: its lines run in order under `bash -euo pipefail`, in a fresh copy of the repository (so
+relative paths such as `results/` or `photos/` land there, not in the checkout), offline. The one
+exception is the install step of the quick start (`pip install -r requirements.txt && `): the suite
+already runs on the installed requirements, and CI installs them with the same file first.
 """
 from __future__ import annotations
 
-import contextlib
-import importlib
-import io
 import os
 import re
 import shutil
@@ -21,23 +19,39 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from flag_reference import COMMANDS, reference  # noqa: E402
+
 MARKER = "<!-- cpu-test -->"
 INSTALL = "pip install -r requirements.txt && "
 BLOCK = re.compile(re.escape(MARKER) + r"\s*\n```bash\n(.*?)```", re.DOTALL)
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def readme_blocks() -> list[str]:
-    return BLOCK.findall((ROOT / "README.md").read_text())
+def cpu_blocks() -> list[tuple[str, str]]:
+    """(document, block) of every block marked for the CPU."""
+    return [(path.name, block) for path in DOCS for block in BLOCK.findall(path.read_text())]
 
 
-def test_readme_marks_its_cpu_commands():
-    blocks = readme_blocks()
-    assert len(blocks) >= 2, "the quick start and the CPU walk-through carry the cpu-test marker"
-    assert blocks[0].startswith(INSTALL), "the README's first command installs and runs the benchmark"
+def test_the_documents_mark_their_cpu_commands():
+    readme = BLOCK.findall((ROOT / "README.md").read_text())
+    assert readme and readme[0].startswith(INSTALL), "the README's first command installs and runs the benchmark"
+    marked = {name for name, _ in cpu_blocks()}
+    assert {"data.md", "recipe.md"} <= marked, "the CPU walk-through and the tiny recipe carry the marker"
 
 
-@pytest.mark.parametrize("block", readme_blocks(), ids=lambda b: b.replace(INSTALL, "").split()[1][:40])
-def test_readme_command_runs(block: str, tmp_path: Path):
+def test_readme_first_screen_is_a_door():
+    text = (ROOT / "README.md").read_text()
+    first_screen = text.split("\n## Measured results", 1)[0]
+    assert len(first_screen.splitlines()) <= 65
+    assert "composer benchmark.py --use_ema --use_synth_data" in first_screen and "--remote" in first_screen
+    for doc in ("gpu-runs", "data", "scale", "cost", "recipe", "launch", "speed", "errors", "flags", "design"):
+        assert f"(docs/{doc}.md)" in first_screen and (ROOT / "docs" / f"{doc}.md").is_file()
+
+
+@pytest.mark.parametrize("document, block", cpu_blocks(), ids=lambda x: x if x.endswith(".md") else
+                         x.replace(INSTALL, "").split()[1][:40])
+def test_documented_cpu_command_runs(document: str, block: str, tmp_path: Path):
     work = tmp_path / "repo"
     shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", "results",
                                                               "wandb", "*.egg-info"))
@@ -45,26 +59,25 @@ def test_readme_command_runs(block: str, tmp_path: Path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(work)}
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=work, env=env, capture_output=True,
                             text=True, timeout=600)
-    assert result.returncode == 0, f"README block failed:\n{block}\n--- stdout\n{result.stdout[-3000:]}\n" \
+    assert result.returncode == 0, f"{document} block failed:\n{block}\n--- stdout\n{result.stdout[-3000:]}\n" \
                                    f"--- stderr\n{result.stderr[-3000:]}"
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("script", ["benchmark.py", "convert.py", "latents.py", "cost.py", "export.py"])
-def test_readme_names_every_flag(script: str):
-    # The flags a command accepts, from its own --help (in-process: the parser the command builds).
-    sys.path.insert(0, str(ROOT))
-    module = importlib.import_module(script.removesuffix(".py"))
-    if hasattr(module, "build_parser"):
-        text = module.build_parser().format_help()
-    else:
-        with contextlib.redirect_stdout(io.StringIO()) as out, pytest.raises(SystemExit):
-            module.parse_args(["--help"])
-        text = out.getvalue()
-    options = text.split("options:", 1)[1]  # argparse's list, not flags named in the description
-    flags = set(re.findall(r"^\s+(?:-\w, )?(--[a-z][a-z0-9_]+)", options, re.MULTILINE)) - {"--help"}
-    assert flags, text
-    readme = (ROOT / "README.md").read_text()
-    missing = sorted(flag for flag in flags if f"`{flag}" not in readme and f"{flag}`" not in readme
-                     and f"{flag} " not in readme)
-    assert not missing, f"{script} flags missing from README.md: {missing}"
+def test_flag_reference_is_the_commands_help(monkeypatch):
+    # docs/flags.md is generated from each command's --help (scripts/flag_reference.py): any flag
+    # added, removed or re-described without regenerating it fails here.
+    current = reference()
+    assert (ROOT / "docs" / "flags.md").read_text() == current, \
+        "docs/flags.md differs from the commands' --help: run python scripts/flag_reference.py"
+    for script in COMMANDS:
+        assert f"## `{script}`" in current
+
+
+def test_docs_describe_every_flag():
+    # The reference lists them all; the prose of docs/ must at least name each one somewhere too.
+    flags = set(re.findall(r"^\s+(?:-\w, )?(--[a-z][a-z0-9_]+)", reference(), re.MULTILINE)) - {"--help"}
+    prose = "\n".join(p.read_text() for p in DOCS if p.name != "flags.md")
+    missing = sorted(flag for flag in flags if f"`{flag}" not in prose and f"{flag}`" not in prose
+                     and f"{flag} " not in prose)
+    assert not missing, f"flags no document describes: {missing}"

@@ -224,3 +224,32 @@ def test_precomputed_text_states_run_with_dropout_samples_and_export(tmp_path):
     assert Image.open(tmp_path / "samples" / "2.png").size == (96, 96)  # 8 prompts of 32 px, 3 x 3
     assert {"unet", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json"} <= {
         p.name for p in (tmp_path / "pipe").iterdir()}
+
+
+RECIPE_VALUES = ("lr", "weight_decay", "caption_drop_prob", "grad_clip_norm", "lr_schedule", "autoresume", "use_ema",
+                 "ema_export_dir", "snr_gamma", "offset_noise")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_recipe_files_are_the_documented_recipe_and_the_tiny_ones_keep_its_values(stage, tmp_path):
+    real = benchmark.parse_args([f"@{ROOT}/recipes/sd2-stage{stage}.args"])
+    tiny = benchmark.parse_args([f"@{ROOT}/recipes/tiny-stage{stage}.args"])
+    assert (real.lr, real.weight_decay, real.caption_drop_prob, real.grad_clip_norm) == (1e-4, 0.01, 0.1, 1.0)
+    assert real.batch_size == 2048 and real.autoresume and real.model_config == "sd2-base"
+    if stage == 1:
+        assert (real.image_size, real.max_duration, real.lr_warmup_batches) == (256, "550000ba", 10000)
+    else:
+        assert (real.image_size, real.max_duration, real.lr_warmup_batches) == (512, "1400000ba", 0)
+        assert (real.use_ema, real.ema_start, real.ema_half_life) == (True, "1350000ba", "6931ba")
+    for name in RECIPE_VALUES:
+        assert getattr(tiny, name) == getattr(real, name), name
+    assert tiny.model_config == "tiny" and (tiny.lr_warmup_batches > 0) == (real.lr_warmup_batches > 0)
+    # The full-size recipe passes every check on 8 GPUs given its data and where the run goes.
+    where = ["--samples_dir", str(tmp_path / "samples")] if stage == 1 else ["--ema_export_dir", str(tmp_path / "pipe")]
+    args = benchmark.parse_args([f"@{ROOT}/recipes/sd2-stage{stage}.args", "--use_synth_data", "--run_name", "r",
+                                 "--save_folder", str(tmp_path / "run"), *where])
+    benchmark.validate(args, world_size=8)
+    # Flags after the file override it; a file that cannot be read is one line.
+    assert benchmark.parse_args([f"@{ROOT}/recipes/sd2-stage1.args", "--lr", "2e-4"]).lr == 2e-4
+    with pytest.raises(SystemExit):
+        benchmark.parse_args([f"@{tmp_path}/missing.args"])
