@@ -183,7 +183,7 @@ def build_data(args: argparse.Namespace, run: Runtime, family: ModelFamily) -> T
     in its workers. Held-out data is read like the training data, in stored order; synthetic
     held-out samples are drawn with another seed than the training ones."""
     tokenizers = None
-    for source in [] if args.use_synth_data else args.sources:
+    for source in [] if args.use_synth_data else [*args.sources, *args.eval_sources]:
         record_cache(source)  # the remote a cache holds, before Streaming fills it
     if not args.precomputed and not args.use_synth_data:
         tokenizers = family.build(args.model_config, args.model_name, denoiser=False, vae=False, text_encoders=False)
