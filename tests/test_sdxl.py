@@ -357,13 +357,13 @@ def test_precomputed_shards_store_the_geometry_and_refuse_without_it(tmp_path):
     write(tmp_path / "sd2", False)
     assert data.bytes_per_sample(64, micro_conditioning=True) == data.bytes_per_sample(64) + 16
     dataset = data.StreamingLatents(remote=None, local=str(tmp_path / "xl"), batch_size=2, image_size=64,
-                                    shuffle=False, micro_conditioning=True)
+                                    shuffle=False, family=FAMILY)
     assert dataset[1]["original_size"].tolist() == [481, 640] and dataset[1]["crop_top_left"].tolist() == [0, 11]
     with pytest.raises(ValueError, match="without original_size, crop_top_left, which this model is conditioned on"):
         data.StreamingLatents(remote=None, local=str(tmp_path / "sd2"), batch_size=2, image_size=64,
-                              micro_conditioning=True)
+                              family=FAMILY)
     shapes = FAMILY.conditioning_shapes("sdxl-tiny")
     synthetic = data.SyntheticLatents(64, 96, num_samples=2, family=FAMILY, text_format="text_states",
-                                      conditioning_shapes=shapes)[0]
+                                      config="sdxl-tiny")[0]
     assert synthetic["original_size"].tolist() == [64, 64]
     assert {k: tuple(synthetic[k].shape) for k in shapes} == shapes
