@@ -1,4 +1,4 @@
-"""Time and cost to train Stable Diffusion 2 base, from measured training throughput.
+"""Time and cost to train Stable Diffusion 2 base (or Flux.1-schnell, MLPerf's model since v5.1), from measured throughput.
 
 The 2023 MosaicML benchmark turned images/sec on 8..128 A100s into days, GPU-hours and dollars
 for the whole training run (2,867,200,000 images = 1.4M steps x 2048, at $2 per A100-hour),
@@ -38,6 +38,13 @@ Results JSON files need `images_per_sec` (global, all GPUs together) and `world_
 GPUs); `device`, `image_size`, `model_config` and `precomputed` are used when present: mixing
 them is an error, and a result that is not SD2 base at 512x512 gives a table labeled for what it
 measured (the cost of training that model at that size), never "the cost to train SD2 base".
+
+Flux.1-schnell (`flux1-schnell` results, or `--model_config flux1-schnell` with --gpus/--images_per_sec)
+is priced for `--samples` (default: one pass over MLPerf's 1,099,776-sample training set; a run to
+MLPerf's quality target takes more), and the table gains reference rows at each measured GPU count:
+the per-GPU samples/s of MLPerf Training v5.1's Flux.1 results (B200, GB200, GB300), marked as
+published elsewhere, not measured here. Its one-time precompute pass (`--precompute`) runs T5-XXL,
+CLIP-L and the VAE encoder (2,683 GFLOP per 256x256 image, T5-XXL 89% of it).
 """
 from __future__ import annotations
 
@@ -52,7 +59,9 @@ from t2ibench import errors
 from t2ibench.cli import Parser
 from t2ibench.errors import fail
 from t2ibench.locations import normalise
-from t2ibench.scale import PRICED_MODELS, SAMPLES, USD_PER_GPU_HOUR  # the 2023 table's: 1.4M steps x 2048, $2/A100-hour
+from t2ibench.scale import (MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU, MLPERF_FLUX_TRAIN_SAMPLES, PRICED_MODELS,
+                            SAMPLES,  # 2023: 1.4M x 2048
+                            USD_PER_GPU_HOUR)  # $2 per A100-hour
 SECONDS_PER_DAY = 86_400
 # The default table runs at least to this count, the largest one in the 2023 table.
 DEFAULT_MAX_GPUS = 256
@@ -65,6 +74,12 @@ PRECOMPUTE_IMAGES = 2_000_000_000  # distinct images behind the 2.9B samples (ab
 VAE_ENCODER_FLOPS = PRICED_MODELS["sd2-base"][2]
 PRECOMPUTE_PEAK_FLOPS, PRECOMPUTE_MFU = 312e12, 0.40
 PRECOMPUTE_IMAGES_PER_SEC = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / VAE_ENCODER_FLOPS  # per GPU
+# Flux.1-schnell at 256x256 (families/flux.py's count): VAE encoder 272.9, CLIP-L 13.3, T5-XXL
+# (256 tokens) 2,396.6 GFLOP per image; its pass encodes MLPerf's training set once.
+FLUX_PRECOMPUTE_FLOPS = (272.9 + 13.3 + 2_396.6) * 1e9
+FLUX_PRECOMPUTE_IMAGES_PER_SEC = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / FLUX_PRECOMPUTE_FLOPS
+# Configurations with a table of their own: (name in titles, resolution MLPerf / the 2023 table use).
+NAMED_MODELS = {"sd2-base": ("SD2 base", 512), "flux1-schnell": ("Flux.1-schnell (MLPerf Training v5.1's model)", 256)}
 
 
 @dataclass
@@ -87,7 +102,7 @@ class Row:
     days: float
     gpu_hours: float
     cost_usd: float
-    source: str  # "measured" or "predicted"
+    source: str  # "measured", "predicted", or "MLPerf v5.1 <GPU> (published elsewhere)" for reference rows
 
 
 @dataclass
@@ -405,8 +420,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_gpus", nargs="+", type=positive(int), metavar="N",
                    help="GPU counts for the table (default: the measured counts plus powers of "
                         "two up to 2x the largest measured, at least to 256)")
-    p.add_argument("--samples", type=positive(float), default=SAMPLES,
-                   help=f"images seen in the whole run (default {SAMPLES:,} = 1.4M steps x 2048)")
+    p.add_argument("--samples", type=positive(float), default=None,
+                   help=f"images seen in the whole run (default {SAMPLES:,} = 1.4M steps x 2048 for SD2; for "
+                        f"Flux {MLPERF_FLUX_TRAIN_SAMPLES:,}, one pass over MLPerf's training set)")
+    p.add_argument("--model_config", default=None, choices=sorted(NAMED_MODELS),
+                   help="the model of --gpus/--images_per_sec pairs (default: sd2-base, or the results files')")
     p.add_argument("--usd_per_gpu_hour", type=positive(float), default=USD_PER_GPU_HOUR,
                    help=f"price of one GPU-hour in US dollars (default {USD_PER_GPU_HOUR})")
     p.add_argument("--plot", metavar="PATH.png", help="save a plot of days and cost vs GPUs")
@@ -416,15 +434,23 @@ def build_parser() -> argparse.ArgumentParser:
     # A run on precomputed latents: its one-time latents.py pass, so the table's cost is the total.
     p.add_argument("--precompute", action="store_true",
                    help="add the one-time latents.py pass to every row (for --precomputed throughputs)")
-    p.add_argument("--precompute_images", type=positive(float), default=PRECOMPUTE_IMAGES,
-                   help=f"distinct images the pass encodes (default {PRECOMPUTE_IMAGES:,})")
+    p.add_argument("--precompute_images", type=positive(float), default=None,
+                   help=f"distinct images the pass encodes (default {PRECOMPUTE_IMAGES:,}; Flux: "
+                        f"{MLPERF_FLUX_TRAIN_SAMPLES:,})")
     p.add_argument("--precompute_images_per_sec", type=positive(float), default=None,
                    help="images/s of the pass per GPU (latents.py's images_per_sec / world_size; default: an A100 at "
-                        f"40%% MFU on the measured model's VAE encoder, {PRECOMPUTE_IMAGES_PER_SEC:.1f} for SD2 base "
-                        f"at 512 (1,117 GFLOP/image), "
+                        f"40%% MFU on the measured model's encoders, {PRECOMPUTE_IMAGES_PER_SEC:.1f} for SD2 base "
+                        f"at 512 (VAE encoder, 1,117 GFLOP/image), "
                         f"{PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / PRICED_MODELS['sdxl-base'][2]:.1f} for SDXL base "
-                        "at 1024 (4,879)")
+                        f"at 1024 (4,879), {FLUX_PRECOMPUTE_IMAGES_PER_SEC:.1f} for Flux (T5-XXL, CLIP and the VAE, "
+                        "2,683 GFLOP/image)")
     return p
+
+
+def mlperf_rows(num_gpus: list[int], samples: float, usd_per_gpu_hour: float) -> list[Row]:
+    """Reference rows at each GPU count: MLPerf v5.1's per-GPU Flux.1 throughputs, scaled linearly."""
+    return [make_row(n, per_gpu * n, samples, usd_per_gpu_hour, f"MLPerf v5.1 {gpu} (published elsewhere)")
+            for n in num_gpus for gpu, per_gpu in MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU.items()]
 
 
 # The model the 2023 table is for: results of anything else are labeled as such.
@@ -445,10 +471,16 @@ def describe(measurements: list[Measurement]) -> tuple[str, str | None]:
     by its name, anything else by its config name. SDXL base at its 1024x1024 is priced as itself,
     with a note that the sample count is the 2023 SD2 run's unless --samples says otherwise.
     """
-    model, size = measured_model(measurements)
+    model = next((m.model_config for m in measurements if m.model_config), SD2_BASE[0])
+    size = next((m.image_size for m in measurements if m.image_size), NAMED_MODELS.get(model, SD2_BASE)[1])
     precomputed = any(m.precomputed for m in measurements)
-    name = PRICED_MODELS[model][0] if model in PRICED_MODELS else f"model '{model}'"
+    name = (PRICED_MODELS[model][0] if model in PRICED_MODELS else NAMED_MODELS[model][0] if model in NAMED_MODELS
+            else f"model '{model}'")
     what = f"{name} at {size}x{size}" + (" from precomputed latents" if precomputed else "")
+    if model == "flux1-schnell":
+        return what, None if not any(m.precomputed is False for m in measurements) else (
+            "these results encode images and captions in the training step (T5-XXL, CLIP, VAE); MLPerf's set-up "
+            "trains from precomputed latents and text states")
     if model in PRICED_MODELS and model != SD2_BASE[0] and size == PRICED_MODELS[model][1]:
         return what, (f"the table prices {what}, trained from scratch on --samples images (by default the 2023 SD2 "
                       "run's 2.87 billion; SDXL's own schedule was not published in samples): not Stable Diffusion 2 "
@@ -485,9 +517,20 @@ def table(args: argparse.Namespace) -> list[Row]:
         check_consistent(measurements)
     except ValueError as e:
         fail(str(e))
-    measurements += [Measurement(n, x) for n, x in zip(args.gpus, args.images_per_sec)]
+    configs = {m.model_config for m in measurements if m.model_config}
+    if args.model_config and configs and configs != {args.model_config}:
+        fail(f"--model_config {args.model_config}: the results files are for {sorted(configs)}")
+    pairs_model = args.model_config or next(iter(configs), None)
+    measurements += [Measurement(n, x, model_config=pairs_model) for n, x in zip(args.gpus, args.images_per_sec)]
     if not measurements:
         fail("no measurements: give results JSON files or --gpus N --images_per_sec X")
+    flux = measurements[0].model_config == "flux1-schnell"
+    if args.samples is None:
+        args.samples = MLPERF_FLUX_TRAIN_SAMPLES if flux else SAMPLES
+    if args.precompute_images is None:
+        args.precompute_images = MLPERF_FLUX_TRAIN_SAMPLES if flux else PRECOMPUTE_IMAGES
+    if args.precompute_images_per_sec is None and flux:
+        args.precompute_images_per_sec = FLUX_PRECOMPUTE_IMAGES_PER_SEC
 
     what, warning = describe(measurements)
     if args.precompute_images_per_sec is None:  # a priced model's VAE encoder at its size; else SD2's at 512
@@ -506,6 +549,13 @@ def table(args: argparse.Namespace) -> list[Row]:
         notes.append(f"includes the one-time latents.py pass: {args.precompute_images:,.0f} images at "
                      f"{args.precompute_images_per_sec:,.1f} images/s per GPU = {pass_hours:,.0f} GPU-hours "
                      f"(${pass_hours * args.usd_per_gpu_hour:,.0f})")
+    if flux:
+        if args.samples == MLPERF_FLUX_TRAIN_SAMPLES:
+            notes.append(f"{args.samples:,.0f} samples: one pass over MLPerf's training set; a run to its quality "
+                         "target takes more (pass --samples)")
+        rows = rows + mlperf_rows(sorted(measured), args.samples, args.usd_per_gpu_hour)
+        notes.append("MLPerf v5.1 rows: per-GPU samples/s of the published Flux.1 results times the GPU count "
+                     "(MXFP8, CUDA graphs; published elsewhere, not measured here)")
 
     device = next((m.device for m in measurements if m.device), None)
     caption = (f"{what}: {args.samples:,.0f} images at ${args.usd_per_gpu_hour:,.2f} per GPU-hour"
@@ -528,7 +578,7 @@ def table(args: argparse.Namespace) -> list[Row]:
         write_markdown(rows, args.markdown, caption)
         print(f"wrote {args.markdown}")
     if args.plot:
-        plot(rows, args.plot, title)
+        plot([r for r in rows if r.source in ("measured", "predicted")], args.plot, title)  # not the references
         print(f"wrote {args.plot}")
     return rows
 

@@ -113,12 +113,6 @@ CONFIGS = {"flux1-schnell": FLUX1_SCHNELL, "flux1-tiny": FLUX1_TINY}
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False, base_shift=0.5,
                         max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
 
-# MLPerf Training v5.1 text-to-image (Flux.1), published elsewhere: the set-up and results per GPU.
-MLPERF_TRAIN_SAMPLES = 1_099_776  # the CC12M subset, 256x256
-MLPERF_TARGET_EVAL_LOSS = 0.586  # validation loss over 8 timesteps
-NVIDIA_DECLARED_FLOP_PER_SAMPLE = 20.3e12
-# Samples/s per GPU in the v5.1 result logs (MXFP8, full-iteration CUDA graphs); GB300: 62-70 by entry.
-MLPERF_SAMPLES_PER_SEC_PER_GPU = {"B200": 51.0, "GB200": 56.0, "GB300 (low)": 62.0, "GB300 (high)": 70.0}
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""flux1-tiny through benchmark.py: one rank in-process (validation loss, samples, EMA, export that
+FluxPipeline loads), and two ranks through Composer's launcher, SIGKILLed after a checkpoint and
+resumed with --autoresume to the same weights, EMA, optimizer state and validation losses.
+
+The two-rank runs train on synthetic data in MLPerf's precomputed format (VAE moments, T5 states,
+CLIP pooled). They use DDP: FSDP is not in this project yet (see docs/flux.md).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
+from diffusers import FluxPipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import benchmark  # noqa: E402
+from t2ibench.callbacks.throughput import Throughput  # noqa: E402
+from t2ibench.callbacks.validation import ValidationLog  # noqa: E402
+from test_resume import Launch, assert_tensors_equal, ema_state, latest, load, two_ranks  # noqa: E402
+
+FLUX_TINY = ["--model_config", "flux1-tiny", "--precomputed", "--use_synth_data", "--image_size", "32",
+             "--num_workers", "0", "--seed", "17", "--warmup_batches", "1", "--log_interval", "1ba"]
+# 2 ranks x 2 samples; 12 samples: an epoch is 3 batches, so the run crosses epochs and resumes mid-epoch.
+RESUME_RUN = FLUX_TINY + ["--batch_size", "4", "--num_synthetic_samples", "12", "--use_ema", "--max_duration", "6ba",
+                          "--save_interval", "2ba", "--eval_interval", "3ba", "--eval_samples", "8",
+                          "--run_name", "flux-resume", "--autoresume"]
+KILL_AFTER = "ep1-ba4-rank0.pt"  # after the evaluation at batch 3
+FINAL = "ep1-ba6-rank0.pt"
+
+
+class PausesSeen(Callback):
+    """Fault-free probe: at the end of fit, what the Throughput and ValidationLog callbacks hold."""
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self.throughput = next(cb for cb in state.callbacks if isinstance(cb, Throughput))
+        self.validation = next(cb for cb in state.callbacks if isinstance(cb, ValidationLog))
+
+
+def test_one_rank_validation_loss_samples_ema_and_export(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    probe = PausesSeen()
+    results = benchmark.main(FLUX_TINY + [
+        "--batch_size", "4", "--max_duration", "4ba", "--eval_interval", "2ba", "--eval_samples", "8",
+        "--eval_target", "100", "--use_ema", "--ema_export_dir", str(tmp_path / "pipe"), "--sample_prompts", "shapes",
+        "--sample_interval", "4ba", "--sample_steps", "2", "--samples_dir", str(tmp_path / "samples"),
+        "--caption_drop_prob", "0.1", "--results_json", str(tmp_path / "r.json")], extra_callbacks=[probe])
+    stored = json.loads((tmp_path / "r.json").read_text())
+    assert stored["model_config"] == "flux1-tiny" and stored["precomputed_format"] == "text_states"
+    history = stored["eval_history"]
+    assert [entry["batch"] for entry in history] == [2, 4] and stored["eval_loss"] == history[-1]["loss"]
+    assert all(entry["held_out_samples"] == 8 and len(entry["per_timestep"]) == 8 for entry in history)
+    assert stored["eval_target_reached"]["batch"] == 2  # a target every loss meets: the first evaluation
+    # Every evaluation and the sample grid are pauses, which the measured throughput leaves out.
+    pauses = probe.throughput.pauses.intervals
+    for entry in probe.validation.history:
+        assert any(seconds == entry["seconds"] for _, seconds in pauses)
+    assert len(pauses) == len(history) + 1  # + the grid at batch 4
+    assert (tmp_path / "samples" / "4.png").is_file()
+    assert results["flops_per_image"] > 0 and results["loss_by_timestep_bin"]
+    pipe = FluxPipeline.from_pretrained(str(tmp_path / "pipe"), local_files_only=True)
+    images = pipe(["a red square"], height=32, width=32, num_inference_steps=2, output_type="np",
+                  max_sequence_length=pipe.tokenizer_2.model_max_length).images
+    assert images.shape == (1, 32, 32, 3)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An uninterrupted two-rank run and the same run SIGKILLed after its batch-4 checkpoint, resumed."""
+    tmp = tmp_path_factory.mktemp("flux-resume")
+
+    def launch(folder: Path, name: str) -> Launch:
+        args = RESUME_RUN + ["--save_folder", str(folder), "--results_json", str(tmp / f"{name}.json")]
+        return Launch(two_ranks("benchmark.py", *args), tmp / f"{name}.log").start()
+
+    reference, killed = launch(tmp / "reference", "reference"), launch(tmp / "killed", "killed")
+    launches, resumed = [reference, killed], None
+    try:
+        while resumed is None or any(run.running() for run in launches):
+            if resumed is None and latest(tmp / "killed") == KILL_AFTER:
+                killed.kill()
+                resumed = launch(tmp / "killed", "resumed")
+                launches.append(resumed)
+            elif resumed is None and not killed.running():
+                pytest.fail(f"the run to kill exited before writing {KILL_AFTER}:\n{killed.tail()}")
+            for run in launches:
+                run.check_time()
+            time.sleep(0.2)
+    finally:
+        for run in launches:
+            run.kill()
+    return dict(tmp=tmp, reference=reference, killed=killed, resumed=resumed)
+
+
+def test_two_ranks_killed_and_resumed_reach_the_same_weights_and_validation_loss(runs):
+    tmp, reference, killed, resumed = runs["tmp"], runs["reference"], runs["killed"], runs["resumed"]
+    assert reference.proc.returncode == 0, reference.tail()
+    assert killed.proc.returncode == -signal.SIGKILL
+    assert resumed.proc.returncode == 0, resumed.tail()
+    assert "batch 5/6 " in resumed.output() and "batch 1/6 " not in resumed.output(), resumed.tail()
+    ref, res = load(tmp / "reference" / FINAL), load(tmp / "killed" / FINAL)
+    assert {k.split(".")[0] for k in ref["state"]["model"]} == {"transformer"}  # no encoder: precomputed
+    assert_tensors_equal(ref["state"]["model"], res["state"]["model"], "transformer weights")
+    assert_tensors_equal(ema_state(ref)["shadow"], ema_state(res)["shadow"], "EMA shadow")
+    for key in ref["state"]["optimizers"]["AdamW"]["state"]:
+        assert_tensors_equal(ref["state"]["optimizers"]["AdamW"]["state"][key],
+                             res["state"]["optimizers"]["AdamW"]["state"][key], f"AdamW state {key}")
+    r_ref, r_res = (json.loads((tmp / f"{name}.json").read_text()) for name in ("reference", "resumed"))
+    assert r_ref["world_size"] == 2 and r_ref["final_loss"] == r_res["final_loss"]
+    # Both evaluations, on both ranks' halves of the 8 held-out samples, once each; the resumed run
+    # kept the one before the kill (from the checkpoint) and computed the same loss at batch 6.
+    assert [e["batch"] for e in r_ref["eval_history"]] == [e["batch"] for e in r_res["eval_history"]] == [3, 6]
+    assert all(e["held_out_samples"] == 8 for e in r_ref["eval_history"])
+    assert [e["loss"] for e in r_ref["eval_history"]] == [e["loss"] for e in r_res["eval_history"]]
