@@ -31,7 +31,9 @@ from composer.utils import dist, reproducibility
 import data
 from checks import DEFAULT_LOCAL, PRECISIONS, default_local, record_caches, storage_error, validate, validate_recipe
 from console import ConsoleProgress
-from model import MODEL_CONFIGS, LossByTimestep, StableDiffusion, build_components, build_encoders_aside, sd2_meta_components
+import gpu_memory
+from model import (MODEL_CONFIGS, LossByTimestep, StableDiffusion, build_components, build_encoders_aside,
+                   sd2_meta_components, set_norm_precision)
 from tokenizer import tokenize
 from throughput import Throughput, count_flops_per_image
 
@@ -114,7 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train from precomputed VAE latents (latents.py): no VAE; the text encoder runs on stored "
                         "token ids, or is skipped too for shards written with --store_text_states")
     p.add_argument("--channels_last", action="store_true", help="UNet and VAE in channels-last memory format")
-    p.add_argument("--compile", action="store_true", help="torch.compile the UNet (in place: checkpoint keys unchanged)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every module that runs per step: the UNet, and the VAE encoder and text encoder "
+                        "when they run (in place: checkpoint keys unchanged)")
+    p.add_argument("--norm_precision", type=str, default="autocast", choices=gpu_memory.NORM_PRECISIONS,
+                   help="under AMP, GroupNorm and LayerNorm run in the autocast dtype (autocast), or in fp32 as "
+                        "CUDA autocast's own lists have them (fp32)")
     p.add_argument("--fused_adamw", type=str, default="auto", choices=("auto", "on", "off"),
                    help="fused AdamW kernel; auto: on with CUDA")
     p.add_argument("--xformers", action="store_true", help="use xFormers attention in the UNet (default: PyTorch SDPA)")
@@ -284,34 +291,22 @@ class StopOnNonFiniteLoss(Callback):
         return path
 
 
-# Recommended microbatch per GPU memory size, SD2 base at 512x512 with AdamW, EMA and DDP; from
-# memory arithmetic, NOT measured (README: "Microbatch sizes"). Per device: UNet fp32 weights,
-# gradients, DDP buckets, EMA copy and two AdamW moments, 6 x 3.46 GB = 20.8 GB, plus the frozen
-# encoders (0.85 GB in bf16) and about 1.4 GB of bf16 activations per image of microbatch
-# (less with precomputed latents: no VAE encoder activations, so twice the microbatch).
-MICROBATCH_BY_MEMORY_GIB = ((36, 8), (72, 32), (128, 64))  # (at least this much memory, microbatch)
-
-
-def safe_auto_microbatch(total_memory_bytes: int, per_device: int, precomputed: bool) -> int:
-    """`auto` for several ranks: a fixed microbatch from the GPU's memory size, not an OOM search.
+def safe_auto_microbatch(args: argparse.Namespace, total_memory_bytes: int, world_size: int, precision: str,
+                         text_format: str | None) -> int:
+    """`auto` for several ranks: the memory model's microbatch for this GPU (gpu_memory.py), not an OOM search.
 
     Composer's auto microbatching catches an OOM and retries the batch with half the microbatch.
     Under DDP an OOM in the backward pass leaves the gradient reducer mid-reduction (buckets marked
     ready on one rank and not on another), and the size found on batch 1 ignores the AdamW and EMA
     state that is only allocated after it; so with several ranks `auto` takes the largest power of
-    two that divides the per-device batch and is at most the table's size for this memory.
+    two that divides the per-device batch and that gpu_memory.plan counts as fitting this GPU's memory
+    with this run's settings.
     """
-    gib = total_memory_bytes / 2**30
-    limit = 4  # below 36 GiB: the 2023 benchmark's 4 on a 40 GB A100 was the smallest known to fit
-    for memory_gib, size in MICROBATCH_BY_MEMORY_GIB:
-        if gib >= memory_gib:
-            limit = size
-    if precomputed:
-        limit *= 2
-    size = 1
-    while size * 2 <= min(limit, per_device) and per_device % (size * 2) == 0:
-        size *= 2
-    return size
+    return gpu_memory.auto_microbatch(
+        args.model_config, args.image_size, total_memory_bytes, args.batch_size // world_size,
+        precision=precision, norm_precision=args.norm_precision, precomputed=args.precomputed,
+        precomputed_format=text_format or "tokens", use_ema=args.use_ema,
+        fsdp=getattr(args, "fsdp", None) or "none", num_gpus=world_size)
 
 
 def per_node_signal_files() -> None:
@@ -358,12 +353,6 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     microbatch = args.device_train_microbatch_size
     if microbatch == "auto" and not on_gpu:
         microbatch = args.batch_size // world_size  # Composer's auto microbatching needs a GPU
-    elif microbatch == "auto" and world_size > 1:
-        microbatch = safe_auto_microbatch(torch.cuda.get_device_properties(0).total_memory,
-                                          args.batch_size // world_size, args.precomputed)
-        if dist.get_global_rank() == 0:
-            print(f"--device_train_microbatch_size auto with {world_size} ranks: using {microbatch} "
-                  f"(from memory arithmetic for this GPU's memory; see README), not Composer's OOM search", flush=True)
     if args.channels_last and not args.compile and dist.get_global_rank() == 0:
         warnings.warn("--channels_last without --compile: eager GroupNorm returns contiguous tensors, so every "
                       "convolution after a norm converts its input back to channels-last; add --compile "
@@ -380,6 +369,13 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
             num_samples=args.num_synthetic_samples, seed=args.seed, synthetic_format=args.precomputed_format,
             **(streaming_options(args) if not args.use_synth_data else dict(shuffle=args.shuffle)))
         text_format = train_dataloader.dataset.text_format
+    if microbatch == "auto" and world_size > 1:  # here: with precomputed latents it depends on the shards' format
+        microbatch = safe_auto_microbatch(args, torch.cuda.get_device_properties(0).total_memory, world_size,
+                                          precision, text_format)
+        if dist.get_global_rank() == 0:
+            print(f"--device_train_microbatch_size auto with {world_size} ranks: using {microbatch} "
+                  f"(counted by gpu_memory.py for this GPU's memory and these settings; see README), "
+                  "not Composer's OOM search", flush=True)
     components = build_components(args.model_config, args.model_name, with_encoders=not args.precomputed,
                                   with_text_encoder=text_format != "text_states")
     if components.random:
@@ -423,6 +419,14 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         if model.vae is not None:
             model.vae.to(memory_format=torch.channels_last)
             model.vae_channels_last = True
+    if precision in ("amp_bf16", "amp_fp16"):
+        # Frozen encoders stored in the autocast dtype: autocast would otherwise re-cast their fp32
+        # weights on every microbatch. GroupNorm and LayerNorm, which CUDA autocast runs in fp32
+        # (reading and writing twice the bytes, keeping fp32 activations for backward and upcasting
+        # the stored bf16 norm weights), run in the autocast dtype unless --norm_precision fp32.
+        for frozen in model._frozen():
+            frozen.to(torch.bfloat16 if precision == "amp_bf16" else torch.float16)
+        set_norm_precision(model, args.norm_precision)
     if args.compile:
         if world_size > 1:
             # Under DDP, dynamo's DDPOptimizer splits the compiled graph at every gradient bucket
@@ -430,13 +434,14 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
             # gradient accumulation Composer syncs gradients only on a batch's last microbatch, so
             # that overlap is worth little, while the splits cost fusion and compile time.
             torch._dynamo.config.optimize_ddp = False
-        model.unet.compile()  # nn.Module.compile keeps parameter names, so checkpoints and EMA are unaffected
-    if precision in ("amp_bf16", "amp_fp16"):
-        # Frozen encoders stored in the autocast dtype: autocast would otherwise re-cast their fp32
-        # weights on every microbatch. Autocast still runs its fp32-listed ops (GroupNorm,
-        # LayerNorm, softmax) in fp32, so the numerics are those of fp32 weights under autocast.
-        for frozen in model._frozen():
-            frozen.to(torch.bfloat16 if precision == "amp_bf16" else torch.float16)
+        # nn.Module.compile works in place and keeps parameter names, so checkpoints and the EMA are
+        # unaffected. Every module that runs per step: the eager VAE encoder was 35-40% of an
+        # online step, and the text encoder runs on token ids online and on the tokens format.
+        model.unet.compile()
+        if model.vae is not None:
+            model.vae.encoder.compile()
+        if model.text_encoder is not None:
+            model.text_encoder.compile()
 
     # FLOPs per image, counted once on meta-device copies: nothing is computed.
     meta_unet, meta_vae, meta_text = sd2_meta_components(args.model_config)

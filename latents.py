@@ -323,8 +323,8 @@ def encode(vae: torch.nn.Module, text_encoder: torch.nn.Module | None, images: t
     encoder: the token ids are stored instead), as float32 on `device`."""
     images = scale_images(images.to(device, non_blocking=True))  # uint8 pixels -> [-1, 1] on the device
     ids = ids.to(device, non_blocking=True)
-    if device.type == "cuda":
-        images = images.contiguous(memory_format=torch.channels_last)
+    # Contiguous, not channels-last: eager CUDA GroupNorm returns contiguous tensors, so in a
+    # channels-last VAE every convolution after a norm would convert its input back.
     autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
                 else contextlib.nullcontext())
     with autocast:
@@ -541,8 +541,6 @@ def main(argv: list[str] | None = None) -> dict | None:
     for module in (vae, text_encoder):
         if module is not None:
             module.requires_grad_(False).eval().to(device)
-    if on_gpu:
-        vae.to(memory_format=torch.channels_last)
     if not args.store_text_states and len(tokenizer) > np.iinfo(TOKEN_IDS_DTYPE).max + 1:
         raise SystemExit(f"latents.py: error: the tokenizer of --model_name {args.model_name} has {len(tokenizer):,} "
                          f"tokens, more than {TOKEN_IDS_DTYPE} token ids hold: pass --store_text_states")

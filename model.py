@@ -379,12 +379,17 @@ class StableDiffusion(ComposerModel):
         """The batch with a random subset of its captions replaced by the empty caption."""
         key = "text_states" if "text_states" in batch else "captions"
         rows = batch[key]
-        empty = self.empty_text_states if key == "text_states" else self.empty_caption_ids
+        attribute = "empty_text_states" if key == "text_states" else "empty_caption_ids"
+        empty = getattr(self, attribute)
         if empty is None:
             raise ValueError(f"caption dropout on '{key}' batches needs the empty caption's {key} (set_caption_dropout)")
+        if empty.device != rows.device or empty.dtype != rows.dtype:
+            # Moved (and cast) once and kept there: not a host-to-device copy on every microbatch.
+            empty = empty.to(device=rows.device, dtype=rows.dtype)
+            setattr(self, attribute, empty)
         drop = torch.rand(rows.shape[0], device=rows.device) < self.caption_drop_prob
         drop = drop.view(-1, *([1] * (rows.dim() - 1)))
-        return {**batch, key: torch.where(drop, empty.to(device=rows.device, dtype=rows.dtype), rows)}
+        return {**batch, key: torch.where(drop, empty, rows)}
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.cpu_autocast_dtype is not None:
@@ -442,7 +447,9 @@ class StableDiffusion(ComposerModel):
             return errors.mean()  # every sample has the same size: the plain MSE
         # Min-SNR-gamma (Hang et al. 2023): weight each timestep's MSE by min(SNR, gamma) / SNR for
         # epsilon targets, / (SNR + 1) for velocity targets, so the easy low-noise steps stop dominating.
-        snr = self.snr.to(timesteps.device)[timesteps]
+        if self.snr.device != timesteps.device:
+            self.snr = self.snr.to(timesteps.device)  # once, as diffusers moves alphas_cumprod: not per microbatch
+        snr = self.snr[timesteps]
         clipped = torch.clamp(snr, max=self.snr_gamma)
         weight = clipped / snr if self.prediction_type == "epsilon" else clipped / (snr + 1.0)
         return (errors * weight).mean()

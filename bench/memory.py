@@ -1,4 +1,4 @@
-"""GPU memory of SD2 training per GPU, counted (memory.py), and the largest microbatch that fits.
+"""GPU memory of SD2 training per GPU, counted (gpu_memory.py), and the largest microbatch that fits.
 
     python bench/memory.py --model_config sd2-base --image_size 512 --gpu_memory_gib 80 --json
     python bench/memory.py --gpu_memory_gib 80 --precomputed --fsdp shard_grad_op --num_gpus 8
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
-import memory  # noqa: E402
+import gpu_memory as memory  # noqa: E402
 from model import MODEL_CONFIGS  # noqa: E402
 
 TABLE_ROWS = (("online (VAE + text encoder in the loop)", False, "tokens"),

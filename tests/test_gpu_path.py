@@ -12,8 +12,8 @@ Two-rank launches through Composer's launcher (gloo), started together by one mo
   and AOT autograd under DDP; inductor's CPU code generation is left out for time, see
   tests/fault_run.py).
 
-In-process: refusals (--xformers where absent, amp_fp16 on CPU), the multi-rank `auto` microbatch
-rule, and uint8 images crossing from loader workers.
+In-process: refusals (--xformers where absent, amp_fp16 on CPU) and uint8 images crossing from
+loader workers (the multi-rank `auto` microbatch: tests/test_memory.py).
 """
 from __future__ import annotations
 
@@ -171,18 +171,6 @@ def test_amp_fp16_on_cpu_is_refused_in_one_line():
     with pytest.raises(SystemExit) as stop:
         benchmark.main(TINY + ["--max_duration", "1ba", "--precision", "amp_fp16"])
     assert str(stop.value).startswith("benchmark.py: error: --precision amp_fp16 needs a CUDA GPU")
-
-
-def test_auto_microbatch_with_several_ranks_follows_the_memory_table():
-    gib = 2**30
-    # torch's total_memory for A100 40GB, A100/H100 80GB and H200 141GB.
-    assert benchmark.safe_auto_microbatch(int(39.4 * gib), 256, precomputed=False) == 8
-    assert benchmark.safe_auto_microbatch(int(79.1 * gib), 256, precomputed=False) == 32
-    assert benchmark.safe_auto_microbatch(int(139.8 * gib), 256, precomputed=False) == 64
-    assert benchmark.safe_auto_microbatch(int(79.1 * gib), 256, precomputed=True) == 64
-    assert benchmark.safe_auto_microbatch(int(79.1 * gib), 24, precomputed=False) == 8  # must divide 24
-    assert benchmark.safe_auto_microbatch(int(79.1 * gib), 16, precomputed=False) == 16  # at most the batch
-    assert benchmark.safe_auto_microbatch(int(15 * gib), 256, precomputed=False) == 4
 
 
 def test_images_cross_from_loader_workers_as_uint8():

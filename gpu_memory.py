@@ -384,11 +384,21 @@ class ActivationModel:
         return self.peak_per_image * microbatch + self.peak_per_microbatch
 
 
-@functools.lru_cache(maxsize=None)
 def activation_model(model_config: str, image_size: int, *, precision: str = "amp_bf16",
                      norm_precision: str = "autocast", precomputed: bool = False,
                      precomputed_format: str = "tokens", device_type: str = "cuda") -> ActivationModel:
-    """Count the step at microbatch 1 and 2 under `precision` ("fp32", "amp_bf16", "amp_fp16")."""
+    """Count the step at microbatch 1 and 2 under `precision` ("fp32", "amp_bf16", "amp_fp16").
+
+    Counted once per process and setting (about 5 s for the tiny model, 10 s for SD2 on a CPU)."""
+    if not precomputed:
+        precomputed_format = "tokens"  # not used online: one cache entry
+    return _activation_model(model_config, image_size, precision, norm_precision, precomputed, precomputed_format,
+                             device_type)
+
+
+@functools.lru_cache(maxsize=None)
+def _activation_model(model_config: str, image_size: int, precision: str, norm_precision: str, precomputed: bool,
+                      precomputed_format: str, device_type: str) -> ActivationModel:
     dtype = {"fp32": None, "amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}[precision]
     policy = CUDA_AUTOCAST if device_type == "cuda" else probe_cpu_autocast()
     policy = policy.with_low_precision_norms() if norm_precision == "autocast" else policy.with_fp32_norms()
@@ -419,13 +429,18 @@ def largest_fsdp_unit_params(unet: torch.nn.Module) -> int:
     return max(sum(p.numel() for p in block.parameters()) for block in blocks)
 
 
+@functools.lru_cache(maxsize=None)
+def _meta_components(model_config: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    from model import sd2_meta_components
+
+    return sd2_meta_components(model_config)
+
+
 def fixed_bytes(model_config: str, *, precision: str = "amp_bf16", precomputed: bool = False,
                 precomputed_format: str = "tokens", use_ema: bool = True, fsdp: str = "none", num_gpus: int = 8,
                 bucket_view: bool = False, weight_cast_bytes: int = 0) -> dict[str, int]:
     """Bytes per GPU that do not depend on the microbatch, by what holds them (see `plan`)."""
-    from model import sd2_meta_components
-
-    unet, vae, text_encoder = sd2_meta_components(model_config)
+    unet, vae, text_encoder = _meta_components(model_config)
     num_params = sum(p.numel() for p in unet.parameters())
     compute_bytes = 4 if precision == "fp32" else 2
     frozen_dtype = None if precision == "fp32" else (torch.bfloat16 if precision == "amp_bf16" else torch.float16)
@@ -471,6 +486,7 @@ def largest_microbatch(fixed_total_bytes: float, activations: ActivationModel, g
     return best
 
 
+@functools.lru_cache(maxsize=None)
 def train_flops_per_image(model_config: str, image_size: int) -> float:
     """FLOPs of the trained network alone (the UNet's forward and backward) per image."""
     from model import sd2_meta_components
