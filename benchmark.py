@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         schedulers.append(CosineAnnealingWithWarmupScheduler(t_warmup=warmup, alpha_f=0.0) if args.lr_schedule == "cosine"
                           else ConstantWithWarmupScheduler(t_warmup=warmup))
     peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
-    throughput = Throughput(args.warmup_batches, flops["total"], peak_flops)
+    throughput = Throughput(args.warmup_batches, flops["total"], peak_flops, flops["unet_fwd_bwd"])
     loggers = []
     if args.wandb_project or args.wandb_name:
         loggers.append(WandBLogger(project=args.wandb_project, name=args.wandb_name))
@@ -558,6 +558,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         "precomputed_format": text_format,
         "channels_last": args.channels_last,
         "compile": args.compile,
+        "norm_precision": args.norm_precision if precision in ("amp_bf16", "amp_fp16") else None,
         "fused_adamw": fused,
         "xformers": args.xformers,
         "pretrained_parts": components.pretrained,
@@ -601,6 +602,8 @@ def print_summary(r: dict) -> None:
     since = " after warm-up" if r["peak_memory_kind"].startswith("cuda") else ", whole run"
     mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_flops_per_device'] / 1e12:.0f} TFLOP/s peak per device" if r.get("mfu")
            else "n/a (unknown device peak; pass --peak_tflops)")
+    trained = (f"; trained network alone (UNet forward + backward, {r['flops_per_image_trained_network'] / 1e9:.1f} "
+               f"GFLOP/image): {100 * r['mfu_trained_network']:.1f}%" if r.get("mfu_trained_network") else "")
     print(
         "\n=== Stable Diffusion benchmark ===\n"
         f"model {r['model_config']} at {r['image_size']}x{r['image_size']}, {r['precision']}, "
@@ -608,7 +611,7 @@ def print_summary(r: dict) -> None:
         f"microbatch {r['device_train_microbatch_size']}\n"
         f"throughput   {r['images_per_sec']:.2f} images/s ({r['images_per_sec_per_device']:.2f} per device) "
         f"over {r['measured_batches']} batches after {r['warmup_batches']} warm-up\n"
-        f"MFU          {mfu} at {r['flops_per_image'] / 1e9:.1f} GFLOP/image\n"
+        f"MFU          {mfu} at {r['flops_per_image'] / 1e9:.1f} GFLOP/image{trained}\n"
         f"data wait    {wait} of measured time in the loader's next() (max over ranks; mean {wait_mean})\n"
         f"checkpoints  {r['checkpoint_seconds_in_window']:.1f} s saving inside the measured "
         f"{r['measured_seconds']:.1f} s, {r['checkpoint_seconds_after_window']:.1f} s after it; "

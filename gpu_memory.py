@@ -515,9 +515,7 @@ def plan(model_config: str = "sd2-base", image_size: int = 512, gpu_memory_bytes
         peak_per_microbatch=activations.peak_per_microbatch - activations.weight_cast_bytes)
     microbatch = largest_microbatch(tensors, activations_without_casts, gpu_memory_bytes, per_device_batch)
     fixed = tensors * (1 + ALLOCATOR_RESERVE_FRACTION) + CUDA_CONTEXT_BYTES
-    needed = ((tensors + activations_without_casts.peak_bytes(microbatch)) * (1 + ALLOCATOR_RESERVE_FRACTION)
-              + CUDA_CONTEXT_BYTES) if microbatch else None
-    return {
+    result = {
         "model_config": model_config, "image_size": image_size, "precision": precision,
         "norm_precision": norm_precision, "precomputed": precomputed,
         "precomputed_format": precomputed_format if precomputed else None, "use_ema": use_ema, "fsdp": fsdp,
@@ -532,9 +530,17 @@ def plan(model_config: str = "sd2-base", image_size: int = 512, gpu_memory_bytes
         "allocator_reserve_fraction": ALLOCATOR_RESERVE_FRACTION,
         "fixed_bytes": int(fixed),
         "microbatch": microbatch,
-        "predicted_bytes_at_microbatch": int(needed) if needed else None,
         "train_flops_per_image": train_flops_per_image(model_config, image_size),
     }
+    result["predicted_bytes_at_microbatch"] = predicted_bytes(result, microbatch) if microbatch else None
+    return result
+
+
+def predicted_bytes(plan_result: dict[str, Any], microbatch: int) -> int:
+    """GPU memory a step at `microbatch` needs by `plan`'s figures, context and reserve included."""
+    tensors = (plan_result["fixed_tensor_bytes"] + plan_result["peak_bytes_per_image"] * microbatch
+               + plan_result["peak_bytes_per_microbatch"])
+    return int(tensors * (1 + plan_result["allocator_reserve_fraction"]) + plan_result["cuda_context_bytes"])
 
 
 def auto_microbatch(model_config: str, image_size: int, gpu_memory_bytes: float, per_device_batch: int,

@@ -1,16 +1,32 @@
-"""GPU throughput matrix: SD2 base at 512x512 with EMA, one `benchmark.py` run per setting.
+"""GPU throughput matrix: SD2 base at 512x512 with EMA, one `benchmark.py` run per setting, at the
+global batch of the cost table (2048).
 
     python bench/bench_gpu.py --out results/h100x8              # every setting, all visible GPUs
     python bench/bench_gpu.py --out /tmp/b --quick              # two settings
-    python bench/bench_gpu.py --out /tmp/b --gpus 1 --only online-bf16-mb32 precomputed-bf16-mb64-compile
+    python bench/bench_gpu.py --dry_run --gpus 8 --gpu_memory_gib 79.1   # plan a node you are not on
+    python bench/bench_gpu.py --out /tmp/b --only online-bf16 precomputed-bf16-compile
     python bench/bench_gpu.py --out /tmp/b --smoke              # no GPU: the tiny model on CPU, to check the tool
 
 It needs only the project's requirements. Each setting runs in its own launch (`composer -n GPUS
 benchmark.py ...`: a fresh CUDA context, so peak memory and compile caches do not leak between
-settings) with the global batch = GPUS x 2 x microbatch, and leaves in `--out`:
+settings) at global batch 2048, the batch `cost.py` prices, by gradient accumulation: per-step costs
+(AdamW over 866M parameters, the EMA, the gradient all-reduce) are spread over the same images as
+in a real run. Each row's microbatch is the largest the memory model (gpu_memory.py) fits in the
+GPU's memory with that row's settings; the printed commands say it. Before starting it prints the
+rows, their microbatches and an estimate of the time the matrix takes; `--dry_run` stops there.
 
-    <setting>.json     benchmark.py's results (images/s, MFU, memory, device, versions...); cost.py
-                       reads it directly: python cost.py OUT/<setting>.json
+A launch that runs past `--timeout_s` is ended with its whole process group (Composer's launcher,
+its ranks and their loader workers), so no rank lives on holding a GPU while the next row runs.
+Pretrained VAE and text encoder must be a local folder or in the Hugging Face cache (`--model_name`),
+or every rank of every row would try to download them: without them the matrix refuses at start,
+unless `--allow_random_encoders` (throughput does not depend on the weights; the ranks then do not
+try the hub).
+
+It leaves in `--out`:
+
+    <setting>.json     benchmark.py's results (images/s, MFU and the trained network's MFU, memory,
+                       device, versions...) plus the memory model's prediction; cost.py reads it:
+                       python cost.py OUT/<setting>.json
     logs/<setting>.log the launch's full output, command first
     table.md           the table of all settings, under a line with device, versions and date
     environment.json   device, GPU count, library versions, date, the command line
@@ -18,84 +34,237 @@ settings) with the global batch = GPUS x 2 x microbatch, and leaves in `--out`:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import importlib.metadata
+import io
 import json
+import os
 import platform
+import shlex
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # the project root
+sys.path.insert(0, str(ROOT))
 
-# name -> extra benchmark.py flags. Every run: sd2-base, 512x512, --use_ema, synthetic data, bf16.
-MATRIX: dict[str, list[str]] = {
-    "online-bf16-mb16": ["--device_train_microbatch_size", "16"],
-    "online-bf16-mb32": ["--device_train_microbatch_size", "32"],
-    "online-bf16-mb32-cl": ["--device_train_microbatch_size", "32", "--channels_last"],
-    "online-bf16-mb32-compile": ["--device_train_microbatch_size", "32", "--compile"],
-    "online-bf16-mb32-compile-cl": ["--device_train_microbatch_size", "32", "--compile", "--channels_last"],
-    "precomputed-bf16-mb32": ["--precomputed", "--device_train_microbatch_size", "32"],
-    "precomputed-bf16-mb64": ["--precomputed", "--device_train_microbatch_size", "64"],
-    # Precomputed batches carry token ids by default (the text encoder runs); this one, text states.
-    "precomputed-states-bf16-mb64": ["--precomputed", "--precomputed_format", "text_states",
-                                     "--device_train_microbatch_size", "64"],
-    "precomputed-bf16-mb64-cl": ["--precomputed", "--device_train_microbatch_size", "64", "--channels_last"],
-    "precomputed-bf16-mb64-compile": ["--precomputed", "--device_train_microbatch_size", "64", "--compile"],
+GLOBAL_BATCH = 2048  # cost.py's batch (the 2023 benchmark's and the SD2 recipe's)
+IMAGE_SIZE = 512
+MODEL_CONFIG = "sd2-base"
+DEFAULT_MODEL_NAME = "stabilityai/stable-diffusion-2-base"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row: benchmark.py flags beyond the common ones, and what the memory model needs to know."""
+
+    flags: tuple[str, ...] = ()
+    precomputed: bool = False
+    precomputed_format: str = "tokens"
+    norm_precision: str = "autocast"
+    fsdp: str = "none"
+    compile: bool = False
+    microbatch_divisor: int = 1  # 2: half the largest microbatch (is the largest the fastest?)
+
+
+MATRIX: dict[str, Setting] = {
+    "online-bf16": Setting(),
+    "online-bf16-half-microbatch": Setting(microbatch_divisor=2),
+    "online-bf16-fp32norms": Setting(("--norm_precision", "fp32"), norm_precision="fp32"),
+    "online-bf16-compile": Setting(("--compile",), compile=True),
+    "online-bf16-compile-cl": Setting(("--compile", "--channels_last"), compile=True),
+    "precomputed-bf16": Setting(("--precomputed",), precomputed=True),
+    # Precomputed batches carry token ids by default (the text encoder runs); these, text states.
+    "precomputed-states-bf16": Setting(("--precomputed", "--precomputed_format", "text_states"), precomputed=True,
+                                       precomputed_format="text_states"),
+    "precomputed-bf16-compile": Setting(("--precomputed", "--compile"), precomputed=True, compile=True),
+    "precomputed-states-bf16-compile": Setting(("--precomputed", "--precomputed_format", "text_states", "--compile"),
+                                               precomputed=True, precomputed_format="text_states", compile=True),
+    # MosaicML's later SD2 trainer: precomputed latents under FSDP SHARD_GRAD_OP.
+    "precomputed-bf16-fsdp": Setting(("--precomputed", "--fsdp", "shard_grad_op"), precomputed=True,
+                                     fsdp="shard_grad_op"),
 }
-QUICK = ["online-bf16-mb16", "precomputed-bf16-mb32"]
-# --smoke: the same settings on the tiny model at 32x32 on CPU, microbatches scaled down.
+QUICK = ["online-bf16", "precomputed-bf16"]
+# --smoke: the same settings on the tiny model at 32x32 on CPU, a small batch.
 SMOKE = ["--model_config", "tiny", "--image_size", "32", "--num_workers", "0"]
+SMOKE_MICROBATCH = 2
 PACKAGES = ("torch", "mosaicml", "mosaicml-streaming", "diffusers", "transformers", "xformers")
+
+# The time estimate: seconds per launch before the first batch (imports, model, loader workers,
+# NCCL), seconds of compilation per --compile row (UNet, VAE encoder and text encoder with
+# inductor), and the share of peak FLOP/s a step reaches (this project's estimate for SD2 on an
+# H100: 45-55 images/s online, 70-85 precomputed, about 18% MFU).
+STARTUP_SECONDS = 90
+COMPILE_SECONDS = 300
+ASSUMED_MFU = 0.18
+# Peak dense bf16 FLOP/s by device name (Composer's table, which needs a Trainer state to ask).
+PEAK_TFLOPS = (("h200", 989.5), ("h100", 989.5), ("a100", 312.0), ("a10", 125.0))
+TERMINATE_GRACE_SECONDS = 30
 
 
 def fail(message: str) -> None:
     raise SystemExit(f"bench_gpu.py: error: {message}")
 
 
-def run_setting(name: str, flags: list[str], out: Path, gpus: int, batches: int, warmup: int, timeout_s: int,
-                smoke: bool) -> dict:
-    flags = list(flags)
-    at = flags.index("--device_train_microbatch_size") + 1
+@dataclass
+class Row:
+    """A setting planned for a node: its command and what the memory model predicts."""
+
+    name: str
+    setting: Setting
+    microbatch: int
+    batch_size: int
+    command: list[str]
+    plan: dict = field(default_factory=dict)
+
+
+def plan_row(name: str, setting: Setting, gpus: int, gpu_memory_bytes: float, out: Path, batches: int,
+             warmup: int, smoke: bool, model_name: str) -> Row:
+    """The row's microbatch (the memory model's largest for its settings) and its full command."""
+    import gpu_memory
+
+    per_device = GLOBAL_BATCH // gpus
+    plan = {}
     if smoke:
-        flags[at] = str(max(1, int(flags[at]) // 16))
-        flags += SMOKE
-    micro = int(flags[at])
+        microbatch, batch_size = SMOKE_MICROBATCH, gpus * 2 * SMOKE_MICROBATCH
+    else:
+        plan = gpu_memory.plan(MODEL_CONFIG, IMAGE_SIZE, gpu_memory_bytes, norm_precision=setting.norm_precision,
+                               precomputed=setting.precomputed, precomputed_format=setting.precomputed_format,
+                               fsdp=setting.fsdp, num_gpus=gpus)
+        microbatch = max(1, min(plan["microbatch"], per_device) // setting.microbatch_divisor)
+        # 2048 when the GPU count divides it; else the largest per-device multiple of the microbatch below it.
+        batch_size = gpus * max(microbatch, per_device // microbatch * microbatch)
+        plan = {**plan, "microbatch": microbatch,
+                "predicted_bytes_at_microbatch": gpu_memory.predicted_bytes(plan, microbatch)}
     launcher = [sys.executable, "-m", "composer.cli.launcher", "-n", str(gpus)]
-    cmd = [*launcher, str(ROOT / "benchmark.py"), "--use_synth_data", "--use_ema", "--image_size", "512",
-           "--precision", "amp_bf16", "--batch_size", str(gpus * 2 * micro), "--max_duration", f"{batches}ba",
-           "--warmup_batches", str(warmup), "--num_workers", "8", "--log_interval", "5ba",
-           "--results_json", str(out / f"{name}.json"), *flags]  # later flags win: --smoke's override
-    start = time.time()
-    log_path = out / "logs" / f"{name}.log"
-    with open(log_path, "w") as log:
-        log.write(" ".join(cmd) + "\n")
-        log.flush()
+    command = [*launcher, str(ROOT / "benchmark.py"), "--use_synth_data", "--use_ema", "--image_size", str(IMAGE_SIZE),
+               "--precision", "amp_bf16", "--batch_size", str(batch_size),
+               "--device_train_microbatch_size", str(microbatch), "--max_duration", f"{batches}ba",
+               "--warmup_batches", str(warmup), "--num_workers", "8", "--log_interval", "5ba",
+               "--model_name", model_name, "--results_json", str(out / f"{name}.json"), *setting.flags,
+               *(SMOKE if smoke else [])]  # later flags win: --smoke's override
+    return Row(name, setting, microbatch, batch_size, command, plan)
+
+
+@functools.lru_cache(maxsize=None)
+def flops_per_image(precomputed: bool, precomputed_format: str) -> float:
+    """FLOPs of one training image of a row (encoders included where they run), counted on meta tensors."""
+    import throughput
+    from model import sd2_meta_components
+
+    unet, vae, text_encoder = sd2_meta_components(MODEL_CONFIG)
+    if precomputed:
+        vae = None
+        if precomputed_format == "text_states":
+            text_encoder = None
+    return throughput.count_flops_per_image(unet, vae, text_encoder, IMAGE_SIZE)["total"]
+
+
+def estimate_seconds(row: Row, gpus: int, batches: int, peak_flops: float) -> float:
+    """Wall time of one row: start-up, compilation, and the batches at ASSUMED_MFU."""
+    flops = flops_per_image(row.setting.precomputed, row.setting.precomputed_format)
+    images_per_sec = gpus * peak_flops * ASSUMED_MFU / flops
+    return STARTUP_SECONDS + (COMPILE_SECONDS if row.setting.compile else 0) + batches * row.batch_size / images_per_sec
+
+
+def run_command(command: list[str], log_path: Path, timeout_s: float, env: dict | None = None) -> int | str:
+    """Run `command` in its own session, output to `log_path`; past `timeout_s` end its whole process
+    group (SIGTERM, then SIGKILL after TERMINATE_GRACE_SECONDS) and return "timeout".
+
+    subprocess.run(timeout=) kills only the process it started: Composer's launcher. Its ranks
+    (plain Popen children, in the launcher's process group) would live on holding the GPUs, and
+    every later row would measure a shared or full GPU. A new session makes the launcher the leader
+    of a group that holds the ranks and their loader workers.
+    """
+    with open(log_path, "a") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                   start_new_session=True)
         try:
-            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=ROOT).returncode
+            return process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            code = "timeout"
-    result = {"name": name, "status": "ok" if code == 0 else f"failed ({code}), see logs/{name}.log",
-              "wall_s": time.time() - start}
+            log.write(f"\nbench_gpu.py: timeout after {timeout_s:.0f} s: ending the launch's process group\n")
+            log.flush()
+            return_code: int | str = "timeout"
+        except BaseException:  # Ctrl-C: the launch must not outlive the matrix either
+            return_code = "interrupted"
+            _end_group(process)
+            raise
+        _end_group(process)
+        return return_code
+
+
+def _end_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the launch's process group, SIGKILL to what is left of it after the grace period."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return  # the whole group is gone already
+    try:
+        process.wait(timeout=TERMINATE_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # ranks or workers that outlived the launcher
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def supports_flag(flag: str) -> bool:
+    """Whether this checkout's benchmark.py has `flag` (--fsdp arrives with the FSDP work)."""
+    import benchmark
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            benchmark.parse_args([flag, "none"])
+        except SystemExit:
+            return False
+    return True
+
+
+def run_row(row: Row, out: Path, timeout_s: int, env: dict) -> dict:
+    start = time.time()
+    log_path = out / "logs" / f"{row.name}.log"
+    log_path.write_text(shlex.join(row.command) + "\n")
+    if row.setting.fsdp != "none" and not supports_flag("--fsdp"):
+        result = {"name": row.name, "status": "skipped: this benchmark.py has no --fsdp", "wall_s": 0.0}
+        print(f"{row.name}: {result['status']}", flush=True)
+        return result
+    code = run_command(row.command, log_path, timeout_s, env)
+    result = {"name": row.name, "status": "ok" if code == 0 else f"failed ({code}), see logs/{row.name}.log",
+              "wall_s": time.time() - start, "predicted_bytes": row.plan.get("predicted_bytes_at_microbatch")}
     if code == 0:
-        result.update(json.loads((out / f"{name}.json").read_text()))
-    print(f"{name}: {result['status']} in {result['wall_s']:.0f}s", flush=True)
+        result.update(json.loads((out / f"{row.name}.json").read_text()))
+        if row.plan:  # the prediction beside the measurement, in the JSON cost.py reads
+            result["memory_model"] = row.plan
+            (out / f"{row.name}.json").write_text(json.dumps({**json.loads((out / f"{row.name}.json").read_text()),
+                                                             "memory_model": row.plan}, indent=2) + "\n")
+    print(f"{row.name}: {result['status']} in {result['wall_s']:.0f}s", flush=True)
     return result
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| setting | images/s | per GPU | MFU | peak memory GiB (reserved) | data wait | final loss | status |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| setting | microbatch | images/s | per GPU | MFU | trained-network MFU | peak memory GiB (reserved) "
+            "| predicted GiB | data wait | final loss | status |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        predicted = f"{r['predicted_bytes'] / 2**30:.1f}" if r.get("predicted_bytes") else ""
         if not r["status"].startswith("ok"):
-            rows.append(f"| {r['name']} | | | | | | | {r['status']} |")
+            rows.append(f"| {r['name']} | | | | | | | {predicted} | | | {r['status']} |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
+        unet_mfu = f"{100 * r['mfu_trained_network']:.1f}%" if r.get("mfu_trained_network") else "n/a"
         reserved = f" ({r['peak_memory_reserved_bytes'] / 2**30:.1f})" if r.get("peak_memory_reserved_bytes") else ""
         wait = f"{100 * r['data_wait_fraction']:.1f}%" if r.get("data_wait_fraction") is not None else "n/a"
-        rows.append(f"| {r['name']} | {r['images_per_sec']:.1f} | {r['images_per_sec_per_device']:.1f} | {mfu} "
-                    f"| {r['peak_memory_bytes'] / 2**30:.1f}{reserved} | {wait} | {r['final_loss']:.4f} | ok |")
+        rows.append(f"| {r['name']} | {r['device_train_microbatch_size']} | {r['images_per_sec']:.1f} "
+                    f"| {r['images_per_sec_per_device']:.1f} | {mfu} | {unet_mfu} "
+                    f"| {r['peak_memory_bytes'] / 2**30:.1f}{reserved} | {predicted} | {wait} "
+                    f"| {r['final_loss']:.4f} | ok |")
     return "\n".join(rows)
 
 
@@ -119,16 +288,50 @@ def environment(gpus: int, smoke: bool, argv: list[str]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    argv = sys.argv[1:] if argv is None else argv
+def pretrained_available(model_name: str) -> bool:
+    """Whether the VAE and text encoder of `model_name` load without the network: a local diffusers
+    folder, or a hub id whose configs and weights are in the local Hugging Face cache."""
+    if Path(model_name).is_dir():
+        return all(Path(model_name, part, "config.json").is_file() for part in ("vae", "text_encoder"))
+    from huggingface_hub import try_to_load_from_cache
+
+    def cached(filename: str) -> bool:
+        try:
+            return isinstance(try_to_load_from_cache(model_name, filename), str)
+        except ValueError:  # not a hub id either (HFValidationError): a path that does not exist
+            return False
+
+    return all(cached(f"{part}/config.json") and any(cached(f"{part}/{weights}") for weights in (
+        "diffusion_pytorch_model.safetensors", "model.safetensors", "diffusion_pytorch_model.bin", "pytorch_model.bin"))
+        for part in ("vae", "text_encoder"))
+
+
+def peak_tflops_of(device_name: str) -> float | None:
+    name = device_name.lower()
+    return next((tflops for key, tflops in PEAK_TFLOPS if key in name), None)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="results folder (JSON per setting, logs, table)")
+    p.add_argument("--out", type=Path, default=None, help="results folder (JSON per setting, logs, table)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs per setting (default: all visible)")
-    p.add_argument("--batches", type=int, default=25, help="batches per setting, warm-up included")
+    p.add_argument("--gpu_memory_gib", type=float, default=None,
+                   help="memory of one GPU in GiB for the microbatches (default: the visible GPU's, as torch "
+                        "reports it; an 80 GB A100/H100 reports 79.1)")
+    p.add_argument("--peak_tflops", type=float, default=None,
+                   help="peak bf16 TFLOP/s of one GPU for the time estimate (default: the visible GPU's, else an H100's)")
+    p.add_argument("--batches", type=int, default=25, help="batches of 2048 images per setting, warm-up included")
     p.add_argument("--warmup_batches", type=int, default=5, help="batches left out of the measurement")
     p.add_argument("--quick", action="store_true", help=f"only {QUICK}")
     p.add_argument("--only", nargs="+", default=None, help=f"settings to run, from {list(MATRIX)}")
-    p.add_argument("--timeout_s", type=int, default=900, help="limit per setting, seconds")
+    p.add_argument("--timeout_s", type=int, default=1800,
+                   help="limit per setting, seconds; past it the launch's whole process group is ended")
+    p.add_argument("--dry_run", action="store_true",
+                   help="print each setting's full command, microbatch and the time estimate; run nothing")
+    p.add_argument("--model_name", default=DEFAULT_MODEL_NAME,
+                   help="local diffusers folder or cached hub id with the pretrained VAE and text encoder")
+    p.add_argument("--allow_random_encoders", action="store_true",
+                   help="run without the pretrained VAE/text encoder (random ones; no rank tries the hub)")
     p.add_argument("--smoke", action="store_true",
                    help="check the tool without a GPU: tiny model, 32x32, on CPU (figures mean nothing)")
     args = p.parse_args(argv)
@@ -136,31 +339,93 @@ def main(argv: list[str] | None = None) -> list[dict]:
     unknown = [n for n in names if n not in MATRIX]
     if unknown:
         fail(f"--only: unknown settings {unknown}; choose from {list(MATRIX)}")
+    args.names = names
     if args.batches <= args.warmup_batches:
         fail(f"--batches {args.batches} must exceed --warmup_batches {args.warmup_batches}")
+    if args.gpus is not None and args.gpus < 1:
+        fail(f"--gpus {args.gpus} must be >= 1")
+    if args.gpu_memory_gib is not None and not args.gpu_memory_gib > 0:
+        fail(f"--gpu_memory_gib {args.gpu_memory_gib} must be positive")
+    if args.timeout_s <= 0:
+        fail(f"--timeout_s {args.timeout_s} must be positive")
+    if not args.dry_run and args.out is None:
+        fail("--out is required (the folder for the results), unless --dry_run")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+
+    pretrained = args.smoke or pretrained_available(args.model_name)
+    refusal = (f"pretrained VAE and text encoder of --model_name {args.model_name} are neither a local folder nor in "
+               "the Hugging Face cache: every rank of every row would try the hub (1.7 GB each, or time out "
+               "offline); download them once and pass --model_name /path/to/stable-diffusion-2-base, or pass "
+               "--allow_random_encoders (throughput does not depend on the weights)")
+    if not pretrained and not args.allow_random_encoders and not args.dry_run:
+        fail(refusal)
 
     import torch
 
     visible = torch.cuda.device_count()
-    if not args.smoke and visible == 0:
-        fail("no CUDA GPU visible (torch.cuda.device_count() is 0): run it on a GPU node, or pass --smoke to "
-             "check the tool on CPU")
+    if not (args.smoke or args.dry_run) and visible == 0:
+        fail("no CUDA GPU visible (torch.cuda.device_count() is 0): run it on a GPU node, plan one with --dry_run "
+             "--gpus N --gpu_memory_gib M, or pass --smoke to check the tool on CPU")
+    if args.dry_run and visible == 0 and not args.smoke and (args.gpus is None or args.gpu_memory_gib is None):
+        fail("--dry_run without a visible GPU needs --gpus and --gpu_memory_gib (the node to plan for)")
     gpus = args.gpus or (visible if not args.smoke else 1)
-    if not args.smoke and gpus > visible:
+    if not (args.smoke or args.dry_run) and gpus > visible:
         fail(f"--gpus {gpus}: only {visible} visible")
-    (args.out / "logs").mkdir(parents=True, exist_ok=True)
-    env = environment(gpus, args.smoke, argv)
-    (args.out / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
-    results = [run_setting(n, MATRIX[n], args.out, gpus, args.batches, args.warmup_batches, args.timeout_s, args.smoke)
-               for n in names]
+    if args.gpu_memory_gib is not None:
+        gpu_memory_bytes = args.gpu_memory_gib * 2**30
+    else:
+        gpu_memory_bytes = torch.cuda.get_device_properties(0).total_memory if visible else 0
+    device_name = torch.cuda.get_device_name(0) if visible else ""
+    peak_tflops = args.peak_tflops or peak_tflops_of(device_name) or 989.5
+    if not pretrained and not args.allow_random_encoders:  # --dry_run plans for another node: a note only
+        print(f"note: on this machine, {refusal}", flush=True)
+    out = (args.out or Path("bench-gpu-results")).absolute()
+    rows = [plan_row(n, MATRIX[n], gpus, gpu_memory_bytes, out, args.batches, args.warmup_batches, args.smoke,
+                     args.model_name) for n in args.names]
+    seconds = [estimate_seconds(row, gpus, args.batches, peak_tflops * 1e12) for row in rows] if not args.smoke else []
+    memory_gib = gpu_memory_bytes / 2**30
+    print(f"{len(rows)} settings on {gpus} GPU(s){f' of {memory_gib:.1f} GiB' if not args.smoke else ''}, "
+          f"{args.batches} batches each ({args.warmup_batches} warm-up)"
+          + (f"; global batch {GLOBAL_BATCH} by gradient accumulation" if not args.smoke else ""), flush=True)
+    for row, row_s in zip(rows, seconds or [None] * len(rows)):
+        accumulation = row.batch_size // gpus // row.microbatch
+        predicted = row.plan.get("predicted_bytes_at_microbatch")
+        print(f"  {row.name}: microbatch {row.microbatch} x {accumulation} per GPU per step"
+              + (f", predicted {predicted / 2**30:.1f} GiB" if predicted else "")
+              + (f", about {row_s / 60:.1f} min" if row_s else ""), flush=True)
+        if args.dry_run:
+            print(f"    {shlex.join(row.command)}", flush=True)
+    if seconds:
+        compiles = sum(row.setting.compile for row in rows)
+        print(f"estimated time: about {sum(seconds) / 60:.0f} minutes ({len(rows)} launches of about "
+              f"{STARTUP_SECONDS / 60:.1f} min start-up, {compiles} compiling about {COMPILE_SECONDS / 60:.0f} min, "
+              f"steps at an assumed {100 * ASSUMED_MFU:.0f}% MFU of {peak_tflops:.0f} TFLOP/s)", flush=True)
+    if args.dry_run:
+        return [{"name": row.name, "microbatch": row.microbatch, "batch_size": row.batch_size, "command": row.command,
+                 "plan": row.plan, "estimated_seconds": s} for row, s in zip(rows, seconds or [None] * len(rows))]
 
-    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
-    header = (f"{gpus} x {env['device']}, {versions}, Python {env['python']}, {env['date_utc']}; "
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ}
+    if not pretrained:
+        env["HF_HUB_OFFLINE"] = "1"  # random encoders: no rank tries the hub
+    info = environment(gpus, args.smoke, argv)
+    (out / "environment.json").write_text(json.dumps(info, indent=2) + "\n")
+    results = [run_row(row, out, args.timeout_s, env) for row in rows]
+
+    versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
+    header = (f"{gpus} x {info['device']}, {versions}, Python {info['python']}, {info['date_utc']}; "
               f"SD2 base {'(tiny, 32x32: --smoke) ' if args.smoke else '512x512 '}with EMA, synthetic data, "
-              f"amp_bf16, global batch = {gpus} x 2 x microbatch, {args.batches} batches "
-              f"({args.warmup_batches} warm-up). Cost: python cost.py {args.out}/<setting>.json")
+              f"amp_bf16, global batch {rows[0].batch_size if rows else GLOBAL_BATCH}, microbatch from the memory "
+              f"model, {args.batches} batches ({args.warmup_batches} warm-up); MFU counts the encoders' forward "
+              f"passes, trained-network MFU the UNet's forward and backward only. Cost: python cost.py "
+              f"{out}/<setting>.json")
     text = header + "\n\n" + table(results) + "\n"
-    (args.out / "table.md").write_text(text)
+    (out / "table.md").write_text(text)
     print("\n" + text)
     return results
 
