@@ -76,8 +76,8 @@ def runs(tmp_path_factory):
                          "--device_train_microbatch_size", "1", "--save_folder", str(tmp / "nan-ckpt"),
                          "--save_interval", "1ba", "--nan_at_batch", "3", "--nan_microbatch", "0", "--nan_rank", "1",
                          "--report", str(tmp / "nan-report")),
-        # Dynamo + AOT autograd under DDP, without inductor's C++ code generation (see tests/fault_run.py).
-        # Only the UNet is compiled, the same with images or latents: one launch carries both flags.
+        # Dynamo + AOT autograd under DDP, without inductor's C++ code generation (see tests/fault_run.py):
+        # the UNet and the text encoder on token ids (the VAE encoder's compilation: in-process below).
         "compile": two_ranks("tests/fault_run.py", *TINY, *speed, *short, "--compile", "--precomputed",
                              "--device_train_microbatch_size", "1", "--compile_backend", "aot_eager",
                              "--report", str(tmp / "compile-report"),
@@ -154,6 +154,26 @@ def test_speed_settings_run_with_ema_on_two_ranks(runs, name):
     assert ("--channels_last without --compile" in runs["log"][name]) is (name != "compile")
     # compile: two microbatches per rank, accumulation under autocast and DDP's no_sync.
     assert r["device_train_microbatch_size"] == (1 if name == "compile" else 2)
+
+
+class ModulesAtFitStart(Exception):
+    """Raised by a callback at FIT_START, carrying the model: nothing has been compiled or trained yet."""
+
+
+def test_compile_compiles_every_module_that_runs_per_step():
+    from composer.core import Callback
+
+    class Stop(Callback):
+        def fit_start(self, state, logger):
+            raise ModulesAtFitStart(state.model)
+
+    for data_flags, parts in (([], ("unet", "vae.encoder", "text_encoder")), (["--precomputed"], ("unet", "text_encoder"))):
+        with pytest.raises(ModulesAtFitStart) as stopped:
+            benchmark.main([*TINY, *data_flags, "--max_duration", "1ba", "--compile"], extra_callbacks=[Stop()])
+        model = stopped.value.args[0]
+        for name in parts:
+            module = model.get_submodule(name)
+            assert getattr(module, "_compiled_call_impl", None) is not None, name  # nn.Module.compile, in place
 
 
 def test_xformers_is_refused_clearly_where_absent(capsys):
