@@ -40,7 +40,7 @@ SAMPLING = ["--sample_interval", "4ba", "--sample_steps", "2"]  # + --sample_pro
 # AdamW and the EMA over gloo, seconds on this machine.
 RUN = TINY + ["--max_duration", "6ba", "--save_interval", "4ba", "--run_name", "fsdp-test"]
 KILL_AFTER = "ep1-ba4-rank0.pt"
-FINAL = "ep2-ba6-rank0.pt"
+FINAL = "ep1-ba6-rank0.pt"  # batch 6 ends epoch 2, but the batch checkpoint comes first
 # Relative loss difference allowed between FSDP and DDP after the first step. Both compute the same
 # gradients but sum them in another order (DDP all-reduces buckets, FSDP2 reduce-scatters per
 # block), so they differ in the last bits; AdamW's normalized step turns that into weight differences
