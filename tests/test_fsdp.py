@@ -195,11 +195,17 @@ def test_samples_under_fsdp_are_drawn_from_the_whole_weights(runs):
         assert np.abs(fsdp - ddp).max() <= 2, (batch, np.abs(fsdp - ddp).max())
 
 
-def test_fsdp_on_one_rank_is_refused_in_one_line(capsys):
+def test_fsdp_on_one_rank_or_with_channels_last_is_refused_in_one_line():
     sys.path.insert(0, str(ROOT))
     import benchmark
 
     with pytest.raises(SystemExit) as stop:
-        benchmark.main(TINY + ["--max_duration", "1ba", "--fsdp", "full_shard"])
+        benchmark.main(TINY + ["--max_duration", "1ba", "--fsdp", "full_shard"])  # this process: one rank
     message = str(stop.value)
-    assert message.startswith("benchmark.py: error: --fsdp full_shard") and "\n" not in message, message
+    assert message.startswith("benchmark.py: error: --fsdp full_shard shards") and "\n" not in message, message
+    args = benchmark.parse_args(TINY + ["--fsdp", "shard_grad_op", "--channels_last"])
+    with pytest.raises(SystemExit) as stop:
+        benchmark.validate(args, world_size=2)
+    message = str(stop.value)
+    assert message.startswith("benchmark.py: error: --channels_last with --fsdp shard_grad_op") and "\n" not in message
+    benchmark.validate(benchmark.parse_args(TINY + ["--fsdp", "shard_grad_op"]), world_size=2)  # accepted
