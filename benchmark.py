@@ -26,7 +26,7 @@ from composer.callbacks import CheckpointSaver, SpeedMonitor
 from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.loggers import WandBLogger
-from composer.utils import dist, reproducibility
+from composer.utils import FSDP2Config, ParallelismConfig, dist, reproducibility
 
 import data
 from checks import DEFAULT_LOCAL, PRECISIONS, default_local, record_caches, storage_error, validate, validate_recipe
@@ -39,6 +39,7 @@ from throughput import Throughput, count_flops_per_image
 
 SHUFFLE_ALGOS = ("py1e", "py1br", "py1s", "py2s", "naive")  # Streaming 0.13 has no py1b
 DEFAULT_SHUFFLE_ALGO = "py1e"
+FSDP_MODES = ("none", "shard_grad_op", "full_shard")
 
 
 class JoinSources(argparse.Action):
@@ -125,6 +126,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fused_adamw", type=str, default="auto", choices=("auto", "on", "off"),
                    help="fused AdamW kernel; auto: on with CUDA")
     p.add_argument("--xformers", action="store_true", help="use xFormers attention in the UNet (default: PyTorch SDPA)")
+    p.add_argument("--fsdp", type=str, default="none", choices=FSDP_MODES,
+                   help="shard the UNet's weights, gradients and AdamW state over the ranks (Composer's FSDP2): "
+                        "full_shard (weights gathered block by block in forward and again in backward), "
+                        "shard_grad_op (gathered once per microbatch, kept until its backward ends); none: DDP")
     # Streaming at scale: these reach both real-data loaders (images and --precomputed),
     # like --no_shuffle, --predownload, --download_retry, --download_timeout, --cache_limit and --validate_hash.
     p.add_argument("--shuffle_algo", type=str, default=DEFAULT_SHUFFLE_ALGO, choices=SHUFFLE_ALGOS,
@@ -307,6 +312,30 @@ def safe_auto_microbatch(args: argparse.Namespace, total_memory_bytes: int, worl
         precision=precision, norm_precision=args.norm_precision, precomputed=args.precomputed,
         precomputed_format=text_format or "tokens", use_ema=args.use_ema,
         fsdp=getattr(args, "fsdp", None) or "none", num_gpus=world_size)
+
+
+def fsdp_parallelism(mode: str) -> ParallelismConfig | None:
+    """Composer's parallelism config for `--fsdp`: FSDP2 on the UNet, or None for DDP.
+
+    Composer 0.32.1 has two FSDP paths. FSDP1 (`FSDPConfig`, `composer.distributed.prepare_fsdp_module`)
+    builds torch's `FullyShardedDataParallel` with `device_id=torch.cuda.current_device()`, so it
+    cannot run without CUDA. FSDP2 (`FSDP2Config`, `parallelize_composer_model`) calls torch's
+    `fully_shard`, whose default mesh is the accelerator's or the CPU's (gloo), so the code path the
+    GPUs run is the one the CPU tests run. `reshard_after_forward` is the mode: True frees each
+    block's gathered weights after its forward and gathers them again for its backward (FSDP1's
+    FULL_SHARD, ZeRO-3); False keeps them from the forward to the end of that microbatch's backward
+    (SHARD_GRAD_OP, ZeRO-2: one all-gather per block per microbatch instead of two, more memory).
+    Gradients and AdamW moments are sharded in both. Mixed precision is Composer's DEFAULT: weights
+    gathered in the autocast dtype, gradients reduced in fp32. Checkpoints are 'full': Composer
+    gathers the model and optimizer to rank 0, which writes one file as under DDP, so
+    `--autoresume`, `latest-rank0.pt`, export.py and a change of world size work unchanged.
+    """
+    if mode == "none":
+        return None
+    with warnings.catch_warnings():  # "FSDP2 Config/APIs are experimental": said once in the README instead
+        warnings.simplefilter("ignore", UserWarning)
+        config = FSDP2Config(reshard_after_forward=mode == "full_shard", state_dict_type="full")
+    return ParallelismConfig(fsdp2=config)
 
 
 def per_node_signal_files() -> None:
@@ -501,8 +530,18 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
             latent_scale=model.latent_scale, image_size=args.image_size, sampler=args.sampler,
             num_steps=args.sample_steps, guidance_scale=args.guidance_scale, seed=args.seed))
 
+    parallelism = fsdp_parallelism(args.fsdp)
+    if parallelism is not None:
+        model.mark_fsdp_units()
+        if on_gpu:
+            # With a parallelism config Composer does not move the model (fully_shard moves only the
+            # modules it wraps): the frozen encoders and buffers go to this rank's GPU here. Every
+            # rank built the UNet from the same seed, so the shards come from identical weights
+            # (Composer's FSDP2 broadcasts from rank 0 only when the other ranks are on the meta device).
+            model.to(torch.device("cuda", dist.get_local_rank()))
     trainer = Trainer(
         model=model,
+        parallelism_config=parallelism,
         train_dataloader=train_dataloader,
         optimizers=optimizer,
         schedulers=schedulers or None,
@@ -561,6 +600,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         "norm_precision": args.norm_precision if precision in ("amp_bf16", "amp_fp16") else None,
         "fused_adamw": fused,
         "xformers": args.xformers,
+        "fsdp": args.fsdp,
         "pretrained_parts": components.pretrained,
         "random_parts": components.random,
         "flops_per_image_breakdown": flops,

@@ -95,6 +95,12 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         fail("--xformers: xformers is not installed; on a GPU machine `pip install xformers==0.0.30`, or drop the flag")
     if args.ema_export_dir and not args.use_ema:
         fail("--ema_export_dir needs --use_ema")
+    if getattr(args, "fsdp", "none") != "none" and world_size == 1:
+        fail(f"--fsdp {args.fsdp} shards the UNet over the ranks and this run has one: drop the flag, or launch "
+             "several ranks (composer -n N benchmark.py ...)")
+    if getattr(args, "fsdp", "none") != "none" and args.channels_last:
+        fail(f"--channels_last with --fsdp {args.fsdp}: torch 2.7's fully_shard refuses non-contiguous (channels-last) "
+             "weights; drop one of the two")
     if args.warmup_batches < 0:
         fail(f"--warmup_batches {args.warmup_batches} must be >= 0")
     for flag in ("max_duration", "save_interval", "log_interval"):

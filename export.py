@@ -64,7 +64,8 @@ def ema_shadow(state: dict) -> dict[str, torch.Tensor]:
                 fail("--ema: the checkpoint's EMA has not started yet (before --ema_start); export without --ema")
             return algo_state["shadow"]
         if isinstance(algo_state, dict) and "shadow_shards" in algo_state:
-            fail("--ema: the EMA was saved as FSDP shards; export from a checkpoint of an unsharded run")
+            fail("--ema: the EMA was saved as FSDP1 flat shards (benchmark.py's --fsdp saves whole tensors); "
+                 "export from a checkpoint of benchmark.py")
     fail("--ema: the checkpoint holds no EMA state (trained without --use_ema)")
 
 

@@ -357,6 +357,22 @@ class StableDiffusion(ComposerModel):
         """The encoders; absent when training on precomputed latents."""
         return [m for m in (self.vae, self.text_encoder) if m is not None]
 
+    def mark_fsdp_units(self) -> None:
+        """Tell Composer's FSDP2 wrapping (its policy for a ComposerModel) to shard the UNet only.
+
+        Composer 0.32.1 (`generate_composer_model_policy`) wraps every direct child of the model
+        with `fully_shard` unless the child says `_fsdp_wrap = False`; inside a child it asks the
+        child's `fsdp_wrap_fn`. The frozen encoders are therefore marked off: sharded, they would be
+        all-gathered on every forward for nothing (they hold no gradients or optimizer state), and
+        they stay in the dtype the benchmark stored them in. The UNet is one FSDP unit per down
+        block, the mid block and each up block (plus the root: conv_in, time embedding, conv_out),
+        so that full-shard gathers one block at a time instead of the whole UNet.
+        """
+        for frozen in self._frozen():
+            frozen._fsdp_wrap = False
+        blocks = {*self.unet.down_blocks, self.unet.mid_block, *self.unet.up_blocks}
+        self.unet.fsdp_wrap_fn = lambda module: module in blocks
+
     @torch.no_grad()
     def encode(self, images: torch.Tensor, captions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scaled VAE latents (sampled from the posterior) and text-encoder hidden states.

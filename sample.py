@@ -172,9 +172,9 @@ class SampleImages(Callback):
         try:
             if ema is not None:
                 with ema.averaged_weights(model, prefix="unet."):
-                    images = self._draw(model.unet, mine, state)
+                    images = self._draw_sharded_or_not(model.unet, mine, state)
             else:
-                images = self._draw(model.unet, mine, state)
+                images = self._draw_sharded_or_not(model.unet, mine, state)
         finally:
             model.unet.train(was_training)
         gathered = dist.all_gather_object((mine, images)) if dist.get_world_size() > 1 else [(mine, images)]
@@ -190,6 +190,27 @@ class SampleImages(Callback):
             self.written.append(path)
             logger.log_images(np.asarray(grid), name="samples", channels_last=True, step=batch)
         self.pauses.append((start, time.perf_counter() - start))
+
+    def _draw_sharded_or_not(self, unet: torch.nn.Module, indices: list[int], state: State) -> list[np.ndarray]:
+        """`_draw`, also on a UNet sharded by FSDP2 (`benchmark.py --fsdp`).
+
+        Sampling needs whole weights, and FSDP2's forward hooks gather each block's weights from
+        the ranks' shards (the EMA's, when it is swapped into the shards). Two things make that
+        safe: every rank runs as many UNet forwards as the others (a rank without a prompt of its
+        own draws prompt 0, and drops it), since each gather is a collective; and the gathered
+        weights are freed afterwards (`reshard`), because FSDP2 keeps the root's, and with
+        reshard_after_forward=False every block's, until a backward that sampling never runs: the
+        next training step would otherwise compute with the weights gathered here (the EMA's).
+        """
+        from torch.distributed.fsdp import FSDPModule
+        sharded = [m for m in unet.modules() if isinstance(m, FSDPModule)]
+        if not sharded:
+            return self._draw(unet, indices, state)
+        try:
+            return self._draw(unet, indices or [0], state)[:len(indices)]
+        finally:
+            for module in sharded:
+                module.reshard()
 
     def _draw(self, unet: torch.nn.Module, indices: list[int], state: State) -> list[np.ndarray]:
         if not indices:
