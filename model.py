@@ -76,6 +76,7 @@ SCHEDULER_CONFIG = dict(
     num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
     prediction_type="epsilon", clip_sample=False, steps_offset=1,
 )
+NUM_TRAIN_TIMESTEPS = SCHEDULER_CONFIG["num_train_timesteps"]
 LATENT_SCALE = 0.18215  # SD2's VAE scaling_factor: latents * 0.18215 have roughly unit variance
 
 
