@@ -29,7 +29,8 @@ from composer.loggers import WandBLogger
 from composer.utils import dist, reproducibility
 
 import data
-from checks import DEFAULT_LOCAL, PRECISIONS, default_local, record_caches, storage_error, validate, validate_recipe
+from checks import (DEFAULT_LOCAL, PRECISIONS, check_run_length, default_local, record_caches, storage_error, validate,
+                    validate_recipe)
 from console import ConsoleProgress
 from flags import FRACTION, NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SECONDS, SEED, Parser, Range
 from model import MODEL_CONFIGS, NUM_TRAIN_TIMESTEPS, LossByTimestep, StableDiffusion, build_components, build_encoders_aside, sd2_meta_components
@@ -186,7 +187,7 @@ def user_error(error: BaseException) -> str | None:
     """One line for an exception caused by the input (data, storage, checkpoint), None for a bug."""
     text = str(error)
     lines = [line for line in text.splitlines() if line.strip()]
-    if isinstance(error, (data.BadDataError, NonFiniteLossError)):
+    if isinstance(error, (data.BadDataError, NonFiniteLossError, EmptyEpochError)):
         return lines[-1] if lines else text
     line = storage_error(error)
     if line:
@@ -294,6 +295,38 @@ class StopOnNonFiniteLoss(Callback):
         return path
 
 
+class EmptyEpochError(RuntimeError):
+    """An epoch that trained no batch: the data gives this rank less than one batch."""
+
+
+class StopOnEmptyEpoch(Callback):
+    """Stop at the end of an epoch that started and trained no batch, before its checkpoint.
+
+    validate() refuses data smaller than one global batch up front; this catches what it cannot
+    see (shards that shrank, a partition that leaves a rank short). Composer 0.32.1 only warns
+    "No batches were trained": a run in epochs then writes empty results and exits 0, and a run in
+    batches starts empty epochs forever. An epoch resumed at its end (a retried finished job) is
+    not started here (no EPOCH_START), so it does not count.
+    """
+
+    def __init__(self):
+        self.batches_in_epoch: int | None = None  # None: the current epoch was not started by this process
+
+    def epoch_start(self, state: State, logger: Logger) -> None:
+        self.batches_in_epoch = 0
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if self.batches_in_epoch is not None:
+            self.batches_in_epoch += 1
+
+    def epoch_end(self, state: State, logger: Logger) -> None:
+        started, self.batches_in_epoch = self.batches_in_epoch, None
+        if started == 0:
+            raise EmptyEpochError(
+                f"epoch {int(state.timestamp.epoch)} trained no batch: the data gives rank {dist.get_global_rank()} "
+                "less than one batch per epoch; use a smaller --batch_size, a larger --epoch_size, or more data")
+
+
 # Recommended microbatch per GPU memory size, SD2 base at 512x512 with AdamW, EMA and DDP; from
 # memory arithmetic, NOT measured (README: "Microbatch sizes"). Per device: UNet fp32 weights,
 # gradients, DDP buckets, EMA copy and two AdamW moments, 6 x 3.46 GB = 20.8 GB, plus the frozen
@@ -348,8 +381,9 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     args = parse_args(argv)
     per_node_signal_files()
     world_size = dist.get_world_size()
-    validate(args, world_size)
+    samples_per_epoch = validate(args, world_size)
     validate_recipe(args)
+    check_run_length(args, samples_per_epoch)
     on_gpu = torch.cuda.is_available()
     if not on_gpu and "OMP_NUM_THREADS" not in os.environ:
         # Composer's launcher leaves every CPU rank using all cores: N ranks oversubscribe N-fold.
@@ -476,7 +510,10 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     schedulers = []
     if args.lr_warmup_batches or args.lr_schedule != "constant":
         from composer.optim import ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler
-        warmup = f"{args.lr_warmup_batches}ba"
+        # Composer's warm-up schedulers need t_warmup in the unit of the run's length (ba and ep
+        # runs are counted in batches): a run in samples warms up over as many samples.
+        warmup = (f"{args.lr_warmup_batches * args.batch_size}sp" if args.max_duration.endswith("sp")
+                  else f"{args.lr_warmup_batches}ba")
         schedulers.append(CosineAnnealingWithWarmupScheduler(t_warmup=warmup, alpha_f=0.0) if args.lr_schedule == "cosine"
                           else ConstantWithWarmupScheduler(t_warmup=warmup))
     peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
@@ -514,7 +551,8 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         max_duration=args.max_duration,
         algorithms=algorithms,
         callbacks=[SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), throughput,
-                   StopOnNonFiniteLoss(args.load_path, args.save_folder), ConsoleProgress(args.log_interval),
+                   StopOnNonFiniteLoss(args.load_path, args.save_folder), StopOnEmptyEpoch(),
+                   ConsoleProgress(args.log_interval),
                    *recipe_callbacks, *(extra_callbacks or [])],
         loggers=loggers,
         precision=trainer_precision,
