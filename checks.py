@@ -18,7 +18,6 @@ import os
 import re
 import tarfile
 import tempfile
-import urllib.parse
 import zipfile
 from pathlib import Path
 from typing import NoReturn
@@ -163,10 +162,10 @@ def check_location(flag: str, location: str, schemes: list[str]) -> str:
     """`location` with a file:// URI turned into its path; an unsupported scheme fails, naming `flag`."""
     scheme = uri_scheme(location)
     if scheme == "file":
-        parsed = urllib.parse.urlparse(location)
-        if parsed.netloc not in ("", "localhost"):
-            fail(f"--{flag} {location}: a file:// URI names a path on this machine; write file:///path or the path")
-        return urllib.parse.unquote(parsed.path)
+        try:
+            return paths.from_file_uri(f"--{flag}", location)
+        except ValueError as error:
+            fail(str(error))
     if scheme and scheme not in schemes:
         if not schemes:
             fail(f"--{flag} takes a local path, not a URI ({location})")

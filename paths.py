@@ -18,6 +18,29 @@ def scheme(location: str) -> str:
     return parsed.scheme.lower() if len(parsed.scheme) > 1 else ""
 
 
+def from_file_uri(flag: str, location: str) -> str:
+    """`location` with a file:// URI turned into its path: every command reads file:///data/x as the
+    path /data/x. Raises ValueError naming `flag` for file://host/..., which names another machine."""
+    if scheme(location) != "file":
+        return location
+    parsed = urllib.parse.urlparse(location)
+    if parsed.netloc not in ("", "localhost"):
+        raise ValueError(f"{flag} {location}: a file:// URI names a path on this machine; write file:///path or the path")
+    return urllib.parse.unquote(parsed.path)
+
+
+def same_source_key(location: str) -> str:
+    """The form that two names of one source share, to compare sources: a local path resolved
+    (file:// URI, ~, trailing slash, symlinks), an object-store URI with its scheme in lower case and
+    no trailing slash. Never used to read or write: the location is used as given."""
+    found = scheme(location)
+    if found == "file":
+        location, found = urllib.parse.unquote(urllib.parse.urlparse(location).path), ""
+    if found:
+        return f"{found}://{location.split('://', 1)[-1].rstrip('/')}" if "://" in location else location.rstrip("/")
+    return str(Path(location).expanduser().resolve())
+
+
 def output_schemes() -> list[str]:
     """Object stores Streaming's MDSWriter uploads to."""
     from streaming.base.storage.upload import UPLOADERS
