@@ -295,6 +295,21 @@ class StopOnNonFiniteLoss(Callback):
         return path
 
 
+class RunRecord(Callback):
+    """What a checkpoint's weights do not say, saved in every checkpoint for export.py: the model
+    configuration and --model_name, the seed the encoders were built from (the --seed, or the one
+    precompute.json recorded for random encoders), the image size and whether it trained on latents."""
+
+    def __init__(self, settings: dict):
+        self.settings = settings
+
+    def state_dict(self) -> dict:
+        return dict(self.settings)
+
+    def load_state_dict(self, state: dict) -> None:
+        pass  # a resumed run records its own settings (validated against the data like the first run's)
+
+
 class EmptyEpochError(RuntimeError):
     """An epoch that trained no batch: the data gives this rank less than one batch."""
 
@@ -448,7 +463,13 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     if any(part is None for part in (components.vae, components.text_encoder, components.tokenizer)) and (
             args.caption_drop_prob > 0 or args.sample_prompts or args.ema_export_dir):
         # The model's own parts where it has them (on the tokens format it has the text encoder).
-        aside = build_encoders_aside(args.model_config, args.model_name, args.seed)
+        encoders_seed = getattr(args, "encoders_seed", None)
+        if encoders_seed is not None and encoders_seed != args.seed and dist.get_global_rank() == 0:
+            print(f"note: the latents were computed with random encoders of seed {encoders_seed} (precompute.json): "
+                  f"the encoders are rebuilt from it; --seed {args.seed} seeds the UNet, noise and data order",
+                  file=sys.stderr, flush=True)
+        aside = build_encoders_aside(args.model_config, args.model_name,
+                                     encoders_seed if encoders_seed is not None else args.seed)
         encoders = dataclasses.replace(
             aside, vae=components.vae if components.vae is not None else aside.vae,
             text_encoder=components.text_encoder if components.text_encoder is not None else aside.text_encoder,
@@ -552,6 +573,9 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         algorithms=algorithms,
         callbacks=[SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), throughput,
                    StopOnNonFiniteLoss(args.load_path, args.save_folder), StopOnEmptyEpoch(),
+                   RunRecord({"model_config": args.model_config, "model_name": args.model_name,
+                              "encoders_seed": args.seed if getattr(args, "encoders_seed", None) is None else args.encoders_seed,
+                              "image_size": args.image_size, "precomputed": args.precomputed}),
                    ConsoleProgress(args.log_interval),
                    *recipe_callbacks, *(extra_callbacks or [])],
         loggers=loggers,

@@ -452,6 +452,8 @@ def check_source(local: str, remote: str | None, args: argparse.Namespace) -> in
             cached = "that filled it"
         fail(f"--local {local} is the cache of --remote {cached}: pass --remote {cached} again "
              "(shards already cached are not downloaded again)")
+    if args.precomputed and (not remote or not uri_scheme(remote)):
+        check_precompute_record(Path(remote or local, PRECOMPUTE_RECORD), args)
     if Path(local, "index.json").is_file():  # Streaming reads the cached index rather than the remote's
         return check_index(read_index(Path(local, "index.json"), local), f"--local {local}", args)
     if not remote:
@@ -470,7 +472,52 @@ def check_source(local: str, remote: str | None, args: argparse.Namespace) -> in
             if getattr(args, "debug", False):
                 raise
             fail(f"--remote {remote}: cannot read index.json: {storage_error(error) or error}")
+        if args.precomputed:
+            try:  # written by latents.py next to its index.json; latents from elsewhere have none
+                CloudDownloader.direct_download(f"{remote.rstrip('/')}/{PRECOMPUTE_RECORD}",
+                                                f"{folder}/{PRECOMPUTE_RECORD}", args.download_timeout)
+            except Exception:  # noqa: BLE001  absent: nothing recorded to compare
+                pass
+            check_precompute_record(Path(folder, PRECOMPUTE_RECORD), args, f"{remote.rstrip('/')}/{PRECOMPUTE_RECORD}")
         return check_index(read_index(Path(folder, "index.json"), remote), f"--remote {remote}", args)
+
+
+# Written by latents.py next to the latents' index.json: the settings they were computed with.
+PRECOMPUTE_RECORD = "precompute.json"
+
+
+def check_precompute_record(record: Path, args: argparse.Namespace, name: str | None = None) -> None:
+    """Compare what latents.py recorded in precompute.json with this run. A different --model_config or
+    --image_size, or other pretrained encoders (--model_name), is refused: the latents were made by other
+    encoders than the run uses. Random encoders (the tiny model, --allow_random_encoders) are rebuilt
+    from the recorded seed, whatever --seed is (it still seeds the UNet, noise and data order): the run
+    follows the record and sets `args.encoders_seed`."""
+    name = name or str(record)
+    if not record.is_file():
+        return
+    try:
+        recorded = json.loads(record.read_text())
+        if not isinstance(recorded, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        fail(f"--precomputed: {name} is not readable ({error}); it records how the latents were computed: "
+             "restore it, or compute the latents again with latents.py")
+    for key, flag in (("model_config", "model_config"), ("image_size", "image_size")):
+        if recorded.get(key) is not None and recorded[key] != getattr(args, flag):
+            fail(f"--{flag} {getattr(args, flag)}: the latents were computed with --{flag} {recorded[key]} "
+                 f"({name}); pass --{flag} {recorded[key]}, or compute latents for this setting with latents.py")
+    made_with = recorded.get("model_name")
+    if made_with and paths.same_source_key(made_with) != paths.same_source_key(args.model_name) \
+            and not Path(args.model_name).is_dir():
+        fail(f"--model_name {args.model_name}: the latents were computed with --model_name {made_with} ({name}); "
+             f"pass --model_name {made_with} (or a local folder holding that model)")
+    seed = recorded.get("seed") if recorded.get("random_encoders") else None
+    if seed is not None:
+        previous = getattr(args, "encoders_seed", None)
+        if previous is not None and previous != seed:
+            fail(f"--remote: the sources were precomputed with random encoders of different seeds ({previous} and "
+                 f"{seed}, {name}): no one set of encoders fits both; precompute them with the same --seed")
+        args.encoders_seed = seed
 
 
 def storage_error(error: BaseException) -> str | None:
