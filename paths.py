@@ -84,7 +84,8 @@ def _resolved(path: str) -> Path:
     return Path(path).expanduser().resolve()
 
 
-def overlap(output_flag: str, output: str, inputs: list[tuple[str, str | None]]) -> str | None:
+def overlap(output_flag: str, output: str, inputs: list[tuple[str, str | None]],
+            remedy: str = "write the output to a separate folder") -> str | None:
     """Why a local output cannot be written next to these local inputs ([(flag, path)]), or None.
 
     Refused both ways: an input inside the output would be mixed into it and deleted by
@@ -99,7 +100,7 @@ def overlap(output_flag: str, output: str, inputs: list[tuple[str, str | None]])
         source = _resolved(path)
         if source == out or source in out.parents:
             where = "is" if source == out else "lies inside"
-            return f"{output_flag} {output} {where} the input ({flag} {path}): write the output to a separate folder"
+            return f"{output_flag} {output} {where} the input ({flag} {path}): {remedy}"
         if out in source.parents:
             return (f"the input ({flag} {path}) lies inside {output_flag} {output}: write the output to a separate "
                     "folder (the input would be mixed into it, and deleted by --overwrite)")
@@ -147,7 +148,8 @@ def check_output(flag: str, location: str | None, *, folder: bool,
     why = unwritable(location, folder)
     if why:
         return f"{flag} {location} {why}; choose a writable location"
-    return overlap(flag, location, [(f, p) for f, p in inputs if p])
+    return overlap(flag, location, [(f, p) for f, p in inputs if p],
+                   "write the output to a separate folder" if folder else "write the output to another file")
 
 
 def check_outputs_apart(outputs: list[tuple[str, str | None, str]]) -> str | None:
