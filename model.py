@@ -373,13 +373,16 @@ class LossBins:
     """
 
     def __init__(self, num_timesteps: int, num_bins: int):
+        if num_bins > num_timesteps:  # benchmark.py refuses --loss_bins above the timesteps first
+            raise ValueError(f"{num_bins} loss bins for {num_timesteps} timesteps: some bins would stay empty")
         self.num_timesteps, self.num_bins = num_timesteps, num_bins
         self.window: torch.Tensor | None = None  # (2, bins): loss sums, counts
 
     def edges(self) -> list[tuple[int, int]]:
-        """[first, last] timestep of each bin."""
-        step = self.num_timesteps / self.num_bins
-        return [(round(i * step), round((i + 1) * step) - 1) for i in range(self.num_bins)]
+        """[first, last] timestep of each bin: exactly the timesteps `add` puts there. Timestep t goes
+        to bin floor(t * bins / timesteps), so bin i starts at ceil(i * timesteps / bins), in integers."""
+        first = [-(-i * self.num_timesteps // self.num_bins) for i in range(self.num_bins + 1)]
+        return [(first[i], first[i + 1] - 1) for i in range(self.num_bins)]
 
     def add(self, per_sample_loss: torch.Tensor, timesteps: torch.Tensor) -> None:
         if self.num_bins <= 0:
