@@ -123,7 +123,9 @@ def validate(args: argparse.Namespace, world_size: int) -> int:
     check_numbers(args)
     check_outputs(args)
     check_checkpoint(args)
-    return check_data(args)
+    samples_per_epoch = check_data(args)
+    check_pretrained(args)
+    return samples_per_epoch
 
 
 # -----------------------------------------------------------------------------------------------
@@ -292,6 +294,23 @@ def check_outputs(args: argparse.Namespace) -> None:
             fail(f"--save_folder {args.save_folder} holds checkpoints of an earlier run ({saved[0].name}...): "
                  "continue it with --autoresume --run_name NAME, start from one with --load_path, "
                  "or use a new --save_folder")
+
+
+def check_pretrained(args: argparse.Namespace) -> None:
+    """Real images need the pretrained VAE and text encoder of sd2-base: refused in seconds when they
+    cannot be had, before anything is built (benchmark.main refuses again if loading them fails)."""
+    if args.use_synth_data or args.precomputed or args.model_config != "sd2-base" or args.allow_random_encoders:
+        return
+    from model import hub_reachable, pretrained_missing
+    missing = pretrained_missing(args.model_name)
+    if missing:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+        why = ("HF_HUB_OFFLINE is set" if offline else
+               "the hub could not be reached" if not Path(args.model_name).is_dir() and not hub_reachable() else
+               "not in the folder")
+        fail(f"pretrained {' and '.join(missing)} not found for --model_name {args.model_name} ({why}): training on "
+             "real data needs them (download the model to a local folder and pass it), or pass "
+             "--allow_random_encoders to measure throughput anyway")
 
 
 def check_checkpoint(args: argparse.Namespace) -> None:
