@@ -29,11 +29,14 @@ from composer.loggers import WandBLogger
 from composer.utils import FSDP2Config, ParallelismConfig, dist, reproducibility
 
 import data
-from checks import DEFAULT_LOCAL, PRECISIONS, default_local, record_caches, storage_error, validate, validate_recipe
+from checks import (DEFAULT_LOCAL, PRECISIONS, check_run_length, default_local, record_caches, storage_error, validate,
+                    validate_recipe)
 from console import ConsoleProgress
 import gpu_memory
-from model import (MODEL_CONFIGS, LossByTimestep, StableDiffusion, build_components, build_encoders_aside,
-                   sd2_meta_components, set_norm_precision)
+from flags import FRACTION, NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SECONDS, SEED, Parser, Range
+from model import (MODEL_CONFIGS, NUM_TRAIN_TIMESTEPS, LossByTimestep, StableDiffusion, build_components,
+                   build_encoders_aside, sd2_meta_components, set_norm_precision)
+from sample import MAX_GUIDANCE_SCALE
 from tokenizer import tokenize
 from throughput import Throughput, count_flops_per_image
 
@@ -50,11 +53,11 @@ class JoinSources(argparse.Action):
         setattr(namespace, self.dest, f"{previous},{values}" if previous else values)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="benchmark.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # The flags of the 2023 benchmark, same names and defaults.
-    p.add_argument("--batch_size", type=int, default=2048, help="global batch size, images per step over all devices")
-    p.add_argument("--image_size", type=int, default=512, help="training resolution in pixels (multiple of 8)")
+    p.add_argument("--batch_size", type=POSITIVE_INT, default=2048, help="global batch size, images per step over all devices")
+    p.add_argument("--image_size", type=POSITIVE_INT, default=512, help="training resolution in pixels (multiple of 8)")
     p.add_argument("--remote", type=str, default=None, action=JoinSources,
                    help="MDS shards to stream: s3://, gs://, oci://, ... or a path. Several sources: repeat the flag "
                         "or separate them by commas, each optionally prefixed by its proportion: 0.7=s3://a,0.3=s3://b")
@@ -74,14 +77,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_duration", type=str, default="1ep", help="Composer time string: 20ba, 1ep, 100000sp")
     p.add_argument("--model_config", type=str, default="sd2-base", help=f"one of {sorted(MODEL_CONFIGS)}")
     p.add_argument("--precision", type=str, default="auto", help=f"one of {PRECISIONS}; auto: amp_bf16 on GPU, fp32 on CPU")
-    p.add_argument("--seed", type=int, default=17)
-    p.add_argument("--num_workers", type=int, default=8, help="DataLoader worker processes per device")
+    p.add_argument("--seed", type=SEED, default=17)
+    p.add_argument("--num_workers", type=NON_NEGATIVE_INT, default=8, help="DataLoader worker processes per device")
     p.add_argument("--results_json", type=str, default=None, help="write the throughput summary to this JSON file")
-    p.add_argument("--num_synthetic_samples", type=int, default=100_000, help="size of the synthetic dataset")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (constant unless --lr_schedule / --lr_warmup_batches)")
-    p.add_argument("--weight_decay", type=float, default=1e-3, help="AdamW weight decay")
-    p.add_argument("--warmup_batches", type=int, default=5, help="batches left out of the throughput measurement")
-    p.add_argument("--peak_tflops", type=float, default=None,
+    p.add_argument("--num_synthetic_samples", type=POSITIVE_INT, default=100_000, help="size of the synthetic dataset")
+    p.add_argument("--lr", type=POSITIVE_FLOAT, default=1e-4, help="AdamW learning rate (constant unless --lr_schedule / --lr_warmup_batches)")
+    p.add_argument("--weight_decay", type=NON_NEGATIVE_FLOAT, default=1e-3, help="AdamW weight decay")
+    p.add_argument("--warmup_batches", type=NON_NEGATIVE_INT, default=5, help="batches left out of the throughput measurement")
+    p.add_argument("--peak_tflops", type=POSITIVE_FLOAT, default=None,
                    help="peak TFLOP/s of one device for MFU (default: Composer's table for A100/H100/H200)")
     p.add_argument("--allow_random_encoders", action="store_true",
                    help="train on real data even when the pretrained VAE/text encoder cannot be loaded")
@@ -90,21 +93,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--caption_key", type=str, default="caption", help="MDS column holding the caption text")
     p.add_argument("--no_shuffle", dest="shuffle", action="store_false",
                    help="stream samples in stored order (default: shuffled, seeded by --seed)")
-    p.add_argument("--predownload", type=int, default=None,
+    p.add_argument("--predownload", type=POSITIVE_INT, default=None,
                    help="samples each loader worker downloads ahead (default: 8 x per-device batch)")
-    p.add_argument("--download_retry", type=int, default=2, help="download attempts per shard before failing")
-    p.add_argument("--download_timeout", type=float, default=60.0, help="seconds before a shard download fails")
+    p.add_argument("--download_retry", type=NON_NEGATIVE_INT, default=2, help="download attempts per shard before failing")
+    p.add_argument("--download_timeout", type=SECONDS, default=60.0, help="seconds before a shard download fails")
     p.add_argument("--cache_limit", type=str, default=None,
                    help="evict cached shards beyond this size, e.g. 500gb (default: keep all)")
     p.add_argument("--validate_hash", type=str, default=None,
                    help="check downloaded shards with this hash from index.json: sha1 or xxh64")
-    p.add_argument("--max_bad_fraction", type=float, default=0.01,
+    p.add_argument("--max_bad_fraction", type=FRACTION, default=0.01,
                    help="stop when more than this fraction of the images one loader worker decoded failed "
                         "(checked after 1000)")
     # Checkpoints (Composer's machinery): local paths or object-store URIs (s3://, gs://, oci://).
     p.add_argument("--save_folder", type=str, default=None, help="where to save checkpoints (path or s3://... URI)")
     p.add_argument("--save_interval", type=str, default="1000ba", help="checkpoint every this long (20ba, 1ep)")
-    p.add_argument("--save_num_checkpoints_to_keep", type=int, default=-1,
+    p.add_argument("--save_num_checkpoints_to_keep", type=Range(int, -1), default=-1,
                    help="local checkpoints to keep (-1: all; 0: none, only with an object-store --save_folder, "
                         "which keeps every upload)")
     p.add_argument("--load_path", type=str, default=None, help="checkpoint to start from (path or URI)")
@@ -134,15 +137,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # like --no_shuffle, --predownload, --download_retry, --download_timeout, --cache_limit and --validate_hash.
     p.add_argument("--shuffle_algo", type=str, default=DEFAULT_SHUFFLE_ALGO, choices=SHUFFLE_ALGOS,
                    help="Streaming's shuffle: py1e (Streaming's default), py1br, py1s, py2s, naive")
-    p.add_argument("--shuffle_block_size", type=int, default=None,
+    p.add_argument("--shuffle_block_size", type=POSITIVE_INT, default=None,
                    help="samples per shuffle block (default: Streaming's, max(4M / canonical nodes, 262144))")
     p.add_argument("--epoch_size", type=str, default=None,
                    help="samples per epoch drawn from all sources, e.g. 200000000 or 200m (default: all of them "
                         "once). The epoch's partition takes memory per sample: see the README's LAION-scale plan")
-    p.add_argument("--num_canonical_nodes", type=int, default=None,
+    p.add_argument("--num_canonical_nodes", type=POSITIVE_INT, default=None,
                    help="Streaming's canonical nodes, fixing the sample order across node counts (default: the nodes "
                         "of the first run); keep it when resuming on another number of nodes")
-    p.add_argument("--sampling_granularity", type=int, default=1,
+    p.add_argument("--sampling_granularity", type=POSITIVE_INT, default=1,
                    help="with --epoch_size below the dataset: samples taken from a shard at a time when an epoch "
                         "picks part of the data; the samples per shard picks whole shards (no shard downloaded "
                         "for a few samples)")
@@ -152,27 +155,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Errors: user errors are one line; --debug shows the traceback as well.
     p.add_argument("--debug", action="store_true", help="on an error, also print the Python traceback")
     # Training recipe. Every default keeps the 2023 step.
-    p.add_argument("--lr_warmup_batches", type=int, default=0, help="linear learning-rate warm-up over this many batches")
+    p.add_argument("--lr_warmup_batches", type=NON_NEGATIVE_INT, default=0, help="linear learning-rate warm-up over this many batches")
     p.add_argument("--lr_schedule", type=str, default="constant", choices=("constant", "cosine"),
                    help="after the warm-up: constant, or cosine decay to 0 at --max_duration")
-    p.add_argument("--grad_clip_norm", type=float, default=None, help="clip the gradient's global L2 norm to this")
-    p.add_argument("--caption_drop_prob", type=float, default=0.0,
+    p.add_argument("--grad_clip_norm", type=POSITIVE_FLOAT, default=None, help="clip the gradient's global L2 norm to this")
+    p.add_argument("--caption_drop_prob", type=Range(float, 0, 1, high_open=True), default=0.0,
                    help="replace each caption by the empty one with this probability (classifier-free guidance)")
     p.add_argument("--ema_start", type=str, default="0ba", help="with --use_ema: start averaging at this time (e.g. 1350000ba)")
     p.add_argument("--ema_half_life", type=str, default="1000ba",
                    help="with --use_ema: EMA half-life in batches (6931ba is a smoothing of 0.9999 per batch)")
-    p.add_argument("--snr_gamma", type=float, default=None, help="min-SNR-gamma loss weighting (5 is the paper's value)")
-    p.add_argument("--offset_noise", type=float, default=0.0, help="offset noise strength (e.g. 0.1)")
-    p.add_argument("--loss_bins", type=int, default=10, help="log the loss in this many bins of timesteps (0: off)")
+    p.add_argument("--snr_gamma", type=POSITIVE_FLOAT, default=None, help="min-SNR-gamma loss weighting (5 is the paper's value)")
+    p.add_argument("--offset_noise", type=Range(float, 0, 1), default=0.0,
+                   help="offset noise strength (e.g. 0.1; at most 1, where the offset is as strong as the noise)")
+    p.add_argument("--loss_bins", type=Range(int, 0, NUM_TRAIN_TIMESTEPS), default=10,
+                   help=f"log the loss in this many bins of timesteps (0: off; at most the {NUM_TRAIN_TIMESTEPS} timesteps)")
     # Samples while training (sample.py).
     p.add_argument("--sample_prompts", type=str, default=None,
                    help="draw these prompts while training: a text file (one per line) or a built-in set: default, shapes")
     p.add_argument("--sample_interval", type=str, default="1000ba", help="sample every this long (and at the end)")
     p.add_argument("--samples_dir", type=str, default=None, help="where sample grids go (default: <--save_folder>/samples)")
     p.add_argument("--sampler", type=str, default="ddim", choices=("ddim", "euler"), help="diffusers sampler for samples")
-    p.add_argument("--sample_steps", type=int, default=50, help="sampler steps per sample")
-    p.add_argument("--guidance_scale", type=float, default=7.5, help="classifier-free guidance scale of samples (1: none)")
-    return p.parse_args(argv)
+    p.add_argument("--sample_steps", type=Range(int, 1, NUM_TRAIN_TIMESTEPS), default=50,
+                   help=f"sampler steps per sample (at most the {NUM_TRAIN_TIMESTEPS} training timesteps)")
+    p.add_argument("--guidance_scale", type=Range(float, 0, MAX_GUIDANCE_SCALE), default=7.5,
+                   help="classifier-free guidance scale of samples (<= 1: none, as in diffusers)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def streaming_options(args: argparse.Namespace) -> dict:
@@ -188,7 +199,7 @@ def user_error(error: BaseException) -> str | None:
     """One line for an exception caused by the input (data, storage, checkpoint), None for a bug."""
     text = str(error)
     lines = [line for line in text.splitlines() if line.strip()]
-    if isinstance(error, (data.BadDataError, NonFiniteLossError)):
+    if isinstance(error, (data.BadDataError, NonFiniteLossError, EmptyEpochError)):
         return lines[-1] if lines else text
     line = storage_error(error)
     if line:
@@ -296,6 +307,53 @@ class StopOnNonFiniteLoss(Callback):
         return path
 
 
+class RunRecord(Callback):
+    """What a checkpoint's weights do not say, saved in every checkpoint for export.py: the model
+    configuration and --model_name, the seed the encoders were built from (the --seed, or the one
+    precompute.json recorded for random encoders), the image size and whether it trained on latents."""
+
+    def __init__(self, settings: dict):
+        self.settings = settings
+
+    def state_dict(self) -> dict:
+        return dict(self.settings)
+
+    def load_state_dict(self, state: dict) -> None:
+        pass  # a resumed run records its own settings (validated against the data like the first run's)
+
+
+class EmptyEpochError(RuntimeError):
+    """An epoch that trained no batch: the data gives this rank less than one batch."""
+
+
+class StopOnEmptyEpoch(Callback):
+    """Stop at the end of an epoch that started and trained no batch, before its checkpoint.
+
+    validate() refuses data smaller than one global batch up front; this catches what it cannot
+    see (shards that shrank, a partition that leaves a rank short). Composer 0.32.1 only warns
+    "No batches were trained": a run in epochs then writes empty results and exits 0, and a run in
+    batches starts empty epochs forever. An epoch resumed at its end (a retried finished job) is
+    not started here (no EPOCH_START), so it does not count.
+    """
+
+    def __init__(self):
+        self.batches_in_epoch: int | None = None  # None: the current epoch was not started by this process
+
+    def epoch_start(self, state: State, logger: Logger) -> None:
+        self.batches_in_epoch = 0
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if self.batches_in_epoch is not None:
+            self.batches_in_epoch += 1
+
+    def epoch_end(self, state: State, logger: Logger) -> None:
+        started, self.batches_in_epoch = self.batches_in_epoch, None
+        if started == 0:
+            raise EmptyEpochError(
+                f"epoch {int(state.timestamp.epoch)} trained no batch: the data gives rank {dist.get_global_rank()} "
+                "less than one batch per epoch; use a smaller --batch_size, a larger --epoch_size, or more data")
+
+
 def safe_auto_microbatch(args: argparse.Namespace, total_memory_bytes: int, world_size: int, precision: str,
                          text_format: str | None) -> int:
     """`auto` for several ranks: the memory model's microbatch for this GPU (gpu_memory.py), not an OOM search.
@@ -362,8 +420,9 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     args = parse_args(argv)
     per_node_signal_files()
     world_size = dist.get_world_size()
-    validate(args, world_size)
+    samples_per_epoch = validate(args, world_size)
     validate_recipe(args)
+    check_run_length(args, samples_per_epoch)
     on_gpu = torch.cuda.is_available()
     if not on_gpu and "OMP_NUM_THREADS" not in os.environ:
         # Composer's launcher leaves every CPU rank using all cores: N ranks oversubscribe N-fold.
@@ -429,7 +488,13 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     if any(part is None for part in (components.vae, components.text_encoder, components.tokenizer)) and (
             args.caption_drop_prob > 0 or args.sample_prompts or args.ema_export_dir):
         # The model's own parts where it has them (on the tokens format it has the text encoder).
-        aside = build_encoders_aside(args.model_config, args.model_name, args.seed)
+        encoders_seed = getattr(args, "encoders_seed", None)
+        if encoders_seed is not None and encoders_seed != args.seed and dist.get_global_rank() == 0:
+            print(f"note: the latents were computed with random encoders of seed {encoders_seed} (precompute.json): "
+                  f"the encoders are rebuilt from it; --seed {args.seed} seeds the UNet, noise and data order",
+                  file=sys.stderr, flush=True)
+        aside = build_encoders_aside(args.model_config, args.model_name,
+                                     encoders_seed if encoders_seed is not None else args.seed)
         encoders = dataclasses.replace(
             aside, vae=components.vae if components.vae is not None else aside.vae,
             text_encoder=components.text_encoder if components.text_encoder is not None else aside.text_encoder,
@@ -500,7 +565,10 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
     schedulers = []
     if args.lr_warmup_batches or args.lr_schedule != "constant":
         from composer.optim import ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler
-        warmup = f"{args.lr_warmup_batches}ba"
+        # Composer's warm-up schedulers need t_warmup in the unit of the run's length (ba and ep
+        # runs are counted in batches): a run in samples warms up over as many samples.
+        warmup = (f"{args.lr_warmup_batches * args.batch_size}sp" if args.max_duration.endswith("sp")
+                  else f"{args.lr_warmup_batches}ba")
         schedulers.append(CosineAnnealingWithWarmupScheduler(t_warmup=warmup, alpha_f=0.0) if args.lr_schedule == "cosine"
                           else ConstantWithWarmupScheduler(t_warmup=warmup))
     peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
@@ -548,7 +616,11 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         max_duration=args.max_duration,
         algorithms=algorithms,
         callbacks=[SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), throughput,
-                   StopOnNonFiniteLoss(args.load_path, args.save_folder), ConsoleProgress(args.log_interval),
+                   StopOnNonFiniteLoss(args.load_path, args.save_folder), StopOnEmptyEpoch(),
+                   RunRecord({"model_config": args.model_config, "model_name": args.model_name,
+                              "encoders_seed": args.seed if getattr(args, "encoders_seed", None) is None else args.encoders_seed,
+                              "image_size": args.image_size, "precomputed": args.precomputed}),
+                   ConsoleProgress(args.log_interval),
                    *recipe_callbacks, *(extra_callbacks or [])],
         loggers=loggers,
         precision=trainer_precision,

@@ -18,7 +18,6 @@ import os
 import re
 import tarfile
 import tempfile
-import urllib.parse
 import zipfile
 from pathlib import Path
 from typing import NoReturn
@@ -28,6 +27,8 @@ from composer.core import Time
 from composer.utils import dist
 
 import data
+import paths
+from flags import check_workers
 from model import MODEL_CONFIGS
 
 PRECISIONS = ("auto", "fp32", "amp_bf16", "amp_fp16")
@@ -40,8 +41,9 @@ def default_local(remote: str | None) -> str:
     return f"{DEFAULT_LOCAL}/{hashlib.sha1(str(remote).encode()).hexdigest()[:12]}"
 
 
-def validate(args: argparse.Namespace, world_size: int) -> None:
-    """Fail at once, with a one-line message naming the flag, on values that would fail later."""
+def validate(args: argparse.Namespace, world_size: int) -> int:
+    """Fail at once, with a one-line message naming the flag, on values that would fail later.
+    Returns the samples in one epoch (for the checks of the run's length, check_run_length)."""
     def fail(message: str) -> None:
         raise SystemExit(f"benchmark.py: error: {message}")
 
@@ -78,10 +80,14 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.epoch_size is not None:
         try:
             from streaming.base.util import number_abbrev_to_int
-            if number_abbrev_to_int(args.epoch_size) <= 0:
+            epoch_samples = number_abbrev_to_int(args.epoch_size)
+            if epoch_samples <= 0:
                 raise ValueError
         except (ValueError, TypeError):
             fail(f"--epoch_size {args.epoch_size} must be a positive number of samples, such as 200000000 or 200m")
+        if epoch_samples < args.batch_size:  # the data's own size is not checked then: this is the epoch
+            fail(f"--epoch_size {args.epoch_size} is less than one global batch (--batch_size {args.batch_size}): "
+                 f"no step could run; pass an --epoch_size of at least {args.batch_size}")
     for flag in ("shuffle_block_size", "num_canonical_nodes", "sampling_granularity"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             fail(f"--{flag} {getattr(args, flag)} must be positive")
@@ -89,6 +95,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         fail("--precomputed_format only applies with --precomputed --use_synth_data (shards carry their own format)")
     if args.num_workers < 0:
         fail(f"--num_workers {args.num_workers} must be >= 0")
+    too_many = check_workers("--num_workers", args.num_workers, dist.get_local_world_size())
+    if too_many:
+        fail(too_many)
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         fail(f"--peak_tflops {args.peak_tflops} must be positive (TFLOP/s of one device)")
     if args.xformers and importlib.util.find_spec("xformers") is None:
@@ -120,7 +129,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     check_numbers(args)
     check_outputs(args)
     check_checkpoint(args)
-    check_data(args)
+    samples_per_epoch = check_data(args)
+    check_pretrained(args)
+    return samples_per_epoch
 
 
 # -----------------------------------------------------------------------------------------------
@@ -159,10 +170,10 @@ def check_location(flag: str, location: str, schemes: list[str]) -> str:
     """`location` with a file:// URI turned into its path; an unsupported scheme fails, naming `flag`."""
     scheme = uri_scheme(location)
     if scheme == "file":
-        parsed = urllib.parse.urlparse(location)
-        if parsed.netloc not in ("", "localhost"):
-            fail(f"--{flag} {location}: a file:// URI names a path on this machine; write file:///path or the path")
-        return urllib.parse.unquote(parsed.path)
+        try:
+            return paths.from_file_uri(f"--{flag}", location)
+        except ValueError as error:
+            fail(str(error))
     if scheme and scheme not in schemes:
         if not schemes:
             fail(f"--{flag} takes a local path, not a URI ({location})")
@@ -247,45 +258,41 @@ def check_numbers(args: argparse.Namespace) -> None:
         fail(f"--precision {args.precision} needs a CUDA GPU (none here); on CPU use fp32, auto or amp_bf16 (CPU autocast)")
 
 
-def unwritable(path: str, folder: bool) -> str | None:
-    """Why `path` (a file, or a folder if `folder`) cannot be written, or None if it can.
+def run_inputs(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """The local files and folders the run reads: no output may be, contain or lie inside them."""
+    inputs = [("--remote", source) for source, _ in data.parse_sources(args.remote) if not uri_scheme(source)]
+    inputs += [("--local", args.local), ("--load_path", None if uri_scheme(args.load_path or "") else args.load_path)]
+    if args.model_name and Path(args.model_name).is_dir():
+        inputs.append(("--model_name", args.model_name))
+    if getattr(args, "sample_prompts", None) and Path(args.sample_prompts).is_file():
+        inputs.append(("--sample_prompts", args.sample_prompts))
+    return inputs
 
-    Probes by doing what the run will do, without leaving anything: a temporary file in the
-    nearest existing folder, or opening an existing file for appending (which changes nothing).
-    """
-    target = Path(path).expanduser().absolute()
-    if target.exists():
-        if folder != target.is_dir():
-            return f"is {'a file, not a folder' if folder else 'a folder, not a file'}"
-        if not folder:
-            try:
-                with open(target, "a"):
-                    pass
-            except OSError as error:
-                return f"cannot be written ({error.strerror})"
-            return None
-    parent = target if target.is_dir() else target.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"cannot be created: {parent} is a file"
-    try:
-        with tempfile.TemporaryFile(dir=parent):
-            pass
-    except OSError as error:
-        return f"is not writable ({error.strerror})" if parent == target else \
-            f"cannot be created in {parent} ({error.strerror})"
-    return None
+
+def samples_folder(args: argparse.Namespace) -> str | None:
+    """Where sample grids go: --samples_dir, or <--save_folder>/samples."""
+    if not getattr(args, "sample_prompts", None):
+        return None
+    if args.samples_dir:
+        return args.samples_dir
+    return os.path.join(args.save_folder, "samples") if args.save_folder and not uri_scheme(args.save_folder) else None
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Output locations are checked before training, not found unwritable after the last batch."""
-    for flag, folder in (("results_json", False), ("ema_export_dir", True), ("save_folder", True)):
-        location = getattr(args, flag)
-        if location and not uri_scheme(location):
-            why = unwritable(location, folder)
-            if why:
-                fail(f"--{flag} {location} {why}; choose a writable location")
+    """Every output is probed before training (paths.check_output): writable, of the right kind, apart
+    from the inputs and from each other; not found unwritable after the last batch."""
+    outputs = [("--results_json", args.results_json, "file"), ("--ema_export_dir", args.ema_export_dir, "exclusive"),
+               ("--save_folder", args.save_folder, "folder"), ("--samples_dir", samples_folder(args), "folder")]
+    inputs = run_inputs(args)
+    for flag, location, kind in outputs:
+        # Resuming reads a checkpoint of the --save_folder it writes to: Composer's own arrangement.
+        read = [i for i in inputs if not (flag == "--save_folder" and i[0] == "--load_path")]
+        why = paths.check_output(flag, location, folder=kind != "file", inputs=read)
+        if why:
+            fail(why)
+    why = paths.check_outputs_apart(outputs)
+    if why:
+        fail(why)
     if args.save_folder and not uri_scheme(args.save_folder) and not (args.autoresume or args.load_path):
         # Composer refuses (at start) to save where a checkpoint of another run could be overwritten.
         saved = sorted(Path(args.save_folder).glob("ep*-ba*-rank*.pt"))
@@ -293,6 +300,23 @@ def check_outputs(args: argparse.Namespace) -> None:
             fail(f"--save_folder {args.save_folder} holds checkpoints of an earlier run ({saved[0].name}...): "
                  "continue it with --autoresume --run_name NAME, start from one with --load_path, "
                  "or use a new --save_folder")
+
+
+def check_pretrained(args: argparse.Namespace) -> None:
+    """Real images need the pretrained VAE and text encoder of sd2-base: refused in seconds when they
+    cannot be had, before anything is built (benchmark.main refuses again if loading them fails)."""
+    if args.use_synth_data or args.precomputed or args.model_config != "sd2-base" or args.allow_random_encoders:
+        return
+    from model import hub_reachable, pretrained_missing
+    missing = pretrained_missing(args.model_name)
+    if missing:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+        why = ("HF_HUB_OFFLINE is set" if offline else
+               "the hub could not be reached" if not Path(args.model_name).is_dir() and not hub_reachable() else
+               "not in the folder")
+        fail(f"pretrained {' and '.join(missing)} not found for --model_name {args.model_name} ({why}): training on "
+             "real data needs them (download the model to a local folder and pass it), or pass "
+             "--allow_random_encoders to measure throughput anyway")
 
 
 def check_checkpoint(args: argparse.Namespace) -> None:
@@ -416,15 +440,16 @@ def record_caches(args: argparse.Namespace) -> None:
             record_cache(local, remote)
 
 
-def check_data(args: argparse.Namespace) -> None:
-    """The dataset the flags name: it exists, is MDS, has the columns asked for and >= one global batch."""
+def check_data(args: argparse.Namespace) -> int:
+    """The dataset the flags name: it exists, is MDS, has the columns asked for and >= one global batch.
+    Returns the samples of one epoch."""
     if args.use_synth_data and (args.remote or args.local):
         fail("--use_synth_data trains on random samples and would ignore " + ("--remote" if args.remote else "--local")
              + "; pass one or the other")
     if args.use_synth_data:
         check_dataset_size(args.num_synthetic_samples,
                            f"the synthetic dataset (--num_synthetic_samples {args.num_synthetic_samples})", args)
-        return
+        return args.num_synthetic_samples
     if args.local and Path(args.local).exists() and not Path(args.local).is_dir():
         fail(f"--local {args.local} is a file, not a folder")
     num_samples, labels = 0, []
@@ -434,6 +459,9 @@ def check_data(args: argparse.Namespace) -> None:
     if args.epoch_size is None:
         # With --epoch_size, Streaming draws that many samples whatever the sources hold.
         check_dataset_size(num_samples, " + ".join(labels), args)
+        return num_samples
+    from streaming.base.util import number_abbrev_to_int
+    return number_abbrev_to_int(args.epoch_size)
 
 
 def check_source(local: str, remote: str | None, args: argparse.Namespace) -> int:
@@ -449,6 +477,8 @@ def check_source(local: str, remote: str | None, args: argparse.Namespace) -> in
             cached = "that filled it"
         fail(f"--local {local} is the cache of --remote {cached}: pass --remote {cached} again "
              "(shards already cached are not downloaded again)")
+    if args.precomputed and (not remote or not uri_scheme(remote)):
+        check_precompute_record(Path(remote or local, PRECOMPUTE_RECORD), args)
     if Path(local, "index.json").is_file():  # Streaming reads the cached index rather than the remote's
         return check_index(read_index(Path(local, "index.json"), local), f"--local {local}", args)
     if not remote:
@@ -467,7 +497,52 @@ def check_source(local: str, remote: str | None, args: argparse.Namespace) -> in
             if getattr(args, "debug", False):
                 raise
             fail(f"--remote {remote}: cannot read index.json: {storage_error(error) or error}")
+        if args.precomputed:
+            try:  # written by latents.py next to its index.json; latents from elsewhere have none
+                CloudDownloader.direct_download(f"{remote.rstrip('/')}/{PRECOMPUTE_RECORD}",
+                                                f"{folder}/{PRECOMPUTE_RECORD}", args.download_timeout)
+            except Exception:  # noqa: BLE001  absent: nothing recorded to compare
+                pass
+            check_precompute_record(Path(folder, PRECOMPUTE_RECORD), args, f"{remote.rstrip('/')}/{PRECOMPUTE_RECORD}")
         return check_index(read_index(Path(folder, "index.json"), remote), f"--remote {remote}", args)
+
+
+# Written by latents.py next to the latents' index.json: the settings they were computed with.
+PRECOMPUTE_RECORD = "precompute.json"
+
+
+def check_precompute_record(record: Path, args: argparse.Namespace, name: str | None = None) -> None:
+    """Compare what latents.py recorded in precompute.json with this run. A different --model_config or
+    --image_size, or other pretrained encoders (--model_name), is refused: the latents were made by other
+    encoders than the run uses. Random encoders (the tiny model, --allow_random_encoders) are rebuilt
+    from the recorded seed, whatever --seed is (it still seeds the UNet, noise and data order): the run
+    follows the record and sets `args.encoders_seed`."""
+    name = name or str(record)
+    if not record.is_file():
+        return
+    try:
+        recorded = json.loads(record.read_text())
+        if not isinstance(recorded, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        fail(f"--precomputed: {name} is not readable ({error}); it records how the latents were computed: "
+             "restore it, or compute the latents again with latents.py")
+    for key, flag in (("model_config", "model_config"), ("image_size", "image_size")):
+        if recorded.get(key) is not None and recorded[key] != getattr(args, flag):
+            fail(f"--{flag} {getattr(args, flag)}: the latents were computed with --{flag} {recorded[key]} "
+                 f"({name}); pass --{flag} {recorded[key]}, or compute latents for this setting with latents.py")
+    made_with = recorded.get("model_name")
+    if made_with and paths.same_source_key(made_with) != paths.same_source_key(args.model_name) \
+            and not Path(args.model_name).is_dir():
+        fail(f"--model_name {args.model_name}: the latents were computed with --model_name {made_with} ({name}); "
+             f"pass --model_name {made_with} (or a local folder holding that model)")
+    seed = recorded.get("seed") if recorded.get("random_encoders") else None
+    if seed is not None:
+        previous = getattr(args, "encoders_seed", None)
+        if previous is not None and previous != seed:
+            fail(f"--remote: the sources were precomputed with random encoders of different seeds ({previous} and "
+                 f"{seed}, {name}): no one set of encoders fits both; precompute them with the same --seed")
+        args.encoders_seed = seed
 
 
 def storage_error(error: BaseException) -> str | None:
@@ -514,6 +589,11 @@ def validate_recipe(args: argparse.Namespace) -> None:
             unit = None
         if unit not in units:
             fail(f"--{flag} '{getattr(args, flag)}' must be a Composer time string in {', '.join(units)} (e.g. 1000ba)")
+    ema_start = Time.from_timestring(args.ema_start)
+    if ema_start.value < 0 or (ema_start.unit.value == "dur" and ema_start.value > 1):
+        fail(f"--ema_start {args.ema_start} must be >= 0" + (" and at most 1dur" if ema_start.unit.value == "dur" else ""))
+    if Time.from_timestring(args.sample_interval).value <= 0:
+        fail(f"--sample_interval {args.sample_interval} must be positive, e.g. 1000ba")
     if (args.ema_start != "0ba" or args.ema_half_life != "1000ba") and not args.use_ema:
         fail("--ema_start and --ema_half_life need --use_ema")
     if Time.from_timestring(args.ema_half_life).value <= 0:
@@ -538,3 +618,34 @@ def validate_recipe(args: argparse.Namespace) -> None:
         own_export = entries <= PIPELINE_ENTRIES and (args.autoresume or args.load_path)
         if not own_export:
             fail(f"--ema_export_dir {args.ema_export_dir} is not empty; choose a new folder (nothing is overwritten)")
+
+
+def run_batches(args: argparse.Namespace, samples_per_epoch: int) -> int:
+    """Batches the whole run trains, from --max_duration (every rank drops its last partial batch)."""
+    duration = Time.from_timestring(args.max_duration)
+    if duration.unit.value == "ba":
+        return int(duration.value)
+    if duration.unit.value == "sp":
+        return math.ceil(duration.value / args.batch_size)
+    return int(duration.value) * (samples_per_epoch // args.batch_size)
+
+
+def check_run_length(args: argparse.Namespace, samples_per_epoch: int) -> None:
+    """Flags that must fall within the run: a learning-rate warm-up that ends before the run does,
+    and an EMA that starts in time for --ema_export_dir to get something."""
+    total = run_batches(args, samples_per_epoch)
+    length = f"--max_duration {args.max_duration} is {total} batch{'es' if total != 1 else ''}"
+    if args.lr_warmup_batches > total or (args.lr_schedule == "cosine" and args.lr_warmup_batches and
+                                          args.lr_warmup_batches >= total):
+        fail(f"--lr_warmup_batches {args.lr_warmup_batches} does not end before the run does ({length}): the "
+             "learning rate would never reach --lr" + (" or decay" if args.lr_schedule == "cosine" else "")
+             + "; shorten the warm-up or lengthen the run")
+    if args.use_ema and args.ema_export_dir:
+        start = Time.from_timestring(args.ema_start)
+        # The average starts at the first batch end at or after --ema_start; epochs count up after
+        # their last batch, so Nep starts with the first batch of epoch N + 1.
+        first = {"ba": max(1, int(start.value)), "ep": int(start.value) * (samples_per_epoch // args.batch_size) + 1,
+                 "dur": max(1, math.ceil(start.value * total))}[start.unit.value]
+        if first > total:
+            fail(f"--ema_start {args.ema_start} starts the average after the run ends ({length}): --ema_export_dir "
+                 "would get nothing; start it earlier (e.g. 0.5dur) or lengthen the run")

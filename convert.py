@@ -71,6 +71,7 @@ from tqdm import tqdm
 
 import paths
 from data import load_image, to_rgb
+from flags import NON_NEGATIVE_INT, POSITIVE_INT, Parser, Range, check_workers
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -594,6 +595,8 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
         raise ConvertError(f"--quality {quality} must be a JPEG quality from 1 to 100 (default 95)")
     if workers < 1:
         raise ConvertError(f"--workers {workers} must be at least 1")
+    if check_workers("--workers", workers):
+        raise ConvertError(check_workers("--workers", workers))
     unknown = [c for c in [compression] if c and c not in get_compressions()]
     unknown += [h for h in hashes if h not in get_hashes()]
     if unknown:
@@ -608,6 +611,7 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
     problem = paths.check_scheme("--out", out, paths.output_schemes())
     problem = problem or paths.overlap("--out", out, [("INPUT", name) for name in inputs])
     problem = problem or paths.check_upload_credentials("--out", out)
+    problem = problem or paths.check_output("--out", out, folder=True)
     if problem:
         raise ConvertError(problem)
     report = Report(out=out)
@@ -663,8 +667,8 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
     return report
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="convert.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="image folders, .tar shards (or folders of them), .parquet files")
     p.add_argument("--out", required=True, help="output folder, or s3:// gs:// oci:// ... URI")
     p.add_argument("--format", dest="fmt", default="auto", choices=("auto", "folder", "webdataset", "parquet"),
@@ -672,11 +676,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compression", default="zstd", help="shard compression: zstd, zstd:<level>, gz, br, none")
     p.add_argument("--hashes", default="sha1,xxh64", help="comma-separated hashes stored per shard ('' for none)")
     p.add_argument("--size_limit", default="64mb", help="shard size before compression, e.g. 64mb or 67108864")
-    p.add_argument("--min_size", type=int, default=0, help="skip images whose shorter side is below this (pixels; 0: keep all)")
-    p.add_argument("--max_size", type=int, default=0,
+    p.add_argument("--min_size", type=NON_NEGATIVE_INT, default=0, help="skip images whose shorter side is below this (pixels; 0: keep all)")
+    p.add_argument("--max_size", type=NON_NEGATIVE_INT, default=0,
                    help="downscale images whose shorter side is above this to it, re-encoded as JPEG (0: never)")
-    p.add_argument("--quality", type=int, default=95, help="JPEG quality of re-encoded images")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes decoding images (default: all cores)")
+    p.add_argument("--quality", type=Range(int, 1, 100), default=95, help="JPEG quality of re-encoded images")
+    p.add_argument("--workers", type=POSITIVE_INT, default=os.cpu_count() or 1, help="processes decoding images (default: all cores)")
     p.add_argument("--image_column", default=None, help=f"parquet image column (default: first of {PARQUET_IMAGE_COLUMNS})")
     p.add_argument("--caption_column", default=None, help=f"parquet caption column (default: first of {PARQUET_CAPTION_COLUMNS})")
     p.add_argument("--overwrite", action="store_true", help="replace the MDS dataset already in --out")
@@ -685,7 +689,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allow_truncated", action="store_true",
                    help="convert the readable part of truncated tar shards instead of refusing (the loss is reported)")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    try:  # file:///path is the path /path, for every command
+        args.inputs = [paths.from_file_uri("INPUT", name) for name in args.inputs]
+        args.out = paths.from_file_uri("--out", args.out)
+    except ValueError as error:
+        raise SystemExit(f"convert.py: error: {error}") from None
+    return args
 
 
 def main(argv: list[str] | None = None) -> Report:

@@ -48,6 +48,9 @@ import math
 import os
 from dataclasses import dataclass
 
+import paths
+from flags import POSITIVE_FLOAT, POSITIVE_INT, Parser
+
 # Assumptions of the 2023 table: 1.4M steps at global batch 2048, and $2 per A100-hour.
 SAMPLES = 1_400_000 * 2048  # 2,867,200,000 images
 USD_PER_GPU_HOUR = 2.0
@@ -363,28 +366,9 @@ def plot(rows: list[Row], path: str, title: str) -> None:
 # -----------------------------------------------------------------------------
 # command line
 
-def positive(kind: type):
-    """argparse type: a number of `kind` that is > 0 (argparse names the flag in the error)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a valid {kind.__name__}: {text!r}") from None
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-        return value
-    return parse
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        # one line that names the flag or file; the full usage is in --help
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
-        description="Time and cost to train SD2 base from measured images/sec, as in the 2023 "
+        prog="cost.py", description="Time and cost to train SD2 base from measured images/sec, as in the 2023 "
                     "MosaicML table. days = samples / images_per_sec / 86400; GPU-hours = "
                     "days * 24 * GPUs; cost = GPU-hours * price.",
         epilog="Prediction for unmeasured GPU counts: per-GPU images/s is fitted as ln(t) linear "
@@ -399,27 +383,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="results JSON files with images_per_sec (global) and world_size (GPUs)")
     p.add_argument("--results", nargs="+", action="extend", default=[], metavar="FILE",
                    help="more results JSON files")
-    p.add_argument("--gpus", nargs="+", action="extend", type=positive(int), default=[],
+    p.add_argument("--gpus", nargs="+", action="extend", type=POSITIVE_INT, default=[],
                    metavar="N", help="measured GPU counts, paired with --images_per_sec")
-    p.add_argument("--images_per_sec", nargs="+", action="extend", type=positive(float),
+    p.add_argument("--images_per_sec", nargs="+", action="extend", type=POSITIVE_FLOAT,
                    default=[], metavar="X", help="measured global images/s, one per --gpus")
-    p.add_argument("--num_gpus", nargs="+", type=positive(int), metavar="N",
+    p.add_argument("--num_gpus", nargs="+", type=POSITIVE_INT, metavar="N",
                    help="GPU counts for the table (default: the measured counts plus powers of "
                         "two up to 2x the largest measured, at least to 256)")
-    p.add_argument("--samples", type=positive(float), default=SAMPLES,
+    p.add_argument("--samples", type=POSITIVE_FLOAT, default=SAMPLES,
                    help=f"images seen in the whole run (default {SAMPLES:,} = 1.4M steps x 2048)")
-    p.add_argument("--usd_per_gpu_hour", type=positive(float), default=USD_PER_GPU_HOUR,
+    p.add_argument("--usd_per_gpu_hour", type=POSITIVE_FLOAT, default=USD_PER_GPU_HOUR,
                    help=f"price of one GPU-hour in US dollars (default {USD_PER_GPU_HOUR})")
-    p.add_argument("--plot", metavar="PATH.png", help="save a plot of days and cost vs GPUs")
+    p.add_argument("--plot", metavar="PATH.png",
+                   help="save a plot of days and cost vs GPUs; the suffix picks the format (.png, .pdf, .svg...), "
+                        "none writes PATH.png")
     p.add_argument("--csv", metavar="PATH", help="also write the table as CSV")
     p.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
     p.add_argument("--title", help="plot title (default: describes samples, price and device)")
     # A run on precomputed latents: its one-time latents.py pass, so the table's cost is the total.
     p.add_argument("--precompute", action="store_true",
                    help="add the one-time latents.py pass to every row (for --precomputed throughputs)")
-    p.add_argument("--precompute_images", type=positive(float), default=PRECOMPUTE_IMAGES,
+    p.add_argument("--precompute_images", type=POSITIVE_FLOAT, default=PRECOMPUTE_IMAGES,
                    help=f"distinct images the pass encodes (default {PRECOMPUTE_IMAGES:,})")
-    p.add_argument("--precompute_images_per_sec", type=positive(float), default=PRECOMPUTE_IMAGES_PER_SEC,
+    p.add_argument("--precompute_images_per_sec", type=POSITIVE_FLOAT, default=PRECOMPUTE_IMAGES_PER_SEC,
                    help="images/s of the pass per GPU (latents.py's images_per_sec / world_size; default "
                         f"{PRECOMPUTE_IMAGES_PER_SEC:.1f}: A100 at 40%% MFU on the VAE encoder's 1,117 GFLOP/image)")
     return p
@@ -427,6 +413,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 # The model the 2023 table is for: results of anything else are labeled as such.
 SD2_BASE = ("sd2-base", 512)
+FLAGGED = "--gpus/--images_per_sec (taken as SD2 base at 512x512)"
+
+
+def plot_file(path: str, parser: argparse.ArgumentParser) -> str:
+    """The file --plot writes: PATH as given when its suffix is a format matplotlib saves, PATH.png
+    when it has none (what savefig does); a folder or an unknown suffix is refused, before any work."""
+    if os.path.isdir(path):
+        parser.error(f"--plot {path} is a folder; give the plot's file name, such as {os.path.join(path, 'cost.png')}")
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if not suffix:
+        return path + ".png"
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display needed
+    from matplotlib.backend_bases import FigureCanvasBase
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        parser.error(f"--plot {path}: matplotlib cannot write .{suffix} files; use one of "
+                     + ", ".join(f".{f}" for f in sorted(formats)))
+    return path
 
 
 def describe(measurements: list[Measurement]) -> tuple[str, str | None]:
@@ -456,16 +461,35 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if len(args.gpus) != len(args.images_per_sec):
         parser.error(f"--gpus has {len(args.gpus)} value(s) but --images_per_sec has "
                      f"{len(args.images_per_sec)}; give one --images_per_sec per --gpus")
-    for flag in ("plot", "csv", "markdown"):  # fail before any work, not after it
-        path = getattr(args, flag)
-        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            parser.error(f"--{flag}: directory of {path} does not exist")
-    try:
-        measurements = [load_results(path) for path in args.files + args.results]
-        check_consistent(measurements)
+    try:  # file:///path is the path /path, for every command
+        args.files, args.results = ([paths.from_file_uri("RESULTS", f) for f in names] for names in (args.files, args.results))
+        for flag in ("plot", "csv", "markdown"):
+            if getattr(args, flag):
+                setattr(args, flag, paths.from_file_uri(f"--{flag}", getattr(args, flag)))
     except ValueError as e:
         parser.error(str(e))
-    measurements += [Measurement(n, x) for n, x in zip(args.gpus, args.images_per_sec)]
+    if args.plot is not None:
+        args.plot = plot_file(args.plot, parser)
+    outputs = [(f"--{flag}", getattr(args, flag), "file") for flag in ("plot", "csv", "markdown")]
+    for flag, path, _ in outputs:  # fail before any work, not after it
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"{flag}: directory of {path} does not exist")
+        problem = paths.check_output(flag, path, folder=False, inputs=[("RESULTS", f) for f in args.files + args.results])
+        if problem:
+            parser.error(problem)
+    problem = paths.check_outputs_apart(outputs)
+    if problem:
+        parser.error(problem)
+    # Figures given as flags are taken as the 2023 table's: SD2 base at 512x512 (see describe), so a
+    # result of another model or size is not fitted with them into one curve.
+    flagged = [Measurement(n, x, FLAGGED, model_config=SD2_BASE[0], image_size=SD2_BASE[1])
+               for n, x in zip(args.gpus, args.images_per_sec)]
+    try:
+        measurements = [load_results(path) for path in args.files + args.results]
+        check_consistent(measurements + flagged)
+    except ValueError as e:
+        parser.error(str(e))
+    measurements += flagged
     if not measurements:
         parser.error("no measurements: give results JSON files or --gpus N --images_per_sec X")
 

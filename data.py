@@ -29,6 +29,7 @@ from PIL import Image, ImageOps
 from streaming import Stream, StreamingDataLoader, StreamingDataset
 from torch.utils.data import DataLoader, Dataset
 
+import paths
 from model import LATENT_SCALE
 from tokenizer import MAX_LENGTH, VOCAB_SIZE, tokenize
 
@@ -226,6 +227,14 @@ def parse_sources(remote: str | None) -> list[tuple[str, float | None]]:
     given = [p is not None for _, p in sources]
     if any(given) and not all(given):
         raise ValueError(f"--remote {remote}: give a proportion to every source (0.7=s3://a,0.3=s3://b) or to none")
+    seen: dict[str, str] = {}
+    for source, _ in sources:
+        key = paths.same_source_key(source)
+        if key in seen:
+            same = "twice" if seen[key] == source else f"as {seen[key]} and as {source}"
+            raise ValueError(f"--remote {remote}: the source {source} is given {same}; give each source once "
+                             "(a proportion sets its share of every epoch)")
+        seen[key] = source
     return sources
 
 

@@ -98,6 +98,7 @@ import data
 import paths
 from cost import SAMPLES as SAMPLES_AT_SCALE
 from data import LATENT_KEYS, STORAGE_DTYPES, TEXT_STATES_KEY, TOKEN_IDS_COLUMN, TOKEN_IDS_DTYPE, mds_columns
+from flags import FRACTION, NON_NEGATIVE_INT, POSITIVE_INT, SECONDS, SEED, Parser, check_workers
 from model import MODEL_CONFIGS, build_components, scale_images
 from tokenizer import MAX_LENGTH, tokenize
 
@@ -400,8 +401,8 @@ def _writer(out: str, name: str, columns: dict[str, str], args: argparse.Namespa
                      hashes=args.hashes, size_limit=args.size_limit, **kwargs)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="latents.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--remote", type=str, default=None, help="image-caption MDS shards to read: s3://, gs://, ... or a path")
     p.add_argument("--local", type=str, default=None,
                    help=f"cache for --remote (default {DEFAULT_SOURCE_CACHE}), or the shards themselves without --remote")
@@ -409,16 +410,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model_name", type=str, default="stabilityai/stable-diffusion-2-base",
                    help="hub id or local diffusers folder with the pretrained vae/ and text_encoder/")
     p.add_argument("--model_config", type=str, default="sd2-base", help=f"one of {sorted(MODEL_CONFIGS)}")
-    p.add_argument("--image_size", type=int, default=512, help="resolution the images are resized to (multiple of 8)")
-    p.add_argument("--batch_size", type=int, default=32, help="images per encoder call on each device")
+    p.add_argument("--image_size", type=POSITIVE_INT, default=512, help="resolution the images are resized to (multiple of 8)")
+    p.add_argument("--batch_size", type=POSITIVE_INT, default=32, help="images per encoder call on each device")
     p.add_argument("--dtype", type=str, default="bf16", choices=sorted(COMPUTE_DTYPES),
                    help="autocast dtype of the encoders on GPU (CPU: always fp32)")
     p.add_argument("--storage_dtype", type=str, default="fp16", choices=sorted(STORAGE_DTYPES),
                    help="dtype of the stored arrays (fp16: half the size, relative error < 5e-4)")
-    p.add_argument("--chunk_size", type=int, default=10_000,
+    p.add_argument("--chunk_size", type=POSITIVE_INT, default=10_000,
                    help="samples per chunk, the unit of work and of resumption (a chunk is redone if interrupted)")
-    p.add_argument("--num_workers", type=int, default=8, help="DataLoader processes decoding images, per device")
-    p.add_argument("--seed", type=int, default=17, help="seeds randomly initialized encoders (as benchmark.py --seed)")
+    p.add_argument("--num_workers", type=NON_NEGATIVE_INT, default=8, help="DataLoader processes decoding images, per device")
+    p.add_argument("--seed", type=SEED, default=17, help="seeds randomly initialized encoders (as benchmark.py --seed)")
     p.add_argument("--allow_random_encoders", action="store_true",
                    help="go on when the pretrained VAE/text encoder cannot be loaded (the output is then useless for quality)")
     p.add_argument("--no_captions", action="store_true", help="do not store the caption strings")
@@ -430,12 +431,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache_limit", type=str, default=None, help="keep the --local cache of source shards under this size")
     p.add_argument("--image_key", type=str, default="jpg", help="source column of the encoded images")
     p.add_argument("--caption_key", type=str, default="caption", help="source column of the captions")
-    p.add_argument("--max_bad_fraction", type=float, default=data.MAX_BAD_FRACTION,
+    p.add_argument("--max_bad_fraction", type=FRACTION, default=data.MAX_BAD_FRACTION,
                    help="stop when more than this fraction of a rank's samples cannot be decoded")
-    p.add_argument("--max_chunks", type=int, default=0,
+    p.add_argument("--max_chunks", type=NON_NEGATIVE_INT, default=0,
                    help="do at most this many chunks per rank in this run, then stop (0: all); rerun to continue")
     p.add_argument("--overwrite", action="store_true", help="start over: discard the chunks already in --out")
-    p.add_argument("--dist_timeout", type=float, default=3 * 3600.0, help="seconds a rank may wait for the others")
+    p.add_argument("--dist_timeout", type=SECONDS, default=3 * 3600.0, help="seconds a rank may wait for the others")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     # Format: token ids by default, text-encoder states on request.
     p.add_argument("--store_text_states", action="store_true",
@@ -443,7 +444,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "token ids (154 bytes): 3.4x the storage at 512px, to save training 1.9%% of its FLOPs")
     # Debugging.
     p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    try:  # file:///path is the path /path, for every command
+        for flag in ("remote", "local", "out"):
+            if getattr(args, flag):
+                setattr(args, flag, paths.from_file_uri(f"--{flag}", getattr(args, flag)))
+    except ValueError as error:
+        raise SystemExit(f"latents.py: error: {error}") from None
     args.compression = None if args.compression.lower() in ("", "none") else args.compression
     args.hashes = [h.strip() for h in args.hashes.split(",") if h.strip()]
     return args
@@ -462,6 +473,9 @@ def validate(args: argparse.Namespace) -> None:
             fail(f"--{flag} {getattr(args, flag)} must be positive")
     if args.num_workers < 0 or args.max_chunks < 0:
         fail("--num_workers and --max_chunks must be >= 0")
+    too_many = check_workers("--num_workers", args.num_workers, dist.get_local_world_size())
+    if too_many:
+        fail(too_many)
     if not 0 <= args.seed < 2**32:
         fail(f"--seed {args.seed} must be from 0 to 2**32 - 1")
     if not 0.0 <= args.max_bad_fraction <= 1.0:  # also refuses nan

@@ -8,6 +8,7 @@ and tokenizer come from `--model_name` when that folder or cached hub id is avai
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import zlib
 import warnings
@@ -76,6 +77,7 @@ SCHEDULER_CONFIG = dict(
     num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
     prediction_type="epsilon", clip_sample=False, steps_offset=1,
 )
+NUM_TRAIN_TIMESTEPS = SCHEDULER_CONFIG["num_train_timesteps"]
 LATENT_SCALE = 0.18215  # SD2's VAE scaling_factor: latents * 0.18215 have roughly unit variance
 
 
@@ -197,6 +199,27 @@ class Components:
     latent_scale: float = LATENT_SCALE  # the VAE config's scaling_factor (also without the VAE built)
 
 
+HUB_PROBE_SECONDS = 5.0  # one request to the hub's endpoint; huggingface_hub itself retries each file for minutes
+
+
+@functools.cache
+def hub_reachable() -> bool:
+    """Whether the Hugging Face hub answers at all, asked once per process with a short timeout.
+
+    Offline without HF_HUB_OFFLINE set, huggingface_hub 0.x retries every file of every part with
+    back-off (65 retry lines over 337 s measured for sd2-base) before giving up: one probe instead
+    makes an unreachable hub cost seconds. Any HTTP answer, even an error status, means reachable.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_SECONDS, allow_redirects=False)
+    except Exception:  # noqa: BLE001 - DNS, refused, timeout, proxy: all mean "not reachable from here"
+        return False
+    return True
+
+
 def _load_pretrained(cls, model_name: str | None, subfolder: str):
     """`cls.from_pretrained(model_name, subfolder)`, or None when unavailable offline.
 
@@ -206,7 +229,8 @@ def _load_pretrained(cls, model_name: str | None, subfolder: str):
     if not model_name:
         return None
     attempts = [dict(local_files_only=True)]
-    if not Path(model_name).is_dir() and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
+    if not Path(model_name).is_dir() and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false") \
+            and hub_reachable():
         attempts.append(dict(local_files_only=False))
     for kwargs in attempts:
         try:
@@ -214,6 +238,24 @@ def _load_pretrained(cls, model_name: str | None, subfolder: str):
         except Exception:  # noqa: BLE001 - missing files, no network, bad repo: all mean "not available"
             continue
     return None
+
+
+def pretrained_missing(model_name: str, parts: tuple[str, ...] = ("vae", "text_encoder")) -> list[str]:
+    """The `parts` of `model_name` that cannot be loaded, judged without loading anything: not in the
+    local folder (or the local hub cache for a hub id), and not downloadable (offline, or the hub does
+    not answer). A part found here may still fail to load later (missing weights): build_components
+    then reports it random, as before."""
+    if Path(model_name).is_dir():
+        return [p for p in parts if not Path(model_name, p, "config.json").is_file()]
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        missing = [p for p in parts if not isinstance(try_to_load_from_cache(model_name, f"{p}/config.json"), str)]
+    except Exception:  # noqa: BLE001 - not a valid hub id (e.g. a path that does not exist): nothing to load
+        return list(parts)
+    if missing and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false") and hub_reachable():
+        return []  # downloadable
+    return missing
 
 
 def build_components(model_config: str, model_name: str | None = None, *, with_unet: bool = True,
@@ -479,13 +521,16 @@ class LossBins:
     """
 
     def __init__(self, num_timesteps: int, num_bins: int):
+        if num_bins > num_timesteps:  # benchmark.py refuses --loss_bins above the timesteps first
+            raise ValueError(f"{num_bins} loss bins for {num_timesteps} timesteps: some bins would stay empty")
         self.num_timesteps, self.num_bins = num_timesteps, num_bins
         self.window: torch.Tensor | None = None  # (2, bins): loss sums, counts
 
     def edges(self) -> list[tuple[int, int]]:
-        """[first, last] timestep of each bin."""
-        step = self.num_timesteps / self.num_bins
-        return [(round(i * step), round((i + 1) * step) - 1) for i in range(self.num_bins)]
+        """[first, last] timestep of each bin: exactly the timesteps `add` puts there. Timestep t goes
+        to bin floor(t * bins / timesteps), so bin i starts at ceil(i * timesteps / bins), in integers."""
+        first = [-(-i * self.num_timesteps // self.num_bins) for i in range(self.num_bins + 1)]
+        return [(first[i], first[i + 1] - 1) for i in range(self.num_bins)]
 
     def add(self, per_sample_loss: torch.Tensor, timesteps: torch.Tensor) -> None:
         if self.num_bins <= 0:

@@ -21,6 +21,9 @@ from PIL import Image
 from tokenizer import tokenize
 
 SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler}
+# Classifier-free guidance scales in use are 1-20; far above, the guided prediction leaves the range
+# the sampler can follow and the images saturate to black or white (inf: all black).
+MAX_GUIDANCE_SCALE = 100.0
 
 # Built-in prompt sets (`--sample_prompts NAME`); a path to a text file gives one prompt per line.
 PROMPT_SETS = {
@@ -111,7 +114,8 @@ class SampleImages(Callback):
     """Every `interval` (and at the end of training), draw a grid of the prompts and save it.
 
     The prompts are split over the ranks (prompt i on rank i % world size, each with seed + i), so
-    each rank samples its share and no rank waits for more than one share; rank 0 gathers the
+    each rank samples its share and no rank waits for more than one share, in UNet batches no larger
+    than the training microbatch (an image does not depend on its batch); rank 0 gathers the
     images, writes `<folder>/<batch>.png` and logs the grid to the loggers (W&B's `samples`).
     With an EMA algorithm in the run, its averaged weights are swapped in while sampling.
 
@@ -219,17 +223,24 @@ class SampleImages(Callback):
         decoder_device = next(self.vae.decoder.parameters()).device  # benchmark.py parks it on the host on GPU
         self.text_encoder.to(device)
         self.vae.to(device)
-        ids = tokenize(self.tokenizer, [self.prompts[i] for i in indices] + [""]).to(device)
+        # The UNet sees at most the training microbatch at once (guidance doubles each prompt), so
+        # sampling fits wherever training did, however many prompts there are.
+        micro = int(state.device_train_microbatch_size or len(indices))
+        per_call = max(1, micro // 2 if self.guidance_scale > 1.0 else micro)
+        images = []
+        size = self.image_size // 8
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            states = self.text_encoder(ids)[0]
-            sampler = make_sampler(self.sampler_name, _unwrap_scheduler(state).config)
-            size = self.image_size // 8
-            latents = sample_latents(unet, states[:-1], states[-1:], sampler, self.num_steps, self.guidance_scale,
-                                     [self.seed + i for i in indices], (unet.config.in_channels, size, size))
-            images = decode(self.vae, latents, self.latent_scale)
+            for start in range(0, len(indices), per_call):
+                chunk = indices[start:start + per_call]
+                ids = tokenize(self.tokenizer, [self.prompts[i] for i in chunk] + [""]).to(device)
+                states = self.text_encoder(ids)[0]
+                sampler = make_sampler(self.sampler_name, _unwrap_scheduler(state).config)
+                latents = sample_latents(unet, states[:-1], states[-1:], sampler, self.num_steps, self.guidance_scale,
+                                         [self.seed + i for i in chunk], (unet.config.in_channels, size, size))
+                images += [image.numpy() for image in decode(self.vae, latents, self.latent_scale)]
         self.vae.decoder.to(decoder_device)
         self.vae.post_quant_conv.to(decoder_device)
-        return [image.numpy() for image in images]
+        return images
 
 
 def _unwrap_scheduler(state: State):

@@ -79,7 +79,14 @@ def write_tokenizer_files(folder: Path) -> None:
 def bundled_tokenizer() -> CLIPTokenizer:
     """SD2's tokenizer (pad token "!", 77 tokens) built from the locally installed BPE vocabulary."""
     if not all((CACHE_DIR / name).is_file() for name in ("vocab.json", "merges.txt", "tokenizer_config.json")):
-        write_tokenizer_files(CACHE_DIR)
+        try:
+            write_tokenizer_files(CACHE_DIR)
+        except OSError:
+            # No writable cache (a read-only or missing HOME on a cluster node): build the files in a
+            # temporary folder for this process; the tokenizer keeps what it read in memory.
+            with tempfile.TemporaryDirectory(prefix="clip-bpe-") as folder:
+                write_tokenizer_files(Path(folder))
+                return CLIPTokenizer.from_pretrained(folder)
     # from_pretrained on a folder reads the files the same way in transformers 4 and 5
     # (their constructors differ: file paths in 4, vocab dict and merges list in 5).
     return CLIPTokenizer.from_pretrained(str(CACHE_DIR))

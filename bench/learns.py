@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -35,8 +36,10 @@ from PIL import Image, ImageColor, ImageDraw
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model import StableDiffusion, build_components  # noqa: E402
-from sample import make_sampler, sample_latents  # noqa: E402
+import paths  # noqa: E402
+from flags import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED, Parser, Range  # noqa: E402
+from model import NUM_TRAIN_TIMESTEPS, StableDiffusion, build_components  # noqa: E402
+from sample import MAX_GUIDANCE_SCALE, make_sampler, sample_latents  # noqa: E402
 from tokenizer import tokenize  # noqa: E402
 
 SHAPES = ("square", "rectangle", "circle", "ellipse", "triangle", "diamond", "star", "cross", "hexagon")
@@ -131,6 +134,12 @@ def run(main, argv: list[str], what: str):
     except SystemExit as e:
         if e.code not in (None, 0):
             raise SystemExit(f"learns.py: error: {what} failed: {e.code}") from None
+    except Exception as error:  # noqa: BLE001 - what benchmark.py's command line reports in one line
+        import benchmark
+        line = benchmark.user_error(error)
+        if line is None:
+            raise  # a bug: the traceback
+        raise SystemExit(f"learns.py: error: {what} failed: {line}") from None
 
 
 @torch.no_grad()
@@ -158,38 +167,62 @@ def load_trained(model: StableDiffusion, checkpoint: Path) -> None:
     model.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="learns.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--captions", nargs="+", default=None,
                    help="captions to generate pictures for (default: 'a red square' 'a blue circle'), or to score in --data")
     p.add_argument("--data", type=str, default=None,
                    help="your own data: an MDS dataset (index.json) or an images folder with same-named .txt captions")
-    p.add_argument("--images_per_caption", type=int, default=48, help="generated pictures per caption")
-    p.add_argument("--image_size", type=int, default=64)
-    p.add_argument("--batches", type=int, default=None,
+    p.add_argument("--images_per_caption", type=POSITIVE_INT, default=48, help="generated pictures per caption")
+    p.add_argument("--image_size", type=POSITIVE_INT, default=64, help="picture side in pixels (multiple of 8)")
+    p.add_argument("--batches", type=POSITIVE_INT, default=None,
                    help="training batches (default: 500 per caption: 2 captions 1000, 3 captions 1500)")
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--lr_warmup_batches", type=int, default=50)
-    p.add_argument("--caption_drop_prob", type=float, default=0.1)
-    p.add_argument("--samples_per_caption", type=int, default=16)
-    p.add_argument("--sample_steps", type=int, default=25)
-    p.add_argument("--guidance_scale", type=float, default=4.0,
+    p.add_argument("--batch_size", type=POSITIVE_INT, default=16, help="global batch size of the training run")
+    p.add_argument("--lr", type=POSITIVE_FLOAT, default=2e-3, help="AdamW learning rate of the training run")
+    p.add_argument("--lr_warmup_batches", type=NON_NEGATIVE_INT, default=50, help="linear warm-up of the learning rate")
+    p.add_argument("--caption_drop_prob", type=Range(float, 0, 1, high_open=True), default=0.1,
+                   help="caption dropout while training (for classifier-free guidance)")
+    p.add_argument("--samples_per_caption", type=POSITIVE_INT, default=16, help="latents sampled per caption to score")
+    p.add_argument("--sample_steps", type=Range(int, 1, NUM_TRAIN_TIMESTEPS), default=25, help="DDIM steps per sample")
+    p.add_argument("--guidance_scale", type=Range(float, 0, MAX_GUIDANCE_SCALE), default=4.0,
                    help="classifier-free guidance when scoring (the run trains with caption dropout for it); "
                         "the unguided score (1) is printed too")
-    p.add_argument("--seed", type=int, default=17)
+    p.add_argument("--seed", type=SEED, default=17, help="seeds the pictures, the model and the samples")
     p.add_argument("--workdir", type=str, default=None, help="keep the pictures, shards and checkpoint here")
     p.add_argument("--make_data", type=str, default=None, metavar="DIR",
                    help="only draw the captioned pictures into DIR (NAME.png + NAME.txt, what convert.py reads) and stop")
-    p.add_argument("--results_json", type=str, default=None)
-    return p.parse_args(argv)
+    p.add_argument("--results_json", type=str, default=None, help="also write the scores to this JSON file")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def fail(message: str) -> NoReturn:
+    raise SystemExit(f"learns.py: error: {message}")
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Mistakes that would otherwise surface after minutes of drawing, converting or scoring."""
+    if args.image_size % 8:
+        fail(f"--image_size {args.image_size} must be a multiple of 8 (the VAE downsamples by 8)")
+    if args.batches is not None and args.lr_warmup_batches >= args.batches:
+        fail(f"--lr_warmup_batches {args.lr_warmup_batches} does not end before the run (--batches {args.batches})")
+    if args.data and not Path(args.data).is_dir():
+        fail(f"--data {args.data} is not a folder")
+    inputs = [("--data", args.data)]
+    for flag, location, folder in (("--workdir", args.workdir, True), ("--make_data", args.make_data, True),
+                                   ("--results_json", args.results_json, False)):
+        problem = paths.check_output(flag, location, folder=folder, inputs=inputs)
+        if problem:
+            fail(problem)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    validate(args)
     started = time.perf_counter()
-    if args.data and not Path(args.data).is_dir():
-        raise SystemExit(f"learns.py: error: --data {args.data} is not a folder")
     if args.data is None:
         args.captions = args.captions or ["a red square", "a blue circle"]
         if len(set(args.captions)) < 2:
@@ -218,7 +251,12 @@ def main(argv: list[str] | None = None) -> dict:
         import convert
         run(convert.main, [str(pictures), "--out", str(shards), "--workers", "1", "--no_progress", "--overwrite"],
             "convert.py")
-    images, captions = read_dataset(shards, args.image_size)
+    try:
+        images, captions = read_dataset(shards, args.image_size)
+    except Exception as error:  # noqa: BLE001 - the user's --data: unreadable index, other columns, bad images
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        fail(f"--data {args.data or shards}: cannot read {shards} as convert.py's MDS image-caption shards "
+             f"({type(error).__name__}: {first})")
     classes = args.captions or sorted(set(captions))
     keep = [i for i, c in enumerate(captions) if c in classes]
     missing = sorted(set(classes) - {captions[i] for i in keep})

@@ -119,7 +119,7 @@ def test_convert_refuses_out_of_range_flags_before_writing(tmp_path, extra, expe
     ("not parquet", "is not a readable parquet file"),
     ("out is a file", "is a file"),
     ("out under /proc", "cannot be written"),
-    ("file uri out", "file:// URIs are not supported"),
+    ("file uri of another host", "write file:///path or the path"),
     ("mistyped scheme", "unknown URI scheme 's4://'; supported: "),
     ("s3 without credentials", "no AWS credentials"),
 ])
@@ -136,7 +136,7 @@ def test_convert_user_errors_are_one_line(tmp_path, no_aws, case, expected):
         "not parquet": ([str(tmp_path / "bad.parquet")], str(tmp_path / "mds")),
         "out is a file": ([str(photos)], str(tmp_path / "file")),
         "out under /proc": ([str(photos)], "/proc/convert-test/mds"),
-        "file uri out": ([str(photos)], f"file://{tmp_path}/mds"),
+        "file uri of another host": ([str(photos)], f"file://otherhost{tmp_path}/mds"),
         "mistyped scheme": ([str(photos)], "s4://bucket/mds"),
         "s3 without credentials": ([str(photos)], "s3://bucket/mds"),
     }[case]
@@ -367,7 +367,7 @@ def test_latents_refuses_out_of_range_flags_before_writing(source, tmp_path, ext
     ("out inside local", "lies inside the input (--local"),
     ("local inside out", "lies inside --out"),
     ("out under /proc", "cannot be written"),
-    ("file uri remote", "file:// URIs are not supported"),
+    ("file uri of another host", "write file:///path or the path"),
     ("mistyped scheme", "unknown URI scheme 's4://'"),
     ("s3 out without credentials", "no AWS credentials"),
 ])
@@ -382,7 +382,7 @@ def test_latents_user_errors_are_one_line(source, tmp_path, no_aws, case, expect
         "out inside local": ["--local", str(source), "--out", str(source / "latents")],
         "local inside out": ["--local", str(source), "--out", str(source.parent), "--overwrite"],
         "out under /proc": ["--local", str(source), "--out", "/proc/latents-test"],
-        "file uri remote": ["--remote", f"file://{source}", "--out", out],
+        "file uri of another host": ["--remote", f"file://otherhost{source}", "--out", out],
         "mistyped scheme": ["--remote", "s4://bucket/mds", "--out", out],
         "s3 out without credentials": ["--local", str(source), "--out", "s3://bucket/latents"],
     }[case]
