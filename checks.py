@@ -374,6 +374,30 @@ def check_index(index: dict, label: str, args: argparse.Namespace) -> int:
     return num_samples
 
 
+def check_shard_files(folder: Path, index: dict, label: str, args: argparse.Namespace, every_shard: bool) -> None:
+    """The shard files on this machine against index.json, before training: each present file has the
+    size listed (a truncated copy is named here, not found by a loader thread mid-epoch), and with
+    --validate_hash its hash. Streaming validates only what it downloads; files already here (local
+    data, or a filled cache) it uses as they are, so they are read and hashed here, once. With
+    `every_shard` (the data itself, not a cache) each shard must have its file."""
+    from streaming.base.hashing import get_hash
+    for shard in index["shards"]:
+        infos = [info for info in (shard.get("raw_data"), shard.get("zip_data")) if isinstance(info, dict)]
+        present = [(info, Path(folder, info["basename"])) for info in infos if Path(folder, info["basename"]).is_file()]
+        if every_shard and infos and not present:
+            fail(f"{label}: shard {infos[-1]['basename']} listed in index.json is missing; re-convert the dataset "
+                 "(or copy it again)")
+        for info, path in present:
+            size = path.stat().st_size
+            if isinstance(info.get("bytes"), int) and size != info["bytes"]:
+                fail(f"{label}: shard {path} holds {size:,} bytes where index.json lists {info['bytes']:,}: it is "
+                     "truncated or altered; re-convert the dataset, or delete the file to download it again")
+            expected = (info.get("hashes") or {}).get(args.validate_hash) if args.validate_hash else None
+            if expected and get_hash(args.validate_hash, path.read_bytes()) != expected:
+                fail(f"--validate_hash {args.validate_hash}: shard {path} does not match its hash in index.json: it is "
+                     "corrupted; re-convert the dataset, or delete the file to download it again")
+
+
 def check_dataset_size(num_samples: int, label: str, args: argparse.Namespace) -> None:
     """Every rank drops its last partial batch: fewer samples than one global batch means no step at
     all (Composer then loops over empty epochs forever, or 'finishes' 1ep after 0 batches)."""
@@ -479,8 +503,14 @@ def check_source(local: str, remote: str | None, args: argparse.Namespace) -> in
              "(shards already cached are not downloaded again)")
     if args.precomputed and (not remote or not uri_scheme(remote)):
         check_precompute_record(Path(remote or local, PRECOMPUTE_RECORD), args)
+    if remote and not uri_scheme(remote) and Path(remote, "index.json").is_file():
+        check_shard_files(Path(remote), read_index(Path(remote, "index.json"), remote), f"--remote {remote}", args,
+                          every_shard=True)
     if Path(local, "index.json").is_file():  # Streaming reads the cached index rather than the remote's
-        return check_index(read_index(Path(local, "index.json"), local), f"--local {local}", args)
+        index = read_index(Path(local, "index.json"), local)
+        samples = check_index(index, f"--local {local}", args)
+        check_shard_files(Path(local), index, f"--local {local}", args, every_shard=not remote)
+        return samples
     if not remote:
         fail(f"--local {local} holds no MDS dataset (no index.json): write one with convert.py, "
              "or pass --remote to stream one into it")
@@ -550,7 +580,7 @@ def storage_error(error: BaseException) -> str | None:
     seen = error
     while seen is not None:
         module = type(seen).__module__
-        if module.startswith(("botocore", "boto3", "google", "oci", "azure", "libcloud", "paramiko")):
+        if module.startswith(data.STORAGE_MODULES):
             line = f"{type(seen).__name__}: {str(seen).splitlines()[0] if str(seen) else ''}"
             if type(seen).__name__ == "NoCredentialsError":
                 line += " (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"

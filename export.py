@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> Path:
         fail(f"--seed {args.seed}: the run built its {' and '.join(rebuilt)} from seed {recorded['encoders_seed']} "
              f"(recorded in CHECKPOINT); drop --seed, or pass --seed {recorded['encoders_seed']}")
     model_name = args.model_name or recorded.get("model_name") or DEFAULT_MODEL_NAME
-    if rebuilt and args.model_name and recorded.get("model_name") not in (None, args.model_name):
+    if rebuilt and config != "tiny" and args.model_name and recorded.get("model_name") not in (None, args.model_name):
         print(f"note: the run trained with --model_name {recorded['model_name']}; the {' and '.join(rebuilt)} "
               f"come from --model_name {args.model_name} as given", file=sys.stderr)
     parts = build_encoders_aside(config, model_name, seed)

@@ -42,6 +42,7 @@ from model import NUM_TRAIN_TIMESTEPS, StableDiffusion, build_components  # noqa
 from sample import MAX_GUIDANCE_SCALE, make_sampler, sample_latents  # noqa: E402
 from tokenizer import tokenize  # noqa: E402
 
+DEFAULT_WARMUP_BATCHES = 50  # of the default 1000-1500 batches; a short run warms up over a tenth of itself
 SHAPES = ("square", "rectangle", "circle", "ellipse", "triangle", "diamond", "star", "cross", "hexagon")
 
 
@@ -179,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training batches (default: 500 per caption: 2 captions 1000, 3 captions 1500)")
     p.add_argument("--batch_size", type=POSITIVE_INT, default=16, help="global batch size of the training run")
     p.add_argument("--lr", type=POSITIVE_FLOAT, default=2e-3, help="AdamW learning rate of the training run")
-    p.add_argument("--lr_warmup_batches", type=NON_NEGATIVE_INT, default=50, help="linear warm-up of the learning rate")
+    p.add_argument("--lr_warmup_batches", type=NON_NEGATIVE_INT, default=None,
+                   help="linear warm-up of the learning rate (default: 50 batches, at most a tenth of the run)")
     p.add_argument("--caption_drop_prob", type=Range(float, 0, 1, high_open=True), default=0.1,
                    help="caption dropout while training (for classifier-free guidance)")
     p.add_argument("--samples_per_caption", type=POSITIVE_INT, default=16, help="latents sampled per caption to score")
@@ -207,7 +209,7 @@ def validate(args: argparse.Namespace) -> None:
     """Mistakes that would otherwise surface after minutes of drawing, converting or scoring."""
     if args.image_size % 8:
         fail(f"--image_size {args.image_size} must be a multiple of 8 (the VAE downsamples by 8)")
-    if args.batches is not None and args.lr_warmup_batches >= args.batches:
+    if args.batches is not None and args.lr_warmup_batches is not None and args.lr_warmup_batches >= args.batches:
         fail(f"--lr_warmup_batches {args.lr_warmup_batches} does not end before the run (--batches {args.batches})")
     if args.data and not Path(args.data).is_dir():
         fail(f"--data {args.data} is not a folder")
@@ -267,6 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
     images = images[keep]
     data_seconds = time.perf_counter() - started
     args.batches = args.batches or 500 * len(classes)
+    if args.lr_warmup_batches is None:
+        args.lr_warmup_batches = min(DEFAULT_WARMUP_BATCHES, args.batches // 10)
 
     # 2. The model before training: benchmark.py's initialization under --seed.
     torch.manual_seed(args.seed)
