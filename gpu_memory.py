@@ -178,7 +178,7 @@ class AutocastRules(TorchFunctionMode):
                 args, kwargs = tree_map_only(torch.Tensor, lambda t: self._cast(t, torch.float32), (args, kwargs))
             elif name in self.policy.fp32_set_opt_dtype and kwargs.get("dtype") is None:
                 first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-                if first is not None and first.dtype in (torch.float32, self.dtype):
+                if first is not None and first.is_floating_point() and first.dtype != torch.float64:
                     kwargs = {**kwargs, "dtype": torch.float32}
         if name == "scaled_dot_product_attention":
             return self._attention(*args, **kwargs)
@@ -399,6 +399,13 @@ def activation_model(model_config: str, image_size: int, *, precision: str = "am
 @functools.lru_cache(maxsize=None)
 def _activation_model(model_config: str, image_size: int, precision: str, norm_precision: str, precomputed: bool,
                       precomputed_format: str, device_type: str) -> ActivationModel:
+    with torch.random.fork_rng(devices=[]):  # the run that asks (benchmark.py's auto) draws the same numbers after
+        return _count_activations(model_config, image_size, precision, norm_precision, precomputed,
+                                  precomputed_format, device_type)
+
+
+def _count_activations(model_config: str, image_size: int, precision: str, norm_precision: str, precomputed: bool,
+                       precomputed_format: str, device_type: str) -> ActivationModel:
     dtype = {"fp32": None, "amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}[precision]
     policy = CUDA_AUTOCAST if device_type == "cuda" else probe_cpu_autocast()
     policy = policy.with_low_precision_norms() if norm_precision == "autocast" else policy.with_fp32_norms()
@@ -446,8 +453,9 @@ def fixed_bytes(model_config: str, *, precision: str = "amp_bf16", precomputed: 
     frozen_dtype = None if precision == "fp32" else (torch.bfloat16 if precision == "amp_bf16" else torch.float16)
     shards = num_gpus if fsdp != "none" else 1
     parts = {
-        # fp32 master weights: replicated under DDP and shard_grad_op, sharded under full_shard.
-        "weights": 4 * num_params // (num_gpus if fsdp == "full_shard" else 1),
+        # fp32 master weights: replicated under DDP; sharded at rest under both FSDP strategies (what
+        # computes is the gathered copy below: SHARD_GRAD_OP keeps it from forward to the end of backward).
+        "weights": 4 * num_params // shards,
         "gradients": 4 * num_params // shards,
         # DDP's reducer buckets: a second copy of the gradients unless they are views into the buckets
         # (`gradient_as_bucket_view`, which Composer 0.32.1's prepare_ddp_module does not pass on).
