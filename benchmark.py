@@ -396,6 +396,24 @@ def fsdp_parallelism(mode: str) -> ParallelismConfig | None:
     return ParallelismConfig(fsdp2=config)
 
 
+def average_gradients_over_gloo(unet: torch.nn.Module) -> None:
+    """Make FSDP2 average the UNet's gradients over the ranks on CPU (gloo), as it does on GPUs.
+
+    FSDP2 (torch 2.7, `_fsdp_collectives.foreach_reduce`) reduce-scatters fp32 and bf16 gradients
+    with `ReduceOp.AVG`, which NCCL applies; gloo's `reduce_scatter_tensor` silently sums instead
+    (measured: two ranks holding 1 and 2 both receive 3, not 1.5; its all_reduce refuses AVG). So on
+    CPU every gradient shard would be the world size times DDP's: AdamW's step hardly shows it (it
+    is scale-invariant but for eps), while gradient clipping and the AdamW moments saved in
+    checkpoints do. FSDP2's hook on the reduce-scatter output divides it by the world size: exact
+    for a power of two, so the CPU runs compute DDP's gradients. NCCL runs never come here.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    world_size = dist.get_world_size()
+    for module in unet.modules():
+        if isinstance(module, FSDPModule):
+            module.set_all_reduce_hook(lambda shard: shard.div_(world_size))
+
+
 def per_node_signal_files() -> None:
     """Make Composer's node signal files per node, so --autoresume works when nodes share --save_folder.
 
@@ -636,6 +654,8 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         progress_bar=False,  # console.ConsoleProgress prints the progress line instead
         log_to_console=False,
     )
+    if parallelism is not None and torch.distributed.get_backend() == "gloo":
+        average_gradients_over_gloo(model.unet)
     if on_gpu and model.vae is not None:
         # Training only encodes: the VAE decoder (~50M parameters) waits on the host. Anything that
         # decodes during a run (sampling) moves it back to the device first.
