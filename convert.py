@@ -601,8 +601,8 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
     unknown += [h for h in hashes if h not in get_hashes()]
     if unknown:
         families = sorted({c.split(":")[0] for c in get_compressions()})
-        raise ConvertError(f"unknown compression or hash {unknown}: compressions are {families} (zstd:19 sets "
-                           f"a level), hashes are {sorted(get_hashes())}")
+        raise ConvertError(f"--compression / --hashes: unknown compression or hash {unknown}: compressions are "
+                           f"{families} (zstd:19 sets a level), hashes are {sorted(get_hashes())}")
     try:
         if not 0 < bytes_to_int(size_limit) < 2**32:
             raise ValueError

@@ -492,7 +492,7 @@ def validate(args: argparse.Namespace) -> None:
     unknown = [c for c in [args.compression] if c and c not in get_compressions()]
     unknown += [h for h in args.hashes if h not in get_hashes()]
     if unknown:
-        fail(f"unknown compression or hash {unknown}: compressions are "
+        fail(f"--compression / --hashes: unknown compression or hash {unknown}: compressions are "
              f"{sorted({c.split(':')[0] for c in get_compressions()})}, hashes are {sorted(get_hashes())}")
     if not args.remote and not args.local:
         fail("no input: pass --remote (with --local as cache) or --local with the image-caption MDS shards")
