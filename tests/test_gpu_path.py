@@ -12,8 +12,9 @@ Two-rank launches through Composer's launcher (gloo), started together by one mo
   and AOT autograd under DDP; inductor's CPU code generation is left out for time, see
   tests/fault_run.py).
 
-In-process: refusals (--xformers where absent, amp_fp16 on CPU) and uint8 images crossing from
-loader workers (the multi-rank `auto` microbatch: tests/test_memory.py).
+In-process: --compile compiling every module that runs per step (UNet, VAE encoder, text encoder),
+refusals (--xformers where absent, amp_fp16 on CPU) and uint8 images crossing from loader workers
+(the multi-rank `auto` microbatch: tests/test_memory.py; bench_gpu.py's plan: tests/test_bench_gpu.py).
 """
 from __future__ import annotations
 
