@@ -412,12 +412,8 @@ def test_a_shard_that_fails_while_training_is_named_in_one_line(tmp_path):
     content = bytearray(shard.read_bytes())
     content[20:60] = bytes(b ^ 0xFF for b in content[20:60])  # same size: passes the pre-check
     shard.write_bytes(bytes(content))
-    result = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), *REAL, "--local", str(local)], cwd=ROOT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("benchmark.py: error: ") and shard.name in last, result.stderr[-3000:]
+    message = error_of(benchmark.cli, REAL + ["--local", str(local)])  # the command line's own error handling
+    assert shard.name in message and "truncated or corrupted" in message
 
 
 def test_unwritable_home_still_builds_the_tokenizer(tmp_path):
@@ -425,7 +421,7 @@ def test_unwritable_home_still_builds_the_tokenizer(tmp_path):
     result = subprocess.run([sys.executable, "-c", "from tokenizer import bundled_tokenizer, tokenize; "
                              "print(tokenize(bundled_tokenizer(), ['a red square'])[0, :4].tolist())"],
                             cwd=ROOT, env={**env, "HOME": "/proc/no-home", "PYTHONPATH": str(ROOT)},
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1])[0] == 49406  # the start token, then the caption
 
@@ -466,7 +462,7 @@ def test_unreachable_hub_without_hf_hub_offline_fails_in_one_line(images, tmp_pa
     argv = ["--model_config", "sd2-base", "--batch_size", "4", "--image_size", "64", "--max_duration", "1ba",
             "--num_workers", "0", "--remote", str(images), "--local", str(tmp_path / "cache")]
     result = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), *argv], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 1 and "Retrying" not in result.stderr, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert "the hub could not be reached" in last and "--allow_random_encoders" in last
