@@ -29,22 +29,30 @@ from composer.utils import dist
 from torch.utils.data import DataLoader
 
 import data
-from t2ibench import checks, errors, flags
+from t2ibench import checks, errors, flags, parallel
+from t2ibench.callbacks.empty_epoch import EmptyEpochError, StopOnEmptyEpoch
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
 from t2ibench.callbacks.nonfinite_loss import NonFiniteLossError, StopOnNonFiniteLoss
 from t2ibench.callbacks.progress import ConsoleProgress
 from t2ibench.callbacks.resume_rng import RestoreRngOnStreamingResume
+from t2ibench.callbacks.run_record import RunRecord
 from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
 from t2ibench.callbacks.validation import EVAL_LABEL, ValidationLog
 from t2ibench.checks import PRECISIONS
+from t2ibench.cli import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
 from t2ibench.model import DiffusionModel, unwrap_model
+from t2ibench.norms import NORM_PRECISIONS, set_norm_precision
 from t2ibench.runtime import Runtime
-from t2ibench.sampling import load_prompts, write_pipeline
+from t2ibench.sampling import MAX_GUIDANCE_SCALE, load_prompts, write_pipeline
 from t2ibench.objectives import TIMESTEP_SAMPLINGS
 from t2ibench.sources import parse_sources, record_cache
 from t2ibench.streaming import StreamingSettings
+
+# SD2's and SDXL's DDPM schedules have 1000 training timesteps (Flux's are continuous): more loss bins
+# than that would stay empty, and more sampler steps than that repeat timesteps.
+MAX_LOSS_BINS = MAX_SAMPLE_STEPS = 1000
 
 
 def build_parser() -> flags.Parser:
@@ -52,7 +60,7 @@ def build_parser() -> flags.Parser:
     # The flags of the 2023 benchmark keep their names and defaults (--remote, --local, --image_size
     # and --model_name among the shared groups below).
     g = p.add_argument_group("the 2023 benchmark's flags")
-    g.add_argument("--batch_size", type=int, default=2048, help="global batch size, images per step over all devices")
+    g.add_argument("--batch_size", type=POSITIVE_INT, default=2048, help="global batch size, images per step over all devices")
     g.add_argument("--use_synth_data", action="store_true", help="random images and captions (measures the model only)")
     g.add_argument("--use_ema", action="store_true",
                    help="keep an EMA of the denoiser's weights (half-life --ema_half_life, 1000 batches)")
@@ -67,11 +75,11 @@ def build_parser() -> flags.Parser:
     g.add_argument("--max_duration", type=str, default="1ep", help="Composer time string: 20ba, 1ep, 100000sp")
     g.add_argument("--precision", type=str, default="auto", help=f"one of {PRECISIONS}; auto: amp_bf16 on GPU, fp32 on CPU")
     g.add_argument("--results_json", type=str, default=None, help="write the throughput summary to this JSON file")
-    g.add_argument("--num_synthetic_samples", type=int, default=100_000, help="size of the synthetic dataset")
-    g.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (constant unless --lr_schedule / --lr_warmup_batches)")
-    g.add_argument("--weight_decay", type=float, default=1e-3, help="AdamW weight decay")
-    g.add_argument("--warmup_batches", type=int, default=5, help="batches left out of the throughput measurement")
-    g.add_argument("--peak_tflops", type=float, default=None,
+    g.add_argument("--num_synthetic_samples", type=POSITIVE_INT, default=100_000, help="size of the synthetic dataset")
+    g.add_argument("--lr", type=POSITIVE_FLOAT, default=1e-4, help="AdamW learning rate (constant unless --lr_schedule / --lr_warmup_batches)")
+    g.add_argument("--weight_decay", type=NON_NEGATIVE_FLOAT, default=1e-3, help="AdamW weight decay")
+    g.add_argument("--warmup_batches", type=NON_NEGATIVE_INT, default=5, help="batches left out of the throughput measurement")
+    g.add_argument("--peak_tflops", type=POSITIVE_FLOAT, default=None,
                    help="peak TFLOP/s of one device for MFU (default: Composer's table for A100/H100/H200)")
     g.add_argument("--log_interval", type=str, default="10ba",
                    help="in a log file, print a progress line this often (20ba, 1ep); on a terminal the line updates in place")
@@ -79,7 +87,7 @@ def build_parser() -> flags.Parser:
     g = p.add_argument_group("checkpoints (Composer's: local paths or s3://, gs://, oci://... URIs)")
     g.add_argument("--save_folder", type=str, default=None, help="where to save checkpoints (path or s3://... URI)")
     g.add_argument("--save_interval", type=str, default="1000ba", help="checkpoint every this long (20ba, 1ep)")
-    g.add_argument("--save_num_checkpoints_to_keep", type=int, default=-1,
+    g.add_argument("--save_num_checkpoints_to_keep", type=Range(int, -1), default=-1,
                    help="local checkpoints to keep (-1: all; 0: none, only with an object-store --save_folder, "
                         "which keeps every upload)")
     g.add_argument("--load_path", type=str, default=None, help="checkpoint to start from (path or URI)")
@@ -95,7 +103,16 @@ def build_parser() -> flags.Parser:
                         "from their columns); default tokens for SD2, text_states (MLPerf's) for Flux")
     g.add_argument("--channels_last", action="store_true", help="denoiser and VAE in channels-last memory format")
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile the denoiser (in place: checkpoint keys unchanged)")
+                   help="torch.compile every module that runs per step: the denoiser, and the VAE encoder and text "
+                        "encoders when they run (in place: checkpoint keys unchanged)")
+    g.add_argument("--norm_precision", type=str, default="autocast", choices=NORM_PRECISIONS,
+                   help="under AMP, GroupNorm and LayerNorm run in the autocast dtype (autocast), or in fp32 as "
+                        "CUDA autocast's own lists have them (fp32)")
+    g.add_argument("--fsdp", type=str, default="auto", choices=parallel.FSDP_MODES,
+                   help="shard the denoiser's weights, gradients and AdamW state over the ranks (Composer's FSDP2): "
+                        "full_shard (weights gathered block by block in forward and again in backward), "
+                        "shard_grad_op (gathered once per microbatch, kept until its backward ends); none: DDP; "
+                        "auto: full_shard for Flux.1 on several ranks, else none")
     g.add_argument("--fused_adamw", type=str, default="auto", choices=("auto", "on", "off"),
                    help="fused AdamW kernel; auto: on with CUDA")
     g.add_argument("--xformers", action="store_true", help="use xFormers attention in the UNet (default: PyTorch SDPA)")
@@ -103,20 +120,23 @@ def build_parser() -> flags.Parser:
                    help="recompute each block of the denoiser in the backward pass instead of keeping its activations "
                         "(diffusers' gradient checkpointing): less memory, about a third more compute")
     g = p.add_argument_group("training recipe (every default keeps the 2023 step)")
-    g.add_argument("--lr_warmup_batches", type=int, default=0, help="linear learning-rate warm-up over this many batches")
+    g.add_argument("--lr_warmup_batches", type=NON_NEGATIVE_INT, default=0, help="linear learning-rate warm-up over this many batches")
     g.add_argument("--lr_schedule", type=str, default="constant", choices=("constant", "cosine"),
                    help="after the warm-up: constant, or cosine decay to 0 at --max_duration")
-    g.add_argument("--grad_clip_norm", type=float, default=None, help="clip the gradient's global L2 norm to this")
-    g.add_argument("--caption_drop_prob", type=float, default=0.0,
+    g.add_argument("--grad_clip_norm", type=POSITIVE_FLOAT, default=None, help="clip the gradient's global L2 norm to this")
+    g.add_argument("--caption_drop_prob", type=Range(float, 0, 1, high_open=True), default=0.0,
                    help="replace each caption by the empty one with this probability (classifier-free guidance)")
     g.add_argument("--ema_start", type=str, default="0ba", help="with --use_ema: start averaging at this time (e.g. 1350000ba)")
     g.add_argument("--ema_half_life", type=str, default="1000ba",
                    help="with --use_ema: EMA half-life in batches (6931ba is a smoothing of 0.9999 per batch)")
     g.add_argument("--ema_export_dir", type=str, default=None,
                    help="with --use_ema: write a complete diffusers pipeline with the EMA weights here at the end")
-    g.add_argument("--snr_gamma", type=float, default=None, help="min-SNR-gamma loss weighting (5 is the paper's value)")
-    g.add_argument("--offset_noise", type=float, default=0.0, help="offset noise strength (e.g. 0.1)")
-    g.add_argument("--loss_bins", type=int, default=10, help="log the loss in this many bins of timesteps (0: off)")
+    g.add_argument("--snr_gamma", type=POSITIVE_FLOAT, default=None, help="min-SNR-gamma loss weighting (5 is the paper's value)")
+    g.add_argument("--offset_noise", type=Range(float, 0, 1), default=0.0,
+                   help="offset noise strength (e.g. 0.1; at most 1, where the offset is as strong as the noise)")
+    g.add_argument("--loss_bins", type=Range(int, 0, MAX_LOSS_BINS), default=10,
+                   help=f"log the loss in this many bins of timesteps (0: off; at most {MAX_LOSS_BINS}, and at most "
+                        "the training timesteps of a DDPM model)")
     g.add_argument("--timestep_sampling", type=str, default="uniform", choices=TIMESTEP_SAMPLINGS,
                    help="how training draws timesteps: uniform (SD2's DDPM steps; Flux: t ~ U(0,1) as MLPerf's "
                         "reference), or logit_normal (SD3's, Flux only)")
@@ -127,10 +147,10 @@ def build_parser() -> flags.Parser:
     g.add_argument("--eval_remote", type=str, default=None,
                    help="held-out MDS shards, in the training data's format (images, or latents with --precomputed)")
     g.add_argument("--eval_local", type=str, default=None, help="local cache of --eval_remote, or held-out shards on disk")
-    g.add_argument("--eval_samples", type=int, default=None,
+    g.add_argument("--eval_samples", type=POSITIVE_INT, default=None,
                    help="held-out samples per evaluation (default: 256 synthetic ones with --use_synth_data, "
                         "else all of --eval_remote)")
-    g.add_argument("--eval_target", type=float, default=None,
+    g.add_argument("--eval_target", type=POSITIVE_FLOAT, default=None,
                    help="report when the validation loss first reaches this (MLPerf Flux.1: 0.586)")
     g = p.add_argument_group("sample grids while training")
     g.add_argument("--sample_prompts", type=str, default=None,
@@ -140,8 +160,10 @@ def build_parser() -> flags.Parser:
     g.add_argument("--sampler", type=str, default=None, choices=("ddim", "euler"),
                    help="diffusers sampler for samples: ddim (SD2's default) or euler (for Flux: flow-matching Euler, "
                         "FluxPipeline's)")
-    g.add_argument("--sample_steps", type=int, default=50, help="sampler steps per sample")
-    g.add_argument("--guidance_scale", type=float, default=7.5, help="classifier-free guidance scale of samples (1: none)")
+    g.add_argument("--sample_steps", type=Range(int, 1, MAX_SAMPLE_STEPS), default=50,
+                   help=f"sampler steps per sample (at most {MAX_SAMPLE_STEPS}, the training timesteps of SD2 and SDXL)")
+    g.add_argument("--guidance_scale", type=Range(float, 0, MAX_GUIDANCE_SCALE), default=7.5,
+                   help="classifier-free guidance scale of samples (<= 1: none, as in diffusers)")
     return p
 
 
@@ -162,6 +184,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
         family = validate(args, dist.get_world_size())  # every user error, before anything is built
         run = Runtime.start(args, family)
         training_data = build_data(args, run, family)
+        run = run.with_counted_microbatch(args, family, training_data.text_format)  # the shards' format counts
         model = build_model(args, run, family, training_data)
         trainer, measured = build_trainer(args, run, model, training_data, extra_callbacks)
         results = train(args, run, trainer, model, measured)
@@ -252,8 +275,15 @@ def build_model(args: argparse.Namespace, run: Runtime, family: ModelFamily, tra
     encoders = dataclasses.replace(parts, denoiser=None, tokenizers=tokenizers or {})
     if (args.caption_drop_prob > 0 or args.sample_prompts or args.ema_export_dir) and not (
             parts.vae and parts.text_encoders and tokenizers):
-        # On precomputed latents: the missing parts exactly as latents.py built them under --seed.
-        aside = build_aside(family, args.model_config, args.model_name, args.seed)
+        # On precomputed latents: the missing parts exactly as latents.py built them (precompute.json's
+        # seed for random encoders, checks.check_precompute_record; else --seed).
+        encoders_seed = getattr(args, "encoders_seed", None)
+        if encoders_seed is not None and encoders_seed != args.seed and run.is_rank_zero:
+            print(f"note: the latents were computed with random encoders of seed {encoders_seed} (precompute.json): "
+                  f"the encoders are rebuilt from it; --seed {args.seed} seeds the denoiser, noise and data order",
+                  file=sys.stderr, flush=True)
+        aside = build_aside(family, args.model_config, args.model_name,
+                            encoders_seed if encoders_seed is not None else args.seed)
         encoders = dataclasses.replace(aside, vae=parts.vae or aside.vae,
                                        text_encoders=parts.text_encoders or aside.text_encoders,
                                        tokenizers=tokenizers or aside.tokenizers, pretrained=parts.pretrained,
@@ -271,7 +301,8 @@ def build_model(args: argparse.Namespace, run: Runtime, family: ModelFamily, tra
 
 
 def apply_speed_settings(args: argparse.Namespace, run: Runtime, model: DiffusionModel) -> None:
-    """CPU autocast, xFormers, channels-last, torch.compile and the frozen parts' dtype."""
+    """CPU autocast, xFormers, activation checkpointing, channels-last, the frozen parts' dtype, the
+    norms' precision and torch.compile."""
     if not run.on_gpu and run.precision == "amp_bf16":
         model.cpu_autocast_dtype = torch.bfloat16
     if args.xformers:
@@ -283,6 +314,14 @@ def apply_speed_settings(args: argparse.Namespace, run: Runtime, model: Diffusio
         if model.vae is not None:
             model.vae.to(memory_format=torch.channels_last)
             model.vae_channels_last = True
+    if run.precision in ("amp_bf16", "amp_fp16"):
+        # Frozen encoders stored in the autocast dtype: autocast would otherwise re-cast their fp32
+        # weights on every microbatch. GroupNorm and LayerNorm, which CUDA autocast runs in fp32
+        # (reading and writing twice the bytes, keeping fp32 activations for backward and upcasting
+        # the stored bf16 norm weights), run in the autocast dtype unless --norm_precision fp32.
+        for frozen in model.frozen():
+            frozen.to(torch.bfloat16 if run.precision == "amp_bf16" else torch.float16)
+        set_norm_precision(model, args.norm_precision)
     if args.compile:
         if run.world_size > 1:
             # Under DDP, dynamo's DDPOptimizer splits the compiled graph at every gradient bucket
@@ -290,13 +329,14 @@ def apply_speed_settings(args: argparse.Namespace, run: Runtime, model: Diffusio
             # gradient accumulation Composer syncs gradients only on a batch's last microbatch, so
             # that overlap is worth little, while the splits cost fusion and compile time.
             torch._dynamo.config.optimize_ddp = False
-        model.denoiser.compile()  # nn.Module.compile keeps parameter names, so checkpoints and EMA are unaffected
-    if run.precision in ("amp_bf16", "amp_fp16"):
-        # Frozen encoders stored in the autocast dtype: autocast would otherwise re-cast their fp32
-        # weights on every microbatch. Autocast still runs its fp32-listed ops (GroupNorm,
-        # LayerNorm, softmax) in fp32, so the numerics are those of fp32 weights under autocast.
-        for frozen in model.frozen():
-            frozen.to(torch.bfloat16 if run.precision == "amp_bf16" else torch.float16)
+        # nn.Module.compile works in place and keeps parameter names, so checkpoints and the EMA are
+        # unaffected. Every module that runs per step: the eager VAE encoder was 35-40% of an
+        # online SD2 step, and the text encoders run on token ids online and on the tokens format.
+        model.denoiser.compile()
+        if model.vae is not None:
+            model.vae.encoder.compile()
+        for encoder in model.text_encoders.values():
+            encoder.compile()
 
 
 @dataclasses.dataclass
@@ -320,12 +360,16 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, training
     schedulers = []
     if args.lr_warmup_batches or args.lr_schedule != "constant":
         from composer.optim import ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler
-        warmup = f"{args.lr_warmup_batches}ba"
+        # Composer's warm-up schedulers need t_warmup in the unit of the run's length (ba and ep
+        # runs are counted in batches): a run in samples warms up over as many samples.
+        warmup = (f"{args.lr_warmup_batches * args.batch_size}sp" if args.max_duration.endswith("sp")
+                  else f"{args.lr_warmup_batches}ba")
         schedulers.append(CosineAnnealingWithWarmupScheduler(t_warmup=warmup, alpha_f=0.0) if args.lr_schedule == "cosine"
                           else ConstantWithWarmupScheduler(t_warmup=warmup))
     peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
     pauses = Pauses()
-    measured = Measured(Throughput(args.warmup_batches, flops["total"], peak_flops, pauses),
+    trained_flops = flops["total"] - flops["vae_encoder"] - flops["text_encoder"]  # the denoiser's forward and backward
+    measured = Measured(Throughput(args.warmup_batches, flops["total"], peak_flops, pauses, trained_flops),
                         LossByTimestep(args.log_interval) if args.loss_bins else None, None)
     algorithms = []
     if args.use_ema:
@@ -349,7 +393,11 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, training
                                     subset_num_batches=-(-args.eval_samples // args.batch_size) if capped else -1))
     restore_rng = RestoreRngOnStreamingResume()
     callbacks = [SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), measured.throughput,
-                 StopOnNonFiniteLoss(args.load_path, args.save_folder),
+                 StopOnNonFiniteLoss(args.load_path, args.save_folder), StopOnEmptyEpoch(),
+                 RunRecord({"model_config": args.model_config, "model_name": args.model_name,
+                            "encoders_seed": args.seed if getattr(args, "encoders_seed", None) is None
+                            else args.encoders_seed,
+                            "image_size": args.image_size, "precomputed": args.precomputed}),
                  ConsoleProgress(args.log_interval, validation=measured.validation), restore_rng]
     if measured.validation:
         callbacks.append(measured.validation)
@@ -361,8 +409,17 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, training
             args.sample_interval, encoders=encoders,
             image_size=args.image_size, pauses=pauses, average=measured.ema, sampler=args.sampler,
             num_steps=args.sample_steps, guidance_scale=args.guidance_scale, seed=args.seed))
+    fsdp = parallel.fsdp_parallelism(args.fsdp)
+    if fsdp is not None:
+        model.mark_fsdp_units()
+        if run.on_gpu:
+            # With a parallelism config Composer does not move the model (fully_shard moves only the
+            # modules it wraps): the frozen encoders and buffers go to this rank's GPU here. Every
+            # rank built the denoiser from the same seed, so the shards come from identical weights
+            # (Composer's FSDP2 broadcasts from rank 0 only when the other ranks are on the meta device).
+            model.to(torch.device("cuda", dist.get_local_rank()))
     trainer = Trainer(
-        model=model, train_dataloader=loader, optimizers=optimizer, schedulers=schedulers or None,
+        model=model, parallelism_config=fsdp, train_dataloader=loader, optimizers=optimizer, schedulers=schedulers or None,
         eval_dataloader=evaluators or None, eval_interval=args.eval_interval or 1,
         eval_subset_num_batches=-1,
         max_duration=args.max_duration, algorithms=algorithms, callbacks=[*callbacks, *(extra_callbacks or [])],
@@ -374,6 +431,8 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, training
         load_path=args.load_path, autoresume=args.autoresume,
         progress_bar=False, log_to_console=False)  # callbacks.progress.ConsoleProgress prints the progress line
     restore_rng.arm(trainer)
+    if fsdp is not None and torch.distributed.get_backend() == "gloo":
+        parallel.average_gradients_over_gloo(model.denoiser)
     if run.on_gpu and model.vae is not None:
         # Training only encodes: the VAE decoder (~50M parameters) waits on the host. Anything that
         # decodes during a run (sampling) moves it back to the device first.
@@ -415,6 +474,8 @@ def train(args: argparse.Namespace, run: Runtime, trainer: Trainer, built: Model
         "compile": args.compile,
         "fused_adamw": args.fused_adamw == "on" or (args.fused_adamw == "auto" and run.on_gpu),
         "xformers": args.xformers,
+        "norm_precision": args.norm_precision if run.precision in ("amp_bf16", "amp_fp16") else None,
+        "fsdp": args.fsdp,
         "pretrained_parts": encoders.pretrained,
         "random_parts": encoders.random,
         "flops_per_image_breakdown": built.flops,
@@ -480,6 +541,8 @@ def print_summary(r: dict) -> None:
     since = " after warm-up" if r["peak_memory_kind"].startswith("cuda") else ", whole run"
     mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_flops_per_device'] / 1e12:.0f} TFLOP/s peak per device" if r.get("mfu")
            else "n/a (unknown device peak; pass --peak_tflops)")
+    trained = (f"; trained network alone (UNet forward + backward, {r['flops_per_image_trained_network'] / 1e9:.1f} "
+               f"GFLOP/image): {100 * r['mfu_trained_network']:.1f}%" if r.get("mfu_trained_network") else "")
     print(
         "\n=== Stable Diffusion benchmark ===\n"
         f"model {r['model_config']} at {r['image_size']}x{r['image_size']}, {r['precision']}, "
@@ -487,7 +550,7 @@ def print_summary(r: dict) -> None:
         f"microbatch {r['device_train_microbatch_size']}\n"
         f"throughput   {r['images_per_sec']:.2f} images/s ({r['images_per_sec_per_device']:.2f} per device) "
         f"over {r['measured_batches']} batches after {r['warmup_batches']} warm-up\n"
-        f"MFU          {mfu} at {r['flops_per_image'] / 1e9:.1f} GFLOP/image\n"
+        f"MFU          {mfu} at {r['flops_per_image'] / 1e9:.1f} GFLOP/image{trained}\n"
         f"data wait    {wait} of measured time in the loader's next() (max over ranks; mean {wait_mean})\n"
         f"checkpoints  {r['checkpoint_seconds_in_window']:.1f} s saving inside the measured "
         f"{r['measured_seconds']:.1f} s, {r['checkpoint_seconds_after_window']:.1f} s after it; "
@@ -510,7 +573,7 @@ def user_error(error: BaseException) -> str | None:
     checkpoint, W&B account), None for a bug."""
     text = str(error)
     lines = [line for line in text.splitlines() if line.strip()]
-    if isinstance(error, (data.BadDataError, NonFiniteLossError)):
+    if isinstance(error, (data.BadDataError, NonFiniteLossError, EmptyEpochError)):
         return lines[-1] if lines else text
     line = errors.storage_error(error) or errors.worker_error(error, ("data.BadDataError",))
     if line:

@@ -69,10 +69,11 @@ from streaming.base.util import bytes_to_int
 from tqdm import tqdm
 
 from t2ibench import errors
-from t2ibench.cli import Parser
+from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_INT, Parser, Range
 from t2ibench.errors import UserError
 from t2ibench.images import load_image, to_rgb
-from t2ibench.locations import is_remote, missing_upload_credentials, normalise, overlap, scheme, upload_schemes
+from t2ibench.locations import (check_output, is_remote, missing_upload_credentials, normalise, scheme,
+                                upload_schemes)
 from t2ibench.mds import SHARD_NAME
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
@@ -594,18 +595,26 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
         raise ConvertError(f"--quality {quality} must be a JPEG quality from 1 to 100 (default 95)")
     if workers < 1:
         raise ConvertError(f"--workers {workers} must be at least 1")
+    # Imported here: t2ibench.flags loads the model families (diffusers), which converting never needs
+    # otherwise; --help and the checks above stay fast.
+    from t2ibench.cli import check_workers
+    problem = check_workers("--workers", workers)
+    if problem:
+        raise ConvertError(problem)
     unknown = [c for c in [compression] if c and c not in get_compressions()]
     unknown += [h for h in hashes if h not in get_hashes()]
     if unknown:
         families = sorted({c.split(":")[0] for c in get_compressions()})
-        raise ConvertError(f"unknown compression or hash {unknown}: compressions are {families} (zstd:19 sets "
-                           f"a level), hashes are {sorted(get_hashes())}")
+        raise ConvertError(f"--compression / --hashes: unknown compression or hash {unknown}: compressions are "
+                           f"{families} (zstd:19 sets a level), hashes are {sorted(get_hashes())}")
     try:
         if not 0 < bytes_to_int(size_limit) < 2**32:
             raise ValueError
     except (ValueError, TypeError):
         raise ConvertError(f"--size_limit {size_limit} must be a size such as 64mb, below 4gb") from None
-    problem = overlap("--out", out, [("INPUT", name) for name in inputs])
+    # --out probed before any input is read: writable, a folder, and not an input nor inside one
+    # (nor holding one, which --overwrite would delete).
+    problem = check_output("--out", out, folder=True, inputs=[("INPUT", name) for name in inputs])
     problem = problem or missing_upload_credentials("--out", out)
     if problem:
         raise ConvertError(problem)
@@ -671,11 +680,11 @@ def build_parser() -> Parser:
     p.add_argument("--compression", default="zstd", help="shard compression: zstd, zstd:<level>, gz, br, none")
     p.add_argument("--hashes", default="sha1,xxh64", help="comma-separated hashes stored per shard ('' for none)")
     p.add_argument("--size_limit", default="64mb", help="shard size before compression, e.g. 64mb or 67108864")
-    p.add_argument("--min_size", type=int, default=0, help="skip images whose shorter side is below this (pixels; 0: keep all)")
-    p.add_argument("--max_size", type=int, default=0,
+    p.add_argument("--min_size", type=NON_NEGATIVE_INT, default=0, help="skip images whose shorter side is below this (pixels; 0: keep all)")
+    p.add_argument("--max_size", type=NON_NEGATIVE_INT, default=0,
                    help="downscale images whose shorter side is above this to it, re-encoded as JPEG (0: never)")
-    p.add_argument("--quality", type=int, default=95, help="JPEG quality of re-encoded images")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes decoding images (default: all cores)")
+    p.add_argument("--quality", type=Range(int, 1, 100), default=95, help="JPEG quality of re-encoded images")
+    p.add_argument("--workers", type=POSITIVE_INT, default=os.cpu_count() or 1, help="processes decoding images (default: all cores)")
     p.add_argument("--image_column", default=None, help=f"parquet image column (default: first of {PARQUET_IMAGE_COLUMNS})")
     p.add_argument("--caption_column", default=None, help=f"parquet caption column (default: first of {PARQUET_CAPTION_COLUMNS})")
     p.add_argument("--overwrite", action="store_true", help="replace the MDS dataset already in --out")
@@ -688,7 +697,7 @@ def build_parser() -> Parser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    return build_parser().parse_args(argv)  # file:// URIs are read as paths in `convert`, for callers too
 
 
 def disk_error(error: BaseException) -> str | None:

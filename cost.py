@@ -38,6 +38,9 @@ Results JSON files need `images_per_sec` (global, all GPUs together) and `world_
 GPUs); `device`, `image_size`, `model_config` and `precomputed` are used when present: mixing
 them is an error, and a result that is not SD2 base at 512x512 gives a table labeled for what it
 measured (the cost of training that model at that size), never "the cost to train SD2 base".
+`--gpus`/`--images_per_sec` pairs are taken as SD2 base at 512x512 (or `--model_config`'s model at
+its training size), so results files of another model or size are refused beside them, not fitted
+with them into one curve.
 
 Flux.1-schnell (`flux1-schnell` results, or `--model_config flux1-schnell` with --gpus/--images_per_sec)
 is priced for `--samples` (default: one pass over MLPerf's 1,099,776-sample training set; a run to
@@ -56,9 +59,9 @@ import os
 from dataclasses import dataclass
 
 from t2ibench import errors
-from t2ibench.cli import Parser
+from t2ibench.cli import POSITIVE_FLOAT, POSITIVE_INT, Parser
 from t2ibench.errors import fail
-from t2ibench.locations import normalise
+from t2ibench.locations import check_output, check_outputs_apart, normalise
 from t2ibench.scale import (MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU, MLPERF_FLUX_TRAIN_SAMPLES, PRICED_MODELS,
                             SAMPLES,  # 2023: 1.4M x 2048
                             USD_PER_GPU_HOUR)  # $2 per A100-hour
@@ -80,6 +83,8 @@ FLUX_PRECOMPUTE_FLOPS = (272.9 + 13.3 + 2_396.6) * 1e9
 FLUX_PRECOMPUTE_IMAGES_PER_SEC = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / FLUX_PRECOMPUTE_FLOPS
 # Configurations with a table of their own: (name in titles, resolution MLPerf / the 2023 table use).
 NAMED_MODELS = {"sd2-base": ("SD2 base", 512), "flux1-schnell": ("Flux.1-schnell (MLPerf Training v5.1's model)", 256)}
+# What --model_config may name for --gpus/--images_per_sec pairs: (name, the size they are taken at).
+PAIR_MODELS = {**{config: (name, size) for config, (name, size, _) in PRICED_MODELS.items()}, **NAMED_MODELS}
 
 
 @dataclass
@@ -381,19 +386,6 @@ def plot(rows: list[Row], path: str, title: str) -> None:
 # -----------------------------------------------------------------------------
 # command line
 
-def positive(kind: type):
-    """argparse type: a number of `kind` that is > 0 (argparse names the flag in the error)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a valid {kind.__name__}: {text!r}") from None
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-        return value
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         "cost.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -413,31 +405,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="results JSON files with images_per_sec (global) and world_size (GPUs)")
     p.add_argument("--results", nargs="+", action="extend", default=[], metavar="FILE",
                    help="more results JSON files")
-    p.add_argument("--gpus", nargs="+", action="extend", type=positive(int), default=[],
+    p.add_argument("--gpus", nargs="+", action="extend", type=POSITIVE_INT, default=[],
                    metavar="N", help="measured GPU counts, paired with --images_per_sec")
-    p.add_argument("--images_per_sec", nargs="+", action="extend", type=positive(float),
+    p.add_argument("--images_per_sec", nargs="+", action="extend", type=POSITIVE_FLOAT,
                    default=[], metavar="X", help="measured global images/s, one per --gpus")
-    p.add_argument("--num_gpus", nargs="+", type=positive(int), metavar="N",
+    p.add_argument("--num_gpus", nargs="+", type=POSITIVE_INT, metavar="N",
                    help="GPU counts for the table (default: the measured counts plus powers of "
                         "two up to 2x the largest measured, at least to 256)")
-    p.add_argument("--samples", type=positive(float), default=None,
+    p.add_argument("--samples", type=POSITIVE_FLOAT, default=None,
                    help=f"images seen in the whole run (default {SAMPLES:,} = 1.4M steps x 2048 for SD2; for "
                         f"Flux {MLPERF_FLUX_TRAIN_SAMPLES:,}, one pass over MLPerf's training set)")
-    p.add_argument("--model_config", default=None, choices=sorted(NAMED_MODELS),
-                   help="the model of --gpus/--images_per_sec pairs (default: sd2-base, or the results files')")
-    p.add_argument("--usd_per_gpu_hour", type=positive(float), default=USD_PER_GPU_HOUR,
+    p.add_argument("--model_config", default=None, choices=sorted(PAIR_MODELS),
+                   help="the model of --gpus/--images_per_sec pairs, measured at its training size ("
+                        + ", ".join(f"{size} for {config}" for config, (_, size) in PAIR_MODELS.items())
+                        + "); default: sd2-base, the 2023 table's. Results files of another model or size are not "
+                        "fitted with the pairs")
+    p.add_argument("--usd_per_gpu_hour", type=POSITIVE_FLOAT, default=USD_PER_GPU_HOUR,
                    help=f"price of one GPU-hour in US dollars (default {USD_PER_GPU_HOUR})")
-    p.add_argument("--plot", metavar="PATH.png", help="save a plot of days and cost vs GPUs")
+    p.add_argument("--plot", metavar="PATH.png",
+                   help="save a plot of days and cost vs GPUs; the suffix picks the format (.png, .pdf, .svg...), "
+                        "none writes PATH.png")
     p.add_argument("--csv", metavar="PATH", help="also write the table as CSV")
     p.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
     p.add_argument("--title", help="plot title (default: describes samples, price and device)")
     # A run on precomputed latents: its one-time latents.py pass, so the table's cost is the total.
     p.add_argument("--precompute", action="store_true",
                    help="add the one-time latents.py pass to every row (for --precomputed throughputs)")
-    p.add_argument("--precompute_images", type=positive(float), default=None,
+    p.add_argument("--precompute_images", type=POSITIVE_FLOAT, default=None,
                    help=f"distinct images the pass encodes (default {PRECOMPUTE_IMAGES:,}; Flux: "
                         f"{MLPERF_FLUX_TRAIN_SAMPLES:,})")
-    p.add_argument("--precompute_images_per_sec", type=positive(float), default=None,
+    p.add_argument("--precompute_images_per_sec", type=POSITIVE_FLOAT, default=None,
                    help="images/s of the pass per GPU (latents.py's images_per_sec / world_size; default: an A100 at "
                         f"40%% MFU on the measured model's encoders, {PRECOMPUTE_IMAGES_PER_SEC:.1f} for SD2 base "
                         f"at 512 (VAE encoder, 1,117 GFLOP/image), "
@@ -455,6 +452,24 @@ def mlperf_rows(num_gpus: list[int], samples: float, usd_per_gpu_hour: float) ->
 
 # The model the 2023 table is for: results of anything else are labeled as such.
 SD2_BASE = ("sd2-base", 512)
+
+
+def plot_file(path: str) -> str:
+    """The file --plot writes: PATH as given when its suffix is a format matplotlib saves, PATH.png
+    when it has none (what savefig does); a folder or an unknown suffix is refused, before any work."""
+    if os.path.isdir(path):
+        fail(f"--plot {path} is a folder; give the plot's file name, such as {os.path.join(path, 'cost.png')}")
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if not suffix:
+        return path + ".png"
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display needed
+    from matplotlib.backend_bases import FigureCanvasBase
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        fail(f"--plot {path}: matplotlib cannot write .{suffix} files; use one of "
+             + ", ".join(f".{f}" for f in sorted(formats)))
+    return path
 
 
 def measured_model(measurements: list[Measurement]) -> tuple[str, int]:
@@ -505,26 +520,50 @@ def table(args: argparse.Namespace) -> list[Row]:
     if len(args.gpus) != len(args.images_per_sec):
         fail(f"--gpus has {len(args.gpus)} value(s) but --images_per_sec has "
              f"{len(args.images_per_sec)}; give one --images_per_sec per --gpus")
-    for flag in ("plot", "csv", "markdown"):  # fail before any work, not after it
-        path = getattr(args, flag)
-        if path is not None:
-            path = normalise(f"--{flag}", path, ())
-            setattr(args, flag, path)
-            if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-                fail(f"--{flag}: directory of {path} does not exist")
+    # file:///path is the path /path (locations.normalise); inputs and outputs are local files.
+    args.files, args.results = ([normalise("RESULTS", f, ()) for f in names] for names in (args.files, args.results))
+    for flag in ("plot", "csv", "markdown"):
+        if getattr(args, flag) is not None:
+            setattr(args, flag, normalise(f"--{flag}", getattr(args, flag), ()))
+    if args.plot is not None:
+        args.plot = plot_file(args.plot)
+    # Every output probed before any work (the table is cheap, but a results file overwritten by
+    # --csv is lost): an existing folder, writable, not a results file, and not another output.
+    outputs = [(f"--{flag}", getattr(args, flag), "file") for flag in ("plot", "csv", "markdown")]
+    inputs = [("RESULTS", f) for f in args.files + args.results]
+    for flag, path, _ in outputs:
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            fail(f"{flag}: directory of {path} does not exist")
+        problem = check_output(flag, path, folder=False, inputs=inputs)
+        if problem:
+            fail(problem)
+    problem = check_outputs_apart(outputs)
+    if problem:
+        fail(problem)
     try:
-        measurements = [load_results(normalise("RESULTS", path, ())) for path in args.files + args.results]
+        measurements = [load_results(path) for path in args.files + args.results]
         check_consistent(measurements)
     except ValueError as e:
         fail(str(e))
     configs = {m.model_config for m in measurements if m.model_config}
     if args.model_config and configs and configs != {args.model_config}:
         fail(f"--model_config {args.model_config}: the results files are for {sorted(configs)}")
-    pairs_model = args.model_config or next(iter(configs), None)
-    measurements += [Measurement(n, x, model_config=pairs_model) for n, x in zip(args.gpus, args.images_per_sec)]
+    # Figures given as flags are taken as --model_config's model at its training size (by default the
+    # 2023 table's SD2 base at 512x512), so results of another model or size are refused rather than
+    # fitted with them into one curve.
+    pairs_model = args.model_config or SD2_BASE[0]
+    pairs_name, pairs_size = PAIR_MODELS[pairs_model]
+    flagged = [Measurement(n, x, f"--gpus/--images_per_sec (taken as {pairs_name} at {pairs_size}x{pairs_size})",
+                           model_config=pairs_model, image_size=pairs_size)
+               for n, x in zip(args.gpus, args.images_per_sec)]
+    try:
+        check_consistent(measurements + flagged)
+    except ValueError as e:  # the pairs can only differ in model or size: say how to name theirs
+        fail(f"{e} (--model_config sets the model of --gpus/--images_per_sec: {', '.join(sorted(PAIR_MODELS))})")
+    measurements += flagged
     if not measurements:
         fail("no measurements: give results JSON files or --gpus N --images_per_sec X")
-    flux = measurements[0].model_config == "flux1-schnell"
+    flux = measured_model(measurements)[0] == "flux1-schnell"  # the first result that names its model
     if args.samples is None:
         args.samples = MLPERF_FLUX_TRAIN_SAMPLES if flux else SAMPLES
     if args.precompute_images is None:

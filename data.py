@@ -28,6 +28,7 @@ from composer.utils import dist
 from streaming import Stream, StreamingDataLoader, StreamingDataset
 from torch.utils.data import DataLoader, Dataset
 
+from t2ibench.errors import STORAGE_MODULES
 from t2ibench.families import FAMILIES, MODEL_CONFIGS, ModelFamily
 from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
 from t2ibench.images import (CROP_KEY, GEOMETRY_KEYS, ORIGINAL_SIZE_KEY, ImageGeometry,  # noqa: F401
@@ -136,6 +137,45 @@ class BadDataError(RuntimeError):
     """Too many samples of the dataset could not be decoded: the data, not the run, needs fixing."""
 
 
+class NamedShardErrors:
+    """A StreamingDataset mix-in: a shard that cannot be read fails naming it, in one line.
+
+    Streaming 0.13 reads a shard in a background thread; when that fails, the sample read only
+    says "Background thread failed", and a shard cut short or corrupted fails deep in its reader
+    (an IndexError on a sample offset) with no file named. The failing shard is remembered where it
+    is prepared, and the read that fails raises BadDataError with its name (benchmark.py prints it
+    as one line). Store errors are left alone: they are reported as such.
+    """
+
+    def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+        try:
+            super().prepare_shard(shard_id, blocking)
+        except Exception as error:  # noqa: BLE001 - remembered, then raised as it was
+            self._failed_shard = (self._shard_file(shard_id), error)
+            raise
+
+    def _shard_file(self, shard_id: int) -> str:
+        shard = self.shards[shard_id]
+        stream = self.streams[self.stream_per_shard[shard_id]]
+        info = getattr(shard, "zip_data", None) or getattr(shard, "raw_data", None)
+        name = info.basename if info is not None else f"shard {shard_id}"
+        return f"{(stream.remote or stream.local).rstrip('/')}/{name}"
+
+    def read_sample(self, index: int) -> dict[str, Any]:
+        """StreamingDataset.get_item, with a failure to read a shard named."""
+        try:
+            return StreamingDataset.get_item(self, index)
+        except Exception as error:
+            if type(error).__module__.startswith(STORAGE_MODULES) or isinstance(error, BadDataError):
+                raise
+            failed = getattr(self, "_failed_shard", None)
+            where, cause = failed if failed else (self._shard_file(self.spanner[index][0]), error)
+            detail = (str(cause).strip().splitlines() or [""])[0][:200]
+            raise BadDataError(f"shard {where} cannot be read ({type(cause).__name__}: {detail}): it is truncated or "
+                               "corrupted; re-convert it, or delete it from the cache to download it again "
+                               "(--validate_hash checks every shard file before training)") from error
+
+
 def decode_image(data: bytes, size: int) -> torch.Tensor:
     """Encoded image bytes -> (3, size, size) uint8 tensor (`model.scale_images` makes it [-1, 1] on the
     device); the image prepared as `images.decode_pixels` says (EXIF, RGB, resize, center crop)."""
@@ -223,7 +263,7 @@ def first_shards(dataset: StreamingDataset) -> list[tuple[str, Any]]:
     return [(dataset.streams[i].remote or dataset.streams[i].local, shard) for i, shard in sorted(firsts.items())]
 
 
-class StreamingImageCaptions(StreamingDataset):
+class StreamingImageCaptions(NamedShardErrors, StreamingDataset):
     """Image-caption pairs streamed from MDS shards: yields {"image": (3,S,S) uint8, <token ids>}.
 
     Args:
@@ -278,12 +318,7 @@ class StreamingImageCaptions(StreamingDataset):
 
     def shard_name(self, index: int) -> str:
         """Where sample `index` lives, for messages: '<remote or local>/shard.00012.mds.zstd'."""
-        shard_id, _ = self.spanner[index]
-        shard = self.shards[shard_id]
-        stream = self.streams[self.stream_per_shard[shard_id]]
-        info = getattr(shard, "zip_data", None) or getattr(shard, "raw_data", None)
-        name = info.basename if info is not None else f"shard {shard_id}"
-        return f"{(stream.remote or stream.local).rstrip('/')}/{name}"
+        return self._shard_file(self.spanner[index][0])
 
     def _decode(self, sample: dict[str, Any]) -> dict[str, torch.Tensor]:
         caption = sample[self.caption_key]
@@ -299,7 +334,7 @@ class StreamingImageCaptions(StreamingDataset):
         """Sample `index`, decoded; an undecodable one is replaced by the next index (see class doc)."""
         for attempt in range(self.num_samples):  # at most every sample once; the policy stops us sooner
             candidate = (index + attempt) % self.num_samples
-            sample = super().get_item(candidate)  # download errors are not bad data: they propagate
+            sample = self.read_sample(candidate)  # download errors are not bad data: they propagate
             self.decoded += 1
             try:
                 return {**self._decode(sample), "sample_index": torch.tensor(candidate)}  # for the validation loss
@@ -440,7 +475,7 @@ def _column_shapes(shard: Any) -> dict[str, tuple[str, tuple[int, ...] | None]]:
     return shapes
 
 
-class StreamingLatents(StreamingDataset):
+class StreamingLatents(NamedShardErrors, StreamingDataset):
     """Precomputed shards (written by latents.py) streamed for training.
 
     Yields {"latent_mean": (4, S/8, S/8), "latent_logvar": (4, S/8, S/8)} in the stored dtype (fp16 by
@@ -508,7 +543,7 @@ class StreamingLatents(StreamingDataset):
         return found
 
     def get_item(self, index: int) -> dict[str, torch.Tensor]:
-        sample = super().get_item(index)
+        sample = self.read_sample(index)
         # MDS decodes arrays as read-only views of the shard: copy into tensors the batch can own.
         item = {key: torch.from_numpy(np.array(sample[key])) for key in LATENT_KEYS}
         if self.text_format == "text_states":

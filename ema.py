@@ -13,8 +13,9 @@ How it updates: once per update, after the optimizer step (``Event.BATCH_END``, 
     shadow = smoothing * shadow + (1 - smoothing) * param      # torch._foreach_lerp_
 
 Under FSDP each rank averages only the local shards it holds (FSDP1 flat-parameter views with
-``use_orig_params=True``, or the local part of FSDP2 DTensors): nothing is gathered. Under DDP every
-rank holds identical parameters, so every rank computes the identical shadow without communicating.
+``use_orig_params=True``, or the local part of FSDP2 DTensors): nothing is gathered, and the shadow
+takes 4 bytes per parameter divided by the number of ranks. Under DDP every rank holds identical
+parameters, so every rank computes the identical shadow without communicating.
 
 Schedule (same as ``composer.algorithms.EMA``): the shadow is initialized as a copy of the
 parameters at the first update event at or after ``ema_start`` (so with the default ``"0ba"`` it
@@ -24,8 +25,11 @@ whose count (batches or epochs completed) is a multiple of ``update_interval``.
 Checkpoints: ``state_dict()`` carries the shadow and the counters, so Composer's ``save_folder`` /
 ``load_path`` / ``autoresume`` bring it back bit for bit. The model weights in a checkpoint stay the
 training weights (Composer's EMA instead swaps the averaged weights into the model while saving).
-Under FSDP the shards are gathered to rank 0 at save time only (see :meth:`EMA.state_dict`), and a
-run must resume with the same world size and wrapping.
+Under FSDP the shards are gathered to rank 0 at save time only (see :meth:`EMA.state_dict`). With
+FSDP2 (DTensor parameters) the checkpoint holds whole tensors, as an unsharded run's does, and each
+rank cuts its own part again when it loads, so a run may resume on another number of ranks or
+without FSDP; with FSDP1 it holds each rank's flat shards and must resume with the same world size
+and wrapping.
 
 Using the average: ``with ema.averaged_weights(model): ...`` swaps it into the model and back, and
 ``ema.export_unet(model, path)`` (or ``EMA(..., export_dir=path)``, run at ``Event.FIT_END``) writes
@@ -46,6 +50,7 @@ from composer.utils import dist
 
 try:  # DTensor (FSDP2 parameters) is public from torch 2.5; older builds simply have no DTensors.
     from torch.distributed.tensor import DTensor as _DTensor
+    from torch.distributed.tensor import distribute_tensor
 except ImportError:  # pragma: no cover - depends on the torch build
     _DTensor = None
 
@@ -291,6 +296,11 @@ class EMA(Algorithm):
                              f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}")
         for n, p in zip(self._names, self._params):
             local, s = _local(p), self.shadow[n]
+            if _DTensor is not None and isinstance(p, _DTensor) and s.shape == p.shape != local.shape:
+                # A whole tensor (saved by _full_shadow or by an unsharded run): keep this rank's part.
+                # src_data_rank=None: every rank cuts its own part from its own copy, no communication.
+                part = distribute_tensor(s.to(local.device), p.device_mesh, p.placements, src_data_rank=None)
+                s = self.shadow[n] = part.to_local().clone()  # a copy: a view would keep the whole tensor
             if s.shape != local.shape:
                 raise ValueError(f"EMA: shadow of {n} has shape {tuple(s.shape)}, parameter {tuple(local.shape)} "
                                  "(a different FSDP layout or world size?)")
@@ -338,20 +348,47 @@ class EMA(Algorithm):
         Under FSDP each rank's shadow is a different shard, but Composer writes the algorithms'
         state from global rank 0 only (monolithic checkpoints are rank 0's file; in sharded ones the
         algorithm list is one pickled entry, deduplicated to rank 0). So with sharded parameters this
-        gathers every rank's shards to rank 0 on the CPU (``shadow_shards``, indexed by rank): a
-        collective that all ranks enter, as they do when Composer saves a checkpoint. It costs one
-        CPU copy of the shadow on rank 0 (and each rank's own shard) for the time of the save.
+        gathers to rank 0 on the CPU: for FSDP2 the whole tensors (``shadow``, see
+        :meth:`_full_shadow`), for FSDP1 every rank's flat shards (``shadow_shards``, indexed by
+        rank). A collective that all ranks enter, as they do when Composer saves a checkpoint; it
+        costs one CPU copy of the shadow on rank 0 for the time of the save.
         """
         if self._swapped:
             raise RuntimeError("EMA.state_dict: called inside averaged_weights(); the shadow holds training weights")
         sd = super().state_dict()  # {'repr': ...}
         sd.update(format=_FORMAT, initialized=self.initialized, num_updates=self.num_updates,
                   smoothing=self.smoothing, world_size=dist.get_world_size())
-        if self._sharded and dist.get_world_size() > 1:
+        if self._has_dtensor:
+            sd["shadow"] = self._full_shadow()
+        elif self._sharded and dist.get_world_size() > 1:
             sd["shadow_shards"] = self._gather_shards()
         else:
             sd["shadow"] = dict(self.shadow)
         return sd
+
+    def _full_shadow(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """FSDP2: the whole shadow tensors (names starting with ``prefix``) on rank 0's CPU, {} elsewhere.
+
+        Each local shard is put back in its parameter's DTensor layout (mesh, placements, global
+        shape) and all-gathered, one tensor at a time, so the transient is one full tensor per rank.
+        Every rank must call it (a collective per tensor, in the same name order on every rank).
+        The result is laid out as an unsharded run's shadow: the same checkpoint resumes under DDP,
+        under FSDP on another number of ranks, and export.py reads it.
+        """
+        full: dict[str, torch.Tensor] = {}
+        if not self.shadow:
+            return full
+        rank0 = dist.get_global_rank() == 0
+        for name, param in zip(self._names, self._params):
+            if not name.startswith(prefix):
+                continue
+            shadow = self.shadow[name]
+            if isinstance(param, _DTensor):
+                shadow = _DTensor.from_local(shadow, param.device_mesh, param.placements, run_check=False,
+                                             shape=param.shape, stride=param.stride()).full_tensor()
+            if rank0:
+                full[name] = shadow.detach().cpu()
+        return full
 
     def _gather_shards(self) -> Optional[list[dict[str, torch.Tensor]]]:
         import torch.distributed as torch_dist
@@ -446,12 +483,24 @@ class EMA(Algorithm):
         ``dtype`` (default fp32: the shadow as is); the submodule's frozen parameters and buffers, if
         any, are written as they are in the model. Global rank 0 writes; call it on every rank.
         Without FSDP the state dict references the shadow (no copy). With FSDP the averaged shards
-        are swapped in and gathered to rank 0 on the CPU (one full copy of the model, once).
+        are gathered to rank 0 on the CPU (FSDP2: the shadow tensor by tensor; FSDP1: swapped into
+        the model and gathered with it), once, at export.
         """
         module = getattr(_unwrap(model), submodule)
         prefix = submodule + "."
         self._bind(model)
-        if self._sharded:
+        if self._has_dtensor:
+            if not self.initialized:
+                raise RuntimeError("EMA.export_unet: the average has not started yet (see ema_start)")
+            full = self._full_shadow(prefix)  # the average, gathered tensor by tensor
+            weights = {}
+            for k, v in module.state_dict().items():  # in the same order on every rank
+                k = _clean_name(k)
+                if prefix + k in self.shadow:
+                    weights[k] = full.get(prefix + k)
+                else:  # frozen parameters and buffers as they are in the model
+                    weights[k] = v.full_tensor() if isinstance(v, _DTensor) else v
+        elif self._sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
             # cpu_offload gathers to rank 0's CPU; with CPU parameters it is not needed (and FSDP1's
             # offload path crashes on CPU-only runs in torch 2.7), so every rank gathers in place.

@@ -10,10 +10,12 @@ SDXL: StableDiffusionXLPipeline; Flux.1: FluxPipeline).
 
 The folder holds unet/ (Flux: transformer/), vae/, text_encoder/, tokenizer/ (SDXL and Flux also
 text_encoder_2/, tokenizer_2/), scheduler/ and model_index.json. The
-model's configuration is recognised from the denoiser's weight shapes. The VAE and text encoder
+model's configuration is recognised from the denoiser's weight shapes. The VAE and text encoders
 are the ones in the checkpoint when the run trained with them; after a run on precomputed latents
-they are loaded from `--model_name` (or, for the tiny model, rebuilt from `--seed` as latents.py
-built them). No safety checker is included (`requires_safety_checker=False`).
+they are loaded from the run's `--model_name` (or, for the tiny models, rebuilt from the seed the run
+built them from), both recorded in the checkpoint: `--model_name` points elsewhere (a note names
+both), and a `--seed` other than the recorded one is refused. No safety checker is included
+(`requires_safety_checker=False`).
 """
 from __future__ import annotations
 
@@ -27,19 +29,36 @@ from pathlib import Path
 import torch
 
 from t2ibench import errors
-from t2ibench.cli import Parser
+from t2ibench.cli import SEED, Parser
 from t2ibench.errors import fail
 from t2ibench.families import FAMILIES, MODEL_CONFIGS, build_aside, detect_config
-from t2ibench.locations import LOAD_SCHEMES, is_remote, normalise, unwritable
+from t2ibench.locations import LOAD_SCHEMES, check_output, is_remote, normalise
 from t2ibench.sampling import SAMPLERS, write_pipeline
+
+DEFAULT_SEED = 17  # benchmark.py's default --seed: what built the encoders of a checkpoint that records none
+
+
+def read_checkpoint(path: str, name: str) -> dict:
+    """torch.load of a local file that must be a Composer checkpoint: anything else is one line naming it."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a text file, a truncated archive, a foreign pickle: the user's file
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        fail(f"CHECKPOINT {name} cannot be read as a PyTorch checkpoint ({type(e).__name__}: {first}); "
+             "give a file that benchmark.py --save_folder wrote (a truncated copy: copy it again)")
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state"), dict) \
+            or not isinstance(checkpoint["state"].get("model"), dict):
+        fail(f"CHECKPOINT {name} is not a Composer checkpoint (it holds {type(checkpoint).__name__}, no state.model); "
+             "give a file that benchmark.py --save_folder wrote")
+    return checkpoint
 
 
 def load_checkpoint(path: str) -> dict:
-    """The checkpoint's state, from a local path or an object-store URI (Composer's get_file)."""
+    """The checkpoint, from a local path or an object-store URI (Composer's get_file)."""
     if not is_remote(path):
         if not Path(path).is_file():
             fail(f"CHECKPOINT {path} is not a file")
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return read_checkpoint(path, path)
     from composer.utils import get_file
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, "checkpoint.pt")
@@ -47,7 +66,23 @@ def load_checkpoint(path: str) -> dict:
             get_file(path, local)
         except Exception as e:  # noqa: BLE001 - any download failure is the user's path or credentials
             fail(f"CHECKPOINT {path} could not be downloaded: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        return torch.load(local, map_location="cpu", weights_only=False)
+        return read_checkpoint(local, path)
+
+
+def listed(names: list[str]) -> str:
+    """'vae', 'vae and text_encoder', 'vae, text_encoder and text_encoder_2'."""
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+
+
+def recorded_settings(state: dict) -> dict:
+    """What benchmark.py recorded in the checkpoint (its RunRecord callback; older checkpoints have
+    only Composer's rank_zero_seed, the --seed, which then built the encoders)."""
+    from t2ibench.callbacks.run_record import RunRecord  # Composer keys a callback's state by its class name
+
+    recorded = dict((state.get("callbacks") or {}).get(RunRecord.__qualname__) or {})
+    if recorded.get("encoders_seed") is None and isinstance(state.get("rank_zero_seed"), int):
+        recorded["encoders_seed"] = state["rank_zero_seed"]
+    return recorded
 
 
 def ema_shadow(state: dict) -> dict[str, torch.Tensor]:
@@ -59,7 +94,8 @@ def ema_shadow(state: dict) -> dict[str, torch.Tensor]:
                 fail("--ema: the checkpoint's EMA has not started yet (before --ema_start); export without --ema")
             return algo_state["shadow"]
         if isinstance(algo_state, dict) and "shadow_shards" in algo_state:
-            fail("--ema: the EMA was saved as FSDP shards; export from a checkpoint of an unsharded run")
+            fail("--ema: the EMA was saved as FSDP1 flat shards (benchmark.py's --fsdp saves whole tensors); "
+                 "export from a checkpoint of benchmark.py")
     fail("--ema: the checkpoint holds no EMA state (trained without --use_ema)")
 
 
@@ -73,9 +109,12 @@ def build_parser() -> Parser:
                         "flow-matching, for Flux)")
     p.add_argument("--model_name", default=None,
                    help="where the VAE/text encoders come from when the checkpoint has none (precomputed runs); "
-                        "default: the model's own (stabilityai/stable-diffusion-2-base, "
-                        "stabilityai/stable-diffusion-xl-base-1.0, black-forest-labs/FLUX.1-schnell)")
-    p.add_argument("--seed", type=int, default=17, help="benchmark.py --seed of a tiny precomputed run (random encoders)")
+                        "default: the run's, recorded in the checkpoint (else the model's own: "
+                        "stabilityai/stable-diffusion-2-base, stabilityai/stable-diffusion-xl-base-1.0, "
+                        "black-forest-labs/FLUX.1-schnell)")
+    p.add_argument("--seed", type=SEED, default=None,
+                   help="seed of the random encoders of a tiny precomputed run; default: the one recorded in the "
+                        f"checkpoint (else {DEFAULT_SEED}); another value is refused: it would give other encoders")
     return p
 
 
@@ -94,13 +133,16 @@ def export(args: argparse.Namespace) -> Path:
     out = Path(normalise("--out", args.out, ()))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         fail(f"--out {out} exists and is not an empty folder; choose a new one (nothing is overwritten)")
-    problem = unwritable("--out", str(out), folder=True)
+    # Probed before the checkpoint is read (it may be gigabytes, or a download): the pipeline must be
+    # writable, and may not be written into the checkpoint's folder or a local --model_name folder.
+    problem = check_output("--out", str(out), folder=True, inputs=[
+        ("CHECKPOINT", None if is_remote(checkpoint) else checkpoint),
+        ("--model_name", args.model_name if args.model_name and Path(args.model_name).is_dir() else None)])
     if problem:
         fail(problem)
-    state = load_checkpoint(checkpoint).get("state")
-    if not isinstance(state, dict) or "model" not in state:
-        fail(f"CHECKPOINT {checkpoint} is not a Composer checkpoint (no state.model)")
-    weights = {k.removeprefix("module."): v for k, v in state["model"].items()}
+    state = load_checkpoint(checkpoint)["state"]  # read_checkpoint made sure it holds state.model
+    # Only tensors are weights: a sharded save may keep other entries (extra state) beside them.
+    weights = {k.removeprefix("module."): v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
     if args.ema:
         weights.update(ema_shadow(state))
     for family in FAMILIES:
@@ -117,20 +159,38 @@ def export(args: argparse.Namespace) -> Path:
     family = MODEL_CONFIGS[config]
     if args.scheduler is not None and args.scheduler not in family.samplers:
         fail(f"--scheduler {args.scheduler} does not sample {config}; choose {' or '.join(family.samplers)}")
-    args.model_name = args.model_name or family.default_model_name
     denoiser = family.build(config, denoiser=True, vae=False, text_encoders=False, tokenizers=False).denoiser
     denoiser.load_state_dict({k: v.float() for k, v in denoiser_weights.items()})
 
-    model_name = args.model_name or family.default_model_name
-    parts = build_aside(family, config, model_name, args.seed)
-    if config in family.pretrained_configs and parts.random_encoders:
-        fail(f"--model_name {model_name}: pretrained {' and '.join(parts.random_encoders)} not found; "
+    # Frozen networks the run did not train with (precomputed latents): rebuilt as the run built them,
+    # from the model name and seed it recorded (benchmark.py's RunRecord), so that the pipeline
+    # decodes the latent space and encodes captions exactly as the trained denoiser expects.
+    recorded = recorded_settings(state)
+    rebuilt = [name for name in family.frozen_parts if not any(k.startswith(name + ".") for k in weights)]
+    recorded_seed = recorded.get("encoders_seed")
+    if rebuilt and args.seed is not None and recorded_seed not in (None, args.seed):
+        fail(f"--seed {args.seed}: the run built its {listed(rebuilt)} from seed {recorded_seed} "
+             f"(recorded in CHECKPOINT); drop --seed, or pass --seed {recorded_seed}")
+    seed = args.seed if args.seed is not None else recorded_seed if recorded_seed is not None else DEFAULT_SEED
+    model_name = args.model_name or recorded.get("model_name") or family.default_model_name
+    pretrained = config in family.pretrained_configs  # the tiny configs never load pretrained parts
+    if rebuilt and pretrained and args.model_name and recorded.get("model_name") not in (None, args.model_name):
+        print(f"note: the run trained with --model_name {recorded['model_name']}; the {listed(rebuilt)} "
+              f"come from --model_name {args.model_name} as given", file=sys.stderr)
+    parts = build_aside(family, config, model_name, seed)
+    # Random parts matter only where the checkpoint does not replace them with the run's own.
+    missing = [name for name in parts.random_encoders if name in rebuilt]
+    if pretrained and missing:
+        fail(f"--model_name {model_name}: pretrained {listed(missing)} not found; "
              "pass a local diffusers folder of the model the run trained with")
     for name, module in [("vae", parts.vae), *parts.text_encoders.items()]:
         trained_with = {k[len(name) + 1:]: v for k, v in weights.items() if k.startswith(name + ".")}
         if trained_with:  # the encoders the run itself used
             module.load_state_dict(trained_with)
-    write_pipeline(out, family, dataclasses.replace(parts, denoiser=denoiser), args.scheduler)
+    try:
+        write_pipeline(out, family, dataclasses.replace(parts, denoiser=denoiser), args.scheduler)
+    except OSError as error:  # probed above; a disk that fills up while writing
+        fail(f"--out {out}: the pipeline could not be written ({type(error).__name__}: {error})")
     print(f"wrote a {family.pipeline_class} ({config}, {'EMA' if args.ema else 'trained'} "
           f"{family.denoiser_name}) to {out}")
     return out

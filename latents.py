@@ -97,6 +97,7 @@ import data
 from data import (GEOMETRY_DTYPE, GEOMETRY_KEYS, LATENT_KEYS, STORAGE_DTYPES, TOKEN_IDS_DTYPE, mds_columns,
                   token_column)
 from t2ibench import errors, flags
+from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_INT, SECONDS
 from t2ibench.errors import UserError, fail
 from t2ibench.families import ModelFamily, require_pretrained
 from t2ibench.locations import is_remote, missing_upload_credentials, normalise, overlap, \
@@ -321,8 +322,8 @@ def encode(family: ModelFamily, vae: torch.nn.Module, text_encoders: dict[str, t
     are stored instead), as float32 on `device`."""
     images = scale_images(images.to(device, non_blocking=True))  # uint8 pixels -> [-1, 1] on the device
     ids = {key: value.to(device, non_blocking=True) for key, value in ids.items()}
-    if device.type == "cuda":
-        images = images.contiguous(memory_format=torch.channels_last)
+    # Contiguous, not channels-last: eager CUDA GroupNorm returns contiguous tensors, so in a
+    # channels-last VAE every convolution after a norm would convert its input back.
     autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
                 else contextlib.nullcontext())
     with autocast:
@@ -410,7 +411,7 @@ def build_parser() -> flags.Parser:
     flags.add_model(p)
     flags.add_run(p, "seeds randomly initialized encoders (as benchmark.py --seed)")
     g = p.add_argument_group("encoding and output")
-    g.add_argument("--batch_size", type=int, default=32, help="images per encoder call on each device")
+    g.add_argument("--batch_size", type=POSITIVE_INT, default=32, help="images per encoder call on each device")
     g.add_argument("--dtype", type=str, default="bf16", choices=sorted(COMPUTE_DTYPES),
                    help="autocast dtype of the encoders on GPU (CPU: always fp32)")
     g.add_argument("--storage_dtype", type=str, default="fp16", choices=sorted(STORAGE_DTYPES),
@@ -422,9 +423,9 @@ def build_parser() -> flags.Parser:
     g.add_argument("--store_token_ids", action="store_true",
                    help="Flux: store the token ids instead of the text states (T5-XXL and CLIP then run in training, "
                         "12%% more FLOPs at 256px); SD2 stores token ids by default")
-    g.add_argument("--chunk_size", type=int, default=10_000,
+    g.add_argument("--chunk_size", type=POSITIVE_INT, default=10_000,
                    help="samples per chunk, the unit of work and of resumption (a chunk is redone if interrupted)")
-    g.add_argument("--max_chunks", type=int, default=0,
+    g.add_argument("--max_chunks", type=NON_NEGATIVE_INT, default=0,
                    help="do at most this many chunks per rank in this run, then stop (0: all); rerun to continue")
     g.add_argument("--no_captions", action="store_true", help="do not store the caption strings")
     g.add_argument("--compression", type=str, default="zstd", help="shard compression: zstd, zstd:<level>, gz, none")
@@ -434,7 +435,7 @@ def build_parser() -> flags.Parser:
                    help="shard size before compression (256mb: 4,081 samples at 512px, 490k shards for 2B samples, "
                         "whose index every training process holds; see bench/index_scale.py)")
     g.add_argument("--overwrite", action="store_true", help="start over: discard the chunks already in --out")
-    g.add_argument("--dist_timeout", type=float, default=3 * 3600.0, help="seconds a rank may wait for the others")
+    g.add_argument("--dist_timeout", type=SECONDS, default=3 * 3600.0, help="seconds a rank may wait for the others")
     g.add_argument("--no_progress", action="store_true", help="no progress bar")
     return p
 
@@ -456,8 +457,9 @@ def validate(args: argparse.Namespace) -> tuple[ModelFamily, Source]:
     for flag in ("batch_size", "chunk_size"):
         if getattr(args, flag) <= 0:
             fail(f"--{flag} {getattr(args, flag)} must be positive")
-    if args.max_chunks < 0:
-        fail(f"--max_chunks {args.max_chunks} must be >= 0")
+    too_many = flags.check_workers("--num_workers", args.num_workers, dist.get_local_world_size())
+    if too_many:
+        fail(too_many)
     if not 0.0 < args.dist_timeout < math.inf:
         fail(f"--dist_timeout {args.dist_timeout} must be a positive number of seconds")
     try:
@@ -468,7 +470,7 @@ def validate(args: argparse.Namespace) -> tuple[ModelFamily, Source]:
     unknown = [c for c in [args.compression] if c and c not in get_compressions()]
     unknown += [h for h in args.hashes if h not in get_hashes()]
     if unknown:
-        fail(f"unknown compression or hash {unknown}: compressions are "
+        fail(f"--compression / --hashes: unknown compression or hash {unknown}: compressions are "
              f"{sorted({c.split(':')[0] for c in get_compressions()})}, hashes are {sorted(get_hashes())}")
     sources = parse_sources(args.remote, args.local)
     if not sources:
@@ -584,8 +586,6 @@ def build_encoders(args: argparse.Namespace, family: ModelFamily,
               file=sys.stderr, flush=True)
     for module in (parts.vae, *parts.text_encoders.values()):
         module.requires_grad_(False).eval().to(device)
-    if device.type == "cuda":
-        parts.vae.to(memory_format=torch.channels_last)
     vocabulary = max(len(tokenizer) for tokenizer in parts.tokenizers.values())
     if not args.store_text_states and vocabulary > np.iinfo(TOKEN_IDS_DTYPE).max + 1:
         fail(f"the tokenizer of --model_name {args.model_name} has {vocabulary:,} tokens, more than "

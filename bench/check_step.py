@@ -1,10 +1,14 @@
 """Is the fast training step still correct? Loss and gradients of each speed setting vs plain fp32.
 
     python bench/check_step.py                                   # tiny model, CPU: fp32 vs channels-last (+ bf16 if asked)
+    python bench/check_step.py --settings bf16 bf16-fp32norms     # norms in bf16 (the default) and in fp32, vs fp32
     python bench/check_step.py --model_config sd2-base --image_size 512 --batch_size 8 --settings bf16 bf16-cl bf16-compile
 
 Every setting starts from the same weights and sees the same batch, noise, timesteps and VAE
-sample (the RNG is reseeded before each step), so the only differences are numerical. Printed per
+sample (the RNG is reseeded before each step), so the only differences are numerical. On a CPU,
+bf16 runs under CPU autocast with the same norm classes as on a GPU, so `bf16` (norms in bf16, the
+benchmark's default) and `bf16-fp32norms` (CUDA autocast's fp32 norms) are both the GPU's step
+numerics. Printed per
 setting: the loss, its relative difference from fp32, and the cosine similarity of the UNet
 gradient with fp32's. Exits 1 when a setting is off by more than `--max_rel_loss_diff` or its
 gradient cosine is below `--min_grad_cosine`.
@@ -21,30 +25,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root
 
 from t2ibench.families import family_of
 from t2ibench.model import DiffusionModel
+from t2ibench.norms import set_norm_precision
 
-# name -> (autocast dtype or None, channels_last, compile)
+# name -> (autocast dtype or None, channels_last, compile, norm precision under autocast). As in
+# benchmark.py, under autocast the frozen encoders are stored in its dtype and GroupNorm/LayerNorm
+# run in it ("autocast") unless the setting says fp32 norms (CUDA autocast's own behaviour; on a
+# CPU, whose autocast leaves norms in the input's dtype, norms.Fp32GroupNorm emulates it).
 SETTINGS = {
-    "fp32": (None, False, False),
-    "fp32-cl": (None, True, False),
-    "bf16": (torch.bfloat16, False, False),
-    "bf16-cl": (torch.bfloat16, True, False),
-    "bf16-compile": (torch.bfloat16, False, True),
-    "bf16-cl-compile": (torch.bfloat16, True, True),
-    "fp16": (torch.float16, False, False),
+    "fp32": (None, False, False, "autocast"),
+    "fp32-cl": (None, True, False, "autocast"),
+    "bf16": (torch.bfloat16, False, False, "autocast"),
+    "bf16-fp32norms": (torch.bfloat16, False, False, "fp32"),
+    "bf16-cl": (torch.bfloat16, True, False, "autocast"),
+    "bf16-compile": (torch.bfloat16, False, True, "autocast"),
+    "bf16-cl-compile": (torch.bfloat16, True, True, "autocast"),
+    "fp16": (torch.float16, False, False, "autocast"),
+    "fp16-fp32norms": (torch.float16, False, False, "fp32"),
 }
 
 
 def step(setting: str, args: argparse.Namespace, device: torch.device, batch: dict) -> tuple[float, torch.Tensor]:
     """Loss and flattened UNet gradient of one forward/backward under `setting`."""
-    dtype, channels_last, compile_unet = SETTINGS[setting]
+    dtype, channels_last, compile_modules, norm_precision = SETTINGS[setting]
     torch.manual_seed(args.seed)
     family = family_of(args.model_config)
     model = DiffusionModel(family, family.build(args.model_config, args.model_name, tokenizers=False)).to(device)
+    if dtype is not None:
+        for frozen in model.frozen():
+            frozen.to(dtype)
+        set_norm_precision(model, norm_precision)
     if channels_last:
         model.denoiser.to(memory_format=torch.channels_last)
         model.vae.to(memory_format=torch.channels_last)
-    if compile_unet:
+        model.vae_channels_last = True
+    if compile_modules:  # every module that runs per step, as benchmark.py --compile
         model.denoiser.compile()
+        model.vae.encoder.compile()
+        for encoder in model.text_encoders.values():
+            encoder.compile()
     torch.manual_seed(args.seed + 1)  # the same noise, timesteps and VAE sample for every setting
     with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         loss = model.loss(model(batch), batch)

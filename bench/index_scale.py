@@ -40,6 +40,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from streaming.base.shuffle import algos  # noqa: E402
+
+from t2ibench import errors  # noqa: E402
+from t2ibench.cli import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, SECONDS, Parser  # noqa: E402
+from t2ibench.errors import fail  # noqa: E402
+from t2ibench.locations import check_output, check_outputs_apart, normalise  # noqa: E402
+
 # Columns and sample sizes of the two kinds of shards (before compression).
 KINDS = {
     "latents": dict(names=["caption", "index", "latent_logvar", "latent_mean", "token_ids"],
@@ -188,32 +195,33 @@ def fit(x: list[float], y: list[float]) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shards", type=int, nargs="+", default=[10_000, 30_000, 100_000, 300_000],
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser("index_scale.py", description=__doc__)
+    p.add_argument("--shards", type=POSITIVE_INT, nargs="+", default=[10_000, 30_000, 100_000, 300_000],
                    help="shard counts of the index ladder (opening cost per shard)")
-    p.add_argument("--samples_per_shard", type=int, default=100,
+    p.add_argument("--samples_per_shard", type=POSITIVE_INT, default=100,
                    help="samples per shard of the index ladder (kept small: it measures the per-shard cost)")
-    p.add_argument("--epoch_samples", type=int, nargs="+", default=[3_000_000, 10_000_000, 30_000_000],
+    p.add_argument("--epoch_samples", type=POSITIVE_INT, nargs="+", default=[3_000_000, 10_000_000, 30_000_000],
                    help="dataset sizes of the epoch ladder, in samples (per-sample cost of an epoch's start)")
-    p.add_argument("--epoch_shard_samples", type=int, default=3000, help="samples per shard of the epoch ladder")
-    p.add_argument("--workers", type=int, default=8, help="DataLoader workers of the measured rank")
-    p.add_argument("--shuffle_algo", type=str, default="py1e")
-    p.add_argument("--batch_size", type=int, default=32, help="per-device batch size")
-    p.add_argument("--epoch_size", type=int, default=None, help="Streaming epoch_size (default: the dataset)")
-    p.add_argument("--num_canonical_nodes", type=int, default=None)
-    p.add_argument("--gpus_per_node", type=int, default=8, help="ranks per node, for the projection")
-    p.add_argument("--budget_gib", type=float, default=4.0, help="memory budget per rank (rank + its workers)")
-    p.add_argument("--budget_s", type=float, default=60.0, help="start-up budget per rank (open + epoch start)")
-    p.add_argument("--projected_epoch_size", type=int, default=200_000_000,
+    p.add_argument("--epoch_shard_samples", type=POSITIVE_INT, default=3000, help="samples per shard of the epoch ladder")
+    p.add_argument("--workers", type=POSITIVE_INT, default=8, help="DataLoader workers of the measured rank")
+    p.add_argument("--shuffle_algo", type=str, default="py1e", choices=sorted(algos),
+                   help="Streaming's shuffle algorithm")
+    p.add_argument("--batch_size", type=POSITIVE_INT, default=32, help="per-device batch size")
+    p.add_argument("--epoch_size", type=POSITIVE_INT, default=None, help="Streaming epoch_size (default: the dataset)")
+    p.add_argument("--num_canonical_nodes", type=POSITIVE_INT, default=None, help="Streaming's canonical nodes (default: its own)")
+    p.add_argument("--gpus_per_node", type=POSITIVE_INT, default=8, help="ranks per node, for the projection")
+    p.add_argument("--budget_gib", type=POSITIVE_FLOAT, default=4.0, help="memory budget per rank (rank + its workers)")
+    p.add_argument("--budget_s", type=POSITIVE_FLOAT, default=60.0, help="start-up budget per rank (open + epoch start)")
+    p.add_argument("--projected_epoch_size", type=POSITIVE_INT, default=200_000_000,
                    help="--epoch_size of the projection's 'with epoch_size' rows")
     p.add_argument("--out", type=str, default=None, help="folder for the indexes (default: a temporary one, deleted)")
     p.add_argument("--json", type=str, default=None, help="also write the table and the fits to this file")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per measurement")
-    p.add_argument("--open_s_per_shard", type=float, default=None,
+    p.add_argument("--timeout", type=SECONDS, default=600.0, help="seconds per measurement")
+    p.add_argument("--open_s_per_shard", type=NON_NEGATIVE_FLOAT, default=None,
                    help="project with this opening time per shard instead of the fitted one (times depend on the "
                         "machine's load; memory does not)")
-    p.add_argument("--epoch_s_per_sample", type=float, default=None,
+    p.add_argument("--epoch_s_per_sample", type=NON_NEGATIVE_FLOAT, default=None,
                    help="project with this epoch start time per sample instead of the fitted one")
     p.add_argument("--streaming_spanner", action="store_true",
                    help="open with Streaming's own Spanner (an int64 per sample) instead of data.CompactSpanner")
@@ -221,15 +229,54 @@ def main(argv: list[str] | None = None) -> dict:
                    help="project from the rows of an earlier --json instead of measuring (e.g. another budget)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--local", type=str, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def read_rows(path: str) -> dict:
+    """The rows of an earlier --json, or one line naming the file."""
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+        if not all(isinstance(rows.get(k), list) for k in ("index", "epoch")):
+            raise ValueError("no 'index' and 'epoch' rows")
+        return rows
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
+        fail(f"--from_json {path} is not a --json file of this script ({type(error).__name__}: {error})")
+
+
+def validate(args: argparse.Namespace) -> dict | None:
+    """Locations and loader processes, before any index is written; the rows of --from_json, if given."""
+    # file:///path is the path /path (locations.normalise); everything here is local.
+    for flag in ("out", "json", "from_json"):
+        if getattr(args, flag) is not None:
+            setattr(args, flag, normalise(f"--{flag}", getattr(args, flag), ()))
+    outputs = [("--out", args.out, "folder"), ("--json", args.json, "file")]
+    for flag, location, kind in outputs:
+        problem = check_output(flag, location, folder=kind == "folder", inputs=[("--from_json", args.from_json)])
+        if problem:
+            fail(problem)
+    problem = check_outputs_apart(outputs)
+    if problem:
+        fail(problem)
+    if args.from_json:
+        return read_rows(args.from_json)
+    # Imported here, not at the top: t2ibench.flags loads the model families (diffusers), and every
+    # measured --child process starts this script again, whose memory is what is measured.
+    from t2ibench.cli import check_workers
+    problem = check_workers("--workers", args.workers)  # the one measured rank's loader workers
+    if problem:
+        fail(problem)
+    return None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return {}
-    if args.from_json:
-        rows = json.loads(Path(args.from_json).read_text())["rows"]
-        return {"rows": rows, **project(rows, args)}
-    if args.workers < 1:
-        raise SystemExit("index_scale.py: error: --workers must be >= 1 (the epoch starts in the loader workers)")
+    with errors.command("index_scale.py"):
+        rows = validate(args)
+    if rows is not None:  # --from_json: projected again (e.g. for another budget), and --json written as well
+        return report(rows, args)
 
     root = Path(args.out or tempfile.mkdtemp(prefix="index-scale-"))
     rows = {"index": [], "epoch": []}
@@ -254,10 +301,15 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if not args.out:
             shutil.rmtree(root, ignore_errors=True)
-    report = project(rows, args)
+    return report(rows, args)
+
+
+def report(rows: dict[str, list[dict]], args: argparse.Namespace) -> dict:
+    """The rows with their fits and projection, also written to --json."""
+    result = {"rows": rows, **project(rows, args)}
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, **report}, indent=2) + "\n")
-    return {"rows": rows, **report}
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def project(rows: dict[str, list[dict]], args: argparse.Namespace) -> dict:

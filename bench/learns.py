@@ -36,12 +36,20 @@ from PIL import Image, ImageColor, ImageDraw
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from t2ibench import errors  # noqa: E402
+from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED, Parser, Range  # noqa: E402
+from t2ibench.errors import fail  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS  # noqa: E402
+from t2ibench.families.sd2 import SCHEDULER_CONFIG  # noqa: E402
+from t2ibench.locations import check_output, check_outputs_apart, normalise  # noqa: E402
 from t2ibench.model import DiffusionModel  # noqa: E402
-from t2ibench.sampling import make_sampler, sample_latents  # noqa: E402
+from t2ibench.sampling import MAX_GUIDANCE_SCALE, make_sampler, sample_latents  # noqa: E402
 
 # The miniatures: random encoders are all they have, so scoring is in latent space (see above).
 LEARNING_CONFIGS = ("tiny", "sdxl-tiny")
+# Both miniatures train on SD2's DDPM schedule (SDXL's is the same): DDIM takes at most this many steps.
+NUM_TRAIN_TIMESTEPS = SCHEDULER_CONFIG["num_train_timesteps"]
+DEFAULT_WARMUP_BATCHES = 50  # of the default 1000-1500 batches; a short run warms up over a tenth of itself
 SHAPES = ("square", "rectangle", "circle", "ellipse", "triangle", "diamond", "star", "cross", "hexagon")
 
 
@@ -133,7 +141,13 @@ def run(main, argv: list[str], what: str):
         return main(argv)
     except SystemExit as e:
         if e.code not in (None, 0):
-            raise SystemExit(f"learns.py: error: {what} failed: {e.code}") from None
+            fail(f"{what} failed: {e.code}")
+    except Exception as error:  # noqa: BLE001 - what benchmark.py's command line reports in one line
+        import benchmark
+        line = benchmark.user_error(error)
+        if line is None:
+            raise  # a bug: the traceback
+        fail(f"{what} failed: {line}")
 
 
 @torch.no_grad()
@@ -162,51 +176,90 @@ def load_trained(model: DiffusionModel, checkpoint: Path) -> None:
     model.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> Parser:
+    p = Parser("learns.py", description=__doc__)
     p.add_argument("--model_config", default="tiny", choices=LEARNING_CONFIGS,
                    help="the miniature to train: tiny (SD2's structure) or sdxl-tiny (SDXL's)")
     p.add_argument("--captions", nargs="+", default=None,
                    help="captions to generate pictures for (default: 'a red square' 'a blue circle'), or to score in --data")
     p.add_argument("--data", type=str, default=None,
                    help="your own data: an MDS dataset (index.json) or an images folder with same-named .txt captions")
-    p.add_argument("--images_per_caption", type=int, default=48, help="generated pictures per caption")
-    p.add_argument("--image_size", type=int, default=64)
-    p.add_argument("--batches", type=int, default=None,
+    p.add_argument("--images_per_caption", type=POSITIVE_INT, default=48, help="generated pictures per caption")
+    p.add_argument("--image_size", type=POSITIVE_INT, default=64, help="picture side in pixels (multiple of 8)")
+    p.add_argument("--batches", type=POSITIVE_INT, default=None,
                    help="training batches (default: 500 per caption: 2 captions 1000, 3 captions 1500)")
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--lr_warmup_batches", type=int, default=50)
-    p.add_argument("--caption_drop_prob", type=float, default=0.1)
-    p.add_argument("--samples_per_caption", type=int, default=16)
-    p.add_argument("--sample_steps", type=int, default=25)
-    p.add_argument("--guidance_scale", type=float, default=4.0,
+    p.add_argument("--batch_size", type=POSITIVE_INT, default=16, help="global batch size of the training run")
+    p.add_argument("--lr", type=POSITIVE_FLOAT, default=2e-3, help="AdamW learning rate of the training run")
+    p.add_argument("--lr_warmup_batches", type=NON_NEGATIVE_INT, default=None,
+                   help="linear warm-up of the learning rate (default: 50 batches, at most a tenth of the run)")
+    p.add_argument("--caption_drop_prob", type=Range(float, 0, 1, high_open=True), default=0.1,
+                   help="caption dropout while training (for classifier-free guidance)")
+    p.add_argument("--samples_per_caption", type=POSITIVE_INT, default=16, help="latents sampled per caption to score")
+    p.add_argument("--sample_steps", type=Range(int, 1, NUM_TRAIN_TIMESTEPS), default=25, help="DDIM steps per sample")
+    p.add_argument("--guidance_scale", type=Range(float, 0, MAX_GUIDANCE_SCALE), default=4.0,
                    help="classifier-free guidance when scoring (the run trains with caption dropout for it); "
                         "the unguided score (1) is printed too")
-    p.add_argument("--seed", type=int, default=17)
+    p.add_argument("--seed", type=SEED, default=17, help="seeds the pictures, the model and the samples")
     p.add_argument("--workdir", type=str, default=None, help="keep the pictures, shards and checkpoint here")
     p.add_argument("--make_data", type=str, default=None, metavar="DIR",
                    help="only draw the captioned pictures into DIR (NAME.png + NAME.txt, what convert.py reads) and stop")
-    p.add_argument("--results_json", type=str, default=None)
-    return p.parse_args(argv)
+    p.add_argument("--results_json", type=str, default=None, help="also write the scores to this JSON file")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Mistakes that would otherwise surface after minutes of drawing, converting or scoring."""
+    family = MODEL_CONFIGS[args.model_config]
+    multiple = family.latent_downsample * family.patch_size
+    if args.image_size % multiple:
+        fail(f"--image_size {args.image_size} must be a multiple of {multiple} (the VAE downsamples by "
+             f"{family.latent_downsample})")
+    if args.batches is not None and args.lr_warmup_batches is not None and args.lr_warmup_batches >= args.batches:
+        fail(f"--lr_warmup_batches {args.lr_warmup_batches} does not end before the run (--batches {args.batches})")
+    # file:///path is the path /path (locations.normalise); everything here is local.
+    for flag in ("data", "workdir", "make_data", "results_json"):
+        if getattr(args, flag) is not None:
+            setattr(args, flag, normalise(f"--{flag}", getattr(args, flag), ()))
+    if args.data and not Path(args.data).is_dir():
+        fail(f"--data {args.data} is not a folder")
+    # Outputs probed before minutes of work: writable, of their kind, apart from --data and each other.
+    inputs = [("--data", args.data)]
+    outputs = [("--workdir", args.workdir, "folder"), ("--make_data", args.make_data, "folder"),
+               ("--results_json", args.results_json, "file")]
+    for flag, location, kind in outputs:
+        problem = check_output(flag, location, folder=kind == "folder", inputs=inputs)
+        if problem:
+            fail(problem)
+    problem = check_outputs_apart(outputs)
+    if problem:
+        fail(problem)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    with errors.command("learns.py"):
+        validate(args)
+        return learn(args)
+
+
+def learn(args: argparse.Namespace) -> dict:
+    """Draw or read the data, score the untrained model, train it with benchmark.py, score it again."""
     started = time.perf_counter()
-    if args.data and not Path(args.data).is_dir():
-        raise SystemExit(f"learns.py: error: --data {args.data} is not a folder")
     if args.data is None:
         args.captions = args.captions or ["a red square", "a blue circle"]
         if len(set(args.captions)) < 2:
-            raise SystemExit("learns.py: error: --captions needs at least two different captions")
+            fail("--captions needs at least two different captions")
         try:
             [parse_caption(c) for c in args.captions]
         except ValueError as e:
-            raise SystemExit(f"learns.py: error: --captions: {e}") from None
+            fail(f"--captions: {e}")
     if args.make_data:
         if Path(args.make_data).exists() and any(Path(args.make_data).iterdir()):
-            raise SystemExit(f"learns.py: error: --make_data {args.make_data} is not empty; give a new folder")
+            fail(f"--make_data {args.make_data} is not empty; give a new folder")
         write_shapes(Path(args.make_data), args.captions, args.images_per_caption, args.image_size, args.seed)
         print(f"wrote {len(args.captions) * args.images_per_caption} captioned pictures to {args.make_data}")
         return {"pictures": args.make_data}
@@ -224,17 +277,24 @@ def main(argv: list[str] | None = None) -> dict:
         import convert
         run(convert.main, [str(pictures), "--out", str(shards), "--workers", "1", "--no_progress", "--overwrite"],
             "convert.py")
-    images, captions = read_dataset(shards, args.image_size)
+    try:
+        images, captions = read_dataset(shards, args.image_size)
+    except Exception as error:  # noqa: BLE001 - the user's --data: unreadable index, other columns, bad images
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        fail(f"--data {args.data or shards}: cannot read {shards} as convert.py's MDS image-caption shards "
+             f"({type(error).__name__}: {first})")
     classes = args.captions or sorted(set(captions))
     keep = [i for i, c in enumerate(captions) if c in classes]
     missing = sorted(set(classes) - {captions[i] for i in keep})
     if missing or len(classes) < 2:
-        raise SystemExit(f"learns.py: error: the data needs pictures of at least two captions; none of {missing}"
-                         if missing else "learns.py: error: the data holds fewer than two distinct captions")
+        fail(f"the data needs pictures of at least two captions; none of {missing}" if missing
+             else "the data holds fewer than two distinct captions")
     labels = torch.tensor([classes.index(captions[i]) for i in keep])
     images = images[keep]
     data_seconds = time.perf_counter() - started
     args.batches = args.batches or 500 * len(classes)
+    if args.lr_warmup_batches is None:
+        args.lr_warmup_batches = min(DEFAULT_WARMUP_BATCHES, args.batches // 10)
 
     # 2. The model before training: benchmark.py's initialization under --seed.
     torch.manual_seed(args.seed)

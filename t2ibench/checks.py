@@ -14,6 +14,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import tarfile
 import tempfile
 import zipfile
@@ -21,12 +22,16 @@ from pathlib import Path
 
 import torch
 from composer.core import Time
+from composer.utils import dist
 
 from t2ibench.errors import fail, storage_error
 from t2ibench.families import FAMILIES, ModelFamily, family_of
 from t2ibench.images import GEOMETRY_KEYS
+from t2ibench.cli import check_workers
 from t2ibench.flags import check_shared
-from t2ibench.locations import CHECKPOINT_SCHEMES, LOAD_SCHEMES, is_remote, normalise, unwritable
+from t2ibench.parallel import resolve_mode
+from t2ibench.locations import (CHECKPOINT_SCHEMES, LOAD_SCHEMES, check_output, check_outputs_apart, is_remote, normalise,
+                                same_source_key)
 from t2ibench.sources import Source, check_cache, parse_sources
 
 PRECISIONS = ("auto", "fp32", "amp_bf16", "amp_fp16")
@@ -45,12 +50,15 @@ def validate(args: argparse.Namespace, world_size: int) -> ModelFamily:
     family = check_shared(args)
     check_locations(args)  # before the checks below: they look at the normalised locations
     check_run(args, world_size)
+    check_parallelism(args, family, world_size)
     check_numbers(args)
     check_recipe(args, family)
     check_outputs(args)
     check_checkpoint(args)
-    check_data(args)
+    samples_per_epoch = check_data(args)
     check_evaluation(args)
+    check_pretrained(args, family)
+    check_run_length(args, samples_per_epoch)
     return family
 
 
@@ -90,6 +98,9 @@ def check_run(args: argparse.Namespace, world_size: int) -> None:
         fail("--xformers: xformers is not installed; on a GPU machine `pip install xformers==0.0.30`, or drop the flag")
     if args.ema_export_dir and not args.use_ema:
         fail("--ema_export_dir needs --use_ema")
+    too_many = check_workers("--num_workers", args.num_workers, dist.get_local_world_size())
+    if too_many:
+        fail(too_many)
     for flag in ("max_duration", "save_interval", "log_interval"):
         try:
             Time.from_timestring(getattr(args, flag))
@@ -106,15 +117,36 @@ def check_run(args: argparse.Namespace, world_size: int) -> None:
                  f"resume explicitly with --load_path {saved[-1]} (or move the old checkpoints away)")
 
 
+def check_parallelism(args: argparse.Namespace, family: ModelFamily, world_size: int) -> None:
+    """`--fsdp` resolved (auto: the family's default for this world size) and checked against the run."""
+    args.fsdp = resolve_mode(args.fsdp, family.parallelism, world_size)
+    if family.parallelism == "fsdp" and args.model_config == family.configs[0] and torch.cuda.is_available() \
+            and args.fsdp == "none":
+        # Fail in a second, not with an out-of-memory error after the model is built.
+        fail(f"--model_config {args.model_config}: its training state (weights, gradients, AdamW moments: 16 bytes "
+             "per parameter) fits no single GPU; launch several ranks (composer -n N benchmark.py ...), where "
+             "--fsdp auto shards it (full_shard)")
+    if args.fsdp != "none" and world_size == 1:
+        fail(f"--fsdp {args.fsdp} shards the denoiser over the ranks and this run has one: drop the flag, or launch "
+             "several ranks (composer -n N benchmark.py ...)")
+    if args.fsdp != "none" and args.channels_last:
+        fail(f"--channels_last with --fsdp {args.fsdp}: torch 2.7's fully_shard refuses non-contiguous (channels-last) "
+             "weights; drop one of the two")
+
+
 def check_numbers(args: argparse.Namespace) -> None:
     """Counts, rates and time strings: refuse values that hang, crash later or mean nothing."""
     if args.epoch_size is not None:
         try:
             from streaming.base.util import number_abbrev_to_int
-            if number_abbrev_to_int(args.epoch_size) <= 0:
+            epoch_samples = number_abbrev_to_int(args.epoch_size)
+            if epoch_samples <= 0:
                 raise ValueError
         except (ValueError, TypeError):
             fail(f"--epoch_size {args.epoch_size} must be a positive number of samples, such as 200000000 or 200m")
+        if epoch_samples < args.batch_size:  # the data's own size is not checked then: this is the epoch
+            fail(f"--epoch_size {args.epoch_size} is less than one global batch (--batch_size {args.batch_size}): "
+                 f"no step could run; pass an --epoch_size of at least {args.batch_size}")
     for flag in ("shuffle_block_size", "num_canonical_nodes", "sampling_granularity"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             fail(f"--{flag} {getattr(args, flag)} must be positive")
@@ -156,16 +188,49 @@ def check_numbers(args: argparse.Namespace) -> None:
         if flag == "max_duration" and time.unit.value == "sp" and time.value < args.batch_size:
             fail(f"--max_duration {value} is less than one global batch (--batch_size {args.batch_size}): "
                  "no step would run")
+    if args.precision == "amp_fp16" and not torch.cuda.is_available():
+        # amp_bf16 runs on CPU under torch's CPU autocast (see main); fp16 autocast has no CPU path here.
+        fail(f"--precision {args.precision} needs a CUDA GPU (none here); on CPU use fp32, auto or amp_bf16 (CPU autocast)")
+
+
+def run_inputs(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """The local files and folders the run reads: no output may be, contain or lie inside them."""
+    inputs = [("--remote", source.remote) for source in args.sources if source.remote and not is_remote(source.remote)]
+    inputs += [("--local", args.local), ("--load_path", None if is_remote(args.load_path or "") else args.load_path)]
+    inputs += [("--eval_remote", source.remote) for source in args.eval_sources
+               if source.remote and not is_remote(source.remote)]
+    inputs += [("--eval_local", args.eval_local)]
+    if args.model_name and Path(args.model_name).is_dir():
+        inputs.append(("--model_name", args.model_name))
+    if getattr(args, "sample_prompts", None) and Path(args.sample_prompts).is_file():
+        inputs.append(("--sample_prompts", args.sample_prompts))
+    return inputs
+
+
+def samples_folder(args: argparse.Namespace) -> str | None:
+    """Where sample grids go: --samples_dir, or <--save_folder>/samples."""
+    if not getattr(args, "sample_prompts", None):
+        return None
+    if args.samples_dir:
+        return args.samples_dir
+    return os.path.join(args.save_folder, "samples") if args.save_folder and not is_remote(args.save_folder) else None
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Output locations are checked before training, not found unwritable after the last batch."""
-    for flag, folder in (("results_json", False), ("ema_export_dir", True), ("save_folder", True)):
-        location = getattr(args, flag)
-        if location and not is_remote(location):
-            problem = unwritable(f"--{flag}", location, folder)
-            if problem:
-                fail(problem)
+    """Every output is probed before training (locations.check_output): writable, of the right kind, apart
+    from the inputs and from each other; not found unwritable after the last batch."""
+    outputs = [("--results_json", args.results_json, "file"), ("--ema_export_dir", args.ema_export_dir, "exclusive"),
+               ("--save_folder", args.save_folder, "folder"), ("--samples_dir", samples_folder(args), "folder")]
+    inputs = run_inputs(args)
+    for flag, location, kind in outputs:
+        # Resuming reads a checkpoint of the --save_folder it writes to: Composer's own arrangement.
+        read = [i for i in inputs if not (flag == "--save_folder" and i[0] == "--load_path")]
+        why = check_output(flag, location, folder=kind != "file", inputs=read)
+        if why:
+            fail(why)
+    why = check_outputs_apart(outputs)
+    if why:
+        fail(why)
     if args.save_folder and not is_remote(args.save_folder) and not (args.autoresume or args.load_path):
         # Composer refuses (at start) to save where a checkpoint of another run could be overwritten.
         saved = sorted(Path(args.save_folder).glob("ep*-ba*-rank*.pt"))
@@ -173,6 +238,24 @@ def check_outputs(args: argparse.Namespace) -> None:
             fail(f"--save_folder {args.save_folder} holds checkpoints of an earlier run ({saved[0].name}...): "
                  "continue it with --autoresume --run_name NAME, start from one with --load_path, "
                  "or use a new --save_folder")
+
+
+def check_pretrained(args: argparse.Namespace, family: ModelFamily) -> None:
+    """Real images need the pretrained frozen encoders of a full-size model: refused in seconds when
+    they cannot be had, before anything is built (benchmark.py refuses again if loading them fails)."""
+    if args.use_synth_data or args.precomputed or args.model_config not in family.pretrained_configs \
+            or args.allow_random_encoders:
+        return
+    from t2ibench.families.family import hub_reachable
+    missing = family.pretrained_missing(args.model_name)
+    if missing:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+        why = ("HF_HUB_OFFLINE is set" if offline else
+               "the hub could not be reached" if not Path(args.model_name).is_dir() and not hub_reachable() else
+               "not in the folder")
+        fail(f"pretrained {' and '.join(missing)} not found for --model_name {args.model_name} ({why}): training on "
+             "real data needs them (download the model to a local folder and pass it), or pass "
+             "--allow_random_encoders to measure throughput anyway")
 
 
 def check_checkpoint(args: argparse.Namespace) -> None:
@@ -243,6 +326,30 @@ def check_index(index: dict, label: str, args: argparse.Namespace) -> int:
     return num_samples
 
 
+def check_shard_files(folder: Path, index: dict, label: str, args: argparse.Namespace, every_shard: bool) -> None:
+    """The shard files on this machine against index.json, before training: each present file has the
+    size listed (a truncated copy is named here, not found by a loader thread mid-epoch), and with
+    --validate_hash its hash. Streaming validates only what it downloads; files already here (local
+    data, or a filled cache) it uses as they are, so they are read and hashed here, once. With
+    `every_shard` (the data itself, not a cache) each shard must have its file."""
+    from streaming.base.hashing import get_hash
+    for shard in index["shards"]:
+        infos = [info for info in (shard.get("raw_data"), shard.get("zip_data")) if isinstance(info, dict)]
+        present = [(info, Path(folder, info["basename"])) for info in infos if Path(folder, info["basename"]).is_file()]
+        if every_shard and infos and not present:
+            fail(f"{label}: shard {infos[-1]['basename']} listed in index.json is missing; re-convert the dataset "
+                 "(or copy it again)")
+        for info, path in present:
+            size = path.stat().st_size
+            if isinstance(info.get("bytes"), int) and size != info["bytes"]:
+                fail(f"{label}: shard {path} holds {size:,} bytes where index.json lists {info['bytes']:,}: it is "
+                     "truncated or altered; re-convert the dataset, or delete the file to download it again")
+            expected = (info.get("hashes") or {}).get(args.validate_hash) if args.validate_hash else None
+            if expected and get_hash(args.validate_hash, path.read_bytes()) != expected:
+                fail(f"--validate_hash {args.validate_hash}: shard {path} does not match its hash in index.json: it is "
+                     "corrupted; re-convert the dataset, or delete the file to download it again")
+
+
 def check_dataset_size(num_samples: int, label: str, args: argparse.Namespace) -> None:
     """Every rank drops its last partial batch: fewer samples than one global batch means no step at
     all (Composer then loops over empty epochs forever, or 'finishes' 1ep after 0 batches)."""
@@ -281,7 +388,10 @@ def check_source(source: Source, args: argparse.Namespace) -> int:
         fail(f"--local {local} is a file, not a folder")
     check_cache(source)
     if Path(local, "index.json").is_file():  # Streaming reads the cached index rather than the remote's
-        return check_index(read_index(Path(local, "index.json"), local), f"--local {local}", args)
+        index = read_index(Path(local, "index.json"), local)
+        samples = check_index(index, f"--local {local}", args)
+        check_shard_files(Path(local), index, f"--local {local}", args, every_shard=not remote)
+        return samples
     if not remote:
         fail(f"--local {local} holds no MDS dataset (no index.json): write one with convert.py, "
              "or pass --remote to stream one into it")
@@ -298,6 +408,13 @@ def check_source(source: Source, args: argparse.Namespace) -> int:
             if getattr(args, "debug", False):
                 raise
             fail(f"--remote {remote}: cannot read index.json: {storage_error(error) or error}")
+        if args.precomputed:
+            try:  # written by latents.py next to its index.json; latents from elsewhere have none
+                CloudDownloader.direct_download(f"{remote.rstrip('/')}/{PRECOMPUTE_RECORD}",
+                                                f"{folder}/{PRECOMPUTE_RECORD}", args.download_timeout)
+            except Exception:  # noqa: BLE001  absent: nothing recorded to compare
+                pass
+            check_precompute_record(Path(folder, PRECOMPUTE_RECORD), args, f"{remote.rstrip('/')}/{PRECOMPUTE_RECORD}")
         return check_index(read_index(Path(folder, "index.json"), remote), f"--remote {remote}", args)
 
 
@@ -336,6 +453,42 @@ def check_evaluation(args: argparse.Namespace) -> None:
     num_samples = sum(check_source(source, args) for source in args.eval_sources)
     check_dataset_size(min(num_samples, args.eval_samples or num_samples),
                        "the held-out data (--eval_remote/--eval_local)", args)
+# Written by latents.py next to the latents' index.json: the settings they were computed with.
+PRECOMPUTE_RECORD = "precompute.json"
+
+
+def check_precompute_record(record: Path, args: argparse.Namespace, name: str | None = None) -> None:
+    """Compare what latents.py recorded in precompute.json with this run. A different --model_config or
+    --image_size, or other pretrained encoders (--model_name), is refused: the latents were made by other
+    encoders than the run uses. Random encoders (the tiny model, --allow_random_encoders) are rebuilt
+    from the recorded seed, whatever --seed is (it still seeds the UNet, noise and data order): the run
+    follows the record and sets `args.encoders_seed`."""
+    name = name or str(record)
+    if not record.is_file():
+        return
+    try:
+        recorded = json.loads(record.read_text())
+        if not isinstance(recorded, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        fail(f"--precomputed: {name} is not readable ({error}); it records how the latents were computed: "
+             "restore it, or compute the latents again with latents.py")
+    for key, flag in (("model_config", "model_config"), ("image_size", "image_size")):
+        if recorded.get(key) is not None and recorded[key] != getattr(args, flag):
+            fail(f"--{flag} {getattr(args, flag)}: the latents were computed with --{flag} {recorded[key]} "
+                 f"({name}); pass --{flag} {recorded[key]}, or compute latents for this setting with latents.py")
+    made_with = recorded.get("model_name")
+    if made_with and same_source_key(made_with) != same_source_key(args.model_name) \
+            and not Path(args.model_name).is_dir():
+        fail(f"--model_name {args.model_name}: the latents were computed with --model_name {made_with} ({name}); "
+             f"pass --model_name {made_with} (or a local folder holding that model)")
+    seed = recorded.get("seed") if recorded.get("random_encoders") else None
+    if seed is not None:
+        previous = getattr(args, "encoders_seed", None)
+        if previous is not None and previous != seed:
+            fail(f"--remote: the sources were precomputed with random encoders of different seeds ({previous} and "
+                 f"{seed}, {name}): no one set of encoders fits both; precompute them with the same --seed")
+        args.encoders_seed = seed
 
 
 def check_recipe(args: argparse.Namespace, family: ModelFamily) -> None:
@@ -373,6 +526,11 @@ def check_recipe(args: argparse.Namespace, family: ModelFamily) -> None:
             unit = None
         if unit not in units:
             fail(f"--{flag} '{getattr(args, flag)}' must be a Composer time string in {', '.join(units)} (e.g. 1000ba)")
+    ema_start = Time.from_timestring(args.ema_start)
+    if ema_start.value < 0 or (ema_start.unit.value == "dur" and ema_start.value > 1):
+        fail(f"--ema_start {args.ema_start} must be >= 0" + (" and at most 1dur" if ema_start.unit.value == "dur" else ""))
+    if Time.from_timestring(args.sample_interval).value <= 0:
+        fail(f"--sample_interval {args.sample_interval} must be positive, e.g. 1000ba")
     if (args.ema_start != "0ba" or args.ema_half_life != "1000ba") and not args.use_ema:
         fail("--ema_start and --ema_half_life need --use_ema")
     if Time.from_timestring(args.ema_half_life).value <= 0:
@@ -397,3 +555,34 @@ def check_recipe(args: argparse.Namespace, family: ModelFamily) -> None:
         own_export = entries <= {"model_index.json", *family.pipeline_parts} and (args.autoresume or args.load_path)
         if not own_export:
             fail(f"--ema_export_dir {args.ema_export_dir} is not empty; choose a new folder (nothing is overwritten)")
+
+
+def run_batches(args: argparse.Namespace, samples_per_epoch: int) -> int:
+    """Batches the whole run trains, from --max_duration (every rank drops its last partial batch)."""
+    duration = Time.from_timestring(args.max_duration)
+    if duration.unit.value == "ba":
+        return int(duration.value)
+    if duration.unit.value == "sp":
+        return math.ceil(duration.value / args.batch_size)
+    return int(duration.value) * (samples_per_epoch // args.batch_size)
+
+
+def check_run_length(args: argparse.Namespace, samples_per_epoch: int) -> None:
+    """Flags that must fall within the run: a learning-rate warm-up that ends before the run does,
+    and an EMA that starts in time for --ema_export_dir to get something."""
+    total = run_batches(args, samples_per_epoch)
+    length = f"--max_duration {args.max_duration} is {total} batch{'es' if total != 1 else ''}"
+    if args.lr_warmup_batches > total or (args.lr_schedule == "cosine" and args.lr_warmup_batches and
+                                          args.lr_warmup_batches >= total):
+        fail(f"--lr_warmup_batches {args.lr_warmup_batches} does not end before the run does ({length}): the "
+             "learning rate would never reach --lr" + (" or decay" if args.lr_schedule == "cosine" else "")
+             + "; shorten the warm-up or lengthen the run")
+    if args.use_ema and args.ema_export_dir:
+        start = Time.from_timestring(args.ema_start)
+        # The average starts at the first batch end at or after --ema_start; epochs count up after
+        # their last batch, so Nep starts with the first batch of epoch N + 1.
+        first = {"ba": max(1, int(start.value)), "ep": int(start.value) * (samples_per_epoch // args.batch_size) + 1,
+                 "dur": max(1, math.ceil(start.value * total))}[start.unit.value]
+        if first > total:
+            fail(f"--ema_start {args.ema_start} starts the average after the run ends ({length}): --ema_export_dir "
+                 "would get nothing; start it earlier (e.g. 0.5dur) or lengthen the run")

@@ -1,15 +1,88 @@
-"""The argument parser of every command: argparse with flag files and one-line errors.
+"""The argument parser of every command: argparse with flag files, one-line errors and the range of
+every number.
 
 A flag file is read where `@FILE` stands (`benchmark.py @recipes/sd2-stage1.args --remote s3://...`;
 flags later on the line win, so a recipe's value can be overridden): one or more flags per line,
-`#` starts a comment. An error is one line, `<command>: error: <message>` (exit status 2, as
-argparse's), like every other user error (`errors.fail`). Light on purpose: convert.py and cost.py
+`#` starts a comment. An error is one line, `<command>: error: <message>` (exit status 1), like
+every other user error (`errors.fail`). Light on purpose: convert.py and cost.py
 use it without loading any model code.
+
+Each numeric flag is declared with a `Range` as its argparse `type`, so its range lives next to the
+flag, is checked before anything else runs, and refuses NaN and infinity (a check written `x <= 0`
+lets NaN through: every comparison with NaN is false). Ranges that depend on other flags or on the
+machine (a warm-up within the run, loader processes per core) are checked in each command's
+validation, with `Range.problem` or `flags.check_workers`.
 """
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import shlex
+from typing import NoReturn
+
+
+class Range:
+    """An argparse `type`: a finite int or float within [low, high] (either end open, or absent).
+
+    Called with the flag's text it returns the number or raises argparse.ArgumentTypeError;
+    `problem(value)` says why an already parsed value is out of range (None when it is in range).
+    """
+
+    def __init__(self, kind: type, low: float | None = None, high: float | None = None, *,
+                 low_open: bool = False, high_open: bool = False):
+        if kind not in (int, float):
+            raise TypeError(f"Range of int or float, not {kind}")
+        self.kind, self.low, self.high = kind, low, high
+        self.low_open, self.high_open = low_open, high_open
+        self.__name__ = kind.__name__  # argparse names the type by this in its own messages
+
+    def describe(self) -> str:
+        """'an integer from 0 to 4294967295', 'a finite number > 0', 'a finite number in [0, 1)'."""
+        what = "an integer" if self.kind is int else "a finite number"
+        low, high = (None if v is None else str(int(v)) if v == int(v) else f"{v:g}" for v in (self.low, self.high))
+        if low is not None and high is not None:
+            if not (self.low_open or self.high_open):
+                return f"{what} from {low} to {high}"
+            return f"{what} in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        if low is not None:
+            return f"{what} {'>' if self.low_open else '>='} {low}"
+        if high is not None:
+            return f"{what} {'<' if self.high_open else '<='} {high}"
+        return what
+
+    def problem(self, value: float) -> str | None:
+        """Why `value` is not in this range ('must be ...'), or None."""
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or (
+                self.kind is int and value != int(value)):
+            return f"must be {self.describe()}"
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return f"must be {self.describe()}"
+        if self.high is not None and (value > self.high or (self.high_open and value == self.high)):
+            return f"must be {self.describe()}"
+        return None
+
+    def __call__(self, text: str) -> int | float:
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}") from None
+        why = self.problem(value)
+        if why:
+            raise argparse.ArgumentTypeError(why)
+        return value
+
+    def __repr__(self) -> str:
+        return f"Range({self.describe()})"
+
+
+POSITIVE_INT = Range(int, 1)
+NON_NEGATIVE_INT = Range(int, 0)
+POSITIVE_FLOAT = Range(float, 0, low_open=True)
+NON_NEGATIVE_FLOAT = Range(float, 0)
+FRACTION = Range(float, 0, 1)
+SEED = Range(int, 0, 2**32 - 1)  # what numpy and Composer's reproducibility.seed_all accept
+SECONDS = POSITIVE_FLOAT
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -33,5 +106,38 @@ class Parser(argparse.ArgumentParser):
     def convert_arg_line_to_args(self, line: str) -> list[str]:
         return shlex.split(line, comments=True)
 
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")  # the full usage is in --help
+    def _get_value(self, action: argparse.Action, arg_string: str):
+        if isinstance(action.type, Range):  # "--flag value must be ...", not argparse's "invalid int value"
+            try:
+                return action.type(arg_string)
+            except argparse.ArgumentTypeError as error:
+                flag = max(action.option_strings, key=len) if action.option_strings else action.metavar or action.dest
+                raise argparse.ArgumentError(None, f"{flag} {arg_string} {error}") from None
+        return super()._get_value(action, arg_string)
+
+    def error(self, message: str) -> NoReturn:
+        # As every other user error (errors.command): one line, exit status 1, no usage block (it is in
+        # --help); a SystemExit carrying the line, so main(argv) called in-process stops the same way.
+        raise SystemExit(f"{self.prog}: error: {message}")
+
+
+# Loader and decoder processes: above this many per CPU core of the node they only add memory (each
+# worker holds its own copy of the dataset state and prefetched batches) and contention.
+WORKERS_PER_CORE = 4
+WORKERS_ALWAYS_ALLOWED = 8  # the 2023 benchmark's default --num_workers, whatever the machine
+
+
+def max_workers(processes_per_node: int = 1) -> int:
+    """The most worker processes each of `processes_per_node` processes may start on this machine."""
+    cores = os.cpu_count() or 1
+    return max(WORKERS_ALWAYS_ALLOWED, WORKERS_PER_CORE * cores // max(1, processes_per_node))
+
+
+def check_workers(flag: str, count: int, processes_per_node: int = 1) -> str | None:
+    """Why `count` worker processes per process is too many for this machine, or None."""
+    limit = max_workers(processes_per_node)
+    if count <= limit:
+        return None
+    per = f" per rank ({processes_per_node} ranks on this node)" if processes_per_node > 1 else ""
+    return (f"{flag} {count} is more than {WORKERS_PER_CORE} worker processes per CPU core ({os.cpu_count()} cores): "
+            f"at most {limit}{per}; each worker is a process with its own memory")

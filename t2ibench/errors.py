@@ -47,12 +47,16 @@ def command(name: str, debug: bool = False,
         raise SystemExit(f"{name}: error: {line} (--debug shows the traceback)") from None
 
 
+# Object-store clients: their errors are about the store (credentials, network), not the data's bytes.
+STORAGE_MODULES = ("botocore", "boto3", "google", "oci", "azure", "libcloud", "paramiko")
+
+
 def storage_error(error: BaseException) -> str | None:
     """One line for an object-store failure (credentials, endpoint, missing object), else None."""
     seen = error
     while seen is not None:
         module = type(seen).__module__
-        if module.startswith(("botocore", "boto3", "google", "oci", "azure", "libcloud", "paramiko")):
+        if module.startswith(STORAGE_MODULES):
             line = f"{type(seen).__name__}: {str(seen).splitlines()[0] if str(seen) else ''}"
             if type(seen).__name__ == "NoCredentialsError":
                 line += " (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"

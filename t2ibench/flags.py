@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from t2ibench.cli import Parser  # noqa: F401 - the commands' parser, with these groups
+from t2ibench.cli import FRACTION, NON_NEGATIVE_INT, POSITIVE_INT, SECONDS, SEED
+from t2ibench.cli import Parser, check_workers  # noqa: F401 - the commands' parser and its rules, with these groups
 from t2ibench.errors import fail
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of
 from t2ibench.locations import DEFAULT_CACHE_ROOT
@@ -29,7 +30,7 @@ def add_source(p: argparse.ArgumentParser) -> None:
     g.add_argument("--caption_key", type=str, default="caption", help="MDS column holding the caption text")
     g.add_argument("--cache_limit", type=str, default=None,
                    help="evict cached shards beyond this size, e.g. 500gb (default: keep all)")
-    g.add_argument("--max_bad_fraction", type=float, default=MAX_BAD_FRACTION,
+    g.add_argument("--max_bad_fraction", type=FRACTION, default=MAX_BAD_FRACTION,
                    help="stop when more than this fraction of the images one loader process decoded failed "
                         "(checked after 1000)")
 
@@ -44,7 +45,7 @@ def add_model(p: argparse.ArgumentParser) -> None:
                    help="hub id or local diffusers folder with the pretrained VAE, text encoder(s) and tokenizer(s) "
                         "(default: the model's own: stabilityai/stable-diffusion-2-base for SD2, "
                         "stabilityai/stable-diffusion-xl-base-1.0 for SDXL, black-forest-labs/FLUX.1-schnell for Flux)")
-    g.add_argument("--image_size", type=int, default=None,
+    g.add_argument("--image_size", type=POSITIVE_INT, default=None,
                    help="resolution in pixels, a multiple of 8 (16 for Flux.1) (default: the model's training "
                         "size: 512 for SD2 and Flux.1, 1024 for sdxl-base, 64 for sdxl-tiny)")
     g.add_argument("--allow_random_encoders", action="store_true",
@@ -55,8 +56,8 @@ def add_model(p: argparse.ArgumentParser) -> None:
 def add_run(p: argparse.ArgumentParser, seed_help: str) -> None:
     """Seeds, loader processes and tracebacks."""
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=17, help=seed_help)
-    g.add_argument("--num_workers", type=int, default=8, help="DataLoader worker processes per device")
+    g.add_argument("--seed", type=SEED, default=17, help=seed_help)
+    g.add_argument("--num_workers", type=NON_NEGATIVE_INT, default=8, help="DataLoader worker processes per device")
     g.add_argument("--debug", action="store_true", help="on an error, also print the Python traceback")
 
 
@@ -66,25 +67,25 @@ def add_streaming(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("streaming (both real-data loaders: images and --precomputed)")
     g.add_argument("--no_shuffle", dest="shuffle", action="store_false",
                    help="stream samples in stored order (default: shuffled, seeded by --seed)")
-    g.add_argument("--predownload", type=int, default=defaults.predownload,
+    g.add_argument("--predownload", type=POSITIVE_INT, default=defaults.predownload,
                    help="samples each loader worker downloads ahead (default: 8 x per-device batch)")
-    g.add_argument("--download_retry", type=int, default=defaults.download_retry,
+    g.add_argument("--download_retry", type=NON_NEGATIVE_INT, default=defaults.download_retry,
                    help="download attempts per shard before failing")
-    g.add_argument("--download_timeout", type=float, default=defaults.download_timeout,
+    g.add_argument("--download_timeout", type=SECONDS, default=defaults.download_timeout,
                    help="seconds before a shard download fails")
     g.add_argument("--validate_hash", type=str, default=defaults.validate_hash,
                    help="check downloaded shards with this hash from index.json: sha1 or xxh64")
     g.add_argument("--shuffle_algo", type=str, default=defaults.shuffle_algo, choices=SHUFFLE_ALGOS,
                    help="Streaming's shuffle: py1e (Streaming's default), py1br, py1s, py2s, naive")
-    g.add_argument("--shuffle_block_size", type=int, default=defaults.shuffle_block_size,
+    g.add_argument("--shuffle_block_size", type=POSITIVE_INT, default=defaults.shuffle_block_size,
                    help="samples per shuffle block (default: Streaming's, max(4M / canonical nodes, 262144))")
     g.add_argument("--epoch_size", type=str, default=defaults.epoch_size,
                    help="samples per epoch drawn from all sources, e.g. 200000000 or 200m (default: all of them "
                         "once). The epoch's partition takes memory per sample: see docs/scale.md")
-    g.add_argument("--num_canonical_nodes", type=int, default=defaults.num_canonical_nodes,
+    g.add_argument("--num_canonical_nodes", type=POSITIVE_INT, default=defaults.num_canonical_nodes,
                    help="Streaming's canonical nodes, fixing the sample order across node counts (default: the nodes "
                         "of the first run); keep it when resuming on another number of nodes")
-    g.add_argument("--sampling_granularity", type=int, default=defaults.sampling_granularity,
+    g.add_argument("--sampling_granularity", type=POSITIVE_INT, default=defaults.sampling_granularity,
                    help="with --epoch_size below the dataset: samples taken from a shard at a time when an epoch "
                         "picks part of the data; the samples per shard picks whole shards (no shard downloaded "
                         "for a few samples)")
@@ -98,16 +99,10 @@ def check_shared(args: argparse.Namespace) -> ModelFamily:
     if args.image_size is None:
         args.image_size = family.default_image_size(args.model_config)
     multiple = family.latent_downsample * family.patch_size
-    if args.image_size <= 0 or args.image_size % multiple:
+    if args.image_size % multiple:
         fail(f"--image_size {args.image_size} must be a positive multiple of {multiple} (the VAE downsamples by "
              f"{family.latent_downsample}" + (f", and latents are cut into {family.patch_size}x{family.patch_size} "
                                               "patches)" if family.patch_size > 1 else ")"))
-    if not 0 <= args.seed < 2**32:
-        fail(f"--seed {args.seed} must be in 0..{2**32 - 1}")
-    if args.num_workers < 0:
-        fail(f"--num_workers {args.num_workers} must be >= 0")
-    if not 0 <= args.max_bad_fraction <= 1:  # also refuses nan
-        fail(f"--max_bad_fraction {args.max_bad_fraction} must be a fraction between 0 and 1")
     if args.cache_limit is not None:
         from streaming.base.util import bytes_to_int
         try:

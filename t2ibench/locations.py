@@ -144,3 +144,43 @@ def missing_upload_credentials(flag: str, location: str) -> str | None:
         return (f"{flag} {location}: no AWS credentials found to upload with: set AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and S3_ENDPOINT_URL for a non-AWS store")
     return None
+
+
+def same_source_key(location: str) -> str:
+    """The form two names of one source share, to compare sources (never to read or write): a local
+    path resolved (file:// URI, ~, trailing slash, symlinks), an object-store URI with its scheme in
+    lower case and no trailing slash."""
+    found = scheme(location)
+    if found == "file":
+        location, found = urllib.parse.unquote(urllib.parse.urlparse(location).path), ""
+    if found:
+        return f"{found}://{location.split('://', 1)[-1].rstrip('/')}" if "://" in location else location.rstrip("/")
+    return str(Path(location).expanduser().resolve())
+
+
+def check_output(flag: str, location: str | None, *, folder: bool,
+                 inputs: list[tuple[str, str | None]] = ()) -> str | None:
+    """The probe of every output of every command, before any work: why `location` (a file, or a
+    folder if `folder`) cannot be this command's output, or None. A local output must be writable,
+    of the right kind (not a file where a folder goes, nor the reverse), and may not be, contain or
+    lie inside one of the local `inputs` ([(flag, path)]). Object-store URIs are not probed here."""
+    if not location or is_remote(location):
+        return None
+    return unwritable(flag, location, folder) or overlap(flag, location, [(f, p) for f, p in inputs if p])
+
+
+def check_outputs_apart(outputs: list[tuple[str, str | None, str]]) -> str | None:
+    """Why local outputs [(flag, path, kind)] would collide, or None. kind: 'file', 'folder', or
+    'exclusive' (a folder that holds only what its command writes there, such as a pipeline export,
+    and that a retried run rewrites): two outputs may share a path only if both are plain folders,
+    and nothing may lie inside a file or an exclusive folder."""
+    given = [(flag, Path(path).expanduser().resolve(), path, kind) for flag, path, kind in outputs
+             if path and not is_remote(path)]
+    for i, (flag, where, path, kind) in enumerate(given):
+        for other_flag, other, other_path, other_kind in given[i + 1:] + given[:i]:
+            if where == other and not kind == other_kind == "folder":
+                return f"{flag} {path} is also {other_flag}: give each output its own location"
+            if other in where.parents and other_kind != "folder":
+                return (f"{flag} {path} lies inside {other_flag} {other_path}, which holds only what it is written "
+                        "with (a retried run rewrites it): choose a location outside it")
+    return None

@@ -13,6 +13,7 @@ from composer.models import ComposerModel
 
 from t2ibench.families import ModelFamily, Parts
 from t2ibench.images import GEOMETRY_KEYS
+from t2ibench.objectives import Objective
 from t2ibench.validation import NUM_VALIDATION_TIMESTEPS, ValidationLoss, validation_noise, validation_timestep_index
 
 
@@ -106,7 +107,8 @@ class DiffusionModel(ComposerModel):
         which Composer seeds and checkpoints, so a resumed run drops the same rows.
         """
         self.caption_drop_prob = prob
-        self.empty_text_inputs, self.empty_conditioning = empty_text_inputs or {}, empty_conditioning or {}
+        # Own dicts: `_drop_captions` replaces their tensors by device copies, not the caller's.
+        self.empty_text_inputs, self.empty_conditioning = dict(empty_text_inputs or {}), dict(empty_conditioning or {})
 
     def train(self, mode: bool = True) -> "DiffusionModel":
         # Composer calls model.train() every epoch: the frozen encoders must stay in eval mode.
@@ -118,6 +120,24 @@ class DiffusionModel(ComposerModel):
     def frozen(self) -> list[torch.nn.Module]:
         """The encoders; absent when training on precomputed latents."""
         return [m for m in (self.vae, *self.text_encoders.values()) if m is not None]
+
+    def mark_fsdp_units(self) -> None:
+        """Tell Composer's FSDP2 wrapping (its policy for a ComposerModel) to shard the denoiser only,
+        one unit per block of the family's `fsdp_blocks`.
+
+        Composer 0.32.1 (`generate_composer_model_policy`) wraps every direct child of the model
+        (here the denoiser under `denoiser_name`, the VAE and each text encoder) with `fully_shard`
+        unless the child says `_fsdp_wrap = False`; inside a child it asks the child's own
+        `fsdp_wrap_fn`. The frozen encoders are therefore marked off: sharded, they would be
+        all-gathered on every forward for nothing (they hold no gradients or optimizer state), and
+        they stay in the dtype the benchmark stored them in. In the denoiser each block is a unit
+        (the rest, embeddings and output layers, is the root unit), so that full_shard gathers one
+        block's weights at a time instead of the whole network's.
+        """
+        for frozen in self.frozen():
+            frozen._fsdp_wrap = False
+        blocks = set(self.family.fsdp_blocks(self.denoiser))  # modules hash by identity
+        self.denoiser.fsdp_wrap_fn = lambda module: module in blocks
 
     def to_latent_space(self, vae_latents: torch.Tensor) -> torch.Tensor:
         """VAE latents as the denoiser sees them: shifted and scaled to about unit variance."""
@@ -152,8 +172,11 @@ class DiffusionModel(ComposerModel):
         dropped = dict(batch)
         for key in keys:
             rows = batch[key]
+            if empty[key].device != rows.device or empty[key].dtype != rows.dtype:
+                # Moved (and cast) once and kept there: not a host-to-device copy on every microbatch.
+                empty[key] = empty[key].to(device=rows.device, dtype=rows.dtype)
             mask = drop.view(-1, *([1] * (rows.dim() - 1)))
-            dropped[key] = torch.where(mask, empty[key].to(device=rows.device, dtype=rows.dtype), rows)
+            dropped[key] = torch.where(mask, empty[key], rows)
         return dropped
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,7 +193,11 @@ class DiffusionModel(ComposerModel):
         return torch.rand(first.shape[0], device=first.device) < self.caption_drop_prob
 
     def _zero_dropped(self, conditioning: dict[str, torch.Tensor], drop: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The dropped rows of the text conditioning zeroed (families whose "no caption" is zeros)."""
+        """The dropped rows of the text conditioning zeroed (families whose "no caption" is zeros).
+
+        Nothing is copied from the host: the mask is drawn on the batch's device and the fill value
+        is a scalar (`drop.to` is a no-op where conditioning and batch share the device, as they do).
+        """
         dropped = dict(conditioning)
         for key in self.family.conditioning_keys:
             rows = conditioning[key]
@@ -284,14 +311,23 @@ class LossBins:
     the run's total).
     """
 
-    def __init__(self, objective, num_bins: int):
+    def __init__(self, objective: Objective, num_bins: int):
+        if num_bins > objective.num_timesteps:  # benchmark.py refuses --loss_bins above the timesteps first
+            raise ValueError(f"{num_bins} loss bins for {objective.num_timesteps} timesteps: "
+                             "some bins would stay empty")
         self.objective, self.num_timesteps, self.num_bins = objective, objective.num_timesteps, num_bins
         self.window: torch.Tensor | None = None  # (2, bins): loss sums, counts
 
     def edges(self) -> list[tuple[int, int]]:
-        """[first, last] timestep of each bin."""
-        step = self.num_timesteps / self.num_bins
-        return [(round(i * step), round((i + 1) * step) - 1) for i in range(self.num_bins)]
+        """[first, last] timestep of each bin: exactly the timesteps `add` puts there.
+
+        Every objective bins a timestep t by its integer part n = floor(t) (the DDPM's t is one already)
+        into bin floor(n * bins / timesteps) (`Objective.bin_index`), so bin i starts at
+        ceil(i * timesteps / bins), computed in integers; a continuous t (rectified flow) is in bin i
+        when first <= t < last + 1.
+        """
+        first = [-(-i * self.num_timesteps // self.num_bins) for i in range(self.num_bins + 1)]
+        return [(first[i], first[i + 1] - 1) for i in range(self.num_bins)]
 
     def add(self, per_sample_loss: torch.Tensor, timesteps: torch.Tensor) -> None:
         if self.num_bins <= 0:

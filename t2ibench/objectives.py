@@ -38,7 +38,10 @@ class Objective(ABC):
         """Per-sample weights of min-SNR-gamma weighting (Hang et al. 2023)."""
 
     def bin_index(self, timesteps: torch.Tensor, num_bins: int) -> torch.Tensor:
-        """The loss bin of each timestep (integers 0..num_bins-1)."""
+        """The loss bin of each (integer) timestep: floor(t * bins / timesteps), in 0..num_bins-1.
+
+        Integer arithmetic, so that `LossBins.edges` can name exactly the timesteps of each bin.
+        """
         return (timesteps * num_bins) // self.num_timesteps
 
     def fixed_timesteps(self, index: torch.Tensor, num: int) -> torch.Tensor:
@@ -71,7 +74,9 @@ class DDPMObjective(Objective):
     def loss_weights(self, timesteps: torch.Tensor, snr_gamma: float) -> torch.Tensor:
         # min(SNR, gamma) / SNR for epsilon targets, / (SNR + 1) for velocity targets, so the easy
         # low-noise steps stop dominating.
-        snr = self.snr.to(timesteps.device)[timesteps]
+        if self.snr.device != timesteps.device:
+            self.snr = self.snr.to(timesteps.device)  # once, as diffusers moves alphas_cumprod: not per microbatch
+        snr = self.snr[timesteps]
         clipped = torch.clamp(snr, max=snr_gamma)
         return clipped / snr if self.prediction_type == "epsilon" else clipped / (snr + 1.0)
 
@@ -113,7 +118,11 @@ class RectifiedFlowObjective(Objective):
                          "no such weighting here")
 
     def bin_index(self, timesteps: torch.Tensor, num_bins: int) -> torch.Tensor:
-        return (timesteps.float() * num_bins / self.num_timesteps).long().clamp_(0, num_bins - 1)
+        # The integer part of t binned as a DDPM timestep is (`Objective.bin_index`), so that the bins'
+        # integer labels (`LossBins.edges`) are exact for continuous t too: bin i holds first <= t < last + 1.
+        # t = 1000 exactly (s = 1 after float rounding of the logit-normal's sigmoid) joins the last bin.
+        whole = timesteps.float().floor().long()
+        return ((whole * num_bins) // self.num_timesteps).clamp_(0, num_bins - 1)
 
     def fixed_timesteps(self, index: torch.Tensor, num: int) -> torch.Tensor:
         return index.float() * self.num_timesteps / num

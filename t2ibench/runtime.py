@@ -2,19 +2,22 @@
 
 `Runtime.start(args, family)` sets the process up (CUDA device per rank, threads per CPU rank,
 Composer's node signal files, seeds) and decides the precision and the microbatch; the rest of the
-run reads them from the `Runtime` it returns.
+run reads them from the `Runtime` it returns. `auto` on several GPUs is counted by the memory model
+once the data is known (`Runtime.with_counted_microbatch`, `safe_auto_microbatch`).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from composer.utils import dist, reproducibility
 
+from t2ibench import memory
 from t2ibench.families import ModelFamily
+from t2ibench.parallel import resolve_mode
 
 
 @dataclass(frozen=True)
@@ -47,13 +50,8 @@ class Runtime:
         microbatch = args.device_train_microbatch_size
         if microbatch == "auto" and not on_gpu:
             microbatch = per_device  # Composer's auto microbatching needs a GPU
-        elif microbatch == "auto" and world_size > 1:
-            microbatch = safe_auto_microbatch(family, torch.cuda.get_device_properties(0).total_memory, per_device,
-                                              args.precomputed)
-            if dist.get_global_rank() == 0:
-                print(f"--device_train_microbatch_size auto with {world_size} ranks: using {microbatch} "
-                      f"(from memory arithmetic for this GPU's memory; see docs/gpu-runs.md), not Composer's OOM "
-                      "search", flush=True)
+        # "auto" on several GPUs stays until the data says what precomputed batches carry:
+        # `with_counted_microbatch` replaces it with the memory model's count.
         if args.channels_last and not args.compile and dist.get_global_rank() == 0:
             warnings.warn("--channels_last without --compile: eager GroupNorm returns contiguous tensors, so every "
                           "convolution after a norm converts its input back to channels-last; add --compile "
@@ -62,28 +60,42 @@ class Runtime:
         reproducibility.seed_all(args.seed)
         return cls(world_size, on_gpu, precision, precision if on_gpu else "fp32", per_device, microbatch)
 
+    def with_counted_microbatch(self, args: argparse.Namespace, family: ModelFamily,
+                                text_format: str | None) -> "Runtime":
+        """This runtime with `auto` on several GPUs replaced by `safe_auto_microbatch`'s count; call it
+        once the data is built (`text_format`: what precomputed shards carry, None online). Any
+        other microbatch is returned as it is."""
+        if self.microbatch != "auto" or self.world_size == 1 or not self.on_gpu:
+            return self
+        microbatch = safe_auto_microbatch(family, args, torch.cuda.get_device_properties(0).total_memory,
+                                          self.world_size, self.precision, text_format)
+        if self.is_rank_zero:
+            print(f"--device_train_microbatch_size auto with {self.world_size} ranks: using {microbatch} "
+                  "(counted by t2ibench.memory for this GPU's memory and these settings; see docs/gpu-runs.md), "
+                  "not Composer's OOM search", flush=True)
+        return replace(self, microbatch=microbatch)
 
-def safe_auto_microbatch(family: ModelFamily, total_memory_bytes: int, per_device: int, precomputed: bool) -> int:
-    """`auto` for several ranks: a fixed microbatch from the GPU's memory size, not an OOM search.
+
+def safe_auto_microbatch(family: ModelFamily, args: argparse.Namespace, total_memory_bytes: int, world_size: int,
+                         precision: str, text_format: str | None) -> int:
+    """`auto` for several ranks: the microbatch the memory model counts for this GPU and this run's
+    settings (`t2ibench.memory.auto_microbatch`), not an OOM search.
 
     Composer's auto microbatching catches an OOM and retries the batch with half the microbatch.
     Under DDP an OOM in the backward pass leaves the gradient reducer mid-reduction (buckets marked
     ready on one rank and not on another), and the size found on batch 1 ignores the AdamW and EMA
     state that is only allocated after it; so with several ranks `auto` takes the largest power of
-    two that divides the per-device batch and is at most the family's size for this memory
-    (`ModelFamily.microbatch_by_memory_gib`; twice that on precomputed latents).
+    two that divides the per-device batch and that `memory.plan` counts as fitting
+    `total_memory_bytes` with the run's family, resolution, precision, norm precision, data path
+    (`text_format`: what precomputed shards carry, None online), EMA, FSDP mode and activation
+    checkpointing; 1 when nothing fits (the run's own OOM then says so).
     """
-    gib = total_memory_bytes / 2**30
-    limit = family.min_microbatch
-    for memory_gib, size in family.microbatch_by_memory_gib:
-        if gib >= memory_gib:
-            limit = size
-    if precomputed:
-        limit *= 2
-    size = 1
-    while size * 2 <= min(limit, per_device) and per_device % (size * 2) == 0:
-        size *= 2
-    return size
+    return memory.auto_microbatch(
+        args.model_config, args.image_size, total_memory_bytes, args.batch_size // world_size,
+        precision=precision, norm_precision=args.norm_precision, precomputed=args.precomputed,
+        precomputed_format=text_format if args.precomputed else None, use_ema=args.use_ema,
+        fsdp=resolve_mode(args.fsdp, family.parallelism, world_size), num_gpus=world_size,
+        activation_checkpointing=args.activation_checkpointing)
 
 
 def per_node_signal_files() -> None:

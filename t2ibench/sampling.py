@@ -20,6 +20,9 @@ from PIL import Image
 from t2ibench.families import ModelFamily, Parts
 
 SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler}  # SD2's (families.sd2.SD2.samplers)
+# Classifier-free guidance scales in use are 1-20; far above, the guided prediction leaves the range
+# the sampler can follow and the images saturate to black or white (inf: all black).
+MAX_GUIDANCE_SCALE = 100.0
 
 # Built-in prompt sets (`--sample_prompts NAME`); a path to a text file gives one prompt per line.
 PROMPT_SETS = {

@@ -24,7 +24,7 @@ from pathlib import Path
 from composer.utils import dist
 
 from t2ibench.errors import fail
-from t2ibench.locations import DEFAULT_CACHE_ROOT, cache_folder, data_schemes, is_remote, normalise
+from t2ibench.locations import DEFAULT_CACHE_ROOT, cache_folder, data_schemes, is_remote, normalise, same_source_key
 
 _PROPORTION = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)=(.+)$")
 # Written into a --remote's cache folder: the remote it holds (Streaming trusts any index.json there).
@@ -82,6 +82,14 @@ def parse_sources(remote: list[str] | str | None, local: str | None,
     given = [p is not None for _, p in parsed]
     if any(given) and not all(given):
         fail(f"--remote {','.join(items)}: give a proportion to every source (0.7=s3://a,0.3=s3://b) or to none")
+    seen: dict[str, str] = {}
+    for location, _ in parsed:
+        key = same_source_key(location)  # A and A/ (or file:///A) are one source
+        if key in seen:
+            same = "twice" if seen[key] == location else f"as {seen[key]} and as {location}"
+            fail(f"--remote {','.join(items)}: the source {location} is given {same}; give each source once "
+                 "(a proportion sets its share of every epoch)")
+        seen[key] = location
     if len(parsed) == 1 and parsed[0][1] is None:
         return [Source(parsed[0][0], local or cache_folder(default_cache_root, parsed[0][0]))]
     if not local:

@@ -82,7 +82,14 @@ def bundled_tokenizer(pad_token: str = "!") -> CLIPTokenizer:
     `pad_token="<|endoftext|>"` gives OpenAI's CLIP-L tokenizer, as SD1 and Flux use it (same vocabulary).
     """
     if not all((CACHE_DIR / name).is_file() for name in ("vocab.json", "merges.txt", "tokenizer_config.json")):
-        write_tokenizer_files(CACHE_DIR)
+        try:
+            write_tokenizer_files(CACHE_DIR)
+        except OSError:
+            # No writable cache (a read-only or missing HOME on a cluster node): build the files in a
+            # temporary folder for this process; the tokenizer keeps what it read in memory.
+            with tempfile.TemporaryDirectory(prefix="clip-bpe-") as folder:
+                write_tokenizer_files(Path(folder))
+                return CLIPTokenizer.from_pretrained(folder, pad_token=pad_token)
     # from_pretrained on a folder reads the files the same way in transformers 4 and 5
     # (their constructors differ: file paths in 4, vocab dict and merges list in 5).
     return CLIPTokenizer.from_pretrained(str(CACHE_DIR), pad_token=pad_token)

@@ -9,7 +9,8 @@ the file; the other ranks wait for it), by wrapping Composer's `save_checkpoint`
 the batch's last collective, so the other ranks wait for it in the next batch's first collective
 (Composer's end-of-data all-reduce, between BEFORE_ and AFTER_DATALOADER). Every rank writes
 `DIR/rank<R>.json`: the perf_counter times at which saves started, and the Throughput callback's
-`window_end`, so a test can check which saves fell inside the measured window. Other flags go to
+`window_end`, so a test can check which saves fell inside the measured window, and `losses`: each
+batch's loss as Composer all-reduced it, at full precision (the progress line rounds). Other flags go to
 `benchmark.main` unchanged. `--compile_backend aot_eager` makes `--compile` trace with dynamo and AOT
 autograd (graphs, DDP, parameter names) but skip inductor's code generation, which on CPU compiles
 C++ with gcc for minutes on a busy two-core machine (and on a GPU generates Triton instead).
@@ -67,12 +68,22 @@ class Report(Callback):
 
     def __init__(self, report: Path):
         self.report = report
+        self.losses: dict[int, float] = {}
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        # Written every batch, so a run killed from outside leaves the losses of the batches it trained.
+        self.losses[int(state.timestamp.batch)] = state.total_loss_dict.get("loss/train/total")
+        self.write({"losses": self.losses})
 
     def fit_end(self, state: State, logger: Logger) -> None:
         throughput = next(cb for cb in state.callbacks if isinstance(cb, Throughput))
+        ema = next((a for a in state.algorithms if hasattr(a, "shadow_nbytes")), None)
+        self.write({"window_end": throughput.window_end, "save_starts": SAVE_STARTS, "losses": self.losses,
+                    "ema_shadow_bytes": ema.shadow_nbytes if ema is not None else None})
+
+    def write(self, report: dict) -> None:
         self.report.mkdir(parents=True, exist_ok=True)
-        (self.report / f"rank{dist.get_global_rank()}.json").write_text(json.dumps(
-            {"window_end": throughput.window_end, "save_starts": SAVE_STARTS}))
+        (self.report / f"rank{dist.get_global_rank()}.json").write_text(json.dumps(report))
 
 
 def main(argv: list[str] | None = None) -> None:

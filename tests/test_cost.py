@@ -157,8 +157,8 @@ def test_cli_writes_plot_csv_markdown(tmp_path):
     ("mixed_latents_modes", "mix different 'precomputed'"),
     ("already_complete", "already complete"),
     ("mismatched", "--gpus has 2 value(s) but --images_per_sec has 1"),
-    ("negative_gpus", "argument --gpus"),
-    ("zero_price", "argument --usd_per_gpu_hour"),
+    ("negative_gpus", "--gpus -8"),
+    ("zero_price", "--usd_per_gpu_hour 0"),
     ("no_measurements", "no measurements"),
     ("plot_dir_missing", "--plot"),
 ])

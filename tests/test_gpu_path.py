@@ -12,8 +12,9 @@ Two-rank launches through Composer's launcher (gloo), started together by one mo
   and AOT autograd under DDP; inductor's CPU code generation is left out for time, see
   tests/fault_run.py).
 
-In-process: refusals (--xformers where absent, amp_fp16 on CPU), the multi-rank `auto` microbatch
-rule, and uint8 images crossing from loader workers.
+In-process: --compile compiling every module that runs per step (UNet, VAE encoder, text encoder),
+refusals (--xformers where absent, amp_fp16 on CPU) and uint8 images crossing from loader workers
+(the multi-rank `auto` microbatch: tests/test_memory.py; bench_gpu.py's plan: tests/test_bench_gpu.py).
 """
 from __future__ import annotations
 
@@ -80,8 +81,8 @@ def runs(tmp_path_factory):
                          "--device_train_microbatch_size", "1", "--save_folder", str(tmp / "nan-ckpt"),
                          "--save_interval", "1ba", "--nan_at_batch", "3", "--nan_microbatch", "0", "--nan_rank", "1",
                          "--report", str(tmp / "nan-report")),
-        # Dynamo + AOT autograd under DDP, without inductor's C++ code generation (see tests/fault_run.py).
-        # Only the UNet is compiled, the same with images or latents: one launch carries both flags.
+        # Dynamo + AOT autograd under DDP, without inductor's C++ code generation (see tests/fault_run.py):
+        # the UNet and the text encoder on token ids (the VAE encoder's compilation: in-process below).
         "compile": two_ranks("tests/fault_run.py", *TINY, *speed, *short, "--compile", "--precomputed",
                              "--device_train_microbatch_size", "1", "--compile_backend", "aot_eager",
                              "--report", str(tmp / "compile-report"),
@@ -160,6 +161,26 @@ def test_speed_settings_run_with_ema_on_two_ranks(runs, name):
     assert r["device_train_microbatch_size"] == (1 if name == "compile" else 2)
 
 
+class ModulesAtFitStart(Exception):
+    """Raised by a callback at FIT_START, carrying the model: nothing has been compiled or trained yet."""
+
+
+def test_compile_compiles_every_module_that_runs_per_step():
+    from composer.core import Callback
+
+    class Stop(Callback):
+        def fit_start(self, state, logger):
+            raise ModulesAtFitStart(state.model)
+
+    for data_flags, parts in (([], ("unet", "vae.encoder", "text_encoder")), (["--precomputed"], ("unet", "text_encoder"))):
+        with pytest.raises(ModulesAtFitStart) as stopped:
+            benchmark.main([*TINY, *data_flags, "--max_duration", "1ba", "--compile"], extra_callbacks=[Stop()])
+        model = stopped.value.args[0]
+        for name in parts:
+            module = model.get_submodule(name)
+            assert getattr(module, "_compiled_call_impl", None) is not None, name  # nn.Module.compile, in place
+
+
 def test_xformers_is_refused_clearly_where_absent(capsys):
     if importlib.util.find_spec("xformers") is not None:
         pytest.skip("xformers is installed here")
@@ -177,18 +198,6 @@ def test_amp_fp16_on_cpu_is_refused_in_one_line():
     assert str(stop.value).startswith("benchmark.py: error: --precision amp_fp16 needs a CUDA GPU")
 
 
-def test_auto_microbatch_with_several_ranks_follows_the_memory_table():
-    gib = 2**30
-    # torch's total_memory for A100 40GB, A100/H100 80GB and H200 141GB.
-    assert safe_auto_microbatch(SD2, int(39.4 * gib), 256, precomputed=False) == 8
-    assert safe_auto_microbatch(SD2, int(79.1 * gib), 256, precomputed=False) == 32
-    assert safe_auto_microbatch(SD2, int(139.8 * gib), 256, precomputed=False) == 64
-    assert safe_auto_microbatch(SD2, int(79.1 * gib), 256, precomputed=True) == 64
-    assert safe_auto_microbatch(SD2, int(79.1 * gib), 24, precomputed=False) == 8  # must divide 24
-    assert safe_auto_microbatch(SD2, int(79.1 * gib), 16, precomputed=False) == 16  # at most the batch
-    assert safe_auto_microbatch(SD2, int(15 * gib), 256, precomputed=False) == 4
-
-
 def test_images_cross_from_loader_workers_as_uint8():
     loader = data.synthetic_dataloader(image_size=16, batch_size_per_device=4, num_workers=1, num_samples=8)
     batch = next(iter(loader))
@@ -200,24 +209,29 @@ def test_images_cross_from_loader_workers_as_uint8():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal without a GPU")
 def test_bench_gpu_refuses_without_cuda(tmp_path):
+    local = tmp_path / "sd2"  # pretrained parts present (configs suffice for the check), so the GPU is what is missing
+    for part in ("vae", "text_encoder"):
+        (local / part).mkdir(parents=True)
+        (local / part / "config.json").write_text("{}")
     with pytest.raises(SystemExit) as stop:
-        bench_gpu.main(["--out", str(tmp_path / "matrix")])
+        bench_gpu.main(["--out", str(tmp_path / "matrix"), "--model_name", str(local)])
     assert str(stop.value).startswith("bench_gpu.py: error: no CUDA GPU visible") and "--smoke" in str(stop.value)
     assert not (tmp_path / "matrix").exists()  # refused before writing anything
 
 
 def test_bench_gpu_smoke_leaves_a_results_folder_that_cost_reads(tmp_path, capsys):
     out = tmp_path / "matrix"
-    results_ = bench_gpu.main(["--smoke", "--out", str(out), "--only", "precomputed-bf16-mb32", "--batches", "2",
+    results_ = bench_gpu.main(["--smoke", "--out", str(out), "--only", "precomputed-bf16", "--batches", "2",
                                "--warmup_batches", "1"])
-    assert [r["status"] for r in results_] == ["ok"], (out / "logs" / "precomputed-bf16-mb32.log").read_text()[-3000:]
-    setting = json.loads((out / "precomputed-bf16-mb32.json").read_text())
+    assert [r["status"] for r in results_] == ["ok"], (out / "logs" / "precomputed-bf16.log").read_text()[-3000:]
+    setting = json.loads((out / "precomputed-bf16.json").read_text())
     assert setting["precomputed"] and setting["use_ema"] and setting["precision"] == "amp_bf16"
     assert setting["device_train_microbatch_size"] == 2 and setting["world_size"] == 1
+    assert setting["mfu_trained_network"] is None and setting["flops_per_image_trained_network"] > 0  # no CPU peak
     env = json.loads((out / "environment.json").read_text())
     assert env["versions"]["torch"] == torch.__version__.split("+")[0] and env["versions"]["mosaicml"] == "0.32.1"
     assert env["date_utc"] and env["gpus"] == 1
     table = (out / "table.md").read_text()
-    assert "| precomputed-bf16-mb32 |" in table and "torch" in table and "cost.py" in table
-    rows = cost.main([str(out / "precomputed-bf16-mb32.json")])  # cost.py reads a setting's JSON as written
+    assert "| precomputed-bf16 |" in table and "torch" in table and "cost.py" in table
+    rows = cost.main([str(out / "precomputed-bf16.json")])  # cost.py reads a setting's JSON as written
     assert rows and rows[0].images_per_sec > 0

@@ -119,6 +119,7 @@ def test_convert_refuses_out_of_range_flags_before_writing(tmp_path, extra, expe
     ("not parquet", "is not a readable parquet file"),
     ("out is a file", "is a file"),
     ("out under /proc", "cannot be written"),
+    ("file uri of another host", "write file:///path or the path"),
     ("mistyped scheme", "unknown URI scheme 's4://'; supported: "),
     ("s3 without credentials", "no AWS credentials"),
 ])
@@ -135,6 +136,7 @@ def test_convert_user_errors_are_one_line(tmp_path, no_aws, case, expected):
         "not parquet": ([str(tmp_path / "bad.parquet")], str(tmp_path / "mds")),
         "out is a file": ([str(photos)], str(tmp_path / "file")),
         "out under /proc": ([str(photos)], "/proc/convert-test/mds"),
+        "file uri of another host": ([str(photos)], f"file://otherhost{tmp_path}/mds"),
         "mistyped scheme": ([str(photos)], "s4://bucket/mds"),
         "s3 without credentials": ([str(photos)], "s3://bucket/mds"),
     }[case]

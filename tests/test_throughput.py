@@ -55,11 +55,13 @@ def fit(loader: SlowLoader, callback: Throughput) -> dict:
 def test_warmup_batches_are_left_out():
     # 3 slow warm-up batches (1 s each), then 10 fast ones: the figure must be the fast rate.
     summary = fit(SlowLoader(13, slow_batches=3, slow_s=1.0), Throughput(warmup_batches=3, flops_per_image=1e6,
-                                                                        peak_flops_per_device=1e9))
+                                                                        peak_flops_per_device=1e9,
+                                                                        trained_flops_per_image=4e5))
     assert summary["warmup_batches"] == 3 and summary["measured_batches"] == 10
     assert summary["measured_seconds"] < 1.0  # none of the slow batches inside
     assert summary["images_per_sec"] == pytest.approx(40 / summary["measured_seconds"])
     assert summary["mfu"] == pytest.approx(summary["images_per_sec_per_device"] * 1e6 / 1e9)
+    assert summary["mfu_trained_network"] == pytest.approx(0.4 * summary["mfu"])  # the trained network's FLOPs only
 
 
 def test_data_wait_fraction_measures_a_slow_loader():

@@ -36,9 +36,11 @@ class SampleImages(Callback):
     """Every `interval` (and at the end of training), draw a grid of the prompts and save it.
 
     The prompts are split over the ranks (prompt i on rank i % world size, each with seed + i), so
-    each rank samples its share and no rank waits for more than one share; rank 0 gathers the
+    each rank samples its share and no rank waits for more than one share, in denoiser batches no
+    larger than the training microbatch (an image does not depend on its batch); rank 0 gathers the
     images, writes `<folder>/<batch>.png` and logs the grid to the loggers (W&B's `samples`).
     With `average` (the run's EMA), once it has started its weights are swapped in while sampling.
+    A denoiser sharded by FSDP2 (`--fsdp`) is sampled too (`_draw_sharded_or_not`).
 
     Args:
         family: the model family (how prompts become conditioning, one denoiser call).
@@ -94,9 +96,15 @@ class SampleImages(Callback):
                     if self.average is not None and self.average.initialized else contextlib.nullcontext())
         was_training = denoiser.training
         denoiser.eval()
+        # The denoiser sees at most the training microbatch at once (guidance doubles each prompt), so
+        # sampling fits wherever training did, however many prompts there are. The same number on
+        # every rank (a sharded denoiser needs as many batches on each): without a microbatch size,
+        # the largest share in one batch.
+        micro = int(state.device_train_microbatch_size or -(-len(self.prompts) // dist.get_world_size()))
+        per_call = max(1, micro // 2 if self.guidance_scale > 1.0 else micro)
         try:
             with averaged:
-                images = self._draw(denoiser, model.noise_scheduler, mine)
+                images = self._draw_sharded_or_not(denoiser, model.noise_scheduler, mine, per_call)
         finally:
             denoiser.train(was_training)
         gathered = dist.all_gather_object((mine, images)) if dist.get_world_size() > 1 else [(mine, images)]
@@ -113,7 +121,36 @@ class SampleImages(Callback):
             logger.log_images(np.asarray(grid), name="samples", channels_last=True, step=batch)
         self.pauses.record(start, time.perf_counter() - start)
 
-    def _draw(self, denoiser: torch.nn.Module, noise_scheduler: Any, indices: list[int]) -> list[np.ndarray]:
+    def _draw_sharded_or_not(self, denoiser: torch.nn.Module, noise_scheduler: Any, indices: list[int],
+                             per_call: int) -> list[np.ndarray]:
+        """`_draw`, also on a denoiser sharded by FSDP2 (`benchmark.py --fsdp`).
+
+        Sampling needs whole weights, and FSDP2's forward hooks gather each unit's weights from the
+        ranks' shards (the average's, when it is swapped into the shards). Two things make that safe.
+        Every rank runs as many denoiser forwards as the others, since each gather is a collective:
+        a rank whose share is short of the largest (prompts not divisible by the ranks) draws prompt
+        0 in its place and drops it, so every rank has as many prompts, hence as many batches of
+        `per_call`. And the gathered weights are freed afterwards (`reshard`), because FSDP2 keeps
+        the root's, and with reshard_after_forward=False every unit's, until a backward that
+        sampling never runs: the next training step would otherwise compute with the weights
+        gathered here (the average's).
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = [module for module in denoiser.modules() if isinstance(module, FSDPModule)]
+        if not sharded:
+            return self._draw(denoiser, noise_scheduler, indices, per_call)
+        largest_share = -(-len(self.prompts) // dist.get_world_size())
+        try:
+            padded = indices + [0] * (largest_share - len(indices))
+            return self._draw(denoiser, noise_scheduler, padded, per_call)[:len(indices)]
+        finally:
+            for module in sharded:
+                module.reshard()
+
+    def _draw(self, denoiser: torch.nn.Module, noise_scheduler: Any, indices: list[int],
+              per_call: int) -> list[np.ndarray]:
+        """The images of prompts `indices`, `per_call` prompts per denoiser batch."""
         if not indices:
             return []
         device = next(denoiser.parameters()).device
@@ -122,19 +159,26 @@ class SampleImages(Callback):
         for encoder in self.encoders.text_encoders.values():
             encoder.to(device)
         vae.to(device)
-        inputs = self.family.tokenize(self.encoders.tokenizers, [self.prompts[i] for i in indices] + [""])
+        size = self.image_size // self.family.latent_downsample
+        images: list[np.ndarray] = []
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            states = self.family.encode_text(self.encoders.text_encoders,
-                                             {key: value.to(device) for key, value in inputs.items()})
-            sampler = make_sampler(self.sampler_name, noise_scheduler.config, self.family)
-            size = self.image_size // self.family.latent_downsample
-            latents = sample_latents(self.family, denoiser, {k: v[:-1] for k, v in states.items()},
-                                     self.family.as_unconditional({k: v[-1:] for k, v in states.items()}),
-                                     sampler, self.num_steps,
-                                     self.guidance_scale, [self.seed + i for i in indices],
-                                     (vae.config.latent_channels, size, size))
-            images = decode(vae, latents, self.encoders.latent_scale, self.encoders.latent_shift)
+            empty = self._encode([""], device)  # guidance's "no caption", once for every batch
+            unconditional = self.family.as_unconditional(empty)
+            for start in range(0, len(indices), per_call):
+                chunk = indices[start:start + per_call]
+                sampler = make_sampler(self.sampler_name, noise_scheduler.config, self.family)  # fresh state per batch
+                latents = sample_latents(self.family, denoiser, self._encode([self.prompts[i] for i in chunk], device),
+                                         unconditional, sampler, self.num_steps, self.guidance_scale,
+                                         [self.seed + i for i in chunk], (vae.config.latent_channels, size, size))
+                images += [image.numpy() for image in
+                           decode(vae, latents, self.encoders.latent_scale, self.encoders.latent_shift)]
         vae.decoder.to(decoder_device)
         if vae.post_quant_conv is not None:  # Flux's VAE has none
             vae.post_quant_conv.to(decoder_device)
-        return [image.numpy() for image in images]
+        return images
+
+    def _encode(self, captions: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+        """The family's text conditioning of `captions`, on `device`."""
+        inputs = self.family.tokenize(self.encoders.tokenizers, captions)
+        return self.family.encode_text(self.encoders.text_encoders,
+                                       {key: value.to(device) for key, value in inputs.items()})

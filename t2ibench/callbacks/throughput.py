@@ -2,7 +2,8 @@
 
 Composer's `SpeedMonitor` logs rolling images/sec, FLOPs/sec and MFU from the model's
 `flops_per_batch`. `Throughput` adds the figures a benchmark needs over the whole run after
-warm-up: images/sec (global and per device), MFU, peak device memory, the share of step time
+warm-up: images/sec (global and per device), MFU (of the whole step, and of the trained network
+alone), peak device memory, the share of step time
 spent waiting for the loader and the seconds spent saving checkpoints. Its `summary` is what
 `benchmark.py` prints and writes to JSON, and what it logs, as `benchmark/<key>`:
 
@@ -134,13 +135,17 @@ class Throughput(Callback):
         peak_flops_per_device: peak FLOP/s of one device at the run's precision; None asks
             Composer's table (`SpeedMonitor`'s), which knows A100/H100/H200 but not CPUs.
         pauses: time other callbacks spend outside training (sampling), left out of the window.
+        trained_flops_per_image: FLOPs of the trained network alone (the denoiser's forward and
+            backward) per image, for `mfu_trained_network`: the MFU MLPerf and MosaicML report,
+            which leaves out the frozen encoders' forward passes that `mfu` counts.
     """
 
     def __init__(self, warmup_batches: int = 5, flops_per_image: float = 0.0, peak_flops_per_device: float | None = None,
-                 pauses: Pauses | None = None):
+                 pauses: Pauses | None = None, trained_flops_per_image: float = 0.0):
         self.pauses = pauses if pauses is not None else Pauses()
         self.warmup_batches = warmup_batches
         self.flops_per_image = flops_per_image
+        self.trained_flops_per_image = trained_flops_per_image
         self.peak_flops_per_device = peak_flops_per_device
         self.summary: dict[str, Any] = {}
         self._batch_times: list[float] = []  # wall clock at the end of every batch, seconds
@@ -253,6 +258,8 @@ class Throughput(Callback):
         per_device = images_per_sec / world_size
         peak_flops = self.peak_flops_per_device or 0.0
         mfu = per_device * self.flops_per_image / peak_flops if peak_flops and self.flops_per_image else None
+        mfu_trained = (per_device * self.trained_flops_per_image / peak_flops
+                       if peak_flops and self.trained_flops_per_image else None)
         timed = self._loader is not None
         self.summary = {
             "images_per_sec": images_per_sec,
@@ -270,6 +277,8 @@ class Throughput(Callback):
             "flops_per_image": self.flops_per_image,
             "peak_flops_per_device": peak_flops or None,
             "mfu": mfu,
+            "flops_per_image_trained_network": self.trained_flops_per_image,
+            "mfu_trained_network": mfu_trained,
         }
         logger.log_metrics({f"benchmark/{k}": v for k, v in self.summary.items()
                             if isinstance(v, (int, float)) and v is not None})

@@ -5,7 +5,8 @@ A family (SD2 now; SDXL and Flux.1 next) is one module in this folder, a subclas
 the model; the rest of the project is written against this interface only:
 
 - building: its configurations (`--model_config` values), the parts built offline from bundled
-  configs or loaded pretrained from `--model_name` (`build`, `meta_parts`), the diffusers names
+  configs or loaded pretrained from `--model_name` (`build`, `meta_parts`; `pretrained_missing`
+  says up front which frozen parts cannot be had), the diffusers names
   of those parts (`Parts`: the denoiser trained from scratch, the VAE, one or two text encoders
   and tokenizers), the latent space (channels, downsampling, patching, scale and shift);
 - conditioning: how captions become token ids (`tokenize`, one tokenizer or two) and ids become
@@ -14,12 +15,14 @@ the model; the rest of the project is written against this interface only:
 - training: the objective (`objective`: epsilon or velocity on a DDPM schedule, or rectified
   flow) and one denoiser call (`predict`);
 - figures: FLOPs per image of the trained network and of the frozen encoders
-  (`flops_per_image`), the microbatch that fits a GPU's memory (`microbatch_by_memory_gib`), the
-  default data parallelism (`parallelism`: DDP, or FSDP for models whose state does not fit one GPU);
+  (`flops_per_image`; the memory a step takes is counted from the parts, `t2ibench.memory`), the
+  default data parallelism (`parallelism`: DDP, or FSDP for models whose state does not fit one GPU)
+  and the denoiser's blocks that FSDP shards one at a time (`fsdp_blocks`);
 - use: the diffusers pipeline class for sample grids and export (`make_pipeline`).
 """
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from abc import ABC, abstractmethod
@@ -69,7 +72,12 @@ class Parts:
     @property
     def random_encoders(self) -> list[str]:
         """The frozen networks that are randomly initialized (not the tokenizers)."""
-        return [name for name in self.random if name == "vae" or name.startswith("text_encoder")]
+        return [name for name in self.random if is_frozen_network(name)]
+
+
+def is_frozen_network(name: str) -> bool:
+    """Whether a part (diffusers' folder name) is one of the frozen networks: the VAE or a text encoder."""
+    return name == "vae" or name.startswith("text_encoder")
 
 
 class ModelFamily(ABC):
@@ -94,10 +102,6 @@ class ModelFamily(ABC):
     # caption dropout swaps in its token ids, or its stored encoding) or "zeros" (SDXL: the text
     # conditioning zeroed after encoding, as SDXL's trainer dropped it and its pipeline samples it).
     unconditional: ClassVar[str] = "empty_caption"
-    # (memory at least this many GiB, microbatch per device) for --device_train_microbatch_size auto
-    # on several GPUs, training online; precomputed latents double it. Below the first: `min_microbatch`.
-    microbatch_by_memory_gib: ClassVar[tuple[tuple[int, int], ...]]
-    min_microbatch: ClassVar[int] = 1
     timestep_samplings: ClassVar[tuple[str, ...]] = ("uniform",)  # --timestep_sampling values it trains with
     # --sampler name -> diffusers scheduler class for sample grids and export, built from the training
     # schedule's config; the first is the default.
@@ -108,6 +112,12 @@ class ModelFamily(ABC):
     default_precomputed_format: ClassVar[str] = "tokens"
     # MDS columns of token ids stored under another name than their batch key (SD2: captions -> token_ids).
     token_columns: ClassVar[dict[str, str]] = {}
+
+    @property
+    def frozen_parts(self) -> tuple[str, ...]:
+        """The folders of the pretrained frozen networks (SD2: vae, text_encoder; SDXL and Flux.1 add
+        text_encoder_2), read from `pipeline_parts` so that the two cannot disagree."""
+        return tuple(name for name in self.pipeline_parts if is_frozen_network(name))
 
     def stored_text_columns(self, text_states: bool) -> tuple[str, ...]:
         """The text columns of the family's precomputed shards (data.py and latents.py write them)."""
@@ -126,6 +136,12 @@ class ModelFamily(ABC):
     def default_image_size(self, config: str) -> int:
         """Pixels a run trains at without --image_size (the 2023 benchmark's 512 unless a family says)."""
         return 512
+
+    def pretrained_missing(self, model_name: str) -> list[str]:
+        """The frozen networks (`frozen_parts`) that `model_name` cannot provide, judged without loading
+        anything (see the module's `pretrained_missing`); [] when all can be had. Only meaningful for the
+        `pretrained_configs`: the others never load pretrained parts."""
+        return pretrained_missing(model_name, self.frozen_parts)
 
     @abstractmethod
     def meta_parts(self, config: str) -> Parts:
@@ -172,6 +188,15 @@ class ModelFamily(ABC):
                 conditioning: Conditioning) -> torch.Tensor:
         """The denoiser's output for noisy latents (B, C, h, w), in the objective's target space."""
 
+    def fsdp_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """The denoiser's submodules that FSDP shards as units of their own (`DiffusionModel.mark_fsdp_units`).
+
+        The default is a diffusers UNet's (SD2, SDXL): each down block, the mid block and each up
+        block, so that full_shard gathers one block's weights at a time; what is outside them (conv_in,
+        the time and added embeddings, conv_out) is the root unit. A family with another denoiser says.
+        """
+        return [*denoiser.down_blocks, denoiser.mid_block, *denoiser.up_blocks]
+
     # -- figures -----------------------------------------------------------------------------------
     @abstractmethod
     def flops_per_image(self, config: str, image_size: int, *, vae: bool = True,
@@ -188,16 +213,43 @@ class ModelFamily(ABC):
 
 # -- helpers for families ---------------------------------------------------------------------------
 
+HUB_PROBE_SECONDS = 5.0  # one request to the hub's endpoint; huggingface_hub itself retries each file for minutes
+
+
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE forbids downloads (any value but unset, 0, empty or false)."""
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+
+
+@functools.cache
+def hub_reachable() -> bool:
+    """Whether the Hugging Face hub answers at all, asked once per process with a short timeout.
+
+    Offline without HF_HUB_OFFLINE set, huggingface_hub retries every file of every part with
+    back-off (65 retry lines over 337 s measured for sd2-base) before giving up: one probe instead
+    makes an unreachable hub cost seconds. Any HTTP answer, even an error status, means reachable.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_SECONDS, allow_redirects=False)
+    except Exception:  # noqa: BLE001 - DNS, refused, timeout, proxy: all mean "not reachable from here"
+        return False
+    return True
+
+
 def load_pretrained(cls: Any, model_name: str | None, subfolder: str) -> Any:
     """`cls.from_pretrained(model_name, subfolder)`, or None when unavailable offline.
 
     A local folder is read directly. A hub id is looked up in the local hub cache first and only
-    downloaded when HF_HUB_OFFLINE is not set, so that runs on air-gapped clusters do not hang.
+    downloaded when HF_HUB_OFFLINE is not set and the hub answers (`hub_reachable`), so that runs on
+    air-gapped clusters neither hang nor spend minutes in huggingface_hub's retries.
     """
     if not model_name:
         return None
     attempts = [dict(local_files_only=True)]
-    if not Path(model_name).is_dir() and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
+    if not Path(model_name).is_dir() and not hub_offline() and hub_reachable():
         attempts.append(dict(local_files_only=False))
     for kwargs in attempts:
         try:
@@ -205,6 +257,27 @@ def load_pretrained(cls: Any, model_name: str | None, subfolder: str) -> Any:
         except Exception:  # noqa: BLE001 - missing files, no network, bad repo: all mean "not available"
             continue
     return None
+
+
+def pretrained_missing(model_name: str, parts: tuple[str, ...]) -> list[str]:
+    """The `parts` (folder names) of `model_name` that cannot be loaded, judged without loading anything:
+    not in the local folder (or in the local hub cache, for a hub id), and not downloadable (HF_HUB_OFFLINE
+    set, or the hub does not answer). A part found here may still fail to load later (missing weights);
+    the family's `build` then makes it random, and `require_pretrained` refuses that where it matters.
+    """
+    if Path(model_name).is_dir():
+        return [part for part in parts if not Path(model_name, part, "config.json").is_file()]
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        # A path to the cached file is a str; "known absent" and "not cached" are other values.
+        missing = [part for part in parts
+                   if not isinstance(try_to_load_from_cache(model_name, f"{part}/config.json"), str)]
+    except Exception:  # noqa: BLE001 - not a valid hub id (e.g. a folder that does not exist): nothing to load
+        return list(parts)
+    if missing and not hub_offline() and hub_reachable():
+        return []  # downloadable: load_pretrained will fetch them
+    return missing
 
 
 def seeded(name: str, build: Callable[[], Any]) -> Any:

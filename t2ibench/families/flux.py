@@ -245,16 +245,12 @@ class Flux(ModelFamily):
         "xformers": "xFormers' attention processor has no rotary embedding; the transformer uses PyTorch SDPA",
     }
     default_precomputed_format = "text_states"  # MLPerf's set-up: T5 and CLIP outputs stored, no encoder in the step
-    # Memory arithmetic, NOT measured, for 256x256 under FSDP full_shard on 8 GPUs: weights,
-    # gradients, AdamW moments and EMA, 20 B x 11.9B / 8 = 29.7 GB per GPU, plus about 5 GB of
-    # gathered blocks, buffers and CUDA context; bf16 activations about 3 GiB per sample (flash
-    # attention; measured on the meta device per block, weights left out), about 0.2 GiB with
-    # --activation_checkpointing. Online, T5-XXL, CLIP and the VAE add 10 GB in bf16 and their own
-    # activations; the microbatch below is online's, precomputed (MLPerf's set-up) doubles it.
-    microbatch_by_memory_gib = ((72, 4), (128, 8))
-    min_microbatch = 1
 
     # -- building --------------------------------------------------------------------------------
+    def default_image_size(self, config: str) -> int:
+        """MLPerf trains Flux.1 at 256x256; the tiny model at 64x64, its size for CPU runs and tests."""
+        return 256 if config == "flux1-schnell" else 64
+
     def build(self, config: str, model_name: str | None = None, *, denoiser: bool = True, vae: bool = True,
               text_encoders: bool = True, tokenizers: bool = True) -> Parts:
         cfg = CONFIGS[config]
@@ -353,6 +349,17 @@ class Flux(ModelFamily):
         tokens = denoiser(pack_latents(noisy), t5_states.to(noisy.dtype), pooled.to(noisy.dtype), s.to(noisy.dtype),
                           image_ids(h, w, noisy.device), text_ids(t5_states.shape[1], noisy.device)).sample
         return unpack_latents(tokens, h, w)
+
+    def fsdp_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Every double-stream and single-stream block: for flux1-schnell 19 units of 0.34B and 38 of 0.14B parameters.
+
+        These are also the modules that diffusers' gradient checkpointing (`--activation_checkpointing`,
+        `enable_gradient_checkpointing`) wraps one at a time in the transformer's forward, so
+        checkpointing and sharding have the same granularity: a block's recompute runs in its own
+        unit's backward, while that unit's weights are gathered. The embedders, the final norm and
+        the output projection stay in the root unit.
+        """
+        return [*denoiser.transformer_blocks, *denoiser.single_transformer_blocks]
 
     # -- figures -----------------------------------------------------------------------------------
     def flops_per_image(self, config: str, image_size: int, *, vae: bool = True,

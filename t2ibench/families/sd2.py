@@ -102,13 +102,6 @@ class SD2(ModelFamily):
     parallelism = "ddp"
     text_input_keys = ("captions",)
     conditioning_keys = ("text_states",)
-    # Memory arithmetic, NOT measured (docs/gpu-runs.md, "Microbatch"). Per device: UNet fp32
-    # weights, gradients, DDP buckets, EMA copy and two AdamW moments, 6 x 3.46 GB = 20.8 GB, plus
-    # the frozen encoders (0.85 GB in bf16) and about 1.4 GB of bf16 activations per image of
-    # microbatch at 512x512 (less with precomputed latents: no VAE encoder activations, so twice the
-    # microbatch). Below 36 GiB, the 2023 benchmark's 4 on a 40 GB A100, the smallest known to fit.
-    microbatch_by_memory_gib = ((36, 8), (72, 32), (128, 64))
-    min_microbatch = 4
     samplers = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler}
     token_columns = {"captions": "token_ids"}  # the column name of the format's first release
 

@@ -164,9 +164,17 @@ def repad(token_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
     return torch.where(position > first_end.unsqueeze(-1), torch.full_like(token_ids, pad_token_id), token_ids)
 
 
+def size_rows(size: tuple[int, int], rows: int, device: torch.device) -> torch.Tensor:
+    """(rows, 2) float32 copies of `size`, filled on `device` from scalars: torch.tensor(size, device=...)
+    would copy from the host (and, to a GPU, wait for it) on every microbatch."""
+    filled = torch.empty(rows, 2, dtype=torch.float32, device=device)
+    filled[:, 0], filled[:, 1] = size
+    return filled
+
+
 def time_ids(original_size: torch.Tensor, crop_top_left: torch.Tensor, target_size: tuple[int, int]) -> torch.Tensor:
     """(B, 6) float time ids (TIME_IDS) from (B, 2) original (height, width) and (B, 2) crop (top, left), pixels."""
-    target = torch.tensor(target_size, dtype=torch.float32, device=original_size.device).expand(original_size.shape[0], 2)
+    target = size_rows(target_size, original_size.shape[0], original_size.device)
     return torch.cat([original_size.float(), crop_top_left.float(), target], dim=-1)
 
 
@@ -186,12 +194,6 @@ class SDXL(ModelFamily):
     # Euler first: the scheduler of SDXL's own pipeline (model_index.json of sdxl-base-1.0).
     samplers = {"euler": EulerDiscreteScheduler, "ddim": DDIMScheduler}
     unconditional = "zeros"
-    # Memory arithmetic, NOT measured (docs/sdxl.md, "Memory"): per GPU under DDP the UNet's fp32
-    # weights, gradients, DDP buckets, EMA and two AdamW moments are 6 x 10.27 GB = 61.6 GB, the bf16
-    # weight casts 5.1 GB and the frozen encoders 1.8 GB; what is left of an 80 GB GPU holds one
-    # 1024 px image's activations. Below 72 GiB nothing fits without FSDP.
-    microbatch_by_memory_gib = ((72, 1), (128, 4))
-    min_microbatch = 1
 
     def default_image_size(self, config: str) -> int:
         return CONFIGS[config]["unet"]["sample_size"] * self.latent_downsample  # 1024; sdxl-tiny 64
@@ -284,7 +286,7 @@ class SDXL(ModelFamily):
         if ORIGINAL_SIZE_KEY in conditioning:  # training: each image's own size and crop
             ids = time_ids(conditioning[ORIGINAL_SIZE_KEY], conditioning[CROP_KEY], target)
         else:  # sampling: an uncropped image of the target size (the pipeline's default)
-            size = torch.tensor(target, device=noisy.device).expand(noisy.shape[0], 2)
+            size = size_rows(target, noisy.shape[0], noisy.device)
             ids = time_ids(size, torch.zeros_like(size), target)
         added = {"text_embeds": conditioning[POOLED_KEY].to(states.dtype), "time_ids": ids.to(states.dtype)}
         return denoiser(noisy, timesteps, states, added_cond_kwargs=added).sample

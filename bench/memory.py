@@ -1,0 +1,314 @@
+"""GPU memory of training per GPU, counted (t2ibench.memory), and the largest microbatch that fits, for
+any model family.
+
+    python bench/memory.py --model_config sd2-base --image_size 512 --gpu_memory_gib 80 --json
+    python bench/memory.py --gpu_memory_gib 80 --precomputed --fsdp shard_grad_op --num_gpus 8
+    python bench/memory.py --model_config flux1-schnell --precomputed --table   # FSDP full_shard (auto)
+    python bench/memory.py --table                       # the README's microbatch table (SD2 base)
+    python bench/memory.py --check_cpu                   # the count against a real CPU step
+    python bench/memory.py --check_cpu --model_config flux1-tiny --precomputed --activation_checkpointing
+
+Prints the bytes saved for backward per image (with the other norm precision beside it: what
+low-precision GroupNorm/LayerNorm saves), the fixed bytes per GPU and what holds them, the largest
+power-of-two microbatch for `--gpu_memory_gib` and the FLOPs of the trained network per image.
+With `--json` the last line is one JSON object (`activation_bytes_per_image`, `fixed_bytes`,
+`microbatch`, `train_flops_per_image`, ...). The step is counted on the meta device: no GPU, no
+memory, seconds to a minute per setting on a CPU. `--image_size` defaults to the family's training
+resolution, `--precomputed_format` to the family's (text states for Flux.1), `--fsdp auto` to
+full_shard for Flux.1 and DDP otherwise, as benchmark.py's flags do.
+
+`--check_cpu` runs the same step for real on the CPU (fp32, and bf16 autocast with either norm
+precision) and compares what the CPU allocator reported (the profiler's allocation events) with
+the count made on the meta device by the same rules: bytes alive after forward, and the peak of
+forward and backward.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
+
+from t2ibench import memory  # noqa: E402
+from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of  # noqa: E402
+from t2ibench.images import GEOMETRY_KEYS  # noqa: E402
+from t2ibench.model import DiffusionModel  # noqa: E402
+from t2ibench.norms import set_norm_precision  # noqa: E402
+from t2ibench.parallel import resolve_mode  # noqa: E402
+
+# The table's columns: (heading, precomputed, text format); None: the family's own precomputed format.
+TABLE_COLUMNS = (("online (VAE + text encoders in the loop)", False, None),
+                 ("`--precomputed` (token ids)", True, "tokens"),
+                 ("`--precomputed` (text states)", True, "text_states"))
+
+
+def fail(message: str) -> None:
+    raise SystemExit(f"memory.py: error: {message}")
+
+
+def real_batch(family: ModelFamily, model_config: str, image_size: int, microbatch: int,
+               text_format: str | None = None) -> dict[str, torch.Tensor]:
+    """A batch of random data as the loaders yield it for `family`: images and captions' token ids
+    online (`text_format` None); fp16 latent moments with token ids ("tokens") or with the stored
+    conditioning ("text_states") on precomputed latents."""
+    generator = torch.Generator().manual_seed(0)
+    if text_format is None:
+        batch = {"image": torch.randint(0, 256, (microbatch, 3, image_size, image_size), dtype=torch.uint8,
+                                        generator=generator)}
+    else:
+        latent = image_size // family.latent_downsample
+        shape = (microbatch, family.latent_channels(model_config), latent, latent)
+        # Log-variances around -10, as a trained VAE's posterior (data.py's synthetic latents).
+        batch = {"latent_mean": torch.randn(shape, generator=generator).half(),
+                 "latent_logvar": torch.full(shape, -10.0, dtype=torch.float16)}
+    if text_format == "text_states":
+        batch.update({key: torch.randn(microbatch, *shape, generator=generator).half()
+                      for key, shape in family.conditioning_shapes(model_config).items()})
+    else:
+        captions = [family.random_text_inputs(generator, model_config) for _ in range(microbatch)]
+        batch.update({key: torch.stack([ids[key] for ids in captions]) for key in family.text_input_keys})
+    if family.micro_conditioning:  # uncropped images of the training size
+        batch.update({key: torch.full((microbatch, 2), image_size, dtype=torch.long) for key in GEOMETRY_KEYS})
+    return batch
+
+
+def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precision: str = "fp32",
+                     norm_precision: str = "autocast", seed: int = 0, activation_checkpointing: bool = False,
+                     text_format: str | None = None) -> dict[str, int]:
+    """One real forward, loss and backward on the CPU, gradients already there (as in gradient
+    accumulation); bytes the CPU allocator reported above what was allocated before the step: alive
+    when backward starts, and the peak. Uses the profiler's allocation events (every allocation and
+    free with the allocator's running total). The model is benchmark.py's: the family's parts in
+    `DiffusionModel`, frozen parts in bf16 and norms set under AMP, gradient checkpointing as
+    --activation_checkpointing turns it on; `text_format` None online, else precomputed latents with
+    token ids or text states (no VAE, and no text encoder for text states)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    family = family_of(model_config)
+    torch.manual_seed(seed)
+    parts = family.build(model_config, None, vae=text_format is None, text_encoders=text_format != "text_states",
+                         tokenizers=False)
+    model = DiffusionModel(family, parts, num_loss_bins=0)
+    if precision != "fp32":
+        for frozen in model.frozen():
+            frozen.to(torch.bfloat16)
+        model.cpu_autocast_dtype = torch.bfloat16
+        set_norm_precision(model, norm_precision)
+    if activation_checkpointing:
+        model.denoiser.enable_gradient_checkpointing()
+    model.train()
+    for p in model.parameters():  # gradient accumulation's steady state, as counted
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    batch = real_batch(family, model_config, image_size, microbatch, text_format)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = model.loss(model(batch), batch)
+        with record_function("backward starts"):
+            loss.backward()
+    allocations, backward_start = [], None
+
+    def visit(node) -> None:
+        nonlocal backward_start
+        if node.tag == torch._C._profiler._EventType.Allocation:
+            allocations.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated))
+        elif node.name == "backward starts":
+            backward_start = node.start_time_ns
+        for child in node.children:
+            visit(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        visit(root)
+    allocations.sort()
+    before = allocations[0][2] - allocations[0][1]
+    after_forward = [total for t, _, total in allocations if t < backward_start][-1] - before
+    peak = max(total for _, _, total in allocations) - before
+    return {"after_forward_bytes": after_forward, "peak_bytes": peak}
+
+
+def count_cpu_step(model_config: str, image_size: int, microbatch: int, precision: str = "fp32",
+                   norm_precision: str = "autocast", activation_checkpointing: bool = False,
+                   text_format: str | None = None) -> memory.StepCount:
+    """The same step counted on the meta device with CPU autocast's rules and the CPU's attention kernel."""
+    dtype = None if precision == "fp32" else torch.bfloat16
+    policy = memory.probe_cpu_autocast().with_norms(norm_precision)
+    model = memory.build_meta_model(model_config, precomputed=text_format is not None, precomputed_format=text_format,
+                                    frozen_dtype=dtype)
+    if activation_checkpointing:
+        memory.use_checkpointing(model, policy, dtype, "cpu")
+    model.train()
+    return memory.count_step(model, memory.meta_batch(model, model_config, image_size, microbatch), policy, dtype,
+                             "cpu")
+
+
+def check_cpu(model_config: str, image_size: int, microbatch: int, activation_checkpointing: bool = False,
+              text_format: str | None = None) -> list[dict]:
+    rows = []
+    for precision, norm_precision in (("fp32", "fp32"), ("amp_bf16", "autocast"), ("amp_bf16", "fp32")):
+        counted = count_cpu_step(model_config, image_size, microbatch, precision, norm_precision,
+                                 activation_checkpointing, text_format)
+        measured = measure_cpu_step(model_config, image_size, microbatch, precision, norm_precision,
+                                    activation_checkpointing=activation_checkpointing, text_format=text_format)
+        rows.append({"precision": precision, "norm_precision": norm_precision,
+                     "activation_checkpointing": activation_checkpointing, "precomputed_format": text_format,
+                     "counted_after_forward_bytes": counted.after_forward_bytes,
+                     "measured_after_forward_bytes": measured["after_forward_bytes"],
+                     "counted_saved_bytes": counted.saved_bytes,
+                     "counted_peak_bytes": counted.backward_peak_bytes, "measured_peak_bytes": measured["peak_bytes"]})
+    print(f"{model_config} at {image_size}x{image_size}, microbatch {microbatch}, "
+          f"{'precomputed ' + text_format if text_format else 'online'}"
+          f"{', activation checkpointing' if activation_checkpointing else ''}, on this CPU: count (meta device) vs "
+          "the CPU allocator")
+    print(f"{'precision':<10} {'norms':<9} {'after forward: counted':>23} {'measured':>12} {'ratio':>7} "
+          f"{'peak: counted':>15} {'measured':>12} {'ratio':>7}")
+    for r in rows:
+        print(f"{r['precision']:<10} {r['norm_precision']:<9} {r['counted_after_forward_bytes']:>23,} "
+              f"{r['measured_after_forward_bytes']:>12,} "
+              f"{r['measured_after_forward_bytes'] / r['counted_after_forward_bytes']:>7.4f} "
+              f"{r['counted_peak_bytes']:>15,} {r['measured_peak_bytes']:>12,} "
+              f"{r['measured_peak_bytes'] / r['counted_peak_bytes']:>7.4f}")
+    return rows
+
+
+def table(model_config: str, image_size: int | None, fsdp: str, num_gpus: int, **options) -> str:
+    """The README's microbatch table: one row per GPU, one column per data path."""
+    heads = [name for name, _, _ in TABLE_COLUMNS]
+    head = "| GPU (total memory as torch reports it) | " + " | ".join(heads) + " |"
+    lines = [head, "|---" * (len(TABLE_COLUMNS) + 1) + "|"]
+    for gpu, memory_gib in memory.GPU_MEMORY_GIB.items():
+        cells = []
+        for _, precomputed, text_format in TABLE_COLUMNS:
+            result = memory.plan(model_config, image_size, memory_gib * memory.GIB, precomputed=precomputed,
+                                 precomputed_format=text_format, fsdp=fsdp, num_gpus=num_gpus, **options)
+            micro = result["microbatch"]
+            # Nothing fits: say what one image would need, so the table shows how far off it is.
+            cells.append(str(micro) if micro else f"0 ({memory.gib(memory.predicted_bytes(result, 1)):.0f} GiB at 1)")
+        lines.append(f"| {gpu} ({memory_gib} GiB) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_config", default="sd2-base", help=f"one of {sorted(MODEL_CONFIGS)}")
+    p.add_argument("--image_size", type=int, default=None,
+                   help="training resolution in pixels (default: the family's, 512 for SD2, 1024 for SDXL)")
+    p.add_argument("--gpu_memory_gib", type=float, default=memory.GPU_MEMORY_GIB["H100 80GB"],
+                   help="memory of one GPU in GiB, as torch.cuda.get_device_properties(0).total_memory / 2**30 "
+                        "(an 80 GB A100 or H100 reports 79.1)")
+    p.add_argument("--precomputed", action="store_true", help="train from precomputed latents (no VAE)")
+    p.add_argument("--precomputed_format", default=None, choices=memory.TEXT_FORMATS,
+                   help="with --precomputed: token ids (the text encoders run) or text states (no encoder); "
+                        "default: the family's (tokens for SD2 and SDXL, text states for Flux.1)")
+    p.add_argument("--precision", default="amp_bf16", choices=memory.PRECISIONS)
+    p.add_argument("--norm_precision", default="autocast", choices=memory.NORM_PRECISIONS,
+                   help="GroupNorm/LayerNorm in the autocast dtype (benchmark.py's default) or in fp32")
+    p.add_argument("--fsdp", default="auto", choices=("auto", *memory.FSDP_MODES),
+                   help="none (DDP), shard_grad_op or full_shard over --num_gpus ranks; auto: the family's "
+                        "default (full_shard for Flux.1 on several GPUs, else none), as benchmark.py's")
+    p.add_argument("--num_gpus", type=int, default=8, help="ranks the model is replicated or sharded over")
+    p.add_argument("--no_ema", action="store_true", help="without benchmark.py's --use_ema")
+    p.add_argument("--activation_checkpointing", action="store_true",
+                   help="the denoiser's blocks recomputed in backward (benchmark.py's --activation_checkpointing)")
+    p.add_argument("--per_device_batch", type=int, default=None,
+                   help="images per GPU per step: the microbatch must divide it (benchmark.py's auto)")
+    p.add_argument("--json", action="store_true", help="end with the figures as one JSON object on one line")
+    p.add_argument("--table", action="store_true", help="print the README's microbatch table instead")
+    p.add_argument("--check_cpu", action="store_true",
+                   help="compare the count with a real CPU step (--model_config, --image_size, --microbatch, "
+                        "the data path and --activation_checkpointing)")
+    p.add_argument("--microbatch", type=int, default=2, help="with --check_cpu: images in the real CPU step")
+    args = p.parse_args(argv)
+    if args.model_config not in MODEL_CONFIGS:
+        fail(f"--model_config '{args.model_config}' is unknown; choose one of {sorted(MODEL_CONFIGS)}")
+    family = MODEL_CONFIGS[args.model_config]
+    if args.image_size is None:
+        args.image_size = family.default_image_size(args.model_config)
+    pixels_per_token = family.latent_downsample * family.patch_size  # a whole number of latent patches
+    if args.image_size <= 0 or args.image_size % pixels_per_token:
+        fail(f"--image_size {args.image_size} must be a positive multiple of {pixels_per_token} for "
+             f"{args.model_config}")
+    if not args.gpu_memory_gib > 0:
+        fail(f"--gpu_memory_gib {args.gpu_memory_gib} must be positive")
+    if args.num_gpus < 1:
+        fail(f"--num_gpus {args.num_gpus} must be >= 1")
+    args.fsdp = resolve_mode(args.fsdp, family.parallelism, args.num_gpus)
+    if args.fsdp != "none" and args.num_gpus == 1:
+        fail(f"--fsdp {args.fsdp} shards over the ranks and --num_gpus is 1: pass --num_gpus N or --fsdp none")
+    if args.per_device_batch is not None and args.per_device_batch < 1:
+        fail(f"--per_device_batch {args.per_device_batch} must be >= 1")
+    if args.precomputed_format is not None and not args.precomputed:
+        fail("--precomputed_format needs --precomputed")
+    if args.microbatch < 1:
+        fail(f"--microbatch {args.microbatch} must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict | list | str:
+    args = parse_args(argv)
+    if args.check_cpu:
+        text_format = (args.precomputed_format or family_of(args.model_config).default_precomputed_format
+                       if args.precomputed else None)
+        return check_cpu(args.model_config, args.image_size, args.microbatch, args.activation_checkpointing,
+                         text_format)
+    if args.table:
+        text = table(args.model_config, args.image_size, args.fsdp, args.num_gpus, precision=args.precision,
+                     norm_precision=args.norm_precision, use_ema=not args.no_ema,
+                     activation_checkpointing=args.activation_checkpointing)
+        print(f"{args.model_config} at {args.image_size}x{args.image_size}, {args.precision}, norms "
+              f"{args.norm_precision}, {'EMA, ' if not args.no_ema else ''}"
+              f"{'activation checkpointing, ' if args.activation_checkpointing else ''}"
+              f"{'DDP' if args.fsdp == 'none' else 'FSDP ' + args.fsdp} over {args.num_gpus} GPU(s): "
+              "largest power-of-two microbatch per GPU")
+        print(text)
+        return text
+    options = dict(precision=args.precision, precomputed=args.precomputed, precomputed_format=args.precomputed_format,
+                   use_ema=not args.no_ema, fsdp=args.fsdp, num_gpus=args.num_gpus,
+                   per_device_batch=args.per_device_batch, activation_checkpointing=args.activation_checkpointing)
+    result = memory.plan(args.model_config, args.image_size, args.gpu_memory_gib * memory.GIB,
+                         norm_precision=args.norm_precision, **options)
+    if args.precision != "fp32":
+        other = "fp32" if args.norm_precision == "autocast" else "autocast"
+        result["activation_bytes_per_image_by_norm_precision"] = {
+            args.norm_precision: result["activation_bytes_per_image"],
+            other: memory.plan(args.model_config, args.image_size, args.gpu_memory_gib * memory.GIB,
+                               norm_precision=other, **options)["activation_bytes_per_image"]}
+    g = memory.gib
+    data = "precomputed " + result["precomputed_format"] if args.precomputed else "online"
+    print(f"{args.model_config} at {args.image_size}x{args.image_size}, {args.precision}, norms {args.norm_precision}, "
+          f"{data}, {'EMA, ' if not args.no_ema else ''}"
+          f"{'activation checkpointing, ' if args.activation_checkpointing else ''}"
+          f"{'DDP' if args.fsdp == 'none' else 'FSDP ' + args.fsdp} over {args.num_gpus} GPU(s) of "
+          f"{args.gpu_memory_gib:g} GiB")
+    print(f"  saved for backward  {g(result['activation_bytes_per_image']):.3f} GiB per image"
+          + (f" (+{g(result['activation_bytes_per_microbatch']):.3f} GiB per microbatch)"
+             if abs(result["activation_bytes_per_microbatch"]) >= 2**20 else ""))
+    by_norm = result.get("activation_bytes_per_image_by_norm_precision")
+    if by_norm:
+        print(f"                      {g(by_norm['fp32']):.3f} GiB with fp32 norms, {g(by_norm['autocast']):.3f} "
+              f"in the autocast dtype: {g(by_norm['fp32'] - by_norm['autocast']):.3f} GiB per image saved")
+    print(f"  step peak           {g(result['peak_bytes_per_image']):.3f} GiB per image "
+          "(backward's transients included)")
+    for name, nbytes in result["fixed_bytes_breakdown"].items():
+        print(f"  {name:<19} {g(nbytes):7.2f} GiB")
+    print(f"  CUDA context        {g(result['cuda_context_bytes']):7.2f} GiB, allocator reserve "
+          f"{100 * result['allocator_reserve_fraction']:.0f}% of what tensors hold")
+    print(f"  fixed per GPU       {g(result['fixed_bytes']):7.2f} GiB")
+    if result["microbatch"]:
+        print(f"  microbatch          {result['microbatch']} (needs "
+              f"{g(result['predicted_bytes_at_microbatch']):.1f} of {args.gpu_memory_gib:g} GiB)")
+    else:
+        print(f"  microbatch          none fits in {args.gpu_memory_gib:g} GiB (one image needs "
+              f"{g(memory.predicted_bytes(result, 1)):.1f})")
+    denoiser = family_of(args.model_config).denoiser_name
+    print(f"  trained network     {result['train_flops_per_image'] / 1e9:,.1f} GFLOP per image ({denoiser} forward + "
+          "backward)")
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""bench/bench_gpu.py without a GPU: the plan for an 8 x 80 GB node (every row's microbatch from the memory
+model, for every family), the timeout that ends a launch's whole process group, and the refusal when
+the pretrained parts would be fetched by every rank."""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench_gpu  # noqa: E402
+
+sys.path.remove(str(ROOT / "bench"))  # bench/memory.py must not shadow anything imported later
+
+from t2ibench import memory  # noqa: E402
+
+SD2_ROWS = [name for name, setting in bench_gpu.MATRIX.items() if setting.model_config == "sd2-base"]
+
+
+def _flags(command: list[str]) -> dict[str, str | bool]:
+    """A command's flags and values (True for a switch); a flag given twice keeps its last value, as argparse does."""
+    values = [*command[1:], "--"]  # what follows each item
+    return {item: True if following.startswith("--") else following
+            for item, following in zip(command, values) if item.startswith("--")}
+
+
+def _check_planned(rows: list[dict], printed: str) -> None:
+    """Every row of a dry run on 8 x 79.1 GiB: batch 2048 and the memory model's microbatch for its own settings."""
+    for row in rows:
+        setting = bench_gpu.MATRIX[row["name"]]
+        command = row["command"]
+        flag = _flags(command)
+        assert command[command.index("-n") + 1] == "8" and flag["--batch_size"] == "2048"
+        assert (flag["--model_config"], int(flag["--image_size"])) == (setting.model_config, setting.resolution)
+        micro = int(flag["--device_train_microbatch_size"])
+        # The memory model's largest microbatch for the row's own settings (halved where the row says).
+        plan = memory.plan(setting.model_config, setting.resolution, 79.1 * 2**30,
+                           norm_precision=setting.norm_precision, precomputed=setting.precomputed,
+                           precomputed_format=setting.text_format, fsdp=setting.fsdp, num_gpus=8, per_device_batch=256,
+                           activation_checkpointing=setting.activation_checkpointing)
+        assert plan["microbatch"] >= 1, row["name"]  # every row fits the GPU
+        assert micro == plan["microbatch"] // setting.microbatch_divisor and 256 % micro == 0
+        assert memory.predicted_bytes(plan, micro) <= 79.1 * 2**30
+        assert flag["--fsdp"] == setting.fsdp  # the run shards as the plan counted
+        assert ("--activation_checkpointing" in flag) is setting.activation_checkpointing
+        assert ("--model_name" in flag) is setting.needs_pretrained
+        assert shlex.join(command) in printed  # the full command, as a shell would run it
+        assert row["estimated_seconds"] > bench_gpu.STARTUP_SECONDS
+
+
+def test_dry_run_plans_every_sd2_row_of_an_8_x_80gb_node_at_batch_2048(tmp_path, capsys):
+    out = tmp_path / "matrix"
+    rows = bench_gpu.main(["--dry_run", "--gpus", "8", "--gpu_memory_gib", "79.1", "--out", str(out),
+                           "--only", *SD2_ROWS])
+    printed = capsys.readouterr().out
+    assert not out.exists()  # nothing run, nothing written
+    assert [r["name"] for r in rows] == SD2_ROWS
+    assert "estimated time: about" in printed
+    _check_planned(rows, printed)
+    online = {r["name"]: r["microbatch"] for r in rows}
+    assert online["online-bf16"] == online["precomputed-bf16"]  # the same UNet activations (no doubling)
+
+
+def test_dry_run_plans_flux_sharded_from_the_memory_model(tmp_path, capsys):
+    # Flux.1-schnell's 11.9B parameters only train sharded; checkpointing its blocks fits more images.
+    names = ["flux-precomputed-states-bf16-fsdp", "flux-precomputed-states-bf16-fsdp-ckpt"]
+    rows = bench_gpu.main(["--dry_run", "--gpus", "8", "--gpu_memory_gib", "79.1", "--only", *names])
+    _check_planned(rows, capsys.readouterr().out)
+    plain, checkpointed = (row["microbatch"] for row in rows)
+    assert checkpointed > plain
+
+
+def test_every_row_runs_as_planned_and_smoke_runs_each_familys_tiny_model():
+    # Commands are made from the same settings as the plan: check each row's flags without counting.
+    for name, setting in bench_gpu.MATRIX.items():
+        flag = _flags(["launcher", *setting.flags()])
+        assert flag["--fsdp"] == setting.fsdp and flag["--model_config"] == setting.model_config
+        assert ("--precomputed_format" in flag) is setting.precomputed
+        if setting.precomputed:
+            assert flag["--precomputed_format"] == setting.text_format
+        # --model_name is SD2's: the rows of other families must need no pretrained part.
+        assert setting.model_config == "sd2-base" or not setting.needs_pretrained, name
+        smoke = _flags(["launcher", *setting.flags(), *bench_gpu.smoke_flags(setting, gpus=1)])
+        assert smoke["--model_config"] == bench_gpu.SMOKE_CONFIGS[setting.model_config]
+        assert smoke["--fsdp"] == "none"  # one CPU rank: nothing to shard over
+def test_timeout_ends_the_launchers_whole_process_group(tmp_path):
+    # A fake launcher that starts a rank, which starts a worker: all sleep and record their pids.
+    pids, script = tmp_path / "pids", tmp_path / "spawn.py"
+    script.write_text("import os, subprocess, sys, time\n"
+                      "open(sys.argv[1], 'a').write(f'{os.getpid()}\\n')\n"
+                      "if int(sys.argv[2]) > 0:\n"
+                      "    subprocess.Popen([sys.executable, __file__, sys.argv[1], str(int(sys.argv[2]) - 1)])\n"
+                      "time.sleep(600)\n")
+    command = [sys.executable, str(script), str(pids), "2"]
+    start = time.monotonic()
+    code = bench_gpu.run_command(command, tmp_path / "log.txt", timeout_s=10)  # all three started by then
+    assert code == "timeout" and time.monotonic() - start < 60
+    recorded = [int(line) for line in pids.read_text().split()]
+    assert len(recorded) == 3  # launcher, rank, worker
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in recorded):
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in recorded), recorded
+    assert "timeout after 10 s" in (tmp_path / "log.txt").read_text()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) holds nothing: count it as ended.
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
+
+
+def test_refuses_in_one_line_when_every_rank_would_fetch_the_encoders(tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        bench_gpu.main(["--out", str(tmp_path / "matrix"), "--model_name", str(tmp_path / "no-such-model")])
+    message = str(stop.value)
+    assert message.startswith("bench_gpu.py: error: pretrained VAE and text encoder") and "\n" not in message
+    assert "--allow_random_encoders" in message and not (tmp_path / "matrix").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU check is what stops it here")
+def test_rows_without_frozen_parts_need_no_pretrained_parts(tmp_path):
+    # Rows on stored text states run no VAE or text encoder: no refusal for them (the missing GPU stops it).
+    with pytest.raises(SystemExit) as stop:
+        bench_gpu.main(["--out", str(tmp_path / "matrix"), "--model_name", str(tmp_path / "no-such-model"),
+                        "--only", "flux-precomputed-states-bf16-fsdp"])
+    assert str(stop.value).startswith("bench_gpu.py: error: no CUDA GPU visible")
