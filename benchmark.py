@@ -38,7 +38,7 @@ from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
 from t2ibench.checks import PRECISIONS
 from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
-from t2ibench.model import DiffusionModel, unwrap_model
+from t2ibench.model import DiffusionModel, unwrap_model, vae_overflows_in
 from t2ibench.runtime import Runtime
 from t2ibench.sampling import load_prompts, write_pipeline
 from t2ibench.sources import record_cache
@@ -254,8 +254,12 @@ def apply_speed_settings(args: argparse.Namespace, run: Runtime, model: Diffusio
         # Frozen encoders stored in the autocast dtype: autocast would otherwise re-cast their fp32
         # weights on every microbatch. Autocast still runs its fp32-listed ops (GroupNorm,
         # LayerNorm, softmax) in fp32, so the numerics are those of fp32 weights under autocast.
+        dtype = torch.bfloat16 if run.precision == "amp_bf16" else torch.float16
         for frozen in model.frozen():
-            frozen.to(torch.bfloat16 if run.precision == "amp_bf16" else torch.float16)
+            if frozen is model.vae and vae_overflows_in(frozen, dtype):
+                model.vae_in_fp32 = True  # SDXL's own VAE under fp16: fp32, outside autocast
+                continue
+            frozen.to(dtype)
 
 
 @dataclasses.dataclass

@@ -254,6 +254,19 @@ def test_a_few_steps_lower_the_loss_on_one_batch(tiny):
     assert losses[-1] < 0.7 * losses[0]
 
 
+def test_an_sdxl_vae_that_overflows_in_fp16_runs_in_fp32_outside_autocast(tiny, base_on_meta):
+    from t2ibench.model import vae_overflows_in
+
+    assert vae_overflows_in(base_on_meta.vae, torch.float16)  # SDXL's own VAE: force_upcast
+    assert not vae_overflows_in(base_on_meta.vae, torch.bfloat16) and not vae_overflows_in(tiny.vae, torch.float16)
+    model = DiffusionModel(FAMILY, Parts(tiny.denoiser, tiny.vae, {}, {}, tiny.noise_scheduler, tiny.latent_scale))
+    images = torch.randint(0, 256, (1, 3, 64, 64), dtype=torch.uint8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # CPU autocast stands in for CUDA's fp16 here
+        assert model.encode_images(images).dtype == torch.bfloat16
+        model.vae_in_fp32 = True
+        assert model.encode_images(images).dtype == torch.float32
+
+
 def test_parts_are_random_offline_and_the_same_whatever_else_is_built(tmp_path):
     # sdxl-base without a pipeline folder: the bundled tokenizers (not random parts) and SDXL's scale.
     base = FAMILY.build("sdxl-base", str(tmp_path / "absent"), denoiser=False, vae=False, text_encoders=False)
