@@ -184,11 +184,11 @@ class SDXL(ModelFamily):
     conditioning_keys = (TEXT_STATES_KEY, POOLED_KEY)
     micro_conditioning = True
     unconditional = "zeros"
-    # Memory arithmetic, NOT measured (docs/sdxl.md, "Memory"): per GPU under DDP the UNet's fp32
-    # weights, gradients, DDP buckets, EMA and two AdamW moments are 6 x 10.27 GB = 61.6 GB, the bf16
-    # weight casts 5.1 GB and the frozen encoders 1.8 GB; what is left of an 80 GB GPU holds one
-    # 1024 px image's activations. Below 72 GiB nothing fits without FSDP.
-    microbatch_by_memory_gib = ((72, 1), (128, 4))
+    # Counted on the meta device, not measured (docs/sdxl.md, "Memory and microbatch"): under DDP the
+    # UNet's fp32 weights, gradients, buckets, EMA and AdamW moments take 61.6 GB per GPU, and an image
+    # at 1024 saves 6.45 GiB for backward; an 80 GB GPU holds one, a 141 GB one eight, a 40 GB one none
+    # (that takes FSDP).
+    microbatch_by_memory_gib = ((72, 1), (128, 8))
     min_microbatch = 1
 
     def default_image_size(self, config: str) -> int:
