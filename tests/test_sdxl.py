@@ -20,7 +20,7 @@ import data  # noqa: E402
 import unet_flops  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, Parts  # noqa: E402
 from t2ibench.families import sdxl  # noqa: E402
-from t2ibench.model import DiffusionModel, scale_images  # noqa: E402
+from t2ibench.model import DiffusionModel  # noqa: E402
 from t2ibench.tokenizer import tokenize  # noqa: E402
 
 FAMILY = MODEL_CONFIGS["sdxl-base"]

@@ -52,7 +52,7 @@ import torch
 from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from t2ibench.families.family import Conditioning, ModelFamily, Parts, load_pretrained, seeded
+from t2ibench.families.family import ModelFamily, Parts, load_pretrained, seeded
 from t2ibench.families.sd2 import SCHEDULER_CONFIG, TINY, TINY_VAE_LOGVAR_BIAS
 from t2ibench.flops import count_flops
 from t2ibench.images import CROP_KEY, ORIGINAL_SIZE_KEY
