@@ -288,6 +288,22 @@ def test_parts_are_random_offline_and_the_same_whatever_else_is_built(tmp_path):
 # The exported pipeline.
 # -----------------------------------------------------------------------------------------------
 
+def test_pretrained_parts_come_from_a_local_pipeline_folder(tiny, tmp_path, monkeypatch):
+    from t2ibench.sampling import write_pipeline
+
+    write_pipeline(tmp_path / "pipe", FAMILY, tiny)
+    # sdxl-base reads --model_name; the tiny shapes stand in for it here (the loading is the same).
+    monkeypatch.setattr(type(FAMILY), "pretrained_configs", ("sdxl-base", "sdxl-tiny"))
+    loaded = FAMILY.build("sdxl-tiny", str(tmp_path / "pipe"), denoiser=False)
+    assert sorted(loaded.pretrained) == ["text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae"]
+    assert loaded.random == [] and loaded.tokenizers["tokenizer"].pad_token == "<|endoftext|>"
+    for name in ("text_encoder", "text_encoder_2"):
+        for a, b in zip(tiny.text_encoders[name].parameters(), loaded.text_encoders[name].parameters()):
+            assert torch.equal(a, b)
+    precomputed = FAMILY.build("sdxl-tiny", str(tmp_path / "pipe"), denoiser=False, vae=False, text_encoders=False)
+    assert precomputed.latent_scale == tiny.latent_scale  # read from vae/config.json alone
+
+
 def test_pipeline_folder_loads_offline_in_the_sdxl_pipeline_and_samples(tiny, tmp_path, monkeypatch):
     from diffusers import StableDiffusionXLPipeline
 
