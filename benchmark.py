@@ -44,6 +44,7 @@ from t2ibench.cli import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, P
 from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
 from t2ibench.model import DiffusionModel, unwrap_model
 from t2ibench.norms import NORM_PRECISIONS, set_norm_precision
+from t2ibench.model import DiffusionModel, unwrap_model, vae_overflows_in
 from t2ibench.runtime import Runtime
 from t2ibench.sampling import MAX_GUIDANCE_SCALE, load_prompts, write_pipeline
 from t2ibench.objectives import TIMESTEP_SAMPLINGS
@@ -319,8 +320,12 @@ def apply_speed_settings(args: argparse.Namespace, run: Runtime, model: Diffusio
         # weights on every microbatch. GroupNorm and LayerNorm, which CUDA autocast runs in fp32
         # (reading and writing twice the bytes, keeping fp32 activations for backward and upcasting
         # the stored bf16 norm weights), run in the autocast dtype unless --norm_precision fp32.
+        dtype = torch.bfloat16 if run.precision == "amp_bf16" else torch.float16
         for frozen in model.frozen():
-            frozen.to(torch.bfloat16 if run.precision == "amp_bf16" else torch.float16)
+            if frozen is model.vae and vae_overflows_in(frozen, dtype):
+                model.vae_in_fp32 = True  # SDXL's own VAE under fp16: fp32, outside autocast
+                continue
+            frozen.to(dtype)
         set_norm_precision(model, args.norm_precision)
     if args.compile:
         if run.world_size > 1:

@@ -104,7 +104,7 @@ from t2ibench.locations import is_remote, missing_upload_credentials, normalise,
     unwritable, upload_schemes
 from t2ibench.mds import INDEX_FILE, SHARD_NAME
 from t2ibench.images import ImageGeometry
-from t2ibench.model import scale_images
+from t2ibench.model import scale_images, vae_overflows_in
 from t2ibench.scale import SAMPLES as SAMPLES_AT_SCALE
 from t2ibench.sources import Source, parse_sources
 
@@ -326,8 +326,11 @@ def encode(family: ModelFamily, vae: torch.nn.Module, text_encoders: dict[str, t
     # channels-last VAE every convolution after a norm would convert its input back.
     autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
                 else contextlib.nullcontext())
+    vae_autocast = contextlib.nullcontext() if not vae_overflows_in(vae, dtype) else \
+        torch.autocast(device.type, enabled=False)  # SDXL's own VAE overflows in fp16: fp32 for it
     with autocast:
-        posterior = vae.encode(images).latent_dist
+        with vae_autocast:
+            posterior = vae.encode(images).latent_dist
         text_states = ({key: value.float() for key, value in family.encode_text(text_encoders, ids).items()}
                        if text_encoders else {})
     return posterior.mean.float(), posterior.logvar.float(), text_states

@@ -24,12 +24,19 @@ from a file where `@FILE` stands (`benchmark.py @recipes/sd2-stage1.args ...`, s
 
 def reference() -> str:
     """docs/flags.md's text: each command's --help, in a fenced block."""
-    os.environ["COLUMNS"] = str(WIDTH)  # argparse's HelpFormatter reads the width from here
     sys.path.insert(0, str(ROOT))
-    sections = [HEADER]
-    for script in COMMANDS:
-        module = importlib.import_module(script.removesuffix(".py"))
-        sections.append(f"## `{script}`\n\n```text\n{module.build_parser().format_help().rstrip()}\n```\n")
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = str(WIDTH)  # argparse's HelpFormatter reads the width from here
+    try:
+        sections = [HEADER]
+        for script in COMMANDS:
+            module = importlib.import_module(script.removesuffix(".py"))
+            sections.append(f"## `{script}`\n\n```text\n{module.build_parser().format_help().rstrip()}\n```\n")
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
     return "\n".join(sections)
 
 

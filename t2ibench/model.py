@@ -8,6 +8,8 @@ the loss with optional min-SNR-gamma weighting, and its sums by timestep (`LossB
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from composer.models import ComposerModel
 
@@ -26,6 +28,13 @@ def scale_images(images: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
     if images.dtype == torch.uint8:
         return images.to(dtype).div_(127.5).sub_(1.0)
     return images.to(dtype)
+
+
+def vae_overflows_in(vae: torch.nn.Module, dtype: torch.dtype | None) -> bool:
+    """Whether `vae` must run in fp32 rather than `dtype`: SDXL's own VAE overflows in fp16 (inf/NaN
+    activations) and its config says so (`force_upcast`, which diffusers' pipelines obey when they
+    decode); bf16 has fp32's range. The fp16-fix VAE (madebyollin/sdxl-vae-fp16-fix) says false."""
+    return dtype == torch.float16 and bool(getattr(vae.config, "force_upcast", False))
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -72,6 +81,7 @@ class DiffusionModel(ComposerModel):
         self.noise_scheduler = self.objective.noise_scheduler
         self.latent_scale, self.latent_shift = parts.latent_scale, parts.latent_shift
         self.vae_channels_last = False  # set with --channels_last: feed the VAE channels-last images
+        self.vae_in_fp32 = False  # set under fp16 autocast for a VAE that overflows in fp16 (vae_overflows_in)
         self.cpu_autocast_dtype: torch.dtype | None = None  # set for --precision amp_bf16 on CPU
         self.flops_per_image = 0.0  # set by the benchmark from the family's count
         self.snr_gamma, self.offset_noise = snr_gamma, offset_noise
@@ -153,7 +163,9 @@ class DiffusionModel(ComposerModel):
         images = scale_images(images, next(self.vae.parameters()).dtype)
         if self.vae_channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        return self.to_latent_space(self.vae.encode(images).latent_dist.sample())
+        # Autocast would run the convolutions in fp16 whatever the weights' dtype: leave it for the VAE.
+        with torch.autocast(images.device.type, enabled=False) if self.vae_in_fp32 else contextlib.nullcontext():
+            return self.to_latent_space(self.vae.encode(images).latent_dist.sample())
 
     @torch.no_grad()
     def encode_text(self, text_inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -64,7 +64,7 @@ def test_documented_cpu_command_runs(document: str, block: str, tmp_path: Path):
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
-def test_flag_reference_is_the_commands_help(monkeypatch):
+def test_flag_reference_is_the_commands_help():
     # docs/flags.md is generated from each command's --help (scripts/flag_reference.py): any flag
     # added, removed or re-described without regenerating it fails here.
     current = reference()

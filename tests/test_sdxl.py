@@ -20,7 +20,7 @@ import data  # noqa: E402
 import unet_flops  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, Parts  # noqa: E402
 from t2ibench.families import sdxl  # noqa: E402
-from t2ibench.model import DiffusionModel, scale_images  # noqa: E402
+from t2ibench.model import DiffusionModel  # noqa: E402
 from t2ibench.tokenizer import tokenize  # noqa: E402
 
 FAMILY = MODEL_CONFIGS["sdxl-base"]
@@ -254,6 +254,19 @@ def test_a_few_steps_lower_the_loss_on_one_batch(tiny):
     assert losses[-1] < 0.7 * losses[0]
 
 
+def test_an_sdxl_vae_that_overflows_in_fp16_runs_in_fp32_outside_autocast(tiny, base_on_meta):
+    from t2ibench.model import vae_overflows_in
+
+    assert vae_overflows_in(base_on_meta.vae, torch.float16)  # SDXL's own VAE: force_upcast
+    assert not vae_overflows_in(base_on_meta.vae, torch.bfloat16) and not vae_overflows_in(tiny.vae, torch.float16)
+    model = DiffusionModel(FAMILY, Parts(tiny.denoiser, tiny.vae, {}, {}, tiny.noise_scheduler, tiny.latent_scale))
+    images = torch.randint(0, 256, (1, 3, 64, 64), dtype=torch.uint8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # CPU autocast stands in for CUDA's fp16 here
+        assert model.encode_images(images).dtype == torch.bfloat16
+        model.vae_in_fp32 = True
+        assert model.encode_images(images).dtype == torch.float32
+
+
 def test_parts_are_random_offline_and_the_same_whatever_else_is_built(tmp_path):
     # sdxl-base without a pipeline folder: the bundled tokenizers (not random parts) and SDXL's scale.
     base = FAMILY.build("sdxl-base", str(tmp_path / "absent"), denoiser=False, vae=False, text_encoders=False)
@@ -274,6 +287,22 @@ def test_parts_are_random_offline_and_the_same_whatever_else_is_built(tmp_path):
 # -----------------------------------------------------------------------------------------------
 # The exported pipeline.
 # -----------------------------------------------------------------------------------------------
+
+def test_pretrained_parts_come_from_a_local_pipeline_folder(tiny, tmp_path, monkeypatch):
+    from t2ibench.sampling import write_pipeline
+
+    write_pipeline(tmp_path / "pipe", FAMILY, tiny)
+    # sdxl-base reads --model_name; the tiny shapes stand in for it here (the loading is the same).
+    monkeypatch.setattr(type(FAMILY), "pretrained_configs", ("sdxl-base", "sdxl-tiny"))
+    loaded = FAMILY.build("sdxl-tiny", str(tmp_path / "pipe"), denoiser=False)
+    assert sorted(loaded.pretrained) == ["text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae"]
+    assert loaded.random == [] and loaded.tokenizers["tokenizer"].pad_token == "<|endoftext|>"
+    for name in ("text_encoder", "text_encoder_2"):
+        for a, b in zip(tiny.text_encoders[name].parameters(), loaded.text_encoders[name].parameters()):
+            assert torch.equal(a, b)
+    precomputed = FAMILY.build("sdxl-tiny", str(tmp_path / "pipe"), denoiser=False, vae=False, text_encoders=False)
+    assert precomputed.latent_scale == tiny.latent_scale  # read from vae/config.json alone
+
 
 def test_pipeline_folder_loads_offline_in_the_sdxl_pipeline_and_samples(tiny, tmp_path, monkeypatch):
     from diffusers import StableDiffusionXLPipeline

@@ -1,7 +1,8 @@
 """sdxl-tiny end to end on CPU: real image shards of several sizes (so the size/crop ids vary) trained
-online, with samples, EMA and both exports loaded by StableDiffusionXLPipeline; latents.py in both
-formats with the size/crop columns and training from them; two ranks through Composer's launcher,
-one of them SIGKILLed and resumed to the uninterrupted run's weights, EMA and loss."""
+online on two ranks through Composer's launcher, with caption dropout, EMA, a sample grid and both
+exports loaded by StableDiffusionXLPipeline; the same run SIGKILLed and resumed to the uninterrupted
+run's weights, EMA and loss; latents.py in both formats with the size/crop columns, and training
+from them."""
 from __future__ import annotations
 
 import io
@@ -123,8 +124,12 @@ class TwoRankRuns:
         data_dir = self.tmp / f"{folder}-data"
         if not data_dir.exists():
             copy_of(self.shards, data_dir)
-        return Launch(RESUME + ["--local", str(data_dir), "--save_folder", str(self.tmp / folder),
-                                "--results_json", str(self.tmp / f"{name}.json")], self.tmp / f"{name}.log")
+        # The reference also draws a sample grid and exports its EMA as a pipeline at the end: what
+        # the run without them computes must not change (the resumed run's weights are compared).
+        extra = ["--sample_prompts", "shapes", "--sample_steps", "2", "--sample_interval", "4ba",
+                 "--ema_export_dir", str(self.tmp / "ema-pipeline")] if name == "reference" else []
+        return Launch(RESUME + extra + ["--local", str(data_dir), "--save_folder", str(self.tmp / folder),
+                                        "--results_json", str(self.tmp / f"{name}.json")], self.tmp / f"{name}.log")
 
     def launches(self) -> list[Launch]:
         return [run for run in (self.reference, self.killed, self.resumed) if run is not None]
@@ -166,47 +171,9 @@ def two_rank_runs(shards, tmp_path_factory):
 # -----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def online(shards, tmp_path_factory, two_rank_runs):
-    """sdxl-tiny trained 2 batches on the shards: caption dropout, EMA exported as a pipeline, a sample grid.
-    (The two-rank runs are started first, to run meanwhile.)"""
-    tmp = tmp_path_factory.mktemp("xl-online")
-    results = benchmark.main(XL + [
-        "--local", str(copy_of(shards, tmp / "data")), "--batch_size", "4", "--max_duration", "2ba",
-        "--caption_drop_prob", "0.5", "--use_ema", "--ema_export_dir", str(tmp / "ema-pipeline"),
-        "--sample_prompts", "shapes", "--sample_steps", "2", "--sample_interval", "2ba",
-        "--save_folder", str(tmp / "run"), "--save_interval", "2ba"])
-    return tmp, results
-
-
-def test_online_run_on_real_shards_samples_and_exports_an_sdxl_pipeline(online, monkeypatch):
-    from diffusers import StableDiffusionXLPipeline
-    from PIL import Image
-
-    tmp, results = online
-    assert results["model_config"] == "sdxl-tiny" and results["image_size"] == 64  # sdxl-tiny's default size
-    flops = FAMILY.flops_per_image("sdxl-tiny", 64)
-    assert results["flops_per_image"] == pytest.approx(flops["total"])
-    assert results["random_parts"] == ["vae", "text_encoder", "text_encoder_2"]
-    assert np.isfinite(results["final_loss"])
-    grid = Image.open(tmp / "run" / "samples" / "2.png")
-    assert grid.size == (3 * 64, 3 * 64)  # 8 prompts, 3 columns
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for folder in (tmp / "ema-pipeline",):
-        pipeline = StableDiffusionXLPipeline.from_pretrained(folder)
-        image = pipeline("a red square", num_inference_steps=2, output_type="np").images
-        assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()
-    # export.py: the same EMA weights from the checkpoint, recognised as sdxl-tiny.
-    checkpoint = tmp / "run" / "ep0-ba2-rank0.pt"
-    out = export.main([str(checkpoint), "--out", str(tmp / "exported"), "--ema"])
-    exported = StableDiffusionXLPipeline.from_pretrained(out)
-    for a, b in zip(exported.unet.state_dict().values(), pipeline.unet.state_dict().values()):
-        assert torch.equal(a, b)
-    assert exported.tokenizer.pad_token == "<|endoftext|>" and exported.tokenizer_2.pad_token == "!"
-
-
-@pytest.fixture(scope="module")
-def precomputed(shards, tmp_path_factory):
-    """latents.py over the shards for sdxl-tiny, in the tokens and the text_states formats."""
+def precomputed(shards, tmp_path_factory, two_rank_runs):
+    """latents.py over the shards for sdxl-tiny, in the tokens and the text_states formats (the
+    two-rank runs are started first: they run meanwhile)."""
     tmp = tmp_path_factory.mktemp("xl-latents")
     common = ["--model_config", "sdxl-tiny", "--batch_size", "4", "--chunk_size", "8", "--num_workers", "0",
               "--seed", "17", "--no_progress"]
@@ -242,14 +209,14 @@ def test_latents_store_each_image_size_and_crop_and_both_encoders_outputs(precom
 @pytest.mark.parametrize("fmt", ["tokens", "text_states"])
 def test_benchmark_trains_sdxl_on_precomputed_latents(precomputed, tmp_path, fmt):
     tmp, _ = precomputed
+    save = ["--save_folder", str(tmp_path / "run"), "--save_interval", "1ba"] if fmt == "text_states" else []
     results = benchmark.main(XL + ["--precomputed", "--local", str(copy_of(tmp / fmt, tmp_path / "latents")),
-                                   "--batch_size", "4", "--max_duration", "2ba", "--caption_drop_prob", "0.5",
-                                   "--save_folder", str(tmp_path / "run"), "--save_interval", "2ba"])
+                                   "--batch_size", "4", "--max_duration", "1ba", "--caption_drop_prob", "0.5", *save])
     flops = FAMILY.flops_per_image("sdxl-tiny", 64, vae=False, text_encoders=fmt == "tokens")
     assert results["precomputed_format"] == fmt and results["flops_per_image"] == pytest.approx(flops["total"])
     assert np.isfinite(results["final_loss"])
     if fmt == "text_states":  # no encoder in the step: export rebuilds them as latents.py did (--seed)
-        out = export.main([str(tmp_path / "run" / "ep0-ba2-rank0.pt"), "--out", str(tmp_path / "pipe")])
+        out = export.main([str(tmp_path / "run" / "ep0-ba1-rank0.pt"), "--out", str(tmp_path / "pipe")])
         assert (out / "text_encoder_2" / "config.json").is_file() and (out / "tokenizer_2").is_dir()
 
 
@@ -287,3 +254,25 @@ def test_two_ranks_resume_after_sigkill_to_the_uninterrupted_weights_ema_and_los
     summary = [json.loads((runs.tmp / f"{name}.json").read_text()) for name in ("reference", "resumed")]
     assert summary[0]["world_size"] == 2 and summary[0]["final_loss"] == summary[1]["final_loss"]
     assert {k.split(".")[0] for k in ref["model"]} == {"unet", "vae", "text_encoder", "text_encoder_2"}
+
+
+def test_reference_run_samples_and_its_ema_loads_as_an_sdxl_pipeline(two_rank_runs, monkeypatch, tmp_path):
+    from diffusers import StableDiffusionXLPipeline
+    from PIL import Image
+
+    runs = two_rank_runs.wait()
+    results = json.loads((runs.tmp / "reference.json").read_text())
+    assert results["model_config"] == "sdxl-tiny" and results["image_size"] == 64  # sdxl-tiny's default size
+    assert results["flops_per_image"] == pytest.approx(FAMILY.flops_per_image("sdxl-tiny", 64)["total"])
+    assert results["random_parts"] == ["vae", "text_encoder", "text_encoder_2"] and np.isfinite(results["final_loss"])
+    assert Image.open(runs.tmp / "reference" / "samples" / "4.png").size == (3 * 64, 3 * 64)  # 8 prompts, 3 a row
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pipeline = StableDiffusionXLPipeline.from_pretrained(runs.tmp / "ema-pipeline")
+    image = pipeline("a red square", num_inference_steps=2, output_type="np").images
+    assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()
+    # export.py: the same EMA weights from the final checkpoint, recognised as sdxl-tiny.
+    final = runs.tmp / "reference" / os.readlink(runs.tmp / "reference" / "latest-rank0.pt")
+    exported = StableDiffusionXLPipeline.from_pretrained(export.main([str(final), "--out", str(tmp_path / "x"), "--ema"]))
+    for a, b in zip(exported.unet.state_dict().values(), pipeline.unet.state_dict().values()):
+        assert torch.equal(a, b)
+    assert exported.tokenizer.pad_token == "<|endoftext|>" and exported.tokenizer_2.pad_token == "!"

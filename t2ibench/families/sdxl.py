@@ -27,6 +27,8 @@ What differs from SD2 (families/sd2.py), all of it here:
   own VAE overflows in fp16 (its config says `force_upcast`: the pipelines decode in fp32); the
   community's fp16-fix VAE (madebyollin/sdxl-vae-fp16-fix, same architecture and scaling, config
   `force_upcast: false`) runs in fp16: put it in the `vae/` folder of the `--model_name` pipeline.
+  Under fp16 autocast the training model keeps a VAE that asks for the upcast in fp32
+  (t2ibench.model.vae_overflows_in).
 - Caption dropout zeroes both encoders' conditioning (the states and the pooled embedding), as
   the reference SDXL trainer (generative-models) drops it and as the exported pipeline's unconditional branch
   (`force_zeros_for_empty_prompt`) samples it; the size/crop ids are kept.
@@ -51,7 +53,7 @@ from diffusers import (AutoencoderKL, DDIMScheduler, DDPMScheduler, EulerDiscret
                        UNet2DConditionModel)
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from t2ibench.families.family import Conditioning, ModelFamily, Parts, load_pretrained, seeded
+from t2ibench.families.family import ModelFamily, Parts, load_pretrained, seeded
 from t2ibench.families.sd2 import SCHEDULER_CONFIG, TINY, TINY_VAE_LOGVAR_BIAS
 from t2ibench.flops import count_flops
 from t2ibench.images import CROP_KEY, ORIGINAL_SIZE_KEY
