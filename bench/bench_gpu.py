@@ -1,6 +1,7 @@
-"""GPU throughput matrix: SD2 base at 512x512 with EMA, one `benchmark.py` run per setting.
+"""GPU throughput matrix: SD2 base at 512x512 with EMA (or Flux.1-schnell at 256x256), one `benchmark.py` run per setting.
 
     python bench/bench_gpu.py --out results/h100x8              # every setting, all visible GPUs
+    python bench/bench_gpu.py --out results/h100x8-flux --flux  # Flux.1-schnell, MLPerf's set-up (needs FSDP)
     python bench/bench_gpu.py --out /tmp/b --quick              # two settings
     python bench/bench_gpu.py --out /tmp/b --gpus 1 --only online-bf16-mb32 precomputed-bf16-mb64-compile
     python bench/bench_gpu.py --out /tmp/b --smoke              # no GPU: the tiny model on CPU, to check the tool
@@ -45,8 +46,21 @@ MATRIX: dict[str, list[str]] = {
     "precomputed-bf16-mb64-compile": ["--precomputed", "--device_train_microbatch_size", "64", "--compile"],
 }
 QUICK = ["online-bf16-mb16", "precomputed-bf16-mb32"]
+# --flux: Flux.1-schnell as MLPerf Training v5.1 runs it: 256x256, latents and T5/CLIP states
+# precomputed (synthetic here, in that format), global batch 512 (NVIDIA's 16-GPU entries; its
+# 512-GPU ones use 2048), no EMA. Microbatches from the memory arithmetic in docs/flux.md.
+FLUX_MATRIX: dict[str, list[str]] = {
+    "flux-precomputed-bf16-mb4": ["--device_train_microbatch_size", "4"],
+    "flux-precomputed-bf16-mb8": ["--device_train_microbatch_size", "8"],
+    "flux-precomputed-bf16-mb8-ac": ["--device_train_microbatch_size", "8", "--activation_checkpointing"],
+    "flux-precomputed-bf16-mb16-ac": ["--device_train_microbatch_size", "16", "--activation_checkpointing"],
+    "flux-online-bf16-mb4": ["--device_train_microbatch_size", "4", "--online"],
+}
+FLUX_QUICK = ["flux-precomputed-bf16-mb8", "flux-precomputed-bf16-mb8-ac"]
+FLUX_GLOBAL_BATCH = 512
 # --smoke: the same settings on the tiny model at 32x32 on CPU, microbatches scaled down.
 SMOKE = ["--model_config", "tiny", "--image_size", "32", "--num_workers", "0"]
+FLUX_SMOKE = ["--model_config", "flux1-tiny", "--image_size", "32", "--num_workers", "0"]
 PACKAGES = ("torch", "mosaicml", "mosaicml-streaming", "diffusers", "transformers", "xformers")
 
 
@@ -57,14 +71,23 @@ def fail(message: str) -> None:
 def run_setting(name: str, flags: list[str], out: Path, gpus: int, batches: int, warmup: int, timeout_s: int,
                 smoke: bool) -> dict:
     flags = list(flags)
+    flux = name.startswith("flux")
     at = flags.index("--device_train_microbatch_size") + 1
     if smoke:
-        flags[at] = str(max(1, int(flags[at]) // 16))
-        flags += SMOKE
+        flags[at] = str(max(1, int(flags[at]) // 8 if flux else int(flags[at]) // 16))
+        flags += FLUX_SMOKE if flux else SMOKE
     micro = int(flags[at])
+    if flux:
+        online = "--online" in flags
+        flags = [f for f in flags if f != "--online"]
+        global_batch = gpus * 2 * micro if smoke else FLUX_GLOBAL_BATCH
+        model = ["--model_config", "flux1-schnell", "--image_size", "256", *([] if online else ["--precomputed"])]
+    else:
+        global_batch = gpus * 2 * micro
+        model = ["--use_ema", "--image_size", "512"]
     launcher = [sys.executable, "-m", "composer.cli.launcher", "-n", str(gpus)]
-    cmd = [*launcher, str(ROOT / "benchmark.py"), "--use_synth_data", "--use_ema", "--image_size", "512",
-           "--precision", "amp_bf16", "--batch_size", str(gpus * 2 * micro), "--max_duration", f"{batches}ba",
+    cmd = [*launcher, str(ROOT / "benchmark.py"), "--use_synth_data", *model,
+           "--precision", "amp_bf16", "--batch_size", str(global_batch), "--max_duration", f"{batches}ba",
            "--warmup_batches", str(warmup), "--num_workers", "8", "--log_interval", "5ba",
            "--results_json", str(out / f"{name}.json"), *flags]  # later flags win: --smoke's override
     start = time.time()
@@ -126,16 +149,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--gpus", type=int, default=None, help="GPUs per setting (default: all visible)")
     p.add_argument("--batches", type=int, default=25, help="batches per setting, warm-up included")
     p.add_argument("--warmup_batches", type=int, default=5, help="batches left out of the measurement")
-    p.add_argument("--quick", action="store_true", help=f"only {QUICK}")
-    p.add_argument("--only", nargs="+", default=None, help=f"settings to run, from {list(MATRIX)}")
+    p.add_argument("--quick", action="store_true", help=f"only {QUICK} (with --flux: {FLUX_QUICK})")
+    p.add_argument("--flux", action="store_true",
+                   help=f"the Flux.1-schnell settings (256x256, global batch {FLUX_GLOBAL_BATCH}) instead of SD2's")
+    p.add_argument("--only", nargs="+", default=None, help=f"settings to run, from {list(MATRIX) + list(FLUX_MATRIX)}")
     p.add_argument("--timeout_s", type=int, default=900, help="limit per setting, seconds")
     p.add_argument("--smoke", action="store_true",
                    help="check the tool without a GPU: tiny model, 32x32, on CPU (figures mean nothing)")
     args = p.parse_args(argv)
-    names = args.only or (QUICK if args.quick else list(MATRIX))
-    unknown = [n for n in names if n not in MATRIX]
+    settings = {**MATRIX, **FLUX_MATRIX}
+    if args.flux:
+        names = args.only or (FLUX_QUICK if args.quick else list(FLUX_MATRIX))
+    else:
+        names = args.only or (QUICK if args.quick else list(MATRIX))
+    unknown = [n for n in names if n not in settings]
     if unknown:
-        fail(f"--only: unknown settings {unknown}; choose from {list(MATRIX)}")
+        fail(f"--only: unknown settings {unknown}; choose from {list(settings)}")
     if args.batches <= args.warmup_batches:
         fail(f"--batches {args.batches} must exceed --warmup_batches {args.warmup_batches}")
 
@@ -151,14 +180,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     env = environment(gpus, args.smoke, argv)
     (args.out / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
-    results = [run_setting(n, MATRIX[n], args.out, gpus, args.batches, args.warmup_batches, args.timeout_s, args.smoke)
+    results = [run_setting(n, settings[n], args.out, gpus, args.batches, args.warmup_batches, args.timeout_s, args.smoke)
                for n in names]
 
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
-    header = (f"{gpus} x {env['device']}, {versions}, Python {env['python']}, {env['date_utc']}; "
-              f"SD2 base {'(tiny, 32x32: --smoke) ' if args.smoke else '512x512 '}with EMA, synthetic data, "
-              f"amp_bf16, global batch = {gpus} x 2 x microbatch, {args.batches} batches "
-              f"({args.warmup_batches} warm-up). Cost: python cost.py {args.out}/<setting>.json")
+    if args.flux:
+        what = (f"Flux.1-schnell {'(flux1-tiny, 32x32: --smoke) ' if args.smoke else '256x256 '}on synthetic data in "
+                f"MLPerf's precomputed format (flux-online: encoders in the step), amp_bf16, global batch "
+                f"{'= ' + str(gpus) + ' x 2 x microbatch' if args.smoke else FLUX_GLOBAL_BATCH}")
+    else:
+        what = (f"SD2 base {'(tiny, 32x32: --smoke) ' if args.smoke else '512x512 '}with EMA, synthetic data, "
+                f"amp_bf16, global batch = {gpus} x 2 x microbatch")
+    header = (f"{gpus} x {env['device']}, {versions}, Python {env['python']}, {env['date_utc']}; {what}, "
+              f"{args.batches} batches ({args.warmup_batches} warm-up). Cost: python cost.py {args.out}/<setting>.json")
     text = header + "\n\n" + table(results) + "\n"
     (args.out / "table.md").write_text(text)
     print("\n" + text)

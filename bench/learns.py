@@ -6,13 +6,15 @@ benchmark.py (tiny model) -> score sampled latents against each caption's encode
     python bench/learns.py --data my_images/                       # images + same-named .txt captions
     python bench/learns.py --data my_mds/ --batches 800            # MDS shards (convert.py's columns)
     python bench/learns.py --make_data pictures                    # only the captioned pictures, for convert.py
+    python bench/learns.py --model_config flux1-tiny --captions "a green triangle" "a purple circle"   # Flux.1's structure
 
 Without --data, images are drawn for each caption: a shape in the caption's colour at a random
 position and size on a plain grey background (the caption must name a colour PIL knows and one of
 the shapes below). With --data, the classes are its distinct captions (or the --captions among them).
 
 The score: for each caption, latents are sampled with the project's sampler (t2ibench/sampling.py: diffusers
-DDIM, fixed seeds) from the UNet, and each sample counts as right when the nearest (L2) of the
+DDIM for SD2, flow-matching Euler for Flux; fixed seeds) from the denoiser, and each sample counts as
+right when the nearest (L2) of the
 encoded latents of all the dataset's images (VAE posterior means, scaled) belongs to its own
 caption. It is judged in latent space because the tiny VAE is random: its decoded pictures mean
 nothing, while its latents still separate the pictures. The score is printed for the UNet before
@@ -144,7 +146,7 @@ def score(model: DiffusionModel, tokenizers, classes: list[str], encoded: torch.
     flat = encoded.flatten(1)
     for c in range(len(classes)):
         seeds = [seed + 1000 * c + k for k in range(samples_per_class)]
-        sampler = make_sampler("ddim", model.noise_scheduler.config)
+        sampler = make_sampler(next(iter(model.family.samplers)), model.noise_scheduler.config, model.family)
         cond = {k: v[c:c + 1].expand(samples_per_class, *v.shape[1:]) for k, v in states.items()}
         empty = {k: v[-1:] for k, v in states.items()}
         latents = sample_latents(model.family, model.denoiser, cond, empty, sampler, steps, guidance_scale, seeds,
@@ -161,6 +163,8 @@ def load_trained(model: DiffusionModel, checkpoint: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_config", default="tiny", choices=("tiny", "flux1-tiny"),
+                   help="the tiny model to train: SD2's structure (tiny) or Flux.1's (flux1-tiny)")
     p.add_argument("--captions", nargs="+", default=None,
                    help="captions to generate pictures for (default: 'a red square' 'a blue circle'), or to score in --data")
     p.add_argument("--data", type=str, default=None,
@@ -233,8 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 2. The model before training: benchmark.py's initialization under --seed.
     torch.manual_seed(args.seed)
-    family = MODEL_CONFIGS["tiny"]
-    parts = family.build("tiny")
+    family = MODEL_CONFIGS[args.model_config]
+    parts = family.build(args.model_config)
     model = DiffusionModel(family, parts)
     with torch.no_grad():
         encoded = model.to_latent_space(torch.cat([model.vae.encode(x).latent_dist.mean for x in images.split(64)]))
@@ -250,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     train_start = time.perf_counter()
     save = work / "checkpoints"
     import benchmark
-    trained = run(benchmark.main, ["--model_config", "tiny", "--remote", str(shards),
+    trained = run(benchmark.main, ["--model_config", args.model_config, "--remote", str(shards),
          "--local", str(work / "cache"), "--image_size", str(args.image_size), "--batch_size", str(args.batch_size),
          "--max_duration", f"{args.batches}ba", "--lr", str(args.lr), "--lr_warmup_batches", str(args.lr_warmup_batches),
          "--caption_drop_prob", str(args.caption_drop_prob), "--seed", str(args.seed), "--num_workers", "1",
@@ -264,6 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     after_unguided, _ = score(model, parts.tokenizers, classes, encoded, labels, guidance_scale=1.0, **kwargs)
 
     result = {
+        "model_config": args.model_config,
         "classes": classes, "images": len(keep), "image_size": args.image_size, "batches": args.batches,
         "batch_size": args.batch_size, "samples_per_caption": args.samples_per_caption,
         "score_before": before, "score_after": after, "chance": 1 / len(classes),
@@ -274,7 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
         "data_minutes": data_seconds / 60, "final_loss": trained["final_loss"],
         "loss_by_timestep_bin": trained["loss_by_timestep_bin"],
     }
-    print(f"classes {classes} ({len(keep)} pictures, {args.image_size}px), {args.batches} batches of {args.batch_size}")
+    print(f"{args.model_config}: classes {classes} ({len(keep)} pictures, {args.image_size}px), {args.batches} batches "
+          f"of {args.batch_size}")
     print(f"nearest-class score before training {before:.1%}  after {after:.1%}  chance {1 / len(classes):.1%} "
           f"(guidance {args.guidance_scale:g}; per caption after: {after_hits} of {args.samples_per_caption})")
     print(f"without guidance: before {before_unguided:.1%}  after {after_unguided:.1%}")
