@@ -158,13 +158,21 @@ def score(model: DiffusionModel, tokenizers, classes: list[str], encoded: torch.
 
 def load_trained(model: DiffusionModel, checkpoint: Path) -> None:
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state"]["model"]
-    model.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    # A run on precomputed latents saves the denoiser only: the encoders stay those built here.
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any(k.startswith(model.denoiser_name + ".") for k in missing):
+        raise SystemExit(f"learns.py: error: {checkpoint} does not fit the model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_config", default="tiny", choices=("tiny", "flux1-tiny"),
                    help="the tiny model to train: SD2's structure (tiny) or Flux.1's (flux1-tiny)")
+    p.add_argument("--precomputed", action="store_true",
+                   help="train as MLPerf's Flux.1 set-up does: latents.py encodes the pictures once (VAE moments and "
+                        "text states), and training runs the denoiser only")
     p.add_argument("--captions", nargs="+", default=None,
                    help="captions to generate pictures for (default: 'a red square' 'a blue circle'), or to score in --data")
     p.add_argument("--data", type=str, default=None,
@@ -254,7 +262,15 @@ def main(argv: list[str] | None = None) -> dict:
     train_start = time.perf_counter()
     save = work / "checkpoints"
     import benchmark
-    trained = run(benchmark.main, ["--model_config", args.model_config, "--remote", str(shards),
+    source = shards
+    if args.precomputed:  # the encoders once per picture, with the seed the scoring model was built with
+        import latents
+        source = work / "latents"
+        run(latents.main, ["--model_config", args.model_config, "--local", str(shards), "--out", str(source),
+                           "--image_size", str(args.image_size), "--seed", str(args.seed), "--num_workers", "0",
+                           "--store_text_states", "--no_progress", "--overwrite"], "latents.py")
+    trained = run(benchmark.main, ["--model_config", args.model_config, "--remote", str(source),
+         *(["--precomputed"] if args.precomputed else []),
          "--local", str(work / "cache"), "--image_size", str(args.image_size), "--batch_size", str(args.batch_size),
          "--max_duration", f"{args.batches}ba", "--lr", str(args.lr), "--lr_warmup_batches", str(args.lr_warmup_batches),
          "--caption_drop_prob", str(args.caption_drop_prob), "--seed", str(args.seed), "--num_workers", "1",
@@ -268,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     after_unguided, _ = score(model, parts.tokenizers, classes, encoded, labels, guidance_scale=1.0, **kwargs)
 
     result = {
-        "model_config": args.model_config,
+        "model_config": args.model_config, "precomputed": args.precomputed,
         "classes": classes, "images": len(keep), "image_size": args.image_size, "batches": args.batches,
         "batch_size": args.batch_size, "samples_per_caption": args.samples_per_caption,
         "score_before": before, "score_after": after, "chance": 1 / len(classes),
