@@ -6,7 +6,10 @@ benchmark.py (tiny model) -> score sampled latents against each caption's encode
     python bench/learns.py --data my_images/                       # images + same-named .txt captions
     python bench/learns.py --data my_mds/ --batches 800            # MDS shards (convert.py's columns)
     python bench/learns.py --make_data pictures                    # only the captioned pictures, for convert.py
-    python bench/learns.py --model_config flux1-tiny --captions "a green triangle" "a purple circle"   # Flux.1's structure
+    python bench/learns.py --model_config flux1-tiny --precomputed --captions "a green triangle" "a purple circle"
+
+`--model_config flux1-tiny` trains Flux.1's structure; `--precomputed` encodes the pictures once with
+latents.py (VAE moments, T5 and CLIP states, MLPerf's set-up) and trains the denoiser alone on them.
 
 Without --data, images are drawn for each caption: a shape in the caption's colour at a random
 position and size on a plain grey background (the caption must name a colour PIL knows and one of
