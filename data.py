@@ -8,9 +8,11 @@
 Image datasets yield dicts with `image` (3, S, S) uint8 pixels and the model family's token ids
 (SD2: `captions` (77,) int64; images cross from the loader workers as bytes, a quarter of float32's
 shared memory, pinned memory and host-to-device traffic; `t2ibench.model.scale_images` maps them to
-[-1, 1] on the device); precomputed ones `latent_mean`, `latent_logvar` and either `captions`
-(token ids, the default format) or `text_states`. All are what `t2ibench.model.DiffusionModel`
-consumes. This file stays at the root, where users of the 2023 benchmark import it from, and is
+[-1, 1] on the device); precomputed ones `latent_mean`, `latent_logvar` and either the family's
+token ids (SD2: `captions`, the default format; Flux: `clip_ids` and `t5_ids`) or its text states
+(SD2: `text_states`; Flux: `t5_states` and `clip_pooled`, MLPerf's format). Every sample also
+carries `sample_index`, which fixes its noise and timestep in the validation loss. All are what
+`t2ibench.model.DiffusionModel` consumes. This file stays at the root, where users of the 2023 benchmark import it from, and is
 built from the package's parts (`t2ibench.sources`, `t2ibench.streaming`, `t2ibench.images`, the
 model families); the package never imports it.
 """

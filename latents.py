@@ -29,6 +29,12 @@ and training runs no encoder at all, for 3.4x the storage (223,240 bytes, 640 TB
 (benchmark.py --precomputed) tells the two formats apart by their columns. The final report
 prints the bytes per sample stored and what 2,867,200,000 such samples take.
 
+Flux.1 (`--model_config flux1-schnell`, `flux1-tiny`) stores text states by default, MLPerf's format:
+`latent_mean` and `latent_logvar` (16, S/8, S/8), `t5_states` (256, 4096: T5-XXL's last hidden states)
+and `clip_pooled` (768: CLIP-L's pooled output), 2,164,232 bytes per 256x256 sample in fp16;
+`--store_token_ids` stores `clip_ids` (77) and `t5_ids` (256) instead (66,210 bytes), and T5-XXL and
+CLIP then run in every training step (docs/flux.md).
+
 Why the distribution and not a latent: the VAE encoder outputs a Gaussian, and online training
 draws a fresh latent from it every time it sees the image. Storing the mean and log-variance lets
 `t2ibench.model.DiffusionModel` do the same draw (mean + exp(logvar / 2) * noise) each epoch, so

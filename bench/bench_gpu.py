@@ -1,8 +1,9 @@
-"""GPU throughput matrix: SD2 base at 512x512, SDXL base at 1024x1024 and Flux.1-schnell at 256x256
-(MLPerf's set-up), with EMA, one `benchmark.py` run per setting, at the global batch of the cost
-table (2048).
+"""GPU throughput matrix: SD2 base at 512x512 and SDXL base at 1024x1024 with EMA at the global batch
+of the cost table (2048), and Flux.1-schnell at 256x256 as MLPerf Training v5.1 runs it (no EMA,
+global batch 512); one `benchmark.py` run per setting.
 
     python bench/bench_gpu.py --out results/h100x8              # every setting, all visible GPUs
+    python bench/bench_gpu.py --out results/h100x8-flux --only flux-precomputed-states-bf16-fsdp   # MLPerf's set-up
     python bench/bench_gpu.py --out /tmp/b --quick              # two settings
     python bench/bench_gpu.py --dry_run --gpus 8 --gpu_memory_gib 79.1   # plan a node you are not on
     python bench/bench_gpu.py --out /tmp/b --only online-bf16 flux-precomputed-states-bf16-fsdp
@@ -10,7 +11,8 @@ table (2048).
 
 It needs only the project's requirements. Each setting runs in its own launch (`composer -n GPUS
 benchmark.py ...`: a fresh CUDA context, so peak memory and compile caches do not leak between
-settings) at global batch 2048, the batch `cost.py` prices, by gradient accumulation: per-step costs
+settings) at its global batch (2048, the batch `cost.py` prices; Flux.1: MLPerf's 512) by gradient
+accumulation: per-step costs
 (AdamW over the denoiser's parameters, the EMA, the gradient all-reduce or reduce-scatter) are
 spread over the same images as in a real run. Each row's microbatch is the largest the memory model
 (t2ibench.memory) fits in the GPU's memory with that row's model, resolution and settings; the
@@ -55,6 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]  # the project root
 sys.path.insert(0, str(ROOT))
 
 GLOBAL_BATCH = 2048  # cost.py's batch (the 2023 benchmark's and the SD2 recipe's)
+# MLPerf Training v5.1's Flux.1 global batch in NVIDIA's 16-GPU entries (its 512-GPU ones use 2048).
+MLPERF_FLUX_GLOBAL_BATCH = 512
 DEFAULT_MODEL_NAME = "stabilityai/stable-diffusion-2-base"  # --model_name: the SD2 rows' pretrained parts
 # --smoke: each family's tiny configuration (same structure, a few million parameters).
 SMOKE_CONFIGS = {"sd2-base": "tiny", "sdxl-base": "sdxl-tiny", "flux1-schnell": "flux1-tiny"}
@@ -75,6 +79,8 @@ class Setting:
     compile: bool = False
     channels_last: bool = False
     microbatch_divisor: int = 1  # 2: half the largest microbatch (is the largest the fastest?)
+    global_batch: int = GLOBAL_BATCH
+    use_ema: bool = True  # MLPerf's Flux.1 reference trains without one
 
     @property
     def family(self):
@@ -93,8 +99,9 @@ class Setting:
 
     @property
     def needs_pretrained(self) -> bool:
-        """Whether the step runs a frozen part (VAE or text encoders), which the run looks up by --model_name."""
-        return self.text_format != "text_states"
+        """Whether the step runs SD2's frozen parts (VAE or text encoder), which the run looks up by
+        --model_name; the other families' rows run random ones where they run any (synthetic data)."""
+        return self.model_config == "sd2-base" and self.text_format != "text_states"
 
     def flags(self) -> list[str]:
         """benchmark.py flags of this row beyond the common ones."""
@@ -109,6 +116,7 @@ class Setting:
 
 
 _TEXT_STATES = dict(precomputed=True, precomputed_format="text_states")
+_MLPERF_FLUX = dict(global_batch=MLPERF_FLUX_GLOBAL_BATCH, use_ema=False)
 MATRIX: dict[str, Setting] = {
     "online-bf16": Setting(),
     "online-bf16-half-microbatch": Setting(microbatch_divisor=2),
@@ -130,9 +138,12 @@ MATRIX: dict[str, Setting] = {
     # Flux.1-schnell as MLPerf Training v5.1 trains it: 256x256, T5 and CLIP outputs precomputed, the
     # 11.9B-parameter transformer sharded (its training state fits no single GPU); then with each
     # block recomputed in backward, which trades a third more compute for a larger microbatch.
-    "flux-precomputed-states-bf16-fsdp": Setting("flux1-schnell", 256, **_TEXT_STATES, fsdp="full_shard"),
+    "flux-precomputed-states-bf16-fsdp": Setting("flux1-schnell", 256, **_TEXT_STATES, fsdp="full_shard",
+                                                 **_MLPERF_FLUX),
     "flux-precomputed-states-bf16-fsdp-ckpt": Setting("flux1-schnell", 256, **_TEXT_STATES, fsdp="full_shard",
-                                                      activation_checkpointing=True),
+                                                      activation_checkpointing=True, **_MLPERF_FLUX),
+    # The same with T5-XXL, CLIP and the VAE in the step (online encoding; not MLPerf's set-up).
+    "flux-online-bf16-fsdp": Setting("flux1-schnell", 256, fsdp="full_shard", **_MLPERF_FLUX),
 }
 QUICK = ["online-bf16", "precomputed-bf16"]
 # --smoke: the same settings on each family's tiny model at 32x32 on CPU, a small batch.
@@ -184,7 +195,7 @@ def plan_row(name: str, setting: Setting, gpus: int, gpu_memory_bytes: float, ou
     """The row's microbatch (the memory model's largest for its settings) and its full command."""
     from t2ibench import memory
 
-    per_device = GLOBAL_BATCH // gpus
+    per_device = setting.global_batch // gpus
     plan = {}
     if smoke:
         microbatch, batch_size = SMOKE_MICROBATCH, gpus * 2 * SMOKE_MICROBATCH
@@ -192,16 +203,17 @@ def plan_row(name: str, setting: Setting, gpus: int, gpu_memory_bytes: float, ou
         plan = memory.plan(setting.model_config, setting.resolution, gpu_memory_bytes,
                            norm_precision=setting.norm_precision, precomputed=setting.precomputed,
                            precomputed_format=setting.text_format, fsdp=setting.fsdp, num_gpus=gpus,
-                           activation_checkpointing=setting.activation_checkpointing)
+                           activation_checkpointing=setting.activation_checkpointing, use_ema=setting.use_ema)
         microbatch = max(1, min(plan["microbatch"], per_device) // setting.microbatch_divisor)
-        # 2048 when the GPU count divides it; else the largest per-device multiple of the microbatch below it.
+        # The row's global batch when the GPU count divides it; else the largest per-device multiple of
+        # the microbatch below it.
         batch_size = gpus * max(microbatch, per_device // microbatch * microbatch)
         plan = {**plan, "microbatch": microbatch,
                 "predicted_bytes_at_microbatch": memory.predicted_bytes(plan, microbatch)}
     launcher = [sys.executable, "-m", "composer.cli.launcher", "-n", str(gpus)]
     # Only rows whose step runs a frozen part look it up (--model_name is SD2's); the others build none.
     pretrained = ["--model_name", model_name] if setting.needs_pretrained else []
-    command = [*launcher, str(ROOT / "benchmark.py"), "--use_synth_data", "--use_ema", "--precision", "amp_bf16",
+    command = [*launcher, str(ROOT / "benchmark.py"), "--use_synth_data", *(["--use_ema"] if setting.use_ema else []), "--precision", "amp_bf16",
                "--batch_size", str(batch_size), "--device_train_microbatch_size", str(microbatch),
                "--max_duration", f"{batches}ba", "--warmup_batches", str(warmup), "--num_workers", "8",
                "--log_interval", "5ba", *pretrained, "--results_json", str(out / f"{name}.json"), *setting.flags(),
@@ -442,12 +454,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     memory_gib = gpu_memory_bytes / 2**30
     print(f"{len(rows)} settings on {gpus} GPU(s){f' of {memory_gib:.1f} GiB' if not args.smoke else ''}, "
           f"{args.batches} batches each ({args.warmup_batches} warm-up)"
-          + (f"; global batch {GLOBAL_BATCH} by gradient accumulation" if not args.smoke else ""), flush=True)
+          + ("; each row at its global batch by gradient accumulation" if not args.smoke else ""), flush=True)
     for row, row_s in zip(rows, seconds or [None] * len(rows)):
         accumulation = row.batch_size // gpus // row.microbatch
         predicted = row.plan.get("predicted_bytes_at_microbatch")
         print(f"  {row.name} ({row.setting.model_config} {row.setting.resolution}): microbatch {row.microbatch} "
-              f"x {accumulation} per GPU per step"
+              f"x {accumulation} per GPU per step, global batch {row.batch_size}"
               + (f", predicted {predicted / 2**30:.1f} GiB" if predicted else "")
               + (f", about {row_s / 60:.1f} min" if row_s else ""), flush=True)
         if args.dry_run:
@@ -474,8 +486,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
     header = (f"{gpus} x {info['device']}, {versions}, Python {info['python']}, {info['date_utc']}; "
-              f"{'tiny models at 32x32 (--smoke), ' if args.smoke else ''}with EMA, synthetic data, "
-              f"amp_bf16, global batch {rows[0].batch_size if rows else GLOBAL_BATCH}, microbatch from the memory "
+              f"{'tiny models at 32x32 (--smoke), ' if args.smoke else ''}synthetic data, amp_bf16, EMA and "
+              f"global batch {GLOBAL_BATCH} (Flux.1: no EMA, global batch {MLPERF_FLUX_GLOBAL_BATCH}), microbatch from the memory "
               f"model (t2ibench.memory), {args.batches} batches ({args.warmup_batches} warm-up); MFU counts the "
               f"encoders' forward passes, trained-network MFU the denoiser's forward and backward only. Cost: "
               f"python cost.py {out}/<setting>.json")

@@ -7,13 +7,18 @@ benchmark.py (tiny model) -> score sampled latents against each caption's encode
     python bench/learns.py --data my_images/                       # images + same-named .txt captions
     python bench/learns.py --data my_mds/ --batches 800            # MDS shards (convert.py's columns)
     python bench/learns.py --make_data pictures                    # only the captioned pictures, for convert.py
+    python bench/learns.py --model_config flux1-tiny --precomputed --captions "a green triangle" "a purple circle"
+
+`--model_config flux1-tiny` trains Flux.1's structure; `--precomputed` encodes the pictures once with
+latents.py (VAE moments, T5 and CLIP states, MLPerf's set-up) and trains the denoiser alone on them.
 
 Without --data, images are drawn for each caption: a shape in the caption's colour at a random
 position and size on a plain grey background (the caption must name a colour PIL knows and one of
 the shapes below). With --data, the classes are its distinct captions (or the --captions among them).
 
 The score: for each caption, latents are sampled with the project's sampler (t2ibench/sampling.py: diffusers
-DDIM, fixed seeds) from the UNet, and each sample counts as right when the nearest (L2) of the
+DDIM for SD2, flow-matching Euler for Flux; fixed seeds) from the denoiser, and each sample counts as
+right when the nearest (L2) of the
 encoded latents of all the dataset's images (VAE posterior means, scaled) belongs to its own
 caption. It is judged in latent space because the tiny VAE is random: its decoded pictures mean
 nothing, while its latents still separate the pictures. The score is printed for the UNet before
@@ -46,7 +51,7 @@ from t2ibench.model import DiffusionModel  # noqa: E402
 from t2ibench.sampling import MAX_GUIDANCE_SCALE, make_sampler, sample_latents  # noqa: E402
 
 # The miniatures: random encoders are all they have, so scoring is in latent space (see above).
-LEARNING_CONFIGS = ("tiny", "sdxl-tiny")
+LEARNING_CONFIGS = ("tiny", "sdxl-tiny", "flux1-tiny")
 # Both miniatures train on SD2's DDPM schedule (SDXL's is the same): DDIM takes at most this many steps.
 NUM_TRAIN_TIMESTEPS = SCHEDULER_CONFIG["num_train_timesteps"]
 DEFAULT_WARMUP_BATCHES = 50  # of the default 1000-1500 batches; a short run warms up over a tenth of itself
@@ -161,7 +166,7 @@ def score(model: DiffusionModel, tokenizers, classes: list[str], encoded: torch.
     flat = encoded.flatten(1)
     for c in range(len(classes)):
         seeds = [seed + 1000 * c + k for k in range(samples_per_class)]
-        sampler = make_sampler("ddim", model.noise_scheduler.config)
+        sampler = make_sampler(next(iter(model.family.samplers)), model.noise_scheduler.config, model.family)
         cond = {k: v[c:c + 1].expand(samples_per_class, *v.shape[1:]) for k, v in states.items()}
         empty = model.family.as_unconditional({k: v[-1:] for k, v in states.items()})
         latents = sample_latents(model.family, model.denoiser, cond, empty, sampler, steps, guidance_scale, seeds,
@@ -173,13 +178,21 @@ def score(model: DiffusionModel, tokenizers, classes: list[str], encoded: torch.
 
 def load_trained(model: DiffusionModel, checkpoint: Path) -> None:
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state"]["model"]
-    model.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    # A run on precomputed latents saves the denoiser only: the encoders stay those built here.
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any(k.startswith(model.denoiser_name + ".") for k in missing):
+        raise SystemExit(f"learns.py: error: {checkpoint} does not fit the model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
 
 
 def build_parser() -> Parser:
     p = Parser("learns.py", description=__doc__)
     p.add_argument("--model_config", default="tiny", choices=LEARNING_CONFIGS,
-                   help="the miniature to train: tiny (SD2's structure) or sdxl-tiny (SDXL's)")
+                   help="the miniature to train: tiny (SD2's structure), sdxl-tiny (SDXL's) or flux1-tiny (Flux.1's)")
+    p.add_argument("--precomputed", action="store_true",
+                   help="train as MLPerf's Flux.1 set-up does: latents.py encodes the pictures once (VAE moments and "
+                        "text states), and training runs the denoiser only")
     p.add_argument("--captions", nargs="+", default=None,
                    help="captions to generate pictures for (default: 'a red square' 'a blue circle'), or to score in --data")
     p.add_argument("--data", type=str, default=None,
@@ -315,7 +328,15 @@ def learn(args: argparse.Namespace) -> dict:
     train_start = time.perf_counter()
     save = work / "checkpoints"
     import benchmark
-    trained = run(benchmark.main, ["--model_config", args.model_config, "--remote", str(shards),
+    source = shards
+    if args.precomputed:  # the encoders once per picture, with the seed the scoring model was built with
+        import latents
+        source = work / "latents"
+        run(latents.main, ["--model_config", args.model_config, "--local", str(shards), "--out", str(source),
+                           "--image_size", str(args.image_size), "--seed", str(args.seed), "--num_workers", "0",
+                           "--store_text_states", "--no_progress", "--overwrite"], "latents.py")
+    trained = run(benchmark.main, ["--model_config", args.model_config, "--remote", str(source),
+         *(["--precomputed"] if args.precomputed else []),
          "--local", str(work / "cache"), "--image_size", str(args.image_size), "--batch_size", str(args.batch_size),
          "--max_duration", f"{args.batches}ba", "--lr", str(args.lr), "--lr_warmup_batches", str(args.lr_warmup_batches),
          "--caption_drop_prob", str(args.caption_drop_prob), "--seed", str(args.seed), "--num_workers", "1",
@@ -329,7 +350,8 @@ def learn(args: argparse.Namespace) -> dict:
     after_unguided, _ = score(model, parts.tokenizers, classes, encoded, labels, guidance_scale=1.0, **kwargs)
 
     result = {
-        "model_config": args.model_config, "classes": classes, "images": len(keep), "image_size": args.image_size, "batches": args.batches,
+        "model_config": args.model_config, "precomputed": args.precomputed,
+        "classes": classes, "images": len(keep), "image_size": args.image_size, "batches": args.batches,
         "batch_size": args.batch_size, "samples_per_caption": args.samples_per_caption,
         "score_before": before, "score_after": after, "chance": 1 / len(classes),
         "hits_before": before_hits, "hits_after": after_hits, "guidance_scale": args.guidance_scale,

@@ -507,6 +507,11 @@ def check_recipe(args: argparse.Namespace, family: ModelFamily) -> None:
              f"{' or '.join(family.samplers)}")
     if args.precomputed and args.use_synth_data and args.precomputed_format is None:
         args.precomputed_format = family.default_precomputed_format
+    if family.parallelism == "fsdp" and args.model_config in family.pretrained_configs and torch.cuda.is_available():
+        # Every GPU would hold all of it under DDP: fail in a second, not with an out-of-memory error later.
+        fail(f"--model_config {args.model_config} trains sharded: its fp32 weights, gradients and AdamW moments "
+             "(16 bytes per parameter, 190 GB for Flux.1-schnell) fit no single GPU, and this version of "
+             "benchmark.py has no FSDP yet (see docs/flux.md); flux1-tiny runs anywhere")
     if args.lr_warmup_batches < 0:
         fail(f"--lr_warmup_batches {args.lr_warmup_batches} must be >= 0")
     if args.grad_clip_norm is not None and args.grad_clip_norm <= 0:

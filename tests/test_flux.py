@@ -214,3 +214,18 @@ def test_exported_folder_loads_in_flux_pipeline_offline_and_samples(tiny, tmp_pa
                               generator=[torch.Generator().manual_seed(i) for i in range(2)],
                               max_sequence_length=32).images
     assert torch.allclose(flux.pack_latents(ours), pipeline_latents, atol=1e-4)
+
+
+def test_cost_table_is_labelled_for_flux_with_mlperf_reference_rows(capsys):
+    import cost
+    rows = cost.main(["--model_config", "flux1-schnell", "--gpus", "8", "--images_per_sec", "240", "--num_gpus", "8", "16"])
+    out = capsys.readouterr().out
+    assert out.startswith("Flux.1-schnell (MLPerf Training v5.1's model) at 256x256: 1,099,776 images")
+    measured = [r for r in rows if r.source in ("measured", "predicted")]
+    references = [r for r in rows if "published elsewhere" in r.source]
+    assert [r.num_gpus for r in measured] == [8, 16]
+    assert {r.source for r in references} == {f"MLPerf v5.1 {g} (published elsewhere)" for g in
+                                                ("B200", "GB200", "GB300", "GB300 (best)")}
+    b200 = next(r for r in references if "B200 (" in r.source and "GB" not in r.source)
+    assert b200.num_gpus == 8 and b200.images_per_sec == 8 * 51.0
+    assert b200.days == pytest.approx(1_099_776 / (8 * 51.0) / 86_400)

@@ -121,3 +121,36 @@ def test_two_ranks_killed_and_resumed_reach_the_same_weights_and_validation_loss
     assert [e["batch"] for e in r_ref["eval_history"]] == [e["batch"] for e in r_res["eval_history"]] == [3, 6]
     assert all(e["held_out_samples"] == 8 for e in r_ref["eval_history"])
     assert [e["loss"] for e in r_ref["eval_history"]] == [e["loss"] for e in r_res["eval_history"]]
+
+
+def test_latents_py_writes_mlperfs_format_and_training_reads_it_like_synthetic_data(tmp_path):
+    import convert
+    import data
+    import latents
+    sys.path.insert(0, str(ROOT / "bench"))
+    from learns import write_shapes
+    from t2ibench.families import family_of
+    write_shapes(tmp_path / "pictures", ["a red square", "a blue circle"], 4, 32, seed=0)
+    convert.main([str(tmp_path / "pictures"), "--out", str(tmp_path / "mds"), "--workers", "1", "--no_progress"])
+    common = ["--model_config", "flux1-tiny", "--local", str(tmp_path / "mds"), "--image_size", "32", "--batch_size", "4",
+              "--num_workers", "0", "--no_progress"]
+    states = latents.main(common + ["--out", str(tmp_path / "states")])
+    tokens = latents.main(common + ["--out", str(tmp_path / "tokens"), "--store_token_ids"])
+    flux = family_of("flux1-tiny")
+    sizes = flux.precomputed_bytes_per_sample("flux1-tiny", 32)
+    assert states["format"] == "text_states" and tokens["format"] == "tokens"
+    # What is stored per sample: the arrays of the family's format, plus the caption and MDS offsets.
+    assert 0 < states["bytes_per_sample_raw"] - sizes["total"] < 100
+    # A stored sample and a synthetic one have the same keys, shapes and dtypes.
+    stored = data.StreamingLatents(local=str(tmp_path / "states"), batch_size=4, family=flux, config="flux1-tiny",
+                                   image_size=32, shuffle=False)
+    synthetic = data.SyntheticLatents(32, 64, num_samples=4, family=flux, config="flux1-tiny", text_format="text_states",
+                                      latent_channels=16)
+    a, b = stored.get_item(0), synthetic[0]
+    assert {k: (tuple(v.shape), v.dtype) for k, v in a.items()} == {k: (tuple(v.shape), v.dtype) for k, v in b.items()}
+    for name in ("states", "tokens"):
+        r = benchmark.main(FLUX_TINY[:2] + ["--precomputed", "--local", str(tmp_path / name), "--image_size", "32",
+                                            "--batch_size", "4", "--max_duration", "2ba", "--num_workers", "0",
+                                            "--eval_interval", "2ba", "--eval_local", str(tmp_path / name)])
+        assert r["precomputed_format"] == ("text_states" if name == "states" else "tokens")
+        assert r["eval_history"][0]["held_out_samples"] == 8
