@@ -358,15 +358,16 @@ def check_dataset_size(num_samples: int, label: str, args: argparse.Namespace) -
              f"no step could run; pass a --batch_size of at most {num_samples}, or use more data")
 
 
-def check_data(args: argparse.Namespace) -> None:
-    """The dataset the flags name: it exists, is MDS, has the columns asked for and >= one global batch."""
+def check_data(args: argparse.Namespace) -> int:
+    """The dataset the flags name: it exists, is MDS, has the columns asked for and >= one global batch.
+    Returns the samples of one epoch."""
     if args.use_synth_data and args.sources:
         fail("--use_synth_data trains on random samples and would ignore " + ("--remote" if args.remote else "--local")
              + "; pass one or the other")
     if args.use_synth_data:
         check_dataset_size(args.num_synthetic_samples,
                            f"the synthetic dataset (--num_synthetic_samples {args.num_synthetic_samples})", args)
-        return
+        return args.num_synthetic_samples
     if not args.sources:
         fail("no data: pass --use_synth_data, or --remote (with --local as cache), or --local with MDS shards "
              "already there")
@@ -379,6 +380,9 @@ def check_data(args: argparse.Namespace) -> None:
     if args.epoch_size is None:
         # With --epoch_size, Streaming draws that many samples whatever the sources hold.
         check_dataset_size(num_samples, " + ".join(source.label for source in args.sources), args)
+        return num_samples
+    from streaming.base.util import number_abbrev_to_int
+    return number_abbrev_to_int(args.epoch_size)
 
 
 def check_source(source: Source, args: argparse.Namespace) -> int:
@@ -387,6 +391,11 @@ def check_source(source: Source, args: argparse.Namespace) -> int:
     if Path(local).exists() and not Path(local).is_dir():
         fail(f"--local {local} is a file, not a folder")
     check_cache(source)
+    if args.precomputed and (not remote or not is_remote(remote)):
+        check_precompute_record(Path(remote or local, PRECOMPUTE_RECORD), args)
+    if remote and not is_remote(remote) and Path(remote, "index.json").is_file():
+        check_shard_files(Path(remote), read_index(Path(remote, "index.json"), remote), f"--remote {remote}", args,
+                          every_shard=True)
     if Path(local, "index.json").is_file():  # Streaming reads the cached index rather than the remote's
         index = read_index(Path(local, "index.json"), local)
         samples = check_index(index, f"--local {local}", args)
@@ -507,11 +516,6 @@ def check_recipe(args: argparse.Namespace, family: ModelFamily) -> None:
              f"{' or '.join(family.samplers)}")
     if args.precomputed and args.use_synth_data and args.precomputed_format is None:
         args.precomputed_format = family.default_precomputed_format
-    if family.parallelism == "fsdp" and args.model_config in family.pretrained_configs and torch.cuda.is_available():
-        # Every GPU would hold all of it under DDP: fail in a second, not with an out-of-memory error later.
-        fail(f"--model_config {args.model_config} trains sharded: its fp32 weights, gradients and AdamW moments "
-             "(16 bytes per parameter, 190 GB for Flux.1-schnell) fit no single GPU, and this version of "
-             "benchmark.py has no FSDP yet (see docs/flux.md); flux1-tiny runs anywhere")
     if args.lr_warmup_batches < 0:
         fail(f"--lr_warmup_batches {args.lr_warmup_batches} must be >= 0")
     if args.grad_clip_norm is not None and args.grad_clip_norm <= 0:

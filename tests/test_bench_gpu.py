@@ -33,21 +33,24 @@ def _flags(command: list[str]) -> dict[str, str | bool]:
 
 
 def _check_planned(rows: list[dict], printed: str) -> None:
-    """Every row of a dry run on 8 x 79.1 GiB: batch 2048 and the memory model's microbatch for its own settings."""
+    """Every row of a dry run on 8 x 79.1 GiB: its global batch (2048; Flux.1: MLPerf's 512), EMA as the row
+    says, and the memory model's microbatch for its own settings."""
     for row in rows:
         setting = bench_gpu.MATRIX[row["name"]]
         command = row["command"]
         flag = _flags(command)
-        assert command[command.index("-n") + 1] == "8" and flag["--batch_size"] == "2048"
+        assert command[command.index("-n") + 1] == "8" and flag["--batch_size"] == str(setting.global_batch)
+        assert ("--use_ema" in flag) is setting.use_ema
         assert (flag["--model_config"], int(flag["--image_size"])) == (setting.model_config, setting.resolution)
         micro = int(flag["--device_train_microbatch_size"])
         # The memory model's largest microbatch for the row's own settings (halved where the row says).
         plan = memory.plan(setting.model_config, setting.resolution, 79.1 * 2**30,
                            norm_precision=setting.norm_precision, precomputed=setting.precomputed,
-                           precomputed_format=setting.text_format, fsdp=setting.fsdp, num_gpus=8, per_device_batch=256,
+                           precomputed_format=setting.text_format, fsdp=setting.fsdp, num_gpus=8,
+                           per_device_batch=setting.global_batch // 8, use_ema=setting.use_ema,
                            activation_checkpointing=setting.activation_checkpointing)
         assert plan["microbatch"] >= 1, row["name"]  # every row fits the GPU
-        assert micro == plan["microbatch"] // setting.microbatch_divisor and 256 % micro == 0
+        assert micro == plan["microbatch"] // setting.microbatch_divisor and (setting.global_batch // 8) % micro == 0
         assert memory.predicted_bytes(plan, micro) <= 79.1 * 2**30
         assert flag["--fsdp"] == setting.fsdp  # the run shards as the plan counted
         assert ("--activation_checkpointing" in flag) is setting.activation_checkpointing

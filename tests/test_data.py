@@ -126,7 +126,7 @@ def all_caption_keys(tok) -> dict[tuple[int, ...], int]:
 
 
 def check_sample(sample: dict[str, torch.Tensor]) -> None:
-    assert set(sample) == {"image", "captions"}
+    assert set(sample) == {"image", "captions", "sample_index"}  # the index fixes its validation-loss noise
     image, captions = sample["image"], sample["captions"]
     assert image.shape == (3, SIZE, SIZE) and image.dtype == torch.uint8  # bytes cross from the workers
     assert captions.shape == (MAX_LENGTH,) and captions.dtype == torch.int64

@@ -182,7 +182,7 @@ def test_numbers_written_as_strings_are_checked_too(tmp_path, command, flag, val
       "--max_duration", "1ep"], "--ema_start 1ep starts the average after"),
     (["--loss_bins", "1001"], "--loss_bins 1001 must be an integer from 0 to 1000"),
     (["--sample_steps", "1001"], "--sample_steps 1001 must be"),
-    (["--num_workers", str(flags.max_workers() + 1)], "worker processes per CPU core"),
+    (["--num_workers", str(cli.max_workers() + 1)], "worker processes per CPU core"),
 ])
 def test_ranges_that_depend_on_the_run_or_the_machine(tmp_path, args, expect):
     assert expect in error_of(benchmark.main, TINY + [a.format(tmp=tmp_path) for a in args])
