@@ -90,7 +90,7 @@ NOT_NUMBERS = {
     "benchmark.py": {"--remote", "--local", "--model_name", "--ema_export_dir", "--wandb_name", "--wandb_project",
                      "--model_config", "--precision", "--results_json", "--image_key", "--caption_key",
                      "--validate_hash", "--save_folder", "--load_path", "--run_name", "--sample_prompts",
-                     "--samples_dir"},
+                     "--samples_dir", "--eval_remote", "--eval_local"},
     "convert.py": {"inputs", "--out", "--image_column", "--caption_column"},
     "latents.py": {"--remote", "--local", "--out", "--model_name", "--model_config", "--image_key", "--caption_key"},
     "export.py": {"checkpoint", "--out", "--model_name"},
@@ -109,6 +109,7 @@ NUMBER_STRINGS = [
     ("benchmark.py", "--cache_limit", ["nan", "0", "lots"], []),
     ("benchmark.py", "--ema_start", ["nan", "-1ba", "2dur", "10sp"], ["--use_ema"]),
     ("benchmark.py", "--ema_half_life", ["nan", "0ba", "3ep"], ["--use_ema"]),
+    ("benchmark.py", "--eval_interval", ["nan", "0ba", "5sp"], []),
     ("benchmark.py", "--sample_interval", ["nan", "0ba", "-2ba", "5sp"], ["--sample_prompts", "shapes",
                                                                          "--samples_dir", "/tmp/unused-samples"]),
     ("convert.py", "--size_limit", ["nan", "0", "5gb"], []),
@@ -418,7 +419,7 @@ def test_a_shard_that_fails_while_training_is_named_in_one_line(tmp_path):
 
 def test_unwritable_home_still_builds_the_tokenizer(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XDG_CACHE_HOME"}
-    result = subprocess.run([sys.executable, "-c", "from tokenizer import bundled_tokenizer, tokenize; "
+    result = subprocess.run([sys.executable, "-c", "from t2ibench.tokenizer import bundled_tokenizer, tokenize; "
                              "print(tokenize(bundled_tokenizer(), ['a red square'])[0, :4].tolist())"],
                             cwd=ROOT, env={**env, "HOME": "/proc/no-home", "PYTHONPATH": str(ROOT)},
                             capture_output=True, text=True, timeout=600)

@@ -226,7 +226,8 @@ def test_other_settings_are_refused(single):
 def test_values_that_cannot_be_stored_stop_the_run(storage, bad, error):
     mean, logvar, text = torch.zeros(3, 4, 8, 8), torch.zeros(3, 4, 8, 8), torch.zeros(3, 77, 16)
     mean[1, 2, 3, 4] = bad
-    encoded = latents.Encoded([10, 11, 12], ["a", "b", "c"], (mean, logvar, text), storage, torch.device("cpu"))
+    encoded = latents.Encoded([10, 11, 12], ["a", "b", "c"], (mean, logvar, {"text_states": text}), storage,
+                              torch.device("cpu"))
     if error is None:
         arrays, ranges = encoded.arrays(storage, "fp32")
         assert arrays[0].dtype == np.float32 and ranges[0] == bad
@@ -241,7 +242,7 @@ def test_training_dataset_reads_either_format_and_checks_the_shapes(single, stat
                                          text_dim=64, batch_size_per_device=4, num_workers=0, seed=SEED)
         assert loader.dataset.text_format == ("tokens" if text_key == "captions" else "text_states")
         batch = next(iter(loader))
-        assert set(batch) == {*data.LATENT_KEYS, text_key}
+        assert set(batch) == {*data.LATENT_KEYS, text_key, "sample_index"}  # the index: validation-loss noise
         assert batch["latent_mean"].shape == batch["latent_logvar"].shape == (4, 4, 8, 8)
         assert batch["latent_mean"].dtype == torch.float16
         if text_key == "captions":  # token ids, as image batches carry them
@@ -258,7 +259,7 @@ def test_training_dataset_reads_either_format_and_checks_the_shapes(single, stat
 def test_synthetic_latents_are_deterministic_and_shaped_like_the_shards():
     dataset = data.SyntheticLatents(image_size=64, text_dim=32, num_samples=10, seed=3)
     a, b = dataset[4], dataset[4]
-    assert set(a) == {*data.LATENT_KEYS, "captions"} and all(torch.equal(a[k], b[k]) for k in a)
+    assert set(a) == {*data.LATENT_KEYS, "captions", "sample_index"} and all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["latent_mean"], dataset[5]["latent_mean"])
     loader = data.latents_dataloader(synthetic=True, remote=None, local=None, image_size=64, text_dim=32,
                                      batch_size_per_device=4, num_workers=0, num_samples=10, seed=3,
