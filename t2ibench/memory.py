@@ -465,7 +465,7 @@ def _batch_size(batch: dict[str, torch.Tensor]) -> int:
     return int(next(iter(batch.values())).shape[0])
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ActivationModel:
     """Bytes of a microbatch of `b` images: `per_image * b + per_microbatch`, from counts at b = 2, 4."""
 
@@ -482,6 +482,9 @@ class ActivationModel:
         return self.peak_per_image * microbatch + self.peak_per_microbatch
 
 
+# Cached: a count runs two meta-device steps (seconds to a minute), and a matrix of plans (bench_gpu.py,
+# --table) asks for the same count under several GPU sizes, FSDP modes and EMA settings.
+@functools.lru_cache(maxsize=None)
 def activation_model(model_config: str, image_size: int, *, precision: str = "amp_bf16",
                      norm_precision: str = "autocast", precomputed: bool = False,
                      precomputed_format: str | None = None, activation_checkpointing: bool = False,
