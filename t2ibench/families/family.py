@@ -239,6 +239,21 @@ def hub_reachable() -> bool:
     return True
 
 
+def latent_scale_of(vae: torch.nn.Module | None, config_scale: float, model_name: str | None) -> float:
+    """The VAE's scaling factor: the built VAE's, or, on precomputed latents (no VAE built), that of the
+    VAE that encoded them, read from `model_name`'s vae/config.json only, else `config_scale` (the
+    family's own value)."""
+    if vae is not None:
+        return float(vae.config.scaling_factor)
+    if model_name:
+        from diffusers import AutoencoderKL
+        try:
+            return float(AutoencoderKL.load_config(model_name, subfolder="vae", local_files_only=True)["scaling_factor"])
+        except Exception:  # noqa: BLE001 - not available offline: the family's own value
+            pass
+    return float(config_scale)
+
+
 def load_pretrained(cls: Any, model_name: str | None, subfolder: str) -> Any:
     """`cls.from_pretrained(model_name, subfolder)`, or None when unavailable offline.
 

@@ -22,7 +22,7 @@ from diffusers import (AutoencoderKL, DDIMScheduler, DDPMScheduler, EulerDiscret
                        UNet2DConditionModel)
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-from t2ibench.families.family import ModelFamily, Parts, denoiser_flops, load_pretrained, seeded
+from t2ibench.families.family import ModelFamily, Parts, denoiser_flops, latent_scale_of, load_pretrained, seeded
 from t2ibench.flops import count_flops
 from t2ibench.objectives import DDPMObjective
 from t2ibench.tokenizer import MAX_LENGTH, VOCAB_SIZE, bundled_tokenizer, tokenize
@@ -128,17 +128,8 @@ class SD2(ModelFamily):
                 random.remove("tokenizer")
         scheduler = load_pretrained(DDPMScheduler, lookup, "scheduler") or DDPMScheduler(**SCHEDULER_CONFIG)
         unet = UNet2DConditionModel(**cfg["unet"]) if denoiser else None  # always from scratch: the benchmark
-        if built_vae is not None:
-            latent_scale = built_vae.config.scaling_factor
-        else:  # precomputed latents: the scale of the VAE that encoded them, read from its config only
-            latent_scale = cfg["vae"]["scaling_factor"]
-            if lookup:
-                try:
-                    latent_scale = AutoencoderKL.load_config(lookup, subfolder="vae", local_files_only=True)[
-                        "scaling_factor"]
-                except Exception:  # noqa: BLE001 - not available offline: SD2's own value from the config above
-                    pass
-        return Parts(unet, built_vae, encoders, tokenizer, scheduler, float(latent_scale),
+        latent_scale = latent_scale_of(built_vae, cfg["vae"]["scaling_factor"], lookup)
+        return Parts(unet, built_vae, encoders, tokenizer, scheduler, latent_scale,
                      pretrained=pretrained, random=random)
 
     def meta_parts(self, config: str) -> Parts:

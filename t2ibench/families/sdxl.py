@@ -53,7 +53,7 @@ from diffusers import (AutoencoderKL, DDIMScheduler, DDPMScheduler, EulerDiscret
                        UNet2DConditionModel)
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from t2ibench.families.family import ModelFamily, Parts, load_pretrained, seeded
+from t2ibench.families.family import ModelFamily, Parts, latent_scale_of, load_pretrained, seeded
 from t2ibench.families.sd2 import SCHEDULER_CONFIG, TINY, TINY_VAE_LOGVAR_BIAS
 from t2ibench.flops import count_flops
 from t2ibench.images import CROP_KEY, ORIGINAL_SIZE_KEY
@@ -230,17 +230,8 @@ class SDXL(ModelFamily):
         # its hub scheduler/ is the Euler sampler of inference, so the training schedule is built here.
         scheduler = DDPMScheduler(**SCHEDULER_CONFIG)
         unet = UNet2DConditionModel(**cfg["unet"]) if denoiser else None  # always from scratch: the benchmark
-        if built_vae is not None:
-            latent_scale = built_vae.config.scaling_factor
-        else:  # precomputed latents: the scale of the VAE that encoded them, read from its config only
-            latent_scale = cfg["vae"]["scaling_factor"]
-            if lookup:
-                try:
-                    latent_scale = AutoencoderKL.load_config(lookup, subfolder="vae", local_files_only=True)[
-                        "scaling_factor"]
-                except Exception:  # noqa: BLE001 - not available offline: SDXL's own value from the config above
-                    pass
-        return Parts(unet, built_vae, encoders, found, scheduler, float(latent_scale),
+        latent_scale = latent_scale_of(built_vae, cfg["vae"]["scaling_factor"], lookup)
+        return Parts(unet, built_vae, encoders, found, scheduler, latent_scale,
                      pretrained=pretrained, random=random)
 
     def meta_parts(self, config: str) -> Parts:
