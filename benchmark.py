@@ -33,6 +33,7 @@ from t2ibench import checks, errors, flags, parallel
 from t2ibench.callbacks.empty_epoch import EmptyEpochError, StopOnEmptyEpoch
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
 from t2ibench.callbacks.nonfinite_loss import NonFiniteLossError, StopOnNonFiniteLoss
+from t2ibench.callbacks.profile import ProfileBatches, format_profile
 from t2ibench.callbacks.progress import ConsoleProgress
 from t2ibench.callbacks.resume_rng import RestoreRngOnStreamingResume
 from t2ibench.callbacks.run_record import RunRecord
@@ -50,6 +51,7 @@ from t2ibench.sampling import MAX_GUIDANCE_SCALE, load_prompts, write_pipeline
 from t2ibench.objectives import TIMESTEP_SAMPLINGS
 from t2ibench.sources import parse_sources, record_cache
 from t2ibench.streaming import StreamingSettings
+from t2ibench.weight_casts import WEIGHT_CASTS, CastWeightsOncePerStep
 
 # SD2's and SDXL's DDPM schedules have 1000 training timesteps (Flux's are continuous): more loss bins
 # than that would stay empty, and more sampler steps than that repeat timesteps.
@@ -117,6 +119,15 @@ def build_parser() -> flags.Parser:
     g.add_argument("--fused_adamw", type=str, default="auto", choices=("auto", "on", "off"),
                    help="fused AdamW kernel; auto: on with CUDA")
     g.add_argument("--xformers", action="store_true", help="use xFormers attention in the UNet (default: PyTorch SDPA)")
+    g.add_argument("--weight_casts", type=str, default="auto", choices=WEIGHT_CASTS,
+                   help="cast the denoiser's weights to bf16 once per optimizer step (step: bf16 copies, fp32 "
+                        "weights for the optimizer) or in every microbatch's forward and backward as autocast does "
+                        "(microbatch); auto: step on one CUDA device under amp_bf16, else microbatch")
+    g.add_argument("--profile_batches", type=Range(int, 0, 1000), default=0,
+                   help="profile this many batches right after the warm-up with the torch profiler (left out of "
+                        "the throughput window): a trace for Perfetto / chrome://tracing, the 15 most expensive "
+                        "ops and the device-busy fraction in the summary and the results JSON")
+    g.add_argument("--profile_dir", type=str, default="profile", help="where --profile_batches writes its trace")
     g.add_argument("--activation_checkpointing", action="store_true",
                    help="recompute each block of the denoiser in the backward pass instead of keeping its activations "
                         "(diffusers' gradient checkpointing): less memory, about a third more compute")
@@ -352,6 +363,7 @@ class Measured:
     loss_by_timestep: LossByTimestep | None
     ema: Callback | None  # ema.EMA (an Algorithm)
     validation: ValidationLog | None = None
+    profile: ProfileBatches | None = None
 
 
 def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, training_data: TrainingData,
@@ -374,8 +386,12 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, training
     peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
     pauses = Pauses()
     trained_flops = flops["total"] - flops["vae_encoder"] - flops["text_encoder"]  # the denoiser's forward and backward
-    measured = Measured(Throughput(args.warmup_batches, flops["total"], peak_flops, pauses, trained_flops),
+    # Profiled batches (slowed by the profiler) come right after the warm-up, before the measured window.
+    measured = Measured(Throughput(args.warmup_batches + args.profile_batches, flops["total"], peak_flops, pauses,
+                                   trained_flops),
                         LossByTimestep(args.log_interval) if args.loss_bins else None, None)
+    if args.profile_batches:
+        measured.profile = ProfileBatches(args.warmup_batches, args.profile_batches, args.profile_dir)
     algorithms = []
     if args.use_ema:
         from ema import EMA
@@ -387,6 +403,10 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, training
     if args.grad_clip_norm:
         from composer.algorithms import GradientClipping
         algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=args.grad_clip_norm))
+    if run.weight_casts == "step":
+        # Last in the list: Composer runs AFTER_* events in reverse order, and the fp32 weights must
+        # have their gradients back before gradient clipping looks at them.
+        algorithms.append(CastWeightsOncePerStep(model.denoiser))
     evaluators = []
     if training_data.eval_loader is not None:
         measured.validation = ValidationLog(pauses, args.eval_target)
@@ -408,6 +428,8 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, training
         callbacks.append(measured.validation)
     if measured.loss_by_timestep:
         callbacks.append(measured.loss_by_timestep)
+    if measured.profile:
+        callbacks.append(measured.profile)
     if args.sample_prompts:
         callbacks.append(SampleImages(
             model.family, load_prompts(args.sample_prompts), args.samples_dir or os.path.join(args.save_folder, "samples"),
@@ -489,6 +511,8 @@ def train(args: argparse.Namespace, run: Runtime, trainer: Trainer, built: Model
         "loss_by_timestep_bin": measured.loss_by_timestep.summary() if measured.loss_by_timestep else [],
         "timestep_sampling": args.timestep_sampling,
         "activation_checkpointing": args.activation_checkpointing,
+        "weight_casts": run.weight_casts,
+        **(measured.profile.summary if measured.profile else {}),
         **(measured.validation.summary() if measured.validation else {"eval_loss": None}),
         "torch_version": torch.__version__,
     }
@@ -553,6 +577,10 @@ def print_summary(r: dict) -> None:
         f"model {r['model_config']} at {r['image_size']}x{r['image_size']}, {r['precision']}, "
         f"{r['world_size']} x {r['device']}, global batch {r['global_batch_size']}, "
         f"microbatch {r['device_train_microbatch_size']}\n"
+        f"set-up       weight casts per {r['weight_casts']}, activation checkpointing "
+        f"{'on' if r['activation_checkpointing'] else 'off'}, compile {'on' if r['compile'] else 'off'}, fused AdamW "
+        f"{'on' if r['fused_adamw'] else 'off'}, norms {r['norm_precision'] or 'fp32'}"
+        f"{', channels-last' if r['channels_last'] else ''}{', xFormers' if r['xformers'] else ''}\n"
         f"throughput   {r['images_per_sec']:.2f} images/s ({r['images_per_sec_per_device']:.2f} per device) "
         f"over {r['measured_batches']} batches after {r['warmup_batches']} warm-up\n"
         f"MFU          {mfu} at {r['flops_per_image'] / 1e9:.1f} GFLOP/image{trained}\n"
@@ -568,7 +596,8 @@ def print_summary(r: dict) -> None:
                                                  f"{r['eval_target_reached']['training_seconds']:.1f} s of training"
                                                  if r['eval_target_reached'] else "not reached")
               if r.get('eval_target') is not None else "") + "\n"
-           if r.get("eval_loss") is not None else ""),
+           if r.get("eval_loss") is not None else "")
+        + format_profile(r),
         flush=True,
     )
 

@@ -33,6 +33,7 @@ from t2ibench.parallel import resolve_mode
 from t2ibench.locations import (CHECKPOINT_SCHEMES, LOAD_SCHEMES, check_output, check_outputs_apart, is_remote, normalise,
                                 same_source_key)
 from t2ibench.sources import Source, check_cache, parse_sources
+from t2ibench.weight_casts import weight_casts_problem
 
 PRECISIONS = ("auto", "fp32", "amp_bf16", "amp_fp16")
 # Time units the run counts: tokens are never counted here, and Composer refuses `dur` and
@@ -65,7 +66,7 @@ def validate(args: argparse.Namespace, world_size: int) -> ModelFamily:
 def check_locations(args: argparse.Namespace) -> None:
     """file:// URIs become local paths; other URIs must use a scheme the flag supports."""
     supported = {"save_folder": CHECKPOINT_SCHEMES, "load_path": LOAD_SCHEMES, "results_json": (),
-                 "ema_export_dir": (), "samples_dir": ()}
+                 "ema_export_dir": (), "samples_dir": (), "profile_dir": ()}
     for flag, schemes in supported.items():
         if getattr(args, flag):
             setattr(args, flag, normalise(f"--{flag}", getattr(args, flag), schemes))
@@ -129,6 +130,10 @@ def check_parallelism(args: argparse.Namespace, family: ModelFamily, world_size:
     if args.fsdp != "none" and world_size == 1:
         fail(f"--fsdp {args.fsdp} shards the denoiser over the ranks and this run has one: drop the flag, or launch "
              "several ranks (composer -n N benchmark.py ...)")
+    precision = args.precision if args.precision != "auto" else ("amp_bf16" if torch.cuda.is_available() else "fp32")
+    problem = weight_casts_problem(args.weight_casts, precision=precision, world_size=world_size)
+    if problem:
+        fail(problem)
     if args.fsdp != "none" and args.channels_last:
         fail(f"--channels_last with --fsdp {args.fsdp}: torch 2.7's fully_shard refuses non-contiguous (channels-last) "
              "weights; drop one of the two")
@@ -220,7 +225,8 @@ def check_outputs(args: argparse.Namespace) -> None:
     """Every output is probed before training (locations.check_output): writable, of the right kind, apart
     from the inputs and from each other; not found unwritable after the last batch."""
     outputs = [("--results_json", args.results_json, "file"), ("--ema_export_dir", args.ema_export_dir, "exclusive"),
-               ("--save_folder", args.save_folder, "folder"), ("--samples_dir", samples_folder(args), "folder")]
+               ("--save_folder", args.save_folder, "folder"), ("--samples_dir", samples_folder(args), "folder"),
+               ("--profile_dir", args.profile_dir if args.profile_batches else None, "folder")]
     inputs = run_inputs(args)
     for flag, location, kind in outputs:
         # Resuming reads a checkpoint of the --save_folder it writes to: Composer's own arrangement.
@@ -586,6 +592,9 @@ def check_run_length(args: argparse.Namespace, samples_per_epoch: int) -> None:
         fail(f"--lr_warmup_batches {args.lr_warmup_batches} does not end before the run does ({length}): the "
              "learning rate would never reach --lr" + (" or decay" if args.lr_schedule == "cosine" else "")
              + "; shorten the warm-up or lengthen the run")
+    if args.profile_batches and args.warmup_batches + args.profile_batches >= total:
+        fail(f"--profile_batches {args.profile_batches} after --warmup_batches {args.warmup_batches} leaves no batch "
+             f"to measure ({length}); profile fewer batches or lengthen the run")
     if args.use_ema and args.ema_export_dir:
         start = Time.from_timestring(args.ema_start)
         # The average starts at the first batch end at or after --ema_start; epochs count up after

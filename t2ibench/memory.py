@@ -82,11 +82,12 @@ GPU_MEMORY_GIB = {"A100 40GB": 39.4, "A100 80GB": 79.1, "H100 80GB": 79.1, "H200
 FSDP_MODES = ("none", "shard_grad_op", "full_shard")  # t2ibench.parallel's, with "auto" resolved
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 TEXT_FORMATS = ("tokens", "text_states")  # what precomputed batches carry: token ids or encoder outputs
+WEIGHT_CASTS = ("microbatch", "step")  # t2ibench.weight_casts' modes, "auto" resolved
 MAX_MICROBATCH = 1024
 COUNTED_MICROBATCHES = (2, 4)  # the step is counted at these sizes; bytes are linear in the size from 2 on
 __all__ = [
     "ALLOCATOR_RESERVE_FRACTION", "COUNTED_MICROBATCHES", "CUDA_AUTOCAST", "CUDA_CONTEXT_BYTES", "FSDP_MODES", "GIB",
-    "GPU_MEMORY_GIB", "MAX_MICROBATCH", "NORM_PRECISIONS", "PRECISIONS", "TEXT_FORMATS", "ActivationModel",
+    "GPU_MEMORY_GIB", "MAX_MICROBATCH", "NORM_PRECISIONS", "PRECISIONS", "TEXT_FORMATS", "WEIGHT_CASTS", "ActivationModel",
     "AutocastPolicy", "AutocastRules", "LiveBytes", "SavedForBackward", "StepCount", "activation_model",
     "auto_microbatch", "build_meta_model", "count_step", "fixed_bytes", "fsdp_unit_params", "gib",
     "largest_microbatch", "meta_batch", "plan", "predicted_bytes", "probe_cpu_autocast", "train_flops_per_image",
@@ -488,15 +489,21 @@ class ActivationModel:
 def activation_model(model_config: str, image_size: int, *, precision: str = "amp_bf16",
                      norm_precision: str = "autocast", precomputed: bool = False,
                      precomputed_format: str | None = None, activation_checkpointing: bool = False,
-                     sharded: bool = False, device_type: str = "cuda") -> ActivationModel:
+                     sharded: bool = False, device_type: str = "cuda", weight_casts: str = "microbatch"
+                     ) -> ActivationModel:
     """Count the step at microbatch 2 and 4 under `precision` ("fp32", "amp_bf16", "amp_fp16").
 
-    `sharded`: under FSDP (the denoiser's parameters reach the forward in the autocast dtype).
+    `sharded`: under FSDP (the denoiser's parameters reach the forward in the autocast dtype);
+    `weight_casts` "step" (t2ibench.weight_casts): the forward computes with bf16 copies of the
+    weights, so, as under FSDP, autocast casts none of them.
     Counted once per process and setting (seconds on a CPU: about 10 s for SD2, 30 s for SDXL at
     1024, longer for Flux.1's 11.9B parameters)."""
     text_format = _text_format(family_of(model_config), precomputed, precomputed_format)
+    if weight_casts not in WEIGHT_CASTS:
+        raise ValueError(f"weight_casts must be one of {WEIGHT_CASTS}, not {weight_casts!r}")
+    low_precision_weights = (sharded or weight_casts == "step") and precision != "fp32"
     return _activation_model(model_config, image_size, precision, norm_precision, text_format,
-                             activation_checkpointing, sharded and precision != "fp32", device_type)
+                             activation_checkpointing, low_precision_weights, device_type)
 
 
 @functools.lru_cache(maxsize=None)
@@ -562,10 +569,17 @@ def fsdp_unit_params(model_config: str) -> dict[str, int]:
 
 def fixed_bytes(model_config: str, *, precision: str = "amp_bf16", precomputed: bool = False,
                 precomputed_format: str | None = None, use_ema: bool = True, fsdp: str = "none", num_gpus: int = 8,
-                bucket_view: bool = False, weight_cast_bytes: int = 0) -> dict[str, int]:
-    """Bytes per GPU that do not depend on the microbatch, by what holds them (see `plan`)."""
+                bucket_view: bool = False, weight_cast_bytes: int = 0, weight_casts: str = "microbatch"
+                ) -> dict[str, int]:
+    """Bytes per GPU that do not depend on the microbatch, by what holds them (see `plan`).
+
+    `weight_casts` "step": the bf16 copies of the weights live all run (in place of autocast's cached
+    casts) and the step's gradients are bf16 until the end of backward; their fp32 upcast exists only
+    after the activations are gone (`plan` checks that moment apart: "step_end_bytes")."""
     if fsdp not in FSDP_MODES:
         raise ValueError(f"fsdp must be one of {FSDP_MODES}, not {fsdp!r}")
+    if weight_casts not in WEIGHT_CASTS:
+        raise ValueError(f"weight_casts must be one of {WEIGHT_CASTS}, not {weight_casts!r}")
     family = family_of(model_config)
     text_format = _text_format(family, precomputed, precomputed_format)
     parts = _meta_parts(model_config)
@@ -573,7 +587,10 @@ def fixed_bytes(model_config: str, *, precision: str = "amp_bf16", precomputed: 
     dtype = _dtype_of(precision)
     compute_bytes = 4 if dtype is None else 2
     shards = num_gpus if fsdp != "none" else 1
-    if fsdp == "none":
+    copies = fsdp == "none" and weight_casts == "step" and dtype is not None
+    if copies:
+        gathered = compute_bytes * num_params  # t2ibench.weight_casts' bf16 copies
+    elif fsdp == "none":
         # Autocast's cached weight casts, kept by autograd until backward (counted in the step).
         gathered = weight_cast_bytes
     elif fsdp == "shard_grad_op":
@@ -602,7 +619,7 @@ def fixed_bytes(model_config: str, *, precision: str = "amp_bf16", precomputed: 
         # fp32 master weights: replicated under DDP; sharded at rest under both FSDP strategies (what
         # computes is the gathered copy: `weight_casts_or_gathered`).
         "weights": 4 * num_params // shards,
-        "gradients": 4 * num_params // shards,
+        "gradients": (compute_bytes if copies else 4) * num_params // shards,
         # DDP's reducer buckets: a second copy of the gradients unless they are views into the buckets
         # (`gradient_as_bucket_view`, which Composer 0.32.1's prepare_ddp_module does not pass on).
         "ddp_buckets": 4 * num_params if fsdp == "none" and num_gpus > 1 and not bucket_view else 0,
@@ -644,7 +661,7 @@ def plan(model_config: str = "sd2-base", image_size: int | None = None, gpu_memo
          precision: str = "amp_bf16", norm_precision: str = "autocast", precomputed: bool = False,
          precomputed_format: str | None = None, use_ema: bool = True, fsdp: str = "none", num_gpus: int = 8,
          bucket_view: bool = False, per_device_batch: int | None = None,
-         activation_checkpointing: bool = False) -> dict[str, Any]:
+         activation_checkpointing: bool = False, weight_casts: str = "microbatch") -> dict[str, Any]:
     """The memory of a training step per GPU and the largest microbatch that fits, as a JSON-able dict.
 
     `image_size` None: the family's training resolution (`ModelFamily.default_image_size`);
@@ -656,22 +673,30 @@ def plan(model_config: str = "sd2-base", image_size: int | None = None, gpu_memo
     text_format = _text_format(family, precomputed, precomputed_format)
     activations = activation_model(model_config, image_size, precision=precision, norm_precision=norm_precision,
                                    precomputed=precomputed, precomputed_format=text_format,
-                                   activation_checkpointing=activation_checkpointing, sharded=fsdp != "none")
+                                   activation_checkpointing=activation_checkpointing, sharded=fsdp != "none",
+                                   weight_casts=weight_casts)
     parts = fixed_bytes(model_config, precision=precision, precomputed=precomputed, precomputed_format=text_format,
                         use_ema=use_ema, fsdp=fsdp, num_gpus=num_gpus, bucket_view=bucket_view,
-                        weight_cast_bytes=activations.weight_cast_bytes)
+                        weight_cast_bytes=activations.weight_cast_bytes, weight_casts=weight_casts)
     tensors = sum(parts.values())
+    # With bf16 weight copies, the fp32 gradients are made from the bf16 ones after the last backward:
+    # both exist then, the activations no longer (4 more bytes per parameter, whatever the microbatch).
+    step_end = tensors + (4 * sum(p.numel() for p in _meta_parts(model_config).denoiser.parameters())
+                          if weight_casts == "step" and fsdp == "none" and precision != "fp32" else 0)
     # Weight casts are per microbatch in the activation model too: counted once, in the fixed part.
     activations_without_casts = dataclasses.replace(
         activations, saved_per_microbatch=activations.saved_per_microbatch - activations.weight_cast_bytes,
         peak_per_microbatch=activations.peak_per_microbatch - activations.weight_cast_bytes)
     microbatch = largest_microbatch(tensors, activations_without_casts, gpu_memory_bytes, per_device_batch)
+    if step_end * (1 + ALLOCATOR_RESERVE_FRACTION) + CUDA_CONTEXT_BYTES > gpu_memory_bytes:
+        microbatch = 0
     fixed = tensors * (1 + ALLOCATOR_RESERVE_FRACTION) + CUDA_CONTEXT_BYTES
     result = {
         "model_config": model_config, "family": family.name, "image_size": image_size, "precision": precision,
         "norm_precision": norm_precision, "precomputed": precomputed, "precomputed_format": text_format,
         "use_ema": use_ema, "fsdp": fsdp, "num_gpus": num_gpus, "ddp_bucket_view": bucket_view,
-        "activation_checkpointing": activation_checkpointing, "gpu_memory_bytes": int(gpu_memory_bytes),
+        "activation_checkpointing": activation_checkpointing, "weight_casts": weight_casts,
+        "gpu_memory_bytes": int(gpu_memory_bytes),
         "activation_bytes_per_image": int(activations.saved_per_image),
         "activation_bytes_per_microbatch": int(activations_without_casts.saved_per_microbatch),
         "peak_bytes_per_image": int(activations.peak_per_image),
@@ -681,6 +706,7 @@ def plan(model_config: str = "sd2-base", image_size: int | None = None, gpu_memo
         "cuda_context_bytes": CUDA_CONTEXT_BYTES,
         "allocator_reserve_fraction": ALLOCATOR_RESERVE_FRACTION,
         "fixed_bytes": int(fixed),
+        "step_end_bytes": int(step_end),
         "microbatch": microbatch,
         "train_flops_per_image": train_flops_per_image(model_config, image_size),
     }

@@ -18,6 +18,7 @@ from composer.utils import dist, reproducibility
 from t2ibench import memory
 from t2ibench.families import ModelFamily
 from t2ibench.parallel import resolve_mode
+from t2ibench.weight_casts import resolve_weight_casts
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Runtime:
     trainer_precision: str  # what Composer is told: it refuses AMP on CPU, where the model autocasts itself
     batch_size_per_device: int
     microbatch: int | str  # images per device per forward/backward, or Composer's "auto" search
+    weight_casts: str  # "step": bf16 weight copies once per optimizer step (t2ibench.weight_casts); "microbatch"
 
     @property
     def is_rank_zero(self) -> bool:
@@ -58,7 +60,10 @@ class Runtime:
                           "(inductor keeps one layout), or measure before keeping the flag.", stacklevel=1)
         per_node_signal_files()
         reproducibility.seed_all(args.seed)
-        return cls(world_size, on_gpu, precision, precision if on_gpu else "fp32", per_device, microbatch)
+        weight_casts = resolve_weight_casts(args.weight_casts, on_gpu=on_gpu, precision=precision,
+                                            world_size=world_size)
+        return cls(world_size, on_gpu, precision, precision if on_gpu else "fp32", per_device, microbatch,
+                   weight_casts)
 
     def with_counted_microbatch(self, args: argparse.Namespace, family: ModelFamily,
                                 text_format: str | None) -> "Runtime":
@@ -95,7 +100,7 @@ def safe_auto_microbatch(family: ModelFamily, args: argparse.Namespace, total_me
         precision=precision, norm_precision=args.norm_precision, precomputed=args.precomputed,
         precomputed_format=text_format if args.precomputed else None, use_ema=args.use_ema,
         fsdp=resolve_mode(args.fsdp, family.parallelism, world_size), num_gpus=world_size,
-        activation_checkpointing=args.activation_checkpointing)
+        activation_checkpointing=args.activation_checkpointing)  # several ranks: weight casts per microbatch
 
 
 def per_node_signal_files() -> None:

@@ -1,0 +1,104 @@
+"""Profile a few steady-state batches with the torch profiler: a trace, the costliest ops, how busy the device was.
+
+    python benchmark.py --model_config tiny --use_synth_data --batch_size 8 --image_size 64 \
+        --max_duration 8ba --warmup_batches 2 --profile_batches 2 --profile_dir profile
+
+`benchmark.py --profile_batches N` profiles batches `warmup_batches` to `warmup_batches + N - 1`,
+and the throughput window starts after them (profiling slows the step). Each rank writes
+`<profile_dir>/trace-rank<R>.json` (Chrome trace format: Perfetto or chrome://tracing opens it);
+`summary` holds, for the results JSON and the printed summary:
+
+    profile_trace                path of rank 0's trace
+    profile_batches              batches profiled
+    profile_wall_seconds         wall time of those batches (the device synchronized at both ends)
+    device_busy_fraction         CUDA: kernel time / wall time; CPU: time inside ops / wall time
+    profile_top_ops              the 15 ops with the most self time on the device (CUDA) or host (CPU):
+                                 name, calls, self_seconds
+
+Composer's own profiler (composer.profiler) needs a profiler warm-up batch of its own in its
+schedule and writes its traces under its own names, and gives neither the table nor the busy
+fraction; torch.profiler started and stopped at the batch boundaries does both in a few lines.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+from torch.profiler import ProfilerActivity, profile
+
+TOP_OPS = 15
+
+
+class ProfileBatches(Callback):
+    """Profile `num_batches` batches starting with batch index `first_batch` (0-based)."""
+
+    def __init__(self, first_batch: int, num_batches: int, folder: str):
+        self.first_batch, self.num_batches, self.folder = first_batch, num_batches, folder
+        self.summary: dict = {}
+        self._profiler: profile | None = None
+        self._start = 0.0
+
+    @staticmethod
+    def _sync() -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        if int(state.timestamp.batch) != self.first_batch or self._profiler is not None:
+            return
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._sync()
+        self._profiler = profile(activities=activities)
+        self._profiler.__enter__()
+        self._start = time.perf_counter()
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        # At BATCH_END the timestamp already counts this batch.
+        if self._profiler is None or self.summary or int(state.timestamp.batch) < self.first_batch + self.num_batches:
+            return
+        self._sync()
+        wall = time.perf_counter() - self._start
+        self._profiler.__exit__(None, None, None)
+        self.summary = self._summarize(self._profiler, wall)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        if self._profiler is not None and not self.summary:  # the run ended inside the profiled batches
+            self._sync()
+            wall = time.perf_counter() - self._start
+            self._profiler.__exit__(None, None, None)
+            self.summary = self._summarize(self._profiler, wall)
+
+    def _summarize(self, prof: profile, wall_seconds: float) -> dict:
+        os.makedirs(self.folder, exist_ok=True)
+        trace = os.path.join(self.folder, f"trace-rank{dist.get_global_rank()}.json")
+        prof.export_chrome_trace(trace)
+        on_gpu = torch.cuda.is_available()
+        events = prof.key_averages()
+
+        def self_us(event) -> float:
+            return float(event.self_device_time_total if on_gpu else event.self_cpu_time_total)
+
+        busy_us = sum(self_us(e) for e in events)
+        top = sorted(events, key=self_us, reverse=True)[:TOP_OPS]
+        return {"profile_trace": trace, "profile_batches": self.num_batches, "profile_wall_seconds": wall_seconds,
+                "device_busy_fraction": busy_us / 1e6 / wall_seconds if wall_seconds > 0 else None,
+                "profile_busy_kind": "CUDA kernel time" if on_gpu else "CPU time inside ops",
+                "profile_top_ops": [{"name": e.key, "calls": e.count, "self_seconds": self_us(e) / 1e6} for e in top]}
+
+
+def format_profile(summary: dict) -> str:
+    """The summary's profile lines: busy fraction, trace, and the top ops as a table."""
+    if not summary.get("profile_trace"):
+        return ""
+    lines = [f"profile      {summary['profile_batches']} batch(es) after the warm-up, "
+             f"{summary['profile_wall_seconds']:.2f} s: device busy {100 * summary['device_busy_fraction']:.1f}% "
+             f"({summary['profile_busy_kind']} / wall time); trace {summary['profile_trace']}",
+             f"             {'op':<60} {'calls':>8} {'self s':>9} {'of wall':>8}"]
+    for op in summary["profile_top_ops"]:
+        share = op["self_seconds"] / summary["profile_wall_seconds"]
+        lines.append(f"             {op['name'][:60]:<60} {op['calls']:>8} {op['self_seconds']:>9.4f} {100 * share:>7.1f}%")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,196 @@
+"""The kernels a training step launches on CUDA, counted on the meta device, per image and by kind.
+
+    python bench/step_ops.py --model_config sdxl-base --image_size 1024 --precomputed --precomputed_format text_states
+
+A step that launches more kernels than the GPU can run while the host queues them is launch-bound:
+the GPU idles between small kernels. This counts what the step asks for, with no GPU: the step of
+the memory model (`t2ibench.memory`: the family's meta model and batch, CUDA autocast's rules with
+its weight-cast cache, the attention kernel CUDA picks, activation checkpointing applied) runs once
+under a dispatch mode that sees every ATen op below autograd, forward, loss and backward alike.
+
+* One op that reaches a device kernel is one launch; views, `empty` and `detach` launch none. A
+  cuBLAS or cuDNN call may launch two or three kernels of its own (split-K, a bias reduction): the
+  matmul and convolution figure is a floor.
+* A cast is a `_to_copy` or `copy_` that changes the dtype: autocast's weight casts in forward (and
+  again in a checkpointed block's recomputation), `ToCopyBackward`'s gradient casts in backward,
+  and the step's casts of activations.
+* Multi-tensor ops (`torch._foreach_*`, fused AdamW) launch as CUDA's `multi_tensor_apply` does:
+  chunks of 65,536 elements, a launch whenever 320 blocks or the depth's tensor limit fill up.
+* Per step, amortised over the global batch: fused AdamW, the EMA's `_foreach_lerp_`, Composer's
+  loss bookkeeping, the gradient accumulation's adds from the second microbatch on, and, with
+  `weight_casts` "step" (t2ibench.weight_casts), the copies' refresh and the gradients' upcast.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from t2ibench import memory
+
+KINDS = ("casts", "normalization", "elementwise", "matmul_conv", "attention", "optimizer", "ema")
+KIND_LABELS = {"casts": "weight, gradient and activation casts", "normalization": "normalization",
+               "elementwise": "elementwise, reductions, copies, random", "matmul_conv": "matmul and convolution",
+               "attention": "attention", "optimizer": "optimizer (fused AdamW)", "ema": "EMA update"}
+# ATen/native/cuda/MultiTensorApply.cuh (torch 2.7): per launch at most this many tensors by the
+# number of tensor lists (depth 1..5), at most 320 blocks, each block one chunk of 65,536 elements.
+MULTI_TENSOR_MAX_TENSORS = (110, 64, 48, 36, 30)
+MULTI_TENSOR_MAX_BLOCKS = 320
+MULTI_TENSOR_CHUNK_ELEMENTS = 65536
+NO_KERNEL = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "alias",
+                       "lift_fresh", "_unsafe_view", "set_", "resize_", "_reshape_alias", "_local_scalar_dense",
+                       "is_same_size", "_has_compatible_shallow_copy_type", "sym_size", "sym_stride"})
+MATMUL_CONV = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "convolution",
+                         "_convolution", "convolution_backward", "cudnn_convolution", "_scaled_mm"})
+NORMALIZATION = frozenset({"native_group_norm", "native_group_norm_backward", "native_layer_norm",
+                           "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward"})
+# Composer 0.32.1's Trainer per microbatch (_train_microbatch): the loss detached, cloned, averaged,
+# scaled into the batch's total, the loss scaled in place before backward; per step: the total's
+# zeros and the batch size copied to the device and read back (.item(), a host sync).
+COMPOSER_KERNELS_PER_MICROBATCH = 5
+COMPOSER_KERNELS_PER_STEP = 2
+COMPOSER_SYNCS_PER_STEP = 1
+
+
+def multi_tensor_launches(numels: list[int], depth: int) -> int:
+    """Kernel launches of one `multi_tensor_apply` over tensors of these sizes with `depth` lists."""
+    max_tensors = MULTI_TENSOR_MAX_TENSORS[depth - 1]
+    launches = tensors = blocks = 0
+    sizes = [n for n in numels if n > 0]
+    for i, numel in enumerate(sizes):
+        tensors += 1
+        chunks = -(-numel // MULTI_TENSOR_CHUNK_ELEMENTS)
+        for chunk in range(chunks):
+            blocks += 1
+            last = i == len(sizes) - 1 and chunk == chunks - 1
+            if tensors == max_tensors or blocks == MULTI_TENSOR_MAX_BLOCKS or last:
+                launches += 1
+                blocks = 0
+                # A tensor cut mid-way stays in the next launch's first slot.
+                tensors = 0 if chunk == chunks - 1 else 1
+    return launches
+
+
+def classify(name: str, args: Any, out: Any) -> str | None:
+    """The kind of kernel an ATen op launches (None: no kernel)."""
+    if name in NO_KERNEL:
+        return None
+    if name in ("_to_copy", "copy_"):
+        source = args[0] if name == "_to_copy" else args[1]
+        result = out if isinstance(out, torch.Tensor) else args[0]
+        if isinstance(source, torch.Tensor) and source.dtype != result.dtype:
+            return "casts"
+        return "elementwise"
+    if name in MATMUL_CONV:
+        return "matmul_conv"
+    if "attention" in name:
+        return "attention"
+    if name in NORMALIZATION:
+        return "normalization"
+    return "elementwise"
+
+
+class KernelCounter(TorchDispatchMode):
+    """Counts kernel launches of the ops it sees, by kind, and host syncs (`.item()` and the like)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels: Counter[str] = Counter()
+        self.host_syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "is_view", False):
+            return out
+        name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense":
+            self.host_syncs += 1
+        elif name.startswith(("_foreach_", "_fused_")):
+            lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+            kind = "casts" if name == "_foreach_copy_" and lists[0][0].dtype != lists[1][0].dtype else "elementwise"
+            self.kernels[kind] += multi_tensor_launches([t.numel() for t in lists[0]], len(lists))
+        else:
+            kind = classify(name, args, out)
+            if kind is not None:
+                self.kernels[kind] += 1
+        return out
+
+
+@dataclasses.dataclass
+class StepKernels:
+    """What one training step launches, and its parts."""
+
+    microbatch: int
+    batch_size_per_device: int
+    per_microbatch: dict[str, int]  # forward, loss and backward of one microbatch, by kind
+    per_step: dict[str, int]  # launched once per optimizer step, by kind
+    host_syncs_per_step: int
+
+    @property
+    def microbatches_per_step(self) -> int:
+        return self.batch_size_per_device // self.microbatch
+
+    def per_image(self) -> dict[str, float]:
+        step = Counter({k: v * self.microbatches_per_step for k, v in self.per_microbatch.items()})
+        step.update(self.per_step)
+        return {kind: step.get(kind, 0) / self.batch_size_per_device for kind in KINDS}
+
+
+def count_step_kernels(model_config: str, image_size: int, microbatch: int, batch_size_per_device: int, *,
+                       precision: str = "amp_bf16", norm_precision: str = "autocast", precomputed: bool = False,
+                       precomputed_format: str | None = None, activation_checkpointing: bool = False,
+                       weight_casts: str = "microbatch", use_ema: bool = True) -> StepKernels:
+    """Count one microbatch's forward, loss and backward on the meta device under CUDA's autocast
+    rules, and the step's once-per-step kernels, for a run with these settings on one GPU."""
+    if batch_size_per_device % microbatch:
+        raise ValueError(f"microbatch {microbatch} does not divide the per-device batch {batch_size_per_device}")
+    dtype = memory._dtype_of(precision)
+    copies = weight_casts == "step" and dtype is not None
+    policy = memory.CUDA_AUTOCAST.with_norms(norm_precision)
+    model = memory.build_meta_model(model_config, precomputed=precomputed, precomputed_format=precomputed_format,
+                                    frozen_dtype=dtype, denoiser_dtype=dtype if copies else None)
+    if activation_checkpointing:
+        memory.use_checkpointing(model, policy, dtype, "cuda")
+    model.train()
+    batch = memory.meta_batch(model, model_config, image_size, microbatch)
+    counter = KernelCounter()
+    with torch.random.fork_rng(devices=[]), counter:
+        with memory.AutocastRules(policy, dtype, "cuda"):
+            loss = model.loss(model(batch), batch)
+        loss.backward()
+    per_microbatch = dict(counter.kernels)
+    per_microbatch["elementwise"] = per_microbatch.get("elementwise", 0) + COMPOSER_KERNELS_PER_MICROBATCH
+
+    trained = [p for p in model.denoiser.parameters() if p.requires_grad]
+    numels = [p.numel() for p in trained]
+    step: Counter[str] = Counter()
+    microbatches = batch_size_per_device // microbatch
+    # From the second microbatch on, AccumulateGrad adds each new gradient into the existing one.
+    step["elementwise"] += (microbatches - 1) * len(trained) + COMPOSER_KERNELS_PER_STEP
+    if copies:
+        step["casts"] += 2 * multi_tensor_launches(numels, 2)  # refresh the copies; upcast the gradients
+    step["optimizer"] += multi_tensor_launches(numels, 4)  # fused AdamW: params, grads, two moments
+    if use_ema:
+        step["ema"] += multi_tensor_launches(numels, 2)  # ema.py: _foreach_lerp_(shadow, params, w)
+    for p in model.parameters():
+        p.grad = None
+    return StepKernels(microbatch, batch_size_per_device, per_microbatch, dict(step),
+                       counter.host_syncs + COMPOSER_SYNCS_PER_STEP)
+
+
+def summary(kernels: StepKernels) -> dict[str, Any]:
+    """The JSON-able figures: per image by kind, totals, and the step's parts."""
+    per_image = kernels.per_image()
+    return {"microbatch": kernels.microbatch, "batch_size_per_device": kernels.batch_size_per_device,
+            "microbatches_per_step": kernels.microbatches_per_step,
+            "kernels_per_image": sum(per_image.values()), "casts_per_image": per_image["casts"],
+            "kernels_per_image_by_kind": per_image, "kernels_per_microbatch": kernels.per_microbatch,
+            "kernels_per_step_once": kernels.per_step, "host_syncs_per_step": kernels.host_syncs_per_step,
+            "kernels_per_step": sum(kernels.per_microbatch.values()) * kernels.microbatches_per_step
+            + sum(kernels.per_step.values())}
+
+
