@@ -81,6 +81,7 @@ class Setting:
     microbatch_divisor: int = 1  # 2: half the largest microbatch (is the largest the fastest?)
     global_batch: int = GLOBAL_BATCH
     use_ema: bool = True  # MLPerf's Flux.1 reference trains without one
+    weight_casts: str = "auto"  # benchmark.py's --weight_casts (auto: step on one GPU without FSDP)
 
     @property
     def family(self):
@@ -110,6 +111,8 @@ class Setting:
             flags += ["--precomputed", "--precomputed_format", self.text_format]
         if self.norm_precision != "autocast":
             flags += ["--norm_precision", self.norm_precision]
+        if self.weight_casts != "auto":
+            flags += ["--weight_casts", self.weight_casts]
         flags += [flag for flag, on in (("--activation_checkpointing", self.activation_checkpointing),
                                         ("--compile", self.compile), ("--channels_last", self.channels_last)) if on]
         return flags
@@ -135,6 +138,14 @@ MATRIX: dict[str, Setting] = {
     # for more.
     "sdxl-precomputed-states-bf16": Setting("sdxl-base", **_TEXT_STATES),
     "sdxl-precomputed-states-bf16-fsdp": Setting("sdxl-base", **_TEXT_STATES, fsdp="shard_grad_op"),
+    # Launch-bound on one GPU (docs/speed.md): weight casts per microbatch (autocast's, the old default)
+    # against once per step (the default on one GPU); then each block recomputed in backward, which
+    # lets a microbatch of 32 fit (bench/step_ops.py: 265 kernels per image instead of 3,411).
+    "sdxl-precomputed-states-bf16-castsmb": Setting("sdxl-base", **_TEXT_STATES, weight_casts="microbatch"),
+    "sdxl-precomputed-states-bf16-ckpt": Setting("sdxl-base", **_TEXT_STATES, activation_checkpointing=True),
+    "sdxl-precomputed-states-bf16-ckpt-compile": Setting("sdxl-base", **_TEXT_STATES, activation_checkpointing=True,
+                                                         compile=True),
+    "precomputed-bf16-castsmb": Setting(precomputed=True, weight_casts="microbatch"),
     # Flux.1-schnell as MLPerf Training v5.1 trains it: 256x256, T5 and CLIP outputs precomputed, the
     # 11.9B-parameter transformer sharded (its training state fits no single GPU); then with each
     # block recomputed in backward, which trades a third more compute for a larger microbatch.
@@ -194,6 +205,7 @@ def plan_row(name: str, setting: Setting, gpus: int, gpu_memory_bytes: float, ou
              warmup: int, smoke: bool, model_name: str) -> Row:
     """The row's microbatch (the memory model's largest for its settings) and its full command."""
     from t2ibench import memory
+    from t2ibench.weight_casts import resolve_weight_casts
 
     per_device = setting.global_batch // gpus
     plan = {}
@@ -203,7 +215,9 @@ def plan_row(name: str, setting: Setting, gpus: int, gpu_memory_bytes: float, ou
         plan = memory.plan(setting.model_config, setting.resolution, gpu_memory_bytes,
                            norm_precision=setting.norm_precision, precomputed=setting.precomputed,
                            precomputed_format=setting.text_format, fsdp=setting.fsdp, num_gpus=gpus,
-                           activation_checkpointing=setting.activation_checkpointing, use_ema=setting.use_ema)
+                           activation_checkpointing=setting.activation_checkpointing, use_ema=setting.use_ema,
+                           weight_casts=resolve_weight_casts(setting.weight_casts, on_gpu=True, precision="amp_bf16",
+                                                             world_size=gpus))
         microbatch = max(1, min(plan["microbatch"], per_device) // setting.microbatch_divisor)
         # The row's global batch when the GPU count divides it; else the largest per-device multiple of
         # the microbatch below it.

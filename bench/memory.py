@@ -39,6 +39,8 @@ from t2ibench.images import GEOMETRY_KEYS  # noqa: E402
 from t2ibench.model import DiffusionModel  # noqa: E402
 from t2ibench.norms import set_norm_precision  # noqa: E402
 from t2ibench.parallel import resolve_mode  # noqa: E402
+from t2ibench.weight_casts import (WEIGHT_CASTS, CastWeightsOncePerStep, resolve_weight_casts,  # noqa: E402
+                                  weight_casts_problem)
 
 # The table's columns: (heading, precomputed, text format); None: the family's own precomputed format.
 TABLE_COLUMNS = (("online (VAE + text encoders in the loop)", False, None),
@@ -78,7 +80,7 @@ def real_batch(family: ModelFamily, model_config: str, image_size: int, microbat
 
 def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precision: str = "fp32",
                      norm_precision: str = "autocast", seed: int = 0, activation_checkpointing: bool = False,
-                     text_format: str | None = None) -> dict[str, int]:
+                     text_format: str | None = None, weight_casts: str = "microbatch") -> dict[str, int]:
     """One real forward, loss and backward on the CPU, gradients already there (as in gradient
     accumulation); bytes the CPU allocator reported above what was allocated before the step: alive
     when backward starts, and the peak. Uses the profiler's allocation events (every allocation and
@@ -101,6 +103,8 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
     if activation_checkpointing:
         model.denoiser.enable_gradient_checkpointing()
     model.train()
+    if weight_casts == "step":  # the denoiser computes with its bf16 copies, as benchmark.py's step does
+        CastWeightsOncePerStep(model.denoiser).begin_step()
     for p in model.parameters():  # gradient accumulation's steady state, as counted
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
@@ -131,12 +135,12 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
 
 def count_cpu_step(model_config: str, image_size: int, microbatch: int, precision: str = "fp32",
                    norm_precision: str = "autocast", activation_checkpointing: bool = False,
-                   text_format: str | None = None) -> memory.StepCount:
+                   text_format: str | None = None, weight_casts: str = "microbatch") -> memory.StepCount:
     """The same step counted on the meta device with CPU autocast's rules and the CPU's attention kernel."""
     dtype = None if precision == "fp32" else torch.bfloat16
     policy = memory.probe_cpu_autocast().with_norms(norm_precision)
     model = memory.build_meta_model(model_config, precomputed=text_format is not None, precomputed_format=text_format,
-                                    frozen_dtype=dtype)
+                                    frozen_dtype=dtype, denoiser_dtype=dtype if weight_casts == "step" else None)
     if activation_checkpointing:
         memory.use_checkpointing(model, policy, dtype, "cpu")
     model.train()
@@ -145,14 +149,16 @@ def count_cpu_step(model_config: str, image_size: int, microbatch: int, precisio
 
 
 def check_cpu(model_config: str, image_size: int, microbatch: int, activation_checkpointing: bool = False,
-              text_format: str | None = None) -> list[dict]:
+              text_format: str | None = None, weight_casts: str = "microbatch") -> list[dict]:
     rows = []
     for precision, norm_precision in (("fp32", "fp32"), ("amp_bf16", "autocast"), ("amp_bf16", "fp32")):
+        casts = weight_casts if precision == "amp_bf16" else "microbatch"
         counted = count_cpu_step(model_config, image_size, microbatch, precision, norm_precision,
-                                 activation_checkpointing, text_format)
+                                 activation_checkpointing, text_format, casts)
         measured = measure_cpu_step(model_config, image_size, microbatch, precision, norm_precision,
-                                    activation_checkpointing=activation_checkpointing, text_format=text_format)
-        rows.append({"precision": precision, "norm_precision": norm_precision,
+                                    activation_checkpointing=activation_checkpointing, text_format=text_format,
+                                    weight_casts=casts)
+        rows.append({"precision": precision, "norm_precision": norm_precision, "weight_casts": casts,
                      "activation_checkpointing": activation_checkpointing, "precomputed_format": text_format,
                      "counted_after_forward_bytes": counted.after_forward_bytes,
                      "measured_after_forward_bytes": measured["after_forward_bytes"],
@@ -212,6 +218,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no_ema", action="store_true", help="without benchmark.py's --use_ema")
     p.add_argument("--activation_checkpointing", action="store_true",
                    help="the denoiser's blocks recomputed in backward (benchmark.py's --activation_checkpointing)")
+    p.add_argument("--weight_casts", default="auto", choices=WEIGHT_CASTS,
+                   help="weights cast per microbatch (autocast's) or bf16 copies once per step; auto: benchmark.py's "
+                        "default (step on one GPU under amp_bf16 without FSDP)")
     p.add_argument("--per_device_batch", type=int, default=None,
                    help="images per GPU per step: the microbatch must divide it (benchmark.py's auto)")
     p.add_argument("--json", action="store_true", help="end with the figures as one JSON object on one line")
@@ -243,6 +252,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         fail("--precomputed_format needs --precomputed")
     if args.microbatch < 1:
         fail(f"--microbatch {args.microbatch} must be >= 1")
+    args.weight_casts = resolve_weight_casts(args.weight_casts, on_gpu=not args.check_cpu, precision=args.precision,
+                                             world_size=args.num_gpus)
+    problem = weight_casts_problem(args.weight_casts, precision=args.precision, world_size=args.num_gpus)
+    if problem and not args.check_cpu:
+        fail(problem)
     return args
 
 
@@ -252,11 +266,11 @@ def main(argv: list[str] | None = None) -> dict | list | str:
         text_format = (args.precomputed_format or family_of(args.model_config).default_precomputed_format
                        if args.precomputed else None)
         return check_cpu(args.model_config, args.image_size, args.microbatch, args.activation_checkpointing,
-                         text_format)
+                         text_format, args.weight_casts)
     if args.table:
         text = table(args.model_config, args.image_size, args.fsdp, args.num_gpus, precision=args.precision,
                      norm_precision=args.norm_precision, use_ema=not args.no_ema,
-                     activation_checkpointing=args.activation_checkpointing)
+                     activation_checkpointing=args.activation_checkpointing, weight_casts=args.weight_casts)
         print(f"{args.model_config} at {args.image_size}x{args.image_size}, {args.precision}, norms "
               f"{args.norm_precision}, {'EMA, ' if not args.no_ema else ''}"
               f"{'activation checkpointing, ' if args.activation_checkpointing else ''}"
@@ -266,7 +280,8 @@ def main(argv: list[str] | None = None) -> dict | list | str:
         return text
     options = dict(precision=args.precision, precomputed=args.precomputed, precomputed_format=args.precomputed_format,
                    use_ema=not args.no_ema, fsdp=args.fsdp, num_gpus=args.num_gpus,
-                   per_device_batch=args.per_device_batch, activation_checkpointing=args.activation_checkpointing)
+                   per_device_batch=args.per_device_batch, activation_checkpointing=args.activation_checkpointing,
+                   weight_casts=args.weight_casts)
     result = memory.plan(args.model_config, args.image_size, args.gpu_memory_gib * memory.GIB,
                          norm_precision=args.norm_precision, **options)
     if args.precision != "fp32":
@@ -280,6 +295,7 @@ def main(argv: list[str] | None = None) -> dict | list | str:
     print(f"{args.model_config} at {args.image_size}x{args.image_size}, {args.precision}, norms {args.norm_precision}, "
           f"{data}, {'EMA, ' if not args.no_ema else ''}"
           f"{'activation checkpointing, ' if args.activation_checkpointing else ''}"
+          f"weight casts per {args.weight_casts}, "
           f"{'DDP' if args.fsdp == 'none' else 'FSDP ' + args.fsdp} over {args.num_gpus} GPU(s) of "
           f"{args.gpu_memory_gib:g} GiB")
     print(f"  saved for backward  {g(result['activation_bytes_per_image']):.3f} GiB per image"

@@ -1,0 +1,205 @@
+"""Launch-bound steps (issue 28): weight casts once per step, the kernel count, the profile.
+
+`--weight_casts step` must train exactly as autocast does with one microbatch per step, give the
+fp32 weights their gradients before clipping and the optimizer, and be counted by the memory model;
+bench/step_ops.py's count must agree with what real CPU autocast dispatches; `--profile_batches`
+must write a trace and report its table outside the throughput window.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import benchmark  # noqa: E402
+from t2ibench import kernels, memory  # noqa: E402
+from t2ibench.families import family_of  # noqa: E402
+from t2ibench.model import DiffusionModel  # noqa: E402
+from t2ibench.norms import set_norm_precision  # noqa: E402
+from t2ibench.weight_casts import CastWeightsOncePerStep  # noqa: E402
+
+TINY = ["--model_config", "tiny", "--use_synth_data", "--image_size", "64", "--num_workers", "0",
+        "--num_synthetic_samples", "64", "--precision", "amp_bf16", "--warmup_batches", "1"]
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(tmp_path: Path, *flags: str) -> dict:
+    out = tmp_path / f"r{len(list(tmp_path.iterdir()))}.json"
+    return benchmark.main([*TINY, "--results_json", str(out), *flags])
+
+
+def test_one_microbatch_per_step_trains_bit_for_bit_as_autocast(tmp_path):
+    # A cast is a cast whichever kernel makes it: with one microbatch per step the bf16 copies give
+    # the same forward, the same bf16 gradients, the same fp32 gradients after the upcast.
+    flags = ["--batch_size", "4", "--max_duration", "4ba", "--use_ema"]
+    per_microbatch = _run(tmp_path, *flags, "--weight_casts", "microbatch")
+    per_step = _run(tmp_path, *flags, "--weight_casts", "step")
+    assert per_step["weight_casts"] == "step" and per_microbatch["weight_casts"] == "microbatch"
+    assert per_step["final_loss"] == per_microbatch["final_loss"]
+    assert per_step["loss_by_timestep_bin"] == per_microbatch["loss_by_timestep_bin"]
+
+
+def test_several_microbatches_checkpointing_and_clipping_train_as_autocast_does(tmp_path):
+    # Summed in bf16 over the microbatches (autocast sums in fp32): close, not equal.
+    flags = ["--batch_size", "8", "--device_train_microbatch_size", "2", "--max_duration", "3ba",
+             "--activation_checkpointing", "--grad_clip_norm", "0.5"]
+    per_microbatch = _run(tmp_path, *flags, "--weight_casts", "microbatch")
+    per_step = _run(tmp_path, *flags, "--weight_casts", "step")
+    assert per_step["final_loss"] == pytest.approx(per_microbatch["final_loss"], rel=1e-2)
+
+
+def test_fp32_weights_get_the_gradients_and_stay_the_parameters():
+    torch.manual_seed(0)
+    family = family_of("tiny")
+    model = DiffusionModel(family, family.build("tiny", None, vae=False, text_encoders=False, tokenizers=False))
+    set_norm_precision(model, "autocast")  # as benchmark.py under AMP: every weight feeds a bf16 op
+    masters = list(model.denoiser.parameters())
+    reference = [p.detach().clone() for p in masters]
+    batch = memory.meta_batch(model, "tiny", 32, 2, device="cpu")
+    batch = {k: (torch.randn_like(v.float()).half() if v.is_floating_point() else v) for k, v in batch.items()}
+
+    def step() -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model.loss(model(batch), batch)
+        loss.backward()
+        return [p.grad.clone() for p in masters]
+
+    expected = step()
+    for p in masters:
+        p.grad = None
+    casts = CastWeightsOncePerStep(model.denoiser)
+    casts.begin_step()
+    assert all(p.dtype == torch.bfloat16 for p in model.denoiser.parameters())
+    with torch.no_grad():
+        assert all(torch.equal(copy.float(), p.bfloat16().float()) for copy, p in zip(model.denoiser.parameters(), masters))
+    torch.manual_seed(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model.loss(model(batch), batch)
+    loss.backward()
+    assert all(p.grad is None for p in masters)  # the gradients are the copies' until the step ends
+    casts.end_step()
+    assert [id(p) for p in model.denoiser.parameters()] == [id(p) for p in masters]
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in masters)
+    for got, want in zip((p.grad for p in masters), expected):
+        assert torch.equal(got, want)
+    assert all(torch.equal(p, r) for p, r in zip(masters, reference))  # weights untouched by the casts
+
+
+@pytest.mark.parametrize("flags,expect", [
+    (["--weight_casts", "step", "--precision", "fp32"], "--weight_casts step needs --precision amp_bf16"),
+    (["--weight_casts", "bf16"], "--weight_casts"),
+])
+def test_weight_casts_step_refused_where_it_cannot_run(flags, expect):
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main([*TINY, *flags])  # later flags win
+    message = str(exit_info.value.code)
+    assert message.startswith("benchmark.py: error: ") and expect in message and "\n" not in message
+
+
+def test_memory_model_counts_the_copies_within_a_real_cpu_step():
+    bench_memory = _bench("memory")
+    counted = bench_memory.count_cpu_step("tiny", 64, 2, "amp_bf16", "autocast", weight_casts="step")
+    measured = bench_memory.measure_cpu_step("tiny", 64, 2, "amp_bf16", "autocast", weight_casts="step")
+    assert measured["peak_bytes"] == pytest.approx(counted.backward_peak_bytes, rel=0.05)
+    assert counted.weight_cast_bytes == 0  # nothing left for autocast to cast
+    per_microbatch = memory.plan("sdxl-base", 1024, 79.1 * memory.GIB, precomputed=True,
+                                 precomputed_format="text_states", fsdp="none", num_gpus=1)
+    per_step = memory.plan("sdxl-base", 1024, 79.1 * memory.GIB, precomputed=True,
+                           precomputed_format="text_states", fsdp="none", num_gpus=1, weight_casts="step")
+    # The copies replace autocast's cached casts; the gradients are bf16 until backward ends.
+    assert per_step["fixed_bytes_breakdown"]["gradients"] * 2 == per_microbatch["fixed_bytes_breakdown"]["gradients"]
+    assert per_step["predicted_bytes_at_microbatch"] < per_microbatch["predicted_bytes_at_microbatch"]
+
+
+def test_multi_tensor_launches_follow_cudas_chunking():
+    chunk = kernels.MULTI_TENSOR_CHUNK_ELEMENTS
+    assert kernels.multi_tensor_launches([1] * 36, 4) == 1
+    assert kernels.multi_tensor_launches([1] * 37, 4) == 2
+    assert kernels.multi_tensor_launches([1] * 64, 2) == 1
+    assert kernels.multi_tensor_launches([320 * chunk], 2) == 1
+    assert kernels.multi_tensor_launches([320 * chunk + 1], 2) == 2
+    assert kernels.multi_tensor_launches([], 2) == 0
+
+
+def test_counted_kernels_are_what_real_cpu_autocast_dispatches():
+    # The meta-device count (autocast's rules applied by the memory model's emulation) against the
+    # same step run for real under CPU autocast, every op seen below autograd by the same counter.
+    torch.manual_seed(0)
+    family = family_of("tiny")
+    model = DiffusionModel(family, family.build("tiny", None, vae=False, text_encoders=False, tokenizers=False),
+                           num_loss_bins=0)
+    for frozen in model.frozen():
+        frozen.to(torch.bfloat16)
+    set_norm_precision(model, "autocast")
+    model.train()
+    batch = memory.meta_batch(model, "tiny", 64, 2, device="cpu")
+    batch = {k: (torch.randn_like(v.float()).half() if v.is_floating_point() else v) for k, v in batch.items()}
+    real = kernels.KernelCounter()
+    with real:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model.loss(model(batch), batch)
+        loss.backward()
+    meta = memory.build_meta_model("tiny", precomputed=True, precomputed_format="text_states",
+                                   frozen_dtype=torch.bfloat16)
+    meta.loss_bins = model.loss_bins
+    meta.train()
+    meta_batch = memory.meta_batch(meta, "tiny", 64, 2)
+    assert {k: (v.shape, v.dtype) for k, v in meta_batch.items()} == {k: (v.shape, v.dtype) for k, v in batch.items()}
+    counted = kernels.KernelCounter()
+    policy = memory.probe_cpu_autocast().with_norms("autocast")
+    with counted:
+        with memory.AutocastRules(policy, torch.bfloat16, "cpu"):
+            loss = meta.loss(meta(meta_batch), meta_batch)
+        loss.backward()
+    assert counted.kernels["casts"] == real.kernels["casts"]
+    assert counted.kernels["matmul_conv"] == real.kernels["matmul_conv"]
+    assert counted.kernels["attention"] == real.kernels["attention"]
+    assert sum(counted.kernels.values()) == pytest.approx(sum(real.kernels.values()), rel=0.02)
+
+
+def test_step_ops_json_and_the_sdxl_default_casts_once_per_step():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "step_ops.py"), "--model_config", "sdxl-base",
+                          "--precomputed", "--precomputed_format", "text_states", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["weight_casts"] == "step" and result["microbatch"] >= 1
+    assert result["casts_per_image"] <= 230  # issue 28: an eighth of autocast's at microbatch 2
+    assert result["kernels_per_image"] == pytest.approx(sum(result["kernels_per_image_by_kind"].values()))
+    old = subprocess.run([sys.executable, str(ROOT / "bench" / "step_ops.py"), "--model_config", "sdxl-base",
+                          "--precomputed", "--precomputed_format", "text_states", "--microbatch", "2", "--batch_size",
+                          "2", "--weight_casts", "microbatch", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    old_result = json.loads(old.stdout.strip().splitlines()[-1])
+    # Per microbatch at least one cast per weight tensor forward and one back.
+    num_tensors = sum(1 for _ in family_of("sdxl-base").meta_parts("sdxl-base").denoiser.parameters())
+    assert old_result["kernels_per_microbatch"]["casts"] >= 2 * num_tensors
+    assert old_result["casts_per_image"] > 7 * result["casts_per_image"]
+
+
+def test_profile_writes_a_trace_and_leaves_the_window(tmp_path):
+    result = _run(tmp_path, "--batch_size", "4", "--max_duration", "5ba", "--profile_batches", "2",
+                  "--profile_dir", str(tmp_path / "prof"))
+    trace = json.loads(Path(result["profile_trace"]).read_text())
+    assert trace["traceEvents"]
+    assert result["profile_batches"] == 2 and len(result["profile_top_ops"]) == 15
+    assert 0 < result["device_busy_fraction"] <= 1.05
+    assert result["warmup_batches"] == 3 and result["measured_batches"] == 2  # 1 warm-up + 2 profiled left out
+    with pytest.raises(SystemExit) as exit_info:
+        _run(tmp_path, "--batch_size", "4", "--max_duration", "3ba", "--profile_batches", "2")
+    assert "--profile_batches 2" in str(exit_info.value.code)
