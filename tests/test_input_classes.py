@@ -37,13 +37,14 @@ from t2ibench import cli, flags  # noqa: E402
 import index_scale  # noqa: E402
 import latents  # noqa: E402
 import learns  # noqa: E402
+import step_ops  # noqa: E402
 
 TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
         "--max_duration", "2ba", "--num_workers", "0", "--warmup_batches", "1"]
 REAL = ["--model_config", "tiny", "--batch_size", "4", "--image_size", "32", "--max_duration", "2ba",
         "--num_workers", "0"]
 COMMANDS = {"benchmark.py": benchmark, "convert.py": convert, "latents.py": latents, "export.py": export,
-            "cost.py": cost, "learns.py": learns, "index_scale.py": index_scale}
+            "cost.py": cost, "learns.py": learns, "index_scale.py": index_scale, "step_ops.py": step_ops}
 
 
 def error_of(main, argv: list[str], prog: str = "benchmark.py") -> str:
@@ -90,13 +91,14 @@ NOT_NUMBERS = {
     "benchmark.py": {"--remote", "--local", "--model_name", "--ema_export_dir", "--wandb_name", "--wandb_project",
                      "--model_config", "--precision", "--results_json", "--image_key", "--caption_key",
                      "--validate_hash", "--save_folder", "--load_path", "--run_name", "--sample_prompts",
-                     "--samples_dir", "--eval_remote", "--eval_local"},
+                     "--samples_dir", "--eval_remote", "--eval_local", "--profile_dir"},
     "convert.py": {"inputs", "--out", "--image_column", "--caption_column"},
     "latents.py": {"--remote", "--local", "--out", "--model_name", "--model_config", "--image_key", "--caption_key"},
     "export.py": {"checkpoint", "--out", "--model_name"},
     "cost.py": {"files", "--results", "--plot", "--csv", "--markdown", "--title"},
     "learns.py": {"--captions", "--data", "--workdir", "--make_data", "--results_json"},
     "index_scale.py": {"--out", "--json", "--from_json", "--child", "--local"},
+    "step_ops.py": {"--model_config"},
 }
 # Numbers written as strings (time strings, sizes, counts with units), checked by each command's
 # validation: (command, flag, bad values, flags the check needs).
