@@ -101,6 +101,8 @@ class KernelCounter(TorchDispatchMode):
         super().__init__()
         self.kernels: Counter[str] = Counter()
         self.host_syncs = 0
+        self.phase = "forward"  # set by the caller: casts are also counted by phase
+        self.casts_by_phase: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -117,6 +119,8 @@ class KernelCounter(TorchDispatchMode):
             kind = classify(name, args, out)
             if kind is not None:
                 self.kernels[kind] += 1
+                if kind == "casts":
+                    self.casts_by_phase[self.phase] += 1
         return out
 
 
@@ -129,6 +133,7 @@ class StepKernels:
     per_microbatch: dict[str, int]  # forward, loss and backward of one microbatch, by kind
     per_step: dict[str, int]  # launched once per optimizer step, by kind
     host_syncs_per_step: int
+    casts_per_microbatch_by_phase: dict[str, int]  # forward (and loss) against backward (recomputation included)
 
     @property
     def microbatches_per_step(self) -> int:
@@ -161,6 +166,7 @@ def count_step_kernels(model_config: str, image_size: int, microbatch: int, batc
     with torch.random.fork_rng(devices=[]), counter:
         with memory.AutocastRules(policy, dtype, "cuda"):
             loss = model.loss(model(batch), batch)
+        counter.phase = "backward"
         loss.backward()
     per_microbatch = dict(counter.kernels)
     per_microbatch["elementwise"] = per_microbatch.get("elementwise", 0) + COMPOSER_KERNELS_PER_MICROBATCH
@@ -179,7 +185,7 @@ def count_step_kernels(model_config: str, image_size: int, microbatch: int, batc
     for p in model.parameters():
         p.grad = None
     return StepKernels(microbatch, batch_size_per_device, per_microbatch, dict(step),
-                       counter.host_syncs + COMPOSER_SYNCS_PER_STEP)
+                       counter.host_syncs + COMPOSER_SYNCS_PER_STEP, dict(counter.casts_by_phase))
 
 
 def summary(kernels: StepKernels) -> dict[str, Any]:
@@ -189,6 +195,7 @@ def summary(kernels: StepKernels) -> dict[str, Any]:
             "microbatches_per_step": kernels.microbatches_per_step,
             "kernels_per_image": sum(per_image.values()), "casts_per_image": per_image["casts"],
             "kernels_per_image_by_kind": per_image, "kernels_per_microbatch": kernels.per_microbatch,
+            "casts_per_microbatch_by_phase": kernels.casts_per_microbatch_by_phase,
             "kernels_per_step_once": kernels.per_step, "host_syncs_per_step": kernels.host_syncs_per_step,
             "kernels_per_step": sum(kernels.per_microbatch.values()) * kernels.microbatches_per_step
             + sum(kernels.per_step.values())}

@@ -34,13 +34,17 @@ TOP_OPS = 15
 
 
 class ProfileBatches(Callback):
-    """Profile `num_batches` batches starting with batch index `first_batch` (0-based)."""
+    """Profile `num_batches` batches after the first `first_batch` batches this process trains.
+
+    Counted in this process, as the throughput window's warm-up is: a resumed run warms up again.
+    """
 
     def __init__(self, first_batch: int, num_batches: int, folder: str):
         self.first_batch, self.num_batches, self.folder = first_batch, num_batches, folder
         self.summary: dict = {}
         self._profiler: profile | None = None
         self._start = 0.0
+        self._batches_done = 0
 
     @staticmethod
     def _sync() -> None:
@@ -48,7 +52,7 @@ class ProfileBatches(Callback):
             torch.cuda.synchronize()
 
     def batch_start(self, state: State, logger: Logger) -> None:
-        if int(state.timestamp.batch) != self.first_batch or self._profiler is not None:
+        if self._batches_done != self.first_batch or self._profiler is not None:
             return
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         self._sync()
@@ -57,8 +61,8 @@ class ProfileBatches(Callback):
         self._start = time.perf_counter()
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        # At BATCH_END the timestamp already counts this batch.
-        if self._profiler is None or self.summary or int(state.timestamp.batch) < self.first_batch + self.num_batches:
+        self._batches_done += 1
+        if self._profiler is None or self.summary or self._batches_done < self.first_batch + self.num_batches:
             return
         self._sync()
         wall = time.perf_counter() - self._start
