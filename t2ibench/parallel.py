@@ -58,7 +58,10 @@ def gloo_reduce_scatter_sums() -> bool:
     world_size = dist.get_world_size()
     probe = torch.ones(world_size)
     reduced = torch.empty(1)
-    torch.distributed.reduce_scatter_tensor(reduced, probe, op=torch.distributed.ReduceOp.AVG)
+    # The collective FSDP2 calls: reduce_scatter_single where it exists (torch 2.14.1, which deprecates
+    # reduce_scatter_tensor with a FutureWarning), reduce_scatter_tensor before (torch 2.7).
+    reduce_scatter = getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor
+    reduce_scatter(reduced, probe, op=torch.distributed.ReduceOp.AVG)
     if reduced.item() == world_size:
         return True
     if reduced.item() == 1:
