@@ -3,7 +3,8 @@
 `FSDP_MODES` are the flag's values; `resolve_mode` turns `auto` into the family's default (FSDP
 full_shard for a model whose training state does not fit one GPU, such as Flux.1; DDP otherwise);
 `fsdp_parallelism` is the config handed to Composer's Trainer; `average_gradients_over_gloo` fixes
-gloo's reduce-scatter on CPU where it sums (torch 2.7), so that the CPU tests compute the gradients the GPUs do.
+gloo's reduce-scatter on CPU where it sums (torch 2.7), so that the CPU tests compute the gradients
+the GPUs do.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def fsdp_parallelism(mode: str) -> ParallelismConfig | None:
 
 
 def gloo_reduce_scatter_sums() -> bool:
-    """Whether this torch's gloo `reduce_scatter_tensor` sums when asked for `ReduceOp.AVG`.
+    """Whether this torch's gloo reduce-scatter sums when asked for `ReduceOp.AVG` (all ranks call it).
 
     Measured with two ranks holding 1 and 2: torch 2.7.0 gives 3 (a sum), torch 2.14.1 gives 1.5
     (the average FSDP2 asked for). The torch release in between that changed it is not pinned down,
@@ -60,13 +61,14 @@ def gloo_reduce_scatter_sums() -> bool:
     reduced = torch.empty(1)
     # The collective FSDP2 calls: reduce_scatter_single where it exists (torch 2.14.1, which deprecates
     # reduce_scatter_tensor with a FutureWarning), reduce_scatter_tensor before (torch 2.7).
-    reduce_scatter = getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor
+    reduce_scatter = (getattr(torch.distributed, "reduce_scatter_single", None)
+                      or torch.distributed.reduce_scatter_tensor)
     reduce_scatter(reduced, probe, op=torch.distributed.ReduceOp.AVG)
     if reduced.item() == world_size:
         return True
     if reduced.item() == 1:
         return False
-    raise RuntimeError(f"gloo's reduce_scatter_tensor with ReduceOp.AVG of {world_size} ones gave "
+    raise RuntimeError(f"gloo's reduce-scatter with ReduceOp.AVG of {world_size} ones gave "
                        f"{reduced.item()}, neither their sum nor their average (torch {torch.__version__})")
 
 

@@ -55,7 +55,7 @@ def test_count_matches_a_real_cpu_step(model_config, precision, norm_precision):
     # activations (tens of percent). The peak is compared without kernels' scratch (memory an op
     # allocates and frees inside itself, which no op-level count sees): its size is the machine's,
     # not the model's (oneDNN's bf16 GEMM scratchpad grows with the thread count and the torch
-    # release: 0.4% to 2.3% of these steps on 2 threads, more on a many-core host). Measured
+    # release: up to 2.3% of these steps on 2 threads, more on a many-core host). Measured
     # without it on 2 threads, torch 2.7.0 and 2.14.1 alike: within 0.25% of the count.
     counted = BENCH.count_cpu_step(model_config, 64, 2, precision, norm_precision)
     measured = BENCH.measure_cpu_step(model_config, 64, 2, precision, norm_precision)
