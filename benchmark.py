@@ -29,7 +29,7 @@ from composer.utils import dist
 from torch.utils.data import DataLoader
 
 import data
-from t2ibench import checks, errors, flags, parallel
+from t2ibench import checks, errors, flags, parallel, stack
 from t2ibench.callbacks.empty_epoch import EmptyEpochError, StopOnEmptyEpoch
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
 from t2ibench.callbacks.nonfinite_loss import NonFiniteLossError, StopOnNonFiniteLoss
@@ -515,6 +515,7 @@ def train(args: argparse.Namespace, run: Runtime, trainer: Trainer, built: Model
         **(measured.profile.summary if measured.profile else {}),
         **(measured.validation.summary() if measured.validation else {"eval_loss": None}),
         "torch_version": torch.__version__,
+        "versions": stack.versions(),  # the pinned stack beside this torch (two installs: README)
     }
     if int(trainer.state.timestamp.batch) == trained_before:
         # A retried --autoresume job whose run had finished: nothing was trained or measured here.

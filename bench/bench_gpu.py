@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import importlib.metadata
 import json
 import os
 import platform
@@ -160,7 +159,6 @@ QUICK = ["online-bf16", "precomputed-bf16"]
 # --smoke: the same settings on each family's tiny model at 32x32 on CPU, a small batch.
 SMOKE_IMAGE_SIZE = 32
 SMOKE_MICROBATCH = 2
-PACKAGES = ("torch", "mosaicml", "mosaicml-streaming", "diffusers", "transformers", "xformers")
 
 # The time estimate: seconds per launch before the first batch (imports, model, loader workers,
 # NCCL), seconds of compilation per --compile row (UNet, VAE encoder and text encoder with
@@ -345,18 +343,14 @@ def table(results: list[dict]) -> str:
 def environment(gpus: int, smoke: bool, argv: list[str]) -> dict:
     import torch
 
-    versions = {}
-    for package in PACKAGES:
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
+    from t2ibench import stack
+
     return {
         "device": "cpu (--smoke)" if smoke else torch.cuda.get_device_name(0),
         "gpus": gpus,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "versions": versions,
+        "versions": stack.versions(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *argv]),
     }

@@ -52,27 +52,34 @@ def test_count_matches_a_real_cpu_step(model_config, precision, norm_precision):
     # and run for real: what is alive when backward starts is what was saved for backward (measured
     # to within 0.2% here: the loss and a few scalars). 1% would still catch any error of method: a
     # view counted apart from its storage, a cast dtype or a missed kernel moves the count by whole
-    # activations (tens of percent). The real peak may only exceed the count by kernels' scratch
-    # buffers, which no op-level count sees (a CPU convolution backward's is 5% of this tiny step).
+    # activations (tens of percent). The peak is compared without kernels' scratch (memory an op
+    # allocates and frees inside itself, which no op-level count sees): its size is the machine's,
+    # not the model's (oneDNN's bf16 GEMM scratchpad grows with the thread count and the torch
+    # release: up to 2.3% of these steps on 2 threads, more on a many-core host). Measured
+    # without it on 2 threads, torch 2.7.0 and 2.14.1 alike: within 0.25% of the count.
     counted = BENCH.count_cpu_step(model_config, 64, 2, precision, norm_precision)
     measured = BENCH.measure_cpu_step(model_config, 64, 2, precision, norm_precision)
     assert measured["after_forward_bytes"] == pytest.approx(counted.after_forward_bytes, rel=0.01)
     assert counted.saved_bytes == pytest.approx(counted.after_forward_bytes, rel=0.01)
-    assert 0.99 * counted.backward_peak_bytes <= measured["peak_bytes"] <= 1.15 * counted.backward_peak_bytes
+    assert measured["op_peak_bytes"] == pytest.approx(counted.backward_peak_bytes, rel=0.01)
 
 
 def test_activation_checkpointing_count_matches_a_real_cpu_step():
     # Flux.1's transformer on precomputed text states (no VAE: its convolutions' CPU scratch would
     # be the peak), every block checkpointed: the run keeps each block's inputs, the count too. On
     # top, the real checkpoint stashes the CPU RNG state per block (for dropout's replay): host
-    # memory on a GPU run, and not an op, so the count does not see it; it is added here.
+    # memory on a GPU run, and not an op, so the count does not see it; it is added here. The peak
+    # falls in a bf16 GEMM of a block's recomputation, where oneDNN's scratchpad (124 KB on 2
+    # threads with torch 2.7.0, 223 KB with 2.14.1; half that on 1 thread) put the allocator's peak
+    # 2.5% to 5.3% above the count: the count is compared with the op-level peak, which equals
+    # count + RNG states to the byte on 1 and 2 threads, torch 2.7.0 and 2.14.1 (3,504,040 bytes).
     config, blocks = "flux1-tiny", 2 + 4  # flux1-tiny's double- and single-stream blocks
     rng_state_bytes = blocks * torch.get_rng_state().numel()
     counted = BENCH.count_cpu_step(config, 64, 4, "amp_bf16", "autocast", True, "text_states")
     measured = BENCH.measure_cpu_step(config, 64, 4, "amp_bf16", "autocast", activation_checkpointing=True,
                                       text_format="text_states")
     assert measured["after_forward_bytes"] == pytest.approx(counted.after_forward_bytes + rng_state_bytes, rel=0.01)
-    assert measured["peak_bytes"] == pytest.approx(counted.backward_peak_bytes + rng_state_bytes, rel=0.01)
+    assert measured["op_peak_bytes"] == pytest.approx(counted.backward_peak_bytes + rng_state_bytes, rel=0.01)
     whole = BENCH.count_cpu_step(config, 64, 4, "amp_bf16", "autocast", False, "text_states")
     assert counted.saved_bytes < whole.saved_bytes / 4  # only the blocks' inputs are kept
 
