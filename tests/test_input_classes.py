@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import benchmark  # noqa: E402
+import blocks  # noqa: E402
 import convert  # noqa: E402
 import cost  # noqa: E402
 import data  # noqa: E402
@@ -43,7 +44,7 @@ TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--im
 REAL = ["--model_config", "tiny", "--batch_size", "4", "--image_size", "32", "--max_duration", "2ba",
         "--num_workers", "0"]
 COMMANDS = {"benchmark.py": benchmark, "convert.py": convert, "latents.py": latents, "export.py": export,
-            "cost.py": cost, "learns.py": learns, "index_scale.py": index_scale}
+            "cost.py": cost, "learns.py": learns, "index_scale.py": index_scale, "blocks.py": blocks}
 
 
 def error_of(main, argv: list[str], prog: str = "benchmark.py") -> str:
@@ -97,6 +98,7 @@ NOT_NUMBERS = {
     "cost.py": {"files", "--results", "--plot", "--csv", "--markdown", "--title"},
     "learns.py": {"--captions", "--data", "--workdir", "--make_data", "--results_json"},
     "index_scale.py": {"--out", "--json", "--from_json", "--child", "--local"},
+    "blocks.py": {"--compare_results_json"},
 }
 # Numbers written as strings (time strings, sizes, counts with units), checked by each command's
 # validation: (command, flag, bad values, flags the check needs).
