@@ -7,7 +7,8 @@ the sharded-training traffic added, samples/s per GPU predicted for a node.
 
 A model that fits no single GPU (Flux.1-schnell: about 190 GB of training state) cannot be run on the
 one GPU a user has, but each of its blocks can. On the visible device (CUDA, else CPU) this times,
-after `--warmup` runs and as the median of `--repeats`, the forward and backward of one microbatch
+after `--warmup` rounds, as the median of `--repeats` rounds (each part once per round, in turn: a
+busy spell of a shared machine falls on every part alike), the forward and backward of one microbatch
 through one of each distinct repeated block of the denoiser (the family's FSDP units,
 `ModelFamily.fsdp_blocks`: Flux.1's double-stream and single-stream blocks; one block per resolution
 level of SD2's and SDXL's UNets), with the inputs the full model hands it (shapes and dtypes read off
@@ -56,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project root: run as python bench/NAME.py
 
 from bench_gpu import GLOBAL_BATCH, MLPERF_FLUX_GLOBAL_BATCH  # noqa: E402
-from t2ibench import errors, flags, fp8, memory  # noqa: E402
+from t2ibench import checks, errors, flags, fp8, memory  # noqa: E402
 from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED, Parser  # noqa: E402
 from t2ibench.errors import fail  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
@@ -236,17 +237,21 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def median_seconds(call: Callable[[], None], device: str, warmup: int, repeats: int) -> float:
+def median_seconds(calls: dict[str, Callable[[], None]], device: str, warmup: int, repeats: int) -> dict[str, float]:
+    """The median seconds of each call, timed in turns (one of each per round), so that a busy spell of
+    a shared machine falls on every part alike rather than on whichever was being timed."""
     for _ in range(warmup):
-        call()
-    times = []
+        for call in calls.values():
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        call()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, call in calls.items():
+            synchronize(device)
+            start = time.perf_counter()
+            call()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def autocast(args: argparse.Namespace) -> Any:
@@ -266,8 +271,8 @@ def prepare(module: torch.nn.Module, args: argparse.Namespace, sharded: bool, pr
         fp8.convert(module, args.fp8, sub)
 
 
-def time_block(args: argparse.Namespace, name: str, call: tuple, output: Any, sharded: bool) -> float:
-    """Seconds of one forward and backward of the block `name` on its recorded inputs."""
+def block_step(args: argparse.Namespace, name: str, call: tuple, output: Any, sharded: bool) -> Callable[[], None]:
+    """One forward and backward of the block `name` on its recorded inputs."""
     denoiser = meta_model(args, sharded).denoiser
     block = materialize(copy.deepcopy(dict(denoiser.named_modules())[name]), args.device, args.seed)
     prepare(block, args, sharded, name + ".")
@@ -288,7 +293,7 @@ def time_block(args: argparse.Namespace, name: str, call: tuple, output: Any, sh
         leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
         torch.autograd.backward(leaves, grads)
 
-    return median_seconds(step, args.device, args.warmup, args.repeats)
+    return step
 
 
 class StandIn(torch.autograd.Function):
@@ -315,8 +320,8 @@ class StandInBlock(torch.nn.Module):
         return tree_unflatten(list(StandIn.apply(self.shapes, *inputs)), self.spec)
 
 
-def time_rest(args: argparse.Namespace, outputs: dict[str, Any], sharded: bool) -> float:
-    """Seconds of the training model's step with every block a stand-in: the parts not repeated."""
+def rest_step(args: argparse.Namespace, outputs: dict[str, Any], sharded: bool) -> Callable[[], None]:
+    """The training model's step with every block a stand-in: the parts not repeated."""
     model = meta_model(args, sharded)
     for name in block_names(model.denoiser, args.model_config):
         parent, _, attr = name.rpartition(".")
@@ -335,22 +340,23 @@ def time_rest(args: argparse.Namespace, outputs: dict[str, Any], sharded: bool) 
             loss = model.loss(model(batch), batch)
         loss.backward()
 
-    return median_seconds(step, args.device, args.warmup, args.repeats)
+    return step
 
 
-def per_parameter_seconds(args: argparse.Namespace, sharded: bool) -> dict[str, float]:
-    """AdamW's step (fused on a GPU, as benchmark.py's auto) and the EMA's lerp, per parameter."""
-    count = OPTIMIZER_PROBE_PARAMS
-    params = [torch.zeros(count // 4, device=args.device, requires_grad=True) for _ in range(4)]
+def update_steps(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
+    """AdamW's step (fused on a GPU, as benchmark.py's auto) and the EMA's lerp (ema.py's update) over
+    OPTIMIZER_PROBE_PARAMS fp32 parameters."""
+    params = [torch.zeros(OPTIMIZER_PROBE_PARAMS // 4, device=args.device, requires_grad=True) for _ in range(4)]
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=args.device == "cuda")
     shadow = [torch.zeros_like(p) for p in params]
-    adamw = median_seconds(optimizer.step, args.device, args.warmup, args.repeats)
-    with torch.no_grad():
-        ema = median_seconds(lambda: torch._foreach_lerp_(shadow, params, 1e-3), args.device, args.warmup,
-                             args.repeats)
-    return {"adamw": adamw / count, "ema": ema / count if args.use_ema else 0.0}
+
+    def ema() -> None:
+        with torch.no_grad():
+            torch._foreach_lerp_(shadow, params, 1e-3)
+
+    return {"adamw": optimizer.step, **({"ema": ema} if args.use_ema else {})}
 
 
 # -- the harness, the composition, the report -------------------------------------------------------
@@ -386,7 +392,10 @@ def harness_seconds_per_step(args: argparse.Namespace, per_device_batch: int) ->
     if args.precomputed:
         argv += ["--precomputed", "--precomputed_format", args.text_format]
     run_args = benchmark.parse_args(argv)
-    family = benchmark.validate(run_args, 1)
+    # Only what the loader reads: benchmark.py's full validation would refuse flux1-schnell on one GPU,
+    # and no model is built here.
+    family = flags.check_shared(run_args)
+    checks.check_locations(run_args)
     run = Runtime.start(run_args, family)
     loader = benchmark.build_data(run_args, run, family).loader
     model = OneParameter()
@@ -472,16 +481,18 @@ def measure(args: argparse.Namespace, sharded: bool) -> dict[str, Any]:
     """Every part timed on the device with the weights as the run holds them (`sharded`: FSDP's bf16)."""
     calls, outputs = block_calls(args, sharded)
     denoiser = meta_model(args, sharded).denoiser
-    blocks = []
-    for label, names in groups(denoiser, args.model_config).items():
-        seconds = time_block(args, names[0], calls[names[0]], outputs[names[0]], sharded)
-        blocks.append({"name": label, "count": len(names), "seconds": seconds})
-        print(f"  {label} x{len(names)}: {1e3 * seconds:.2f} ms each", file=sys.stderr, flush=True)
-    rest = time_rest(args, outputs, sharded)
-    per_param = per_parameter_seconds(args, sharded)
+    members = groups(denoiser, args.model_config)
+    steps = {label: block_step(args, names[0], calls[names[0]], outputs[names[0]], sharded)
+             for label, names in members.items()}
+    steps["the rest"] = rest_step(args, outputs, sharded)
+    steps.update(update_steps(args))
+    seconds = median_seconds(steps, args.device, args.warmup, args.repeats)
+    blocks = [{"name": label, "count": len(names), "seconds": seconds[label]} for label, names in members.items()]
+    rest = seconds["the rest"]
     return {"blocks": blocks, "rest_seconds": rest,
             "composed_microbatch_seconds": rest + sum(b["count"] * b["seconds"] for b in blocks),
-            "adamw_seconds_per_param": per_param["adamw"], "ema_seconds_per_param": per_param["ema"]}
+            "adamw_seconds_per_param": seconds["adamw"] / OPTIMIZER_PROBE_PARAMS,
+            "ema_seconds_per_param": seconds.get("ema", 0.0) / OPTIMIZER_PROBE_PARAMS}
 
 
 def report(result: dict[str, Any]) -> str:
