@@ -516,7 +516,7 @@ def report(result: dict[str, Any]) -> str:
     for r in result["predicted"]:
         lines.append(f"  {r['gpus']:<5} {r['fsdp']:<14} {r['per_gpu_batch']:<10} {r['accumulation']:<13} "
                      f"{r['compute_seconds']:<10.3f} {r['traffic_bytes_per_gpu'] / 1e9:<15.2f} {r['comm_seconds']:<8.3f} "
-                     f"{r['samples_per_sec_per_gpu']:<10.2f} {r['samples_per_sec_per_gpu_overlapped']:.2f}")
+                     f"{r['samples_per_sec_per_gpu']:<10.3g} {r['samples_per_sec_per_gpu_overlapped']:.3g}")
     for gpu, per_gpu in result["reference"].items():
         lines.append(f"  reference: MLPerf Training v5.1, {gpu}, MXFP8 (published, not measured here): {per_gpu:g}")
     if result["comparison"]:
@@ -538,7 +538,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         measured = {}
         for sharded in sorted({mode_for(args, gpus) != "none" for gpus in args.gpus}):
             print(f"timing the blocks of {args.model_config} on {args.device}, weights "
-                  f"{'sharded (gathered in bf16)' if sharded else 'replicated'}...", file=sys.stderr, flush=True)
+                  f"{'sharded (FSDP: gathered in the autocast dtype)' if sharded else 'replicated'}...",
+                  file=sys.stderr, flush=True)
             measured[sharded] = measure(args, sharded)
         per_device = args.global_batch // args.gpus[0]
         harness = harness_seconds_per_step(args, per_device)
