@@ -310,10 +310,21 @@ class StandIn(torch.autograd.Function):
 
 
 class StandInBlock(torch.nn.Module):
-    def __init__(self, output: Any):
+    """In place of a block: its recorded outputs, at no cost. What the parent reads of the block
+    (a UNet asks its up blocks for `resnets` and `has_cross_attention`) comes from the original, kept on
+    the meta device and not registered (never materialized)."""
+
+    def __init__(self, output: Any, original: torch.nn.Module):
         super().__init__()
         leaves, self.spec = tree_flatten(output)
         self.shapes = [(t.shape, t.dtype) for t in leaves]
+        object.__setattr__(self, "original", original)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["original"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -323,9 +334,9 @@ class StandInBlock(torch.nn.Module):
 def rest_step(args: argparse.Namespace, outputs: dict[str, Any], sharded: bool) -> Callable[[], None]:
     """The training model's step with every block a stand-in: the parts not repeated."""
     model = meta_model(args, sharded)
-    for name in block_names(model.denoiser, args.model_config):
+    for name, block in block_names(model.denoiser, args.model_config).items():
         parent, _, attr = name.rpartition(".")
-        setattr(model.denoiser.get_submodule(parent), attr, StandInBlock(outputs[name]))
+        setattr(model.denoiser.get_submodule(parent), attr, StandInBlock(outputs[name], block))
     model = materialize(model, args.device, args.seed)
     prepare(model.denoiser, args, sharded, "")
     if args.precision == "amp_bf16":

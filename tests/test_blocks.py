@@ -100,3 +100,17 @@ def test_a_batch_the_gpu_counts_do_not_divide_is_refused():
     with pytest.raises(SystemExit) as exit_info:
         blocks.main(SETTINGS + ["--global_batch", "12", "--microbatch", "4", "--gpus", "8"])
     assert "--global_batch 12 over --gpus 8" in str(exit_info.value.code)
+
+
+@pytest.mark.parametrize("model_config", ["tiny", "sdxl-tiny"])
+def test_a_unets_blocks_are_timed_one_per_level_and_the_rest_runs_around_stand_ins(model_config):
+    # Each down block, the mid block and each up block (the UNet's FSDP units) once; the up blocks read
+    # their own `resnets` in the UNet's forward, which the stand-ins of the rest's step must answer.
+    result = blocks.main(["--model_config", model_config, "--image_size", "32", "--precomputed", "--global_batch", "4",
+                          "--microbatch", "2", "--gpus", "1", "--warmup", "0", "--repeats", "1",
+                          "--harness_batches", "2", "--num_workers", "0"])
+    denoiser = build_meta_model(model_config, precomputed=True).denoiser
+    times = result["measured"]["replicated"]
+    assert sum(b["count"] for b in times["blocks"]) == len(family_of(model_config).fsdp_blocks(denoiser))
+    assert {b["name"] for b in times["blocks"]} >= {"mid_block", "down_blocks.0", "up_blocks.0"}
+    assert times["rest_seconds"] > 0 and result["predicted"][0]["samples_per_sec_per_gpu"] > 0
