@@ -85,8 +85,9 @@ def build_parser() -> Parser:
                    help=f"images per step over all GPUs (default: MLPerf's {MLPERF_FLUX_GLOBAL_BATCH} for Flux.1, "
                         f"{GLOBAL_BATCH} otherwise)")
     g.add_argument("--microbatch", type=POSITIVE_INT, default=None,
-                   help="images per GPU per forward/backward (default: on a GPU the memory model's largest for its "
-                        "memory at the first --gpus; on a CPU 8, or the global batch when smaller)")
+                   help="images per GPU per forward/backward (default: on a GPU the memory model's largest that "
+                        "fits its memory at every --gpus count and divides the per-GPU batch of the largest; on a "
+                        "CPU 8, or that batch when smaller)")
     g.add_argument("--precision", type=str, default="auto", choices=PRECISIONS, help="auto: amp_bf16 on a GPU, fp32 on CPU")
     g.add_argument("--norm_precision", type=str, default="autocast", choices=NORM_PRECISIONS, help="as benchmark.py's")
     g.add_argument("--precomputed", action="store_true", help="precomputed latents (no VAE in the step)")
@@ -127,15 +128,14 @@ def validate(args: argparse.Namespace) -> None:
     args.text_format = memory._text_format(family, args.precomputed, args.precomputed_format)
     args.global_batch = args.global_batch or (MLPERF_FLUX_GLOBAL_BATCH if family.name == "flux" else GLOBAL_BATCH)
     if args.microbatch is None:
-        per_gpu = args.global_batch // args.gpus[0]
-        if on_gpu:
-            plan = memory.plan(args.model_config, args.image_size, torch.cuda.get_device_properties(0).total_memory,
-                               precision=args.precision, norm_precision=args.norm_precision,
-                               precomputed=args.precomputed, precomputed_format=args.text_format,
-                               use_ema=args.use_ema, fsdp=mode_for(args, args.gpus[0]), num_gpus=args.gpus[0],
-                               per_device_batch=per_gpu, activation_checkpointing=args.activation_checkpointing,
-                               fp8=args.fp8)
-            args.microbatch = max(1, plan["microbatch"])
+        per_gpu = args.global_batch // max(args.gpus)  # a microbatch that divides every count's per-GPU batch
+        if on_gpu:  # the largest that fits at every count (fewer GPUs shard less: more fixed bytes each)
+            args.microbatch = max(1, min(memory.plan(
+                args.model_config, args.image_size, torch.cuda.get_device_properties(0).total_memory,
+                precision=args.precision, norm_precision=args.norm_precision, precomputed=args.precomputed,
+                precomputed_format=args.text_format, use_ema=args.use_ema, fsdp=mode_for(args, gpus), num_gpus=gpus,
+                per_device_batch=per_gpu, activation_checkpointing=args.activation_checkpointing,
+                fp8=args.fp8)["microbatch"] for gpus in args.gpus))
         else:
             args.microbatch = min(8, per_gpu)
     for gpus in args.gpus:
