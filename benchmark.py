@@ -29,11 +29,11 @@ from composer.utils import dist
 from torch.utils.data import DataLoader
 
 import data
-from t2ibench import checks, errors, flags, parallel, stack
+from t2ibench import checks, errors, flags, fp8, memory, parallel, stack
 from t2ibench.callbacks.empty_epoch import EmptyEpochError, StopOnEmptyEpoch
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
 from t2ibench.callbacks.nonfinite_loss import NonFiniteLossError, StopOnNonFiniteLoss
-from t2ibench.callbacks.profile import ProfileBatches, format_profile
+from t2ibench.callbacks.profile import ProfileBatches
 from t2ibench.callbacks.progress import ConsoleProgress
 from t2ibench.callbacks.resume_rng import RestoreRngOnStreamingResume
 from t2ibench.callbacks.run_record import RunRecord
@@ -43,7 +43,6 @@ from t2ibench.callbacks.validation import EVAL_LABEL, ValidationLog
 from t2ibench.checks import PRECISIONS
 from t2ibench.cli import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
-from t2ibench.model import DiffusionModel, unwrap_model
 from t2ibench.norms import NORM_PRECISIONS, set_norm_precision
 from t2ibench.model import DiffusionModel, unwrap_model, vae_overflows_in
 from t2ibench.runtime import Runtime
@@ -52,6 +51,7 @@ from t2ibench.objectives import TIMESTEP_SAMPLINGS
 from t2ibench.sources import parse_sources, record_cache
 from t2ibench.streaming import StreamingSettings
 from t2ibench.weight_casts import WEIGHT_CASTS, CastWeightsOncePerStep
+from t2ibench.summary import print_summary
 
 # SD2's and SDXL's DDPM schedules have 1000 training timesteps (Flux's are continuous): more loss bins
 # than that would stay empty, and more sampler steps than that repeat timesteps.
@@ -131,6 +131,7 @@ def build_parser() -> flags.Parser:
     g.add_argument("--activation_checkpointing", action="store_true",
                    help="recompute each block of the denoiser in the backward pass instead of keeping its activations "
                         "(diffusers' gradient checkpointing): less memory, about a third more compute")
+    flags.add_fp8(g)
     g = p.add_argument_group("training recipe (every default keeps the 2023 step)")
     g.add_argument("--lr_warmup_batches", type=NON_NEGATIVE_INT, default=0, help="linear learning-rate warm-up over this many batches")
     g.add_argument("--lr_schedule", type=str, default="constant", choices=("constant", "cosine"),
@@ -259,8 +260,9 @@ class Model:
 
     model: DiffusionModel
     encoders: Parts  # used outside the step: the empty caption, samples, the exported pipeline
-    flops: dict[str, float]  # FLOPs per image of the step (family.flops_per_image)
+    flops: dict[str, float]  # FLOPs per image of the step (family.flops_per_image; fp8_fwd_bwd: those in float8)
     text_format: str | None  # precomputed shards: "tokens" or "text_states"
+    float8: fp8.Conversion | None = None  # --fp8: the Linear layers in float8
 
 
 def build_model(args: argparse.Namespace, run: Runtime, family: ModelFamily, training_data: TrainingData) -> Model:
@@ -305,11 +307,18 @@ def build_model(args: argparse.Namespace, run: Runtime, family: ModelFamily, tra
         with torch.no_grad():
             model.set_caption_dropout(args.caption_drop_prob, empty,
                                       family.as_unconditional(family.encode_text(encoders.text_encoders, empty)))
+    conversion = None
+    if args.fp8 != "off":  # before compile and FSDP wrap them; the same parameters, so before AdamW too
+        rows = memory.linear_rows_per_sample(args.model_config, args.image_size, text_format)
+        conversion = fp8.convert(model.denoiser, args.fp8, rows)
     apply_speed_settings(args, run, model)
     flops = family.flops_per_image(args.model_config, args.image_size, vae=not args.precomputed,
                                    text_encoders=text_format != "text_states")
+    if conversion:
+        flops["fp8_fwd_bwd"] = fp8.linear_flops_per_sample(model.denoiser, rows, conversion.converted)
     model.flops_per_image = flops["total"]
-    return Model(model, dataclasses.replace(encoders, latent_scale=model.latent_scale), flops, text_format)
+    return Model(model, dataclasses.replace(encoders, latent_scale=model.latent_scale), flops, text_format,
+                 conversion)
 
 
 def apply_speed_settings(args: argparse.Namespace, run: Runtime, model: DiffusionModel) -> None:
@@ -513,6 +522,8 @@ def train(args: argparse.Namespace, run: Runtime, trainer: Trainer, built: Model
         "activation_checkpointing": args.activation_checkpointing,
         "weight_casts": run.weight_casts,
         **(measured.profile.summary if measured.profile else {}),
+        "fp8": args.fp8,
+        "fp8_conversion": built.float8.summary() if built.float8 else None,
         **(measured.validation.summary() if measured.validation else {"eval_loss": None}),
         "torch_version": torch.__version__,
         "versions": stack.versions(),  # the pinned stack beside this torch (two installs: README)
@@ -551,56 +562,6 @@ def report(args: argparse.Namespace, results: dict) -> None:
         Path(args.results_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.results_json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"results written to {args.results_json}")
-
-
-def print_summary(r: dict) -> None:
-    if r.get("already_complete"):
-        print("\n=== Stable Diffusion benchmark ===\n"
-              f"model {r['model_config']} at {r['image_size']}x{r['image_size']}: the run was already complete "
-              f"({r['trained_batches']} batches, checkpoint in {r['save_folder']}); nothing trained or measured "
-              "in this run (its figures are those of the run that trained)\n", flush=True)
-        return
-
-    def percent(value: float | None) -> str:
-        return f"{100 * value:.1f}%" if value is not None else "n/a"
-
-    wait, wait_mean = percent(r["data_wait_fraction"]), percent(r["data_wait_fraction_mean"])
-    after = f"{r['seconds_after_window']:.1f} s" if r.get("seconds_after_window") is not None else "n/a"
-    reserved = (f", {r['peak_memory_reserved_bytes'] / 2**30:.2f} GiB reserved"
-                if r.get("peak_memory_reserved_bytes") else "")
-    since = " after warm-up" if r["peak_memory_kind"].startswith("cuda") else ", whole run"
-    mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_flops_per_device'] / 1e12:.0f} TFLOP/s peak per device" if r.get("mfu")
-           else "n/a (unknown device peak; pass --peak_tflops)")
-    trained = (f"; trained network alone (UNet forward + backward, {r['flops_per_image_trained_network'] / 1e9:.1f} "
-               f"GFLOP/image): {100 * r['mfu_trained_network']:.1f}%" if r.get("mfu_trained_network") else "")
-    print(
-        "\n=== Stable Diffusion benchmark ===\n"
-        f"model {r['model_config']} at {r['image_size']}x{r['image_size']}, {r['precision']}, "
-        f"{r['world_size']} x {r['device']}, global batch {r['global_batch_size']}, "
-        f"microbatch {r['device_train_microbatch_size']}\n"
-        f"set-up       weight casts per {r['weight_casts']}, activation checkpointing "
-        f"{'on' if r['activation_checkpointing'] else 'off'}, compile {'on' if r['compile'] else 'off'}, fused AdamW "
-        f"{'on' if r['fused_adamw'] else 'off'}, norms {r['norm_precision'] or 'fp32'}"
-        f"{', channels-last' if r['channels_last'] else ''}{', xFormers' if r['xformers'] else ''}\n"
-        f"throughput   {r['images_per_sec']:.2f} images/s ({r['images_per_sec_per_device']:.2f} per device) "
-        f"over {r['measured_batches']} batches after {r['warmup_batches']} warm-up\n"
-        f"MFU          {mfu} at {r['flops_per_image'] / 1e9:.1f} GFLOP/image{trained}\n"
-        f"data wait    {wait} of measured time in the loader's next() (max over ranks; mean {wait_mean})\n"
-        f"checkpoints  {r['checkpoint_seconds_in_window']:.1f} s saving inside the measured "
-        f"{r['measured_seconds']:.1f} s, {r['checkpoint_seconds_after_window']:.1f} s after it; "
-        f"{after} from the last batch to the end of fit\n"
-        f"peak memory  {r['peak_memory_bytes'] / 2**30:.2f} GiB ({r['peak_memory_kind']}){reserved}{since}\n"
-        f"final loss   {r['final_loss']}\n"
-        + (f"eval loss    {r['eval_loss']:.4f} (validation loss at 8 fixed timesteps, {len(r['eval_history'])} "
-           f"evaluations, {r['eval_seconds']:.1f} s left out of images/s)"
-           + (f"; target {r['eval_target']} " + (f"reached at batch {r['eval_target_reached']['batch']} after "
-                                                 f"{r['eval_target_reached']['training_seconds']:.1f} s of training"
-                                                 if r['eval_target_reached'] else "not reached")
-              if r.get('eval_target') is not None else "") + "\n"
-           if r.get("eval_loss") is not None else "")
-        + format_profile(r),
-        flush=True,
-    )
 
 
 def user_error(error: BaseException) -> str | None:

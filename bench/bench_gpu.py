@@ -8,6 +8,7 @@ global batch 512); one `benchmark.py` run per setting.
     python bench/bench_gpu.py --dry_run --gpus 8 --gpu_memory_gib 79.1   # plan a node you are not on
     python bench/bench_gpu.py --out /tmp/b --only online-bf16 flux-precomputed-states-bf16-fsdp
     python bench/bench_gpu.py --out /tmp/b --smoke              # no GPU: the tiny models on CPU, to check the tool
+    python bench/bench_gpu.py --out results/h100x8-flux-fp8 --only flux-precomputed-states-bf16-fsdp --fp8 tensorwise
 
 It needs only the project's requirements. Each setting runs in its own launch (`composer -n GPUS
 benchmark.py ...`: a fresh CUDA context, so peak memory and compile caches do not leak between
@@ -39,6 +40,7 @@ It leaves in `--out`:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -54,6 +56,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # the project root
 sys.path.insert(0, str(ROOT))
+
+from t2ibench.fp8 import FP8_MODES, MIN_CAPABILITY  # noqa: E402
 
 GLOBAL_BATCH = 2048  # cost.py's batch (the 2023 benchmark's and the SD2 recipe's)
 # MLPerf Training v5.1's Flux.1 global batch in NVIDIA's 16-GPU entries (its 512-GPU ones use 2048).
@@ -81,6 +85,7 @@ class Setting:
     global_batch: int = GLOBAL_BATCH
     use_ema: bool = True  # MLPerf's Flux.1 reference trains without one
     weight_casts: str = "auto"  # benchmark.py's --weight_casts (auto: step on one GPU without FSDP)
+    fp8: str = "off"  # --fp8: float8 training of the denoiser's Linear layers (t2ibench.fp8)
 
     @property
     def family(self):
@@ -112,6 +117,8 @@ class Setting:
             flags += ["--norm_precision", self.norm_precision]
         if self.weight_casts != "auto":
             flags += ["--weight_casts", self.weight_casts]
+        if self.fp8 != "off":
+            flags += ["--fp8", self.fp8]
         flags += [flag for flag, on in (("--activation_checkpointing", self.activation_checkpointing),
                                         ("--compile", self.compile), ("--channels_last", self.channels_last)) if on]
         return flags
@@ -215,7 +222,8 @@ def plan_row(name: str, setting: Setting, gpus: int, gpu_memory_bytes: float, ou
                            precomputed_format=setting.text_format, fsdp=setting.fsdp, num_gpus=gpus,
                            activation_checkpointing=setting.activation_checkpointing, use_ema=setting.use_ema,
                            weight_casts=resolve_weight_casts(setting.weight_casts, on_gpu=True, precision="amp_bf16",
-                                                             world_size=gpus))
+                                                             world_size=gpus),
+                           fp8=setting.fp8)
         microbatch = max(1, min(plan["microbatch"], per_device) // setting.microbatch_divisor)
         # The row's global batch when the GPU count divides it; else the largest per-device multiple of
         # the microbatch below it.
@@ -401,6 +409,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "SD2 rows that run them; the SDXL and Flux.1 rows need none)")
     p.add_argument("--allow_random_encoders", action="store_true",
                    help="run without the pretrained VAE/text encoder (random ones; no rank tries the hub)")
+    p.add_argument("--fp8", default="off", choices=FP8_MODES,
+                   help="float8 training of the denoiser's Linear layers in every row (benchmark.py's --fp8; needs "
+                        "compute capability 8.9: Ada, Hopper, Blackwell)")
     p.add_argument("--smoke", action="store_true",
                    help="check the tool without a GPU: each family's tiny model, 32x32, on CPU (figures mean nothing)")
     args = p.parse_args(argv)
@@ -456,7 +467,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not pretrained and not args.allow_random_encoders:  # --dry_run plans for another node: a note only
         print(f"note: on this machine, {refusal}", flush=True)
     out = (args.out or Path("bench-gpu-results")).absolute()
-    rows = [plan_row(n, MATRIX[n], gpus, gpu_memory_bytes, out, args.batches, args.warmup_batches, args.smoke,
+    if args.fp8 != "off" and not (args.smoke or args.dry_run) and torch.cuda.get_device_capability() < MIN_CAPABILITY:
+        fail(f"--fp8 {args.fp8}: {torch.cuda.get_device_name()} has no float8 tensor cores (compute capability "
+             f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} and up: Ada, Hopper, Blackwell); drop --fp8")
+    settings = {n: dataclasses.replace(MATRIX[n], fp8=args.fp8) if args.fp8 != "off" else MATRIX[n] for n in args.names}
+    rows = [plan_row(n, settings[n], gpus, gpu_memory_bytes, out, args.batches, args.warmup_batches, args.smoke,
                      args.model_name) for n in args.names]
     seconds = [estimate_seconds(row, gpus, args.batches, peak_tflops * 1e12) for row in rows] if not args.smoke else []
     memory_gib = gpu_memory_bytes / 2**30

@@ -7,6 +7,7 @@ any model family.
     python bench/memory.py --table                       # the README's microbatch table (SD2 base)
     python bench/memory.py --check_cpu                   # the count against a real CPU step
     python bench/memory.py --check_cpu --model_config flux1-tiny --precomputed --activation_checkpointing
+    python bench/memory.py --model_config flux1-schnell --precomputed --no_ema --fp8 tensorwise   # float8's bytes
 
 Prints the bytes saved for backward per image (with the other norm precision beside it: what
 low-precision GroupNorm/LayerNorm saves), the fixed bytes per GPU and what holds them, the largest
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root
 
 from t2ibench import memory  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of  # noqa: E402
+from t2ibench.fp8 import FP8_MODES  # noqa: E402
 from t2ibench.images import GEOMETRY_KEYS  # noqa: E402
 from t2ibench.model import DiffusionModel  # noqa: E402
 from t2ibench.norms import set_norm_precision  # noqa: E402
@@ -253,6 +255,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--weight_casts", default="auto", choices=WEIGHT_CASTS,
                    help="weights cast per microbatch (autocast's) or bf16 copies once per step; auto: benchmark.py's "
                         "default (step on one GPU under amp_bf16 without FSDP)")
+    p.add_argument("--fp8", default="off", choices=FP8_MODES,
+                   help="the denoiser's Linear layers in float8 as benchmark.py's --fp8 converts them")
     p.add_argument("--per_device_batch", type=int, default=None,
                    help="images per GPU per step: the microbatch must divide it (benchmark.py's auto)")
     p.add_argument("--json", action="store_true", help="end with the figures as one JSON object on one line")
@@ -313,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict | list | str:
     options = dict(precision=args.precision, precomputed=args.precomputed, precomputed_format=args.precomputed_format,
                    use_ema=not args.no_ema, fsdp=args.fsdp, num_gpus=args.num_gpus,
                    per_device_batch=args.per_device_batch, activation_checkpointing=args.activation_checkpointing,
-                   weight_casts=args.weight_casts)
+                   weight_casts=args.weight_casts, fp8=args.fp8)
     result = memory.plan(args.model_config, args.image_size, args.gpu_memory_gib * memory.GIB,
                          norm_precision=args.norm_precision, **options)
     if args.precision != "fp32":
@@ -328,6 +332,7 @@ def main(argv: list[str] | None = None) -> dict | list | str:
           f"{data}, {'EMA, ' if not args.no_ema else ''}"
           f"{'activation checkpointing, ' if args.activation_checkpointing else ''}"
           f"weight casts per {args.weight_casts}, "
+          f"{'fp8 ' + args.fp8 + ', ' if args.fp8 != 'off' else ''}"
           f"{'DDP' if args.fsdp == 'none' else 'FSDP ' + args.fsdp} over {args.num_gpus} GPU(s) of "
           f"{args.gpu_memory_gib:g} GiB")
     print(f"  saved for backward  {g(result['activation_bytes_per_image']):.3f} GiB per image"

@@ -24,6 +24,7 @@ import torch
 from composer.core import Time
 from composer.utils import dist
 
+from t2ibench import fp8
 from t2ibench.errors import fail, storage_error
 from t2ibench.families import FAMILIES, ModelFamily, family_of
 from t2ibench.images import GEOMETRY_KEYS
@@ -99,6 +100,7 @@ def check_run(args: argparse.Namespace, world_size: int) -> None:
         fail("--xformers: xformers is not installed; on a GPU machine `pip install xformers==0.0.30`, or drop the flag")
     if args.ema_export_dir and not args.use_ema:
         fail("--ema_export_dir needs --use_ema")
+    fp8.check(args.fp8, args.precision)
     too_many = check_workers("--num_workers", args.num_workers, dist.get_local_world_size())
     if too_many:
         fail(too_many)

@@ -11,6 +11,7 @@ from t2ibench.cli import FRACTION, NON_NEGATIVE_INT, POSITIVE_INT, SECONDS, SEED
 from t2ibench.cli import Parser, check_workers  # noqa: F401 - the commands' parser and its rules, with these groups
 from t2ibench.errors import fail
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of
+from t2ibench.fp8 import FP8_MODES
 from t2ibench.locations import DEFAULT_CACHE_ROOT
 from t2ibench.sources import JoinSources
 from t2ibench.streaming import MAX_BAD_FRACTION, SHUFFLE_ALGOS, StreamingSettings
@@ -51,6 +52,15 @@ def add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow_random_encoders", action="store_true",
                    help="go on with real data when the pretrained VAE/text encoder cannot be loaded "
                         "(measures throughput; useless for quality)")
+
+
+def add_fp8(group: argparse._ArgumentGroup) -> None:
+    """--fp8: float8 training of the denoiser's Linear layers (t2ibench.fp8), for benchmark.py and the
+    benchmarks that predict or run its step (bench/blocks.py, bench/bench_gpu.py)."""
+    group.add_argument("--fp8", type=str, default="off", choices=FP8_MODES,
+                       help="float8 training of the denoiser's Linear layers whose shapes float8 supports (torchao): "
+                            "tensorwise or rowwise scales; the other layers keep the run's precision. Needs a GPU "
+                            "of compute capability 8.9 or more; emulated on a CPU (numerics, not speed)")
 
 
 def add_run(p: argparse.ArgumentParser, seed_help: str) -> None:

@@ -41,6 +41,11 @@ on the meta device (shapes and dtypes, no memory, no arithmetic) and counted:
   shard_grad_op; under full_shard the root unit and two of the family's FSDP units, one computing
   and one prefetched: `ModelFamily.fsdp_blocks`), and so is the reduce-scatter of the largest unit's
   gradient.
+* **Float8** (`--fp8`): the meta model's Linear layers are converted as the run converts them
+  (`t2ibench.fp8.convert`, torchao's Float8Linear with `torch._scaled_mm`'s meta kernel), their input
+  cast to the autocast dtype and their product left outside autocast as `fp8`'s layer does, so
+  what float8 saves for backward (tensorwise: the float8 weight, 1 byte per parameter, instead of
+  autocast's bf16 cast) is counted by the same hooks, tensor subclasses by their inner tensors.
 * **Fixed bytes per GPU.** Weights, gradients, DDP buckets (or FSDP shards), AdamW's two moments,
   the EMA, the frozen encoders in their dtype, plus a stated CUDA context and an allocator reserve
   (`CUDA_CONTEXT_BYTES`, `ALLOCATOR_RESERVE_FRACTION`).
@@ -61,9 +66,10 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map_only
 
+from t2ibench import fp8 as float8
 from t2ibench.families import ModelFamily, family_of
 from t2ibench.images import GEOMETRY_KEYS
 from t2ibench.model import DiffusionModel
@@ -89,7 +95,7 @@ __all__ = [
     "ALLOCATOR_RESERVE_FRACTION", "COUNTED_MICROBATCHES", "CUDA_AUTOCAST", "CUDA_CONTEXT_BYTES", "FSDP_MODES", "GIB",
     "GPU_MEMORY_GIB", "MAX_MICROBATCH", "NORM_PRECISIONS", "PRECISIONS", "TEXT_FORMATS", "WEIGHT_CASTS", "ActivationModel",
     "AutocastPolicy", "AutocastRules", "LiveBytes", "SavedForBackward", "StepCount", "activation_model",
-    "auto_microbatch", "build_meta_model", "count_step", "fixed_bytes", "fsdp_unit_params", "gib",
+    "auto_microbatch", "build_meta_model", "count_step", "fixed_bytes", "linear_rows_per_sample", "fsdp_unit_params", "gib",
     "largest_microbatch", "meta_batch", "plan", "predicted_bytes", "probe_cpu_autocast", "train_flops_per_image",
     "use_checkpointing",
 ]
@@ -203,7 +209,8 @@ class AutocastRules(TorchFunctionMode):
         return {_storage_key(cast) for _, cast in self.weight_casts.values()}
 
     def _cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if not tensor.is_floating_point() or tensor.dtype in (dtype, torch.float64):
+        if not tensor.is_floating_point() or tensor.dtype in (dtype, torch.float64) or is_traceable_wrapper_subclass(
+                tensor):  # torchao's float8 tensors: fp8's layer runs its product outside autocast
             return tensor
         cacheable = (dtype == self.dtype and tensor.dtype == torch.float32 and tensor.requires_grad
                      and tensor.is_leaf and not tensor._is_view())
@@ -262,9 +269,10 @@ class SavedForBackward:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        if key not in self.exclude and key not in self.storages:
-            self.storages[key] = (tensor.untyped_storage().nbytes(), tensor)
+        for inner in _tensors(tensor):
+            key = _storage_key(inner)
+            if key not in self.exclude and key not in self.storages:
+                self.storages[key] = (inner.untyped_storage().nbytes(), inner)
         return tensor
 
     def __enter__(self) -> "SavedForBackward":
@@ -322,8 +330,11 @@ class LiveBytes(TorchDispatchMode):
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    """The tensors in nested tuples, lists and dicts (what ops take and return); faster than pytree."""
+    """The tensors in nested tuples, lists and dicts (what ops take and return); faster than pytree.
+    A tensor subclass (torchao's float8 tensors) stands for the tensors it holds."""
     if isinstance(tree, torch.Tensor):
+        if is_traceable_wrapper_subclass(tree):
+            return [t for name in tree.__tensor_flatten__()[0] for t in _tensors(getattr(tree, name))]
         return [tree]
     if isinstance(tree, (tuple, list)):
         return [t for item in tree for t in _tensors(item)]
@@ -412,6 +423,44 @@ def meta_batch(model: DiffusionModel, model_config: str, image_size: int, microb
     return batch
 
 
+@functools.lru_cache(maxsize=None)
+def linear_rows_per_sample(model_config: str, image_size: int, text_format: str | None) -> dict[str, int]:
+    """Rows of input each Linear layer of the denoiser sees per sample in the training step (its
+    tokens; 1 for a layer applied once per sample), by module name, read off one forward on the meta
+    device (`text_format`: None online, else the precomputed format). t2ibench.fp8 converts by them."""
+    model = build_meta_model(model_config, precomputed=text_format is not None, precomputed_format=text_format)
+    microbatch, rows = COUNTED_MICROBATCHES[0], {}
+
+    def record(name: str) -> Callable[..., None]:
+        return lambda module, inputs, output: rows.__setitem__(name, inputs[0].numel() // inputs[0].shape[-1]
+                                                               // microbatch)
+
+    handles = [module.register_forward_hook(record(name)) for name, module in model.denoiser.named_modules()
+               if isinstance(module, torch.nn.Linear)]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(meta_batch(model, model_config, image_size, microbatch))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return rows
+
+
+def use_float8(model: DiffusionModel, mode: str, rows_per_sample: dict[str, int], dtype: torch.dtype | None,
+               device_type: str = "cuda") -> float8.Conversion:
+    """Convert the denoiser's Linear layers as benchmark.py's --fp8 does (`fp8.convert`; emulated for a
+    CPU count, `torch._scaled_mm`'s meta kernel for CUDA), each converted layer's input cast to the
+    autocast dtype as its forward does under real autocast (which the meta device does not enter)."""
+    conversion = float8.convert(model.denoiser, mode, rows_per_sample, emulate=device_type != "cuda")
+    if dtype is not None:
+        modules = dict(model.denoiser.named_modules())
+        for name in conversion.converted:
+            modules[name].register_forward_pre_hook(
+                lambda module, args: tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                           else a for a in args))
+    return conversion
+
+
 def use_checkpointing(model: DiffusionModel, policy: AutocastPolicy, dtype: torch.dtype | None,
                       device_type: str = "cuda") -> None:
     """Turn on the denoiser's gradient checkpointing as benchmark.py's --activation_checkpointing does
@@ -489,13 +538,14 @@ class ActivationModel:
 def activation_model(model_config: str, image_size: int, *, precision: str = "amp_bf16",
                      norm_precision: str = "autocast", precomputed: bool = False,
                      precomputed_format: str | None = None, activation_checkpointing: bool = False,
-                     sharded: bool = False, device_type: str = "cuda", weight_casts: str = "microbatch"
-                     ) -> ActivationModel:
+                     sharded: bool = False, device_type: str = "cuda", weight_casts: str = "microbatch",
+                     fp8: str = "off") -> ActivationModel:
     """Count the step at microbatch 2 and 4 under `precision` ("fp32", "amp_bf16", "amp_fp16").
 
     `sharded`: under FSDP (the denoiser's parameters reach the forward in the autocast dtype);
     `weight_casts` "step" (t2ibench.weight_casts): the forward computes with bf16 copies of the
-    weights, so, as under FSDP, autocast casts none of them.
+    weights, so, as under FSDP, autocast casts none of them. `fp8`: `--fp8`'s recipe (t2ibench.fp8),
+    "off" for none.
     Counted once per process and setting (seconds on a CPU: about 10 s for SD2, 30 s for SDXL at
     1024, longer for Flux.1's 11.9B parameters)."""
     text_format = _text_format(family_of(model_config), precomputed, precomputed_format)
@@ -503,25 +553,27 @@ def activation_model(model_config: str, image_size: int, *, precision: str = "am
         raise ValueError(f"weight_casts must be one of {WEIGHT_CASTS}, not {weight_casts!r}")
     low_precision_weights = (sharded or weight_casts == "step") and precision != "fp32"
     return _activation_model(model_config, image_size, precision, norm_precision, text_format,
-                             activation_checkpointing, low_precision_weights, device_type)
+                             activation_checkpointing, low_precision_weights, device_type, fp8)
 
 
 @functools.lru_cache(maxsize=None)
 def _activation_model(model_config: str, image_size: int, precision: str, norm_precision: str,
                       text_format: str | None, activation_checkpointing: bool, sharded: bool,
-                      device_type: str) -> ActivationModel:
+                      device_type: str, fp8: str = "off") -> ActivationModel:
     with torch.random.fork_rng(devices=[]):  # the run that asks (benchmark.py's auto) draws the same numbers after
         return _count_activations(model_config, image_size, precision, norm_precision, text_format,
-                                  activation_checkpointing, sharded, device_type)
+                                  activation_checkpointing, sharded, device_type, fp8)
 
 
 def _count_activations(model_config: str, image_size: int, precision: str, norm_precision: str,
                        text_format: str | None, activation_checkpointing: bool, sharded: bool,
-                       device_type: str) -> ActivationModel:
+                       device_type: str, fp8: str = "off") -> ActivationModel:
     dtype = _dtype_of(precision)
     policy = (CUDA_AUTOCAST if device_type == "cuda" else probe_cpu_autocast()).with_norms(norm_precision)
     model = build_meta_model(model_config, precomputed=text_format is not None, precomputed_format=text_format,
                              frozen_dtype=dtype, denoiser_dtype=dtype if sharded else None)
+    if fp8 != "off":
+        use_float8(model, fp8, linear_rows_per_sample(model_config, image_size, text_format), dtype, device_type)
     if activation_checkpointing:
         use_checkpointing(model, policy, dtype, device_type)
     model.train()
@@ -661,7 +713,8 @@ def plan(model_config: str = "sd2-base", image_size: int | None = None, gpu_memo
          precision: str = "amp_bf16", norm_precision: str = "autocast", precomputed: bool = False,
          precomputed_format: str | None = None, use_ema: bool = True, fsdp: str = "none", num_gpus: int = 8,
          bucket_view: bool = False, per_device_batch: int | None = None,
-         activation_checkpointing: bool = False, weight_casts: str = "microbatch") -> dict[str, Any]:
+         activation_checkpointing: bool = False, weight_casts: str = "microbatch", fp8: str = "off"
+         ) -> dict[str, Any]:
     """The memory of a training step per GPU and the largest microbatch that fits, as a JSON-able dict.
 
     `image_size` None: the family's training resolution (`ModelFamily.default_image_size`);
@@ -674,7 +727,7 @@ def plan(model_config: str = "sd2-base", image_size: int | None = None, gpu_memo
     activations = activation_model(model_config, image_size, precision=precision, norm_precision=norm_precision,
                                    precomputed=precomputed, precomputed_format=text_format,
                                    activation_checkpointing=activation_checkpointing, sharded=fsdp != "none",
-                                   weight_casts=weight_casts)
+                                   weight_casts=weight_casts, fp8=fp8)
     parts = fixed_bytes(model_config, precision=precision, precomputed=precomputed, precomputed_format=text_format,
                         use_ema=use_ema, fsdp=fsdp, num_gpus=num_gpus, bucket_view=bucket_view,
                         weight_cast_bytes=activations.weight_cast_bytes, weight_casts=weight_casts)
@@ -695,7 +748,7 @@ def plan(model_config: str = "sd2-base", image_size: int | None = None, gpu_memo
         "model_config": model_config, "family": family.name, "image_size": image_size, "precision": precision,
         "norm_precision": norm_precision, "precomputed": precomputed, "precomputed_format": text_format,
         "use_ema": use_ema, "fsdp": fsdp, "num_gpus": num_gpus, "ddp_bucket_view": bucket_view,
-        "activation_checkpointing": activation_checkpointing, "weight_casts": weight_casts,
+        "activation_checkpointing": activation_checkpointing, "weight_casts": weight_casts, "fp8": fp8,
         "gpu_memory_bytes": int(gpu_memory_bytes),
         "activation_bytes_per_image": int(activations.saved_per_image),
         "activation_bytes_per_microbatch": int(activations_without_casts.saved_per_microbatch),

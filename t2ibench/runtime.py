@@ -100,7 +100,7 @@ def safe_auto_microbatch(family: ModelFamily, args: argparse.Namespace, total_me
         precision=precision, norm_precision=args.norm_precision, precomputed=args.precomputed,
         precomputed_format=text_format if args.precomputed else None, use_ema=args.use_ema,
         fsdp=resolve_mode(args.fsdp, family.parallelism, world_size), num_gpus=world_size,
-        activation_checkpointing=args.activation_checkpointing)  # several ranks: weight casts per microbatch
+        activation_checkpointing=args.activation_checkpointing, fp8=args.fp8)  # several ranks: casts per microbatch
 
 
 def per_node_signal_files() -> None:

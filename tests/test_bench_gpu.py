@@ -81,6 +81,19 @@ def test_dry_run_plans_flux_sharded_from_the_memory_model(tmp_path, capsys):
     assert checkpointed > plain
 
 
+def test_fp8_goes_to_every_row_and_into_its_memory_plan(capsys):
+    # MLPerf's set-up with float8 on 8 x 80 GB: the command takes --fp8, the microbatch is counted with it.
+    name = "flux-precomputed-states-bf16-fsdp"
+    (row,) = bench_gpu.main(["--dry_run", "--gpus", "8", "--gpu_memory_gib", "79.1", "--only", name,
+                             "--fp8", "tensorwise"])
+    assert _flags(row["command"])["--fp8"] == "tensorwise" and row["plan"]["fp8"] == "tensorwise"
+    plain = memory.plan("flux1-schnell", 256, 79.1 * 2**30, precomputed=True, fsdp="full_shard", use_ema=False,
+                        per_device_batch=64)
+    # Tensorwise keeps each Linear's float8 weight for backward: more bytes per microbatch than bf16.
+    assert row["plan"]["activation_bytes_per_microbatch"] > plain["activation_bytes_per_microbatch"]
+    assert 1 <= row["microbatch"] <= plain["microbatch"]
+
+
 def test_every_row_runs_as_planned_and_smoke_runs_each_familys_tiny_model():
     # Commands are made from the same settings as the plan: check each row's flags without counting.
     for name, setting in bench_gpu.MATRIX.items():

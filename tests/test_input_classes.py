@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import benchmark  # noqa: E402
+import blocks  # noqa: E402
 import convert  # noqa: E402
 import cost  # noqa: E402
 import data  # noqa: E402
@@ -44,7 +45,8 @@ TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--im
 REAL = ["--model_config", "tiny", "--batch_size", "4", "--image_size", "32", "--max_duration", "2ba",
         "--num_workers", "0"]
 COMMANDS = {"benchmark.py": benchmark, "convert.py": convert, "latents.py": latents, "export.py": export,
-            "cost.py": cost, "learns.py": learns, "index_scale.py": index_scale, "step_ops.py": step_ops}
+            "cost.py": cost, "learns.py": learns, "index_scale.py": index_scale, "blocks.py": blocks,
+            "step_ops.py": step_ops}
 
 
 def error_of(main, argv: list[str], prog: str = "benchmark.py") -> str:
@@ -99,6 +101,7 @@ NOT_NUMBERS = {
     "learns.py": {"--captions", "--data", "--workdir", "--make_data", "--results_json"},
     "index_scale.py": {"--out", "--json", "--from_json", "--child", "--local"},
     "step_ops.py": {"--model_config"},
+    "blocks.py": {"--compare_results_json"},
 }
 # Numbers written as strings (time strings, sizes, counts with units), checked by each command's
 # validation: (command, flag, bad values, flags the check needs).

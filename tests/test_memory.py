@@ -222,7 +222,7 @@ def test_auto_microbatch_divides_the_per_device_batch_and_grows_with_memory():
 def _run_args(**overrides) -> argparse.Namespace:
     """benchmark.py's flags as safe_auto_microbatch reads them (after t2ibench.checks resolved them)."""
     flags = dict(model_config="tiny", image_size=64, batch_size=8 * 1024, norm_precision="autocast",
-                 precomputed=False, use_ema=True, fsdp="none", activation_checkpointing=False)
+                 precomputed=False, use_ema=True, fsdp="none", activation_checkpointing=False, fp8="off")
     return argparse.Namespace(**{**flags, **overrides})
 
 
@@ -241,6 +241,11 @@ def test_safe_auto_microbatch_is_the_count_for_the_runs_settings():
     assert safe_auto_microbatch(family_of("flux1-tiny"), flux, memory_bytes, 8, "amp_bf16", "text_states") == \
         memory.auto_microbatch("flux1-tiny", 64, memory_bytes, 1024, precomputed=True, precomputed_format="text_states",
                                fsdp="full_shard", num_gpus=8)
+    # --fp8 too: the count is made with the run's float8 layers (t2ibench.fp8).
+    float8 = _run_args(model_config="flux1-tiny", precomputed=True, fsdp="auto", fp8="tensorwise")
+    assert safe_auto_microbatch(family_of("flux1-tiny"), float8, memory_bytes, 8, "amp_bf16", "text_states") == \
+        memory.auto_microbatch("flux1-tiny", 64, memory_bytes, 1024, precomputed=True, precomputed_format="text_states",
+                               fsdp="full_shard", num_gpus=8, fp8="tensorwise")
 
 
 def test_low_precision_norms_keep_parameters_and_run_in_the_autocast_dtype():

@@ -1,0 +1,163 @@
+"""Float8 training of the denoiser's Linear layers (`--fp8 tensorwise|rowwise`), through torchao.
+
+    python benchmark.py --model_config flux1-tiny --precomputed --use_synth_data --batch_size 8 --fp8 tensorwise ...
+
+torchao's float8 training (`torchao.float8`, pinned in requirements.txt) swaps an `nn.Linear` for a
+`Float8Linear` that casts its input, its weight and, in backward, the output's gradient to float8
+with dynamic scales (one per tensor for `tensorwise`, one per row for `rowwise`, powers of two) and
+multiplies them with `torch._scaled_mm`; the weights, gradients and AdamW state stay what they were
+(fp32 master weights), and every other layer keeps the run's precision (bf16 under `amp_bf16`).
+
+Which layers: a float8 matmul needs every dimension a multiple of 16 (`torch._scaled_mm`: the
+inner dimension of each of the three products, so the input features, the output features and, for
+the weight's gradient, the rows: tokens x microbatch). A Linear is converted when its input and
+output features and the rows it sees per sample are multiples of 16 (`ALIGNMENT`), whatever the
+microbatch; the rows per sample are read off one step on the meta device
+(`memory.linear_rows_per_sample`). Layers applied once per sample (timestep and pooled-text
+embedders, AdaLN modulation: rows = the microbatch) and cross-attention projections of 77 CLIP
+tokens keep the run's precision: their FLOPs are a sliver of the step.
+
+Where: a CUDA GPU with float8 tensor cores (compute capability 8.9: Ada, Hopper, Blackwell) runs
+the kernels; an older GPU is refused (`check`). On a CPU, `torch._scaled_mm` has no kernel (torch
+2.7.0: "Could not run 'aten::_scaled_mm' ... CPU"), so the run emulates it (torchao's `emulate`:
+the same casts to float8 and back, the product in the input's precision): the numerics of float8
+training, not its speed; the run's summary says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+from t2ibench.errors import fail
+
+FP8_MODES = ("off", "tensorwise", "rowwise")
+MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x)
+ALIGNMENT = 16  # torch._scaled_mm: every dimension of a float8 product a multiple of 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversion:
+    """What `convert` did: the layers in float8 and those left in the run's precision, with why."""
+
+    mode: str
+    emulated: bool
+    converted: tuple[str, ...]  # module names in the denoiser
+    kept: dict[str, str]  # module name -> why it stays in the run's precision
+    converted_params: int
+    linear_params: int  # of every Linear, converted or not
+
+    def summary(self) -> dict[str, Any]:
+        """The results JSON's `fp8_conversion`: counts, not names (`converted` and `kept` have those)."""
+        return {"mode": self.mode, "emulated": self.emulated, "converted_linears": len(self.converted),
+                "kept_linears": len(self.kept), "converted_params": self.converted_params,
+                "linear_params": self.linear_params}
+
+
+def describe(summary: dict[str, Any]) -> str:
+    """One line for a run's summary, from `Conversion.summary()`."""
+    where = ("emulated on the CPU (torch._scaled_mm has no CPU kernel): float8's numerics, not its speed"
+             if summary["emulated"] else "torch._scaled_mm on the GPU")
+    total = summary["converted_linears"] + summary["kept_linears"]
+    share = summary["converted_params"] / max(1, summary["linear_params"])
+    return (f"{summary['mode']}: {summary['converted_linears']} of {total} Linear layers ({share:.0%} of their "
+            f"parameters) in float8, the others in the run's precision; {where}")
+
+
+def check(mode: str, precision: str) -> None:
+    """Refuse `--fp8` where it cannot run, in one line, before anything is built."""
+    if mode == "off":
+        return
+    if precision == "amp_fp16":
+        fail(f"--fp8 {mode} with --precision amp_fp16: float8 training keeps the layers it does not convert in "
+             "bf16 (torchao's recipes); use --precision amp_bf16 (the default on a GPU)")
+    if torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+        if capability < MIN_CAPABILITY:
+            fail(f"--fp8 {mode}: {torch.cuda.get_device_name()} (compute capability {capability[0]}.{capability[1]}) "
+                 f"has no float8 tensor cores (they start at {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: Ada, Hopper, "
+                 "Blackwell); drop --fp8")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        fail(f"--fp8 {mode}: torchao is not installed; pip install -r requirements.txt (it pins torchao)")
+
+
+def emulated_here() -> bool:
+    """Whether float8 products are emulated: no CUDA GPU (the CPU has no `_scaled_mm` kernel)."""
+    return not torch.cuda.is_available()
+
+
+def why_kept(linear: torch.nn.Linear, rows_per_sample: int | None) -> str | None:
+    """Why a Linear stays in the run's precision (None: it is converted)."""
+    if rows_per_sample is None:
+        return "not run in the step"
+    odd = [f"{name} {size}" for name, size in (("input features", linear.in_features),
+                                              ("output features", linear.out_features),
+                                              ("rows per sample", rows_per_sample)) if size % ALIGNMENT]
+    return f"{', '.join(odd)} not a multiple of {ALIGNMENT}" if odd else None
+
+
+def config_of(mode: str, emulate: bool) -> Any:
+    """torchao's recipe `mode` (its defaults), emulated or not."""
+    from torchao.float8 import Float8LinearConfig
+
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(mode), emulate=emulate)
+
+
+@functools.cache  # one class: isinstance checks hold across conversions
+def _float8_linear_class() -> type:
+    from torchao.float8.float8_linear import Float8Linear
+
+    class Float8LinearUnderAutocast(Float8Linear):
+        """torchao 0.11's Float8Linear, run outside autocast on its input cast to the autocast dtype.
+
+        Its own forward casts the input for CUDA autocast only (`torch.is_autocast_enabled()` is
+        CUDA's) and leaves the float8 product to autocast, which then casts the fp32 master weight's
+        float8 tensor to bf16: fine for tensorwise scales, refused for rowwise ("aten._to_copy.default
+        with axiswise scaling is not supported yet"), measured on the CPU and on the same path under
+        CUDA autocast with DDP's fp32 weights. Casting the input here, for the autocast of its own
+        device, and running the product outside autocast gives every recipe, on every device, what
+        torchao's bf16-weight path computes (FSDP2 hands it bf16 weights already)."""
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            device = input.device.type
+            if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
+                with torch.autocast(device, enabled=False):
+                    return super().forward(input.to(torch.get_autocast_dtype(device)))
+            return super().forward(input)
+
+    return Float8LinearUnderAutocast
+
+
+def convert(denoiser: torch.nn.Module, mode: str, rows_per_sample: dict[str, int], *,
+            emulate: bool | None = None) -> Conversion:
+    """Swap the denoiser's Linear layers that float8 supports (`why_kept`) for torchao's Float8Linear,
+    in place (same parameters: checkpoints, the EMA and the optimizer see no difference).
+    `rows_per_sample`: module name -> rows of its input per sample (`memory.linear_rows_per_sample`)."""
+    from torchao.float8.float8_linear_utils import swap_linear_layers
+
+    emulate = emulated_here() if emulate is None else emulate
+    linears = {name: m for name, m in denoiser.named_modules() if type(m) is torch.nn.Linear}
+    kept = {name: why for name, m in linears.items() if (why := why_kept(m, rows_per_sample.get(name)))}
+    converted = tuple(name for name in linears if name not in kept)
+    config, cls = config_of(mode, emulate), _float8_linear_class()
+    # torchao's own conversion (convert_to_float8_training) with this module's Float8Linear subclass.
+    swap_linear_layers(denoiser, lambda linear: cls.from_float(linear, config=config),
+                       module_filter_fn=lambda module, name: name in converted)
+
+    def params(names) -> int:
+        return sum(p.numel() for name in names for p in linears[name].parameters())
+
+    return Conversion(mode, emulate, converted, kept, params(converted), params(linears))
+
+
+def linear_flops_per_sample(denoiser: torch.nn.Module, rows_per_sample: dict[str, int], names: tuple[str, ...]
+                            ) -> float:
+    """Forward and backward FLOPs per sample of the named Linear layers' products (2 per multiply-add;
+    backward twice the forward: the input's and the weight's gradients)."""
+    modules = dict(denoiser.named_modules())
+    return sum(6.0 * rows_per_sample[name] * modules[name].in_features * modules[name].out_features
+               for name in names)

@@ -1,0 +1,61 @@
+"""The summary benchmark.py prints at the end of a run, from its results (what --results_json holds):
+the set-up, throughput, MFU, data wait, checkpoints, memory, loss, validation loss, float8 (`--fp8`) and
+the profile (`--profile_batches`)."""
+from __future__ import annotations
+
+from t2ibench import fp8
+from t2ibench.callbacks.profile import format_profile
+
+
+def print_summary(r: dict) -> None:
+    if r.get("already_complete"):
+        print("\n=== Stable Diffusion benchmark ===\n"
+              f"model {r['model_config']} at {r['image_size']}x{r['image_size']}: the run was already complete "
+              f"({r['trained_batches']} batches, checkpoint in {r['save_folder']}); nothing trained or measured "
+              "in this run (its figures are those of the run that trained)\n", flush=True)
+        return
+
+    def percent(value: float | None) -> str:
+        return f"{100 * value:.1f}%" if value is not None else "n/a"
+
+    wait, wait_mean = percent(r["data_wait_fraction"]), percent(r["data_wait_fraction_mean"])
+    after = f"{r['seconds_after_window']:.1f} s" if r.get("seconds_after_window") is not None else "n/a"
+    reserved = (f", {r['peak_memory_reserved_bytes'] / 2**30:.2f} GiB reserved"
+                if r.get("peak_memory_reserved_bytes") else "")
+    since = " after warm-up" if r["peak_memory_kind"].startswith("cuda") else ", whole run"
+    mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_flops_per_device'] / 1e12:.0f} TFLOP/s peak per device" if r.get("mfu")
+           else "n/a (unknown device peak; pass --peak_tflops)")
+    trained = (f"; trained network alone (UNet forward + backward, {r['flops_per_image_trained_network'] / 1e9:.1f} "
+               f"GFLOP/image): {100 * r['mfu_trained_network']:.1f}%" if r.get("mfu_trained_network") else "")
+    print(
+        "\n=== Stable Diffusion benchmark ===\n"
+        f"model {r['model_config']} at {r['image_size']}x{r['image_size']}, {r['precision']}, "
+        f"{r['world_size']} x {r['device']}, global batch {r['global_batch_size']}, "
+        f"microbatch {r['device_train_microbatch_size']}\n"
+        f"set-up       weight casts per {r['weight_casts']}, activation checkpointing "
+        f"{'on' if r['activation_checkpointing'] else 'off'}, compile {'on' if r['compile'] else 'off'}, fused AdamW "
+        f"{'on' if r['fused_adamw'] else 'off'}, norms {r['norm_precision'] or 'fp32'}"
+        f"{', fp8 ' + r['fp8'] if r.get('fp8', 'off') != 'off' else ''}"
+        f"{', channels-last' if r['channels_last'] else ''}{', xFormers' if r['xformers'] else ''}\n"
+        f"throughput   {r['images_per_sec']:.2f} images/s ({r['images_per_sec_per_device']:.2f} per device) "
+        f"over {r['measured_batches']} batches after {r['warmup_batches']} warm-up\n"
+        f"MFU          {mfu} at {r['flops_per_image'] / 1e9:.1f} GFLOP/image{trained}\n"
+        f"data wait    {wait} of measured time in the loader's next() (max over ranks; mean {wait_mean})\n"
+        f"checkpoints  {r['checkpoint_seconds_in_window']:.1f} s saving inside the measured "
+        f"{r['measured_seconds']:.1f} s, {r['checkpoint_seconds_after_window']:.1f} s after it; "
+        f"{after} from the last batch to the end of fit\n"
+        f"peak memory  {r['peak_memory_bytes'] / 2**30:.2f} GiB ({r['peak_memory_kind']}){reserved}{since}\n"
+        f"final loss   {r['final_loss']}\n"
+        + (f"float8       {fp8.describe(r['fp8_conversion'])}; "
+           f"{r['flops_per_image_breakdown']['fp8_fwd_bwd'] / r['flops_per_image']:.0%} of the step's FLOPs\n"
+           if r.get("fp8_conversion") else "")
+        + (f"eval loss    {r['eval_loss']:.4f} (validation loss at 8 fixed timesteps, {len(r['eval_history'])} "
+           f"evaluations, {r['eval_seconds']:.1f} s left out of images/s)"
+           + (f"; target {r['eval_target']} " + (f"reached at batch {r['eval_target_reached']['batch']} after "
+                                                 f"{r['eval_target_reached']['training_seconds']:.1f} s of training"
+                                                 if r['eval_target_reached'] else "not reached")
+              if r.get('eval_target') is not None else "") + "\n"
+           if r.get("eval_loss") is not None else "")
+        + format_profile(r),
+        flush=True,
+    )

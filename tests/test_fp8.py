@@ -1,0 +1,115 @@
+"""--fp8 (t2ibench.fp8): flux1-tiny trains in emulated float8 to the loss of the same run without it, rowwise
+runs too, a GPU without float8 tensor cores and fp16 are refused in one line before anything is built,
+and the memory model counts what float8 keeps for backward."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from composer.core import Callback
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import benchmark  # noqa: E402
+from t2ibench import fp8, memory  # noqa: E402
+
+FLUX_TINY = ["--model_config", "flux1-tiny", "--precomputed", "--use_synth_data", "--batch_size", "8",
+             "--image_size", "64", "--num_workers", "0", "--warmup_batches", "2", "--precision", "amp_bf16",
+             "--lr", "1e-3"]
+
+
+class Losses(Callback):
+    """From outside: the loss of every batch."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def after_train_batch(self, state, logger) -> None:
+        self.values.append(float(state.loss.detach().sum()))
+
+
+def run(argv: list[str]) -> tuple[dict, list[float]]:
+    losses = Losses()
+    results = benchmark.main(FLUX_TINY + argv, extra_callbacks=[losses])
+    return results, losses.values
+
+
+def test_fp8_tensorwise_trains_flux_tiny_to_the_loss_of_the_same_run_without_it():
+    plain, plain_losses = run(["--max_duration", "30ba"])
+    float8, float8_losses = run(["--max_duration", "30ba", "--fp8", "tensorwise"])
+    assert len(plain_losses) == len(float8_losses) == 30
+    # The run learns (the comparison means something), and float8 ends within 10% of it.
+    assert plain["final_loss"] < 0.92 * plain_losses[0]
+    assert abs(float8["final_loss"] - plain["final_loss"]) <= 0.10 * plain["final_loss"]
+    # Float8 really ran: most layers converted, emulated here, and the numerics differ from the plain run's.
+    conversion = float8["fp8_conversion"]
+    assert conversion["emulated"] and conversion["mode"] == "tensorwise"
+    assert conversion["converted_linears"] > conversion["kept_linears"] > 0
+    assert float8_losses != plain_losses
+    assert 0 < float8["flops_per_image_breakdown"]["fp8_fwd_bwd"] < float8["flops_per_image"]
+    assert plain["fp8"] == "off" and plain["fp8_conversion"] is None
+
+
+def test_fp8_rowwise_runs_and_the_summary_says_it_is_emulated(capsys):
+    results, losses = run(["--max_duration", "3ba", "--fp8", "rowwise"])
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert results["fp8_conversion"]["mode"] == "rowwise"
+    assert "float8       rowwise: 47 of 60 Linear layers" in capsys.readouterr().out
+
+
+def test_layers_float8_cannot_multiply_stay_in_the_runs_precision():
+    rows = memory.linear_rows_per_sample("flux1-tiny", 64, "text_states")
+    model = memory.build_meta_model("flux1-tiny", precomputed=True)
+    conversion = fp8.convert(model.denoiser, "tensorwise", rows, emulate=True)
+    modules = dict(model.denoiser.named_modules())
+    for name in conversion.converted:
+        module = modules[name]
+        assert type(module).__name__ == "Float8LinearUnderAutocast"
+        assert module.in_features % 16 == module.out_features % 16 == rows[name] % 16 == 0
+    # Applied once per sample (AdaLN modulation, timestep and pooled-text embedders): one row per sample.
+    assert conversion.kept and all("rows per sample 1 not a multiple of 16" in why for why in conversion.kept.values())
+    assert all(type(modules[name]) is torch.nn.Linear for name in conversion.kept)
+
+
+@pytest.mark.parametrize("capability, refused", [((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)])
+def test_fp8_refused_on_a_gpu_without_float8_tensor_cores(monkeypatch, capability, refused):
+    # From outside: torch says a CUDA GPU of this capability is here.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    if not refused:
+        fp8.check("tensorwise", "amp_bf16")
+        return
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(FLUX_TINY + ["--max_duration", "2ba", "--fp8", "tensorwise"])
+    message = str(exit_info.value.code)
+    assert message.startswith("benchmark.py: error: --fp8 tensorwise: NVIDIA A100-SXM4-80GB (compute capability "
+                              f"{capability[0]}.{capability[1]}) has no float8 tensor cores") and "\n" not in message
+
+
+def test_fp8_with_fp16_is_refused_in_one_line():
+    with pytest.raises(SystemExit) as exit_info:
+        fp8.check("rowwise", "amp_fp16")
+    assert "--fp8 rowwise with --precision amp_fp16" in str(exit_info.value.code)
+
+
+def test_memory_model_counts_the_float8_weights_kept_for_backward():
+    rows = memory.linear_rows_per_sample("flux1-tiny", 64, "text_states")
+    model = memory.build_meta_model("flux1-tiny", precomputed=True)
+    conversion = fp8.convert(model.denoiser, "tensorwise", rows, emulate=True)
+    modules = dict(model.denoiser.named_modules())
+    converted_weights = sum(modules[name].weight.numel() for name in conversion.converted)
+    plans = {mode: memory.plan("flux1-tiny", 64, precomputed=True, fp8=mode) for mode in fp8.FP8_MODES}
+    per_microbatch = {mode: plan["activation_bytes_per_microbatch"] for mode, plan in plans.items()}
+    casts = {mode: plan["fixed_bytes_breakdown"]["weight_casts_or_gathered"] for mode, plan in plans.items()}
+    # Tensorwise keeps each converted weight in float8 for backward (1 byte each, whatever the
+    # microbatch); rowwise recasts it from the fp32 weight there and keeps nothing.
+    assert per_microbatch["tensorwise"] - per_microbatch["off"] == pytest.approx(converted_weights, rel=0.01)
+    assert abs(per_microbatch["rowwise"] - per_microbatch["off"]) < 0.01 * converted_weights
+    # Neither goes through autocast's bf16 weight casts (2 bytes per parameter) for the converted layers.
+    for mode in ("tensorwise", "rowwise"):
+        assert casts["off"] - casts[mode] >= 0.95 * 2 * converted_weights
+        assert plans[mode]["fp8"] == mode
