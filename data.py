@@ -22,12 +22,13 @@ import json
 import logging
 import os
 from collections import Counter
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 from composer.utils import dist
 from streaming import Stream, StreamingDataLoader, StreamingDataset
+from streaming.base.dataset import _ShardState
 from torch.utils.data import DataLoader, Dataset
 
 from t2ibench.errors import STORAGE_MODULES
@@ -135,6 +136,9 @@ def use_compact_spanner() -> None:
 use_compact_spanner()  # every dataset of this project, from the first one built
 
 
+_PREPARING = _ShardState.PREPARING  # Streaming's state of a shard being downloaded or decompressed
+
+
 class BadDataError(RuntimeError):
     """Too many samples of the dataset could not be decoded: the data, not the run, needs fixing."""
 
@@ -150,11 +154,40 @@ class NamedShardErrors:
     """
 
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+        before = self._shard_states[shard_id]
         try:
             super().prepare_shard(shard_id, blocking)
         except Exception as error:  # noqa: BLE001 - remembered, then raised as it was
             self._failed_shard = (self._shard_file(shard_id), error)
+            # Streaming 0.13 leaves the shard PREPARING in the state it shares with the other loader
+            # workers, which then wait for it forever (a hang with --num_workers 2). Put the state back,
+            # so that each worker tries the shard itself, fails the same way and says so.
+            if self._shard_states[shard_id] == _PREPARING:
+                self._shard_states[shard_id] = before
             raise
+
+    def on_exception(self, future: Any) -> None:
+        """Streaming's callback on its download threads: a shard failure is raised by the yield loop
+        below, in one line; Streaming re-raises it here too, where concurrent.futures only logs a traceback."""
+        failed = getattr(self, "_failed_shard", None)
+        if failed is not None and future.exception() is failed[1]:
+            self._event.set()  # what Streaming does, without the logged traceback
+            return
+        super().on_exception(future)
+
+    def _each_sample_id(self, it: Any) -> Iterator[int]:
+        """Streaming's yield loop, which ends the epoch without a word when its download thread
+        failed: here the failure of a shard is raised instead (as BadDataError, naming it)."""
+        yield from super()._each_sample_id(it)
+        failed = getattr(self, "_failed_shard", None)
+        if failed is not None and getattr(self, "_event", None) is not None and self._event.is_set():
+            raise self._shard_error(*failed)
+
+    def _shard_error(self, where: str, cause: BaseException) -> "BadDataError":
+        detail = (str(cause).strip().splitlines() or [""])[0][:200]
+        return BadDataError(f"shard {where} cannot be read ({type(cause).__name__}: {detail}): it is truncated or "
+                            "corrupted; re-convert it, or delete it from the cache to download it again "
+                            "(--validate_hash checks every shard file before training)")
 
     def _shard_file(self, shard_id: int) -> str:
         shard = self.shards[shard_id]
@@ -171,11 +204,8 @@ class NamedShardErrors:
             if type(error).__module__.startswith(STORAGE_MODULES) or isinstance(error, BadDataError):
                 raise
             failed = getattr(self, "_failed_shard", None)
-            where, cause = failed if failed else (self._shard_file(self.spanner[index][0]), error)
-            detail = (str(cause).strip().splitlines() or [""])[0][:200]
-            raise BadDataError(f"shard {where} cannot be read ({type(cause).__name__}: {detail}): it is truncated or "
-                               "corrupted; re-convert it, or delete it from the cache to download it again "
-                               "(--validate_hash checks every shard file before training)") from error
+            raise self._shard_error(*(failed if failed else (self._shard_file(self.spanner[index][0]), error))) \
+                from error
 
 
 def decode_image(data: bytes, size: int) -> torch.Tensor:
