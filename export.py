@@ -157,6 +157,13 @@ def export(args: argparse.Namespace) -> Path:
         ("--model_name", args.model_name if args.model_name and Path(args.model_name).is_dir() else None)])
     if problem:
         fail(problem)
+    # Held from here to the end (a second export into --out is refused before it reads a checkpoint).
+    with hold_output("--out", out):
+        return export_held(args, checkpoint, out)
+
+
+def export_held(args: argparse.Namespace, checkpoint: str, out: Path) -> Path:
+    """export, with --out probed and held: read the checkpoint, check its weights, write the pipeline."""
     state = load_checkpoint(checkpoint)["state"]  # read_checkpoint made sure it holds state.model
     # Only tensors are weights: a sharded save may keep other entries (extra state) beside them.
     weights = {k.removeprefix("module."): v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
@@ -205,10 +212,10 @@ def export(args: argparse.Namespace) -> Path:
         trained_with = {k[len(name) + 1:]: v for k, v in weights.items() if k.startswith(name + ".")}
         if trained_with:  # the encoders the run itself used
             load_weights(module, trained_with, name, checkpoint)
-    # Held while written (a second export into --out is refused), written into a staging folder and
-    # moved into place with model_index.json last: a full disk leaves --out as it was.
+    # Written into a staging folder and moved into place with model_index.json last: a full disk
+    # leaves --out as it was.
     try:
-        with hold_output("--out", out), staged_folder(out, last="model_index.json") as staging:
+        with staged_folder(out, last="model_index.json") as staging:
             write_pipeline(staging, family, dataclasses.replace(parts, denoiser=denoiser), args.scheduler)
     except OSError as error:  # probed above; a disk that fills up while writing
         fail(write_error(f"--out {out}: the pipeline", error))

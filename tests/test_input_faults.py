@@ -1,0 +1,193 @@
+"""The classes of bad input a fuzz found (nothing lost, nothing hung, nothing trained on the wrong
+data), one or a few tests per class, each through the real command: two writers into one output,
+a corrupt compressed shard read by loader workers, a stale cache of a re-converted remote,
+precomputed data that does not fit the run, a full disk, a truncated latest checkpoint, malformed
+files and flags, and messages that must point at the cause.
+
+Real parts throughout: shards written by MDSWriter, Composer runs through the commands' `main`
+(in this process) or their command line (a subprocess, always with a timeout, where a hang or the
+exit status matters), a full disk made by mounting a 64 KiB tmpfs (the tests run as root; they
+are skipped, saying why, where mounting is not allowed).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import benchmark  # noqa: E402
+import convert  # noqa: E402
+import cost  # noqa: E402
+import export  # noqa: E402
+import latents  # noqa: E402
+
+# A run that must end in one line within this many seconds, or it hangs (it hung until killed).
+COMMAND_TIMEOUT_SECONDS = 180
+TINY = ["--model_config", "tiny", "--batch_size", "4", "--image_size", "32", "--max_duration", "2ba",
+        "--warmup_batches", "1"]
+
+
+def jpeg(seed: int, size: int = 24) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG")
+    return buffer.getvalue()
+
+
+def write_images(out: Path, count: int, compression: str | None = "zstd", size_limit: int = 1 << 26) -> Path:
+    """Image-caption shards as convert.py writes them."""
+    from streaming import MDSWriter
+    with MDSWriter(out=str(out), columns={"jpg": "bytes", "caption": "str", "key": "str"}, compression=compression,
+                   hashes=["xxh64"], size_limit=size_limit) as writer:
+        for i in range(count):
+            writer.write({"jpg": jpeg(i), "caption": f"photo {i}", "key": str(i)})
+    return out
+
+
+def write_photos(folder: Path, count: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        (folder / f"p{i:03d}.jpg").write_bytes(jpeg(i))
+        (folder / f"p{i:03d}.txt").write_text(f"photo {i}")
+    return folder
+
+
+def corrupt(path: Path) -> None:
+    """Random bytes of the same size: the index's size check passes, decoding does not."""
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, path.stat().st_size, dtype=np.uint8).tobytes())
+
+
+def error_of(main, argv: list[str], prog: str) -> str:
+    """The one-line error a command's main stops with."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    message = str(exit_info.value.code)
+    assert message.startswith(f"{prog}: error: ") and "\n" not in message, message
+    return message
+
+
+def run_command(*argv: str, timeout: float = COMMAND_TIMEOUT_SECONDS) -> subprocess.CompletedProcess:
+    """A command line of this repository, killed (and the test failed) if it outlives `timeout`."""
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def one_line_error(result: subprocess.CompletedProcess, prog: str) -> str:
+    """The command failed with exactly one error line and no traceback; that line."""
+    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith(f"{prog}: error: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+def readable_samples(folder: Path) -> int:
+    """Samples StreamingDataset reads back from a local MDS dataset, every one of them."""
+    from streaming import StreamingDataset
+    dataset = StreamingDataset(local=str(folder), batch_size=1, shuffle=False)
+    return sum(1 for i in range(dataset.num_samples) if dataset[i] is not None)
+
+
+# -----------------------------------------------------------------------------------------------
+# 1. Two writers, one output: the second is refused; the first completes, every shard there.
+# -----------------------------------------------------------------------------------------------
+
+def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"the first command ended before {what}: {process.communicate()[1][-2000:]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"no {what} after {timeout} s")
+        time.sleep(0.002)
+
+
+def test_a_second_convert_into_the_same_out_is_refused_and_the_first_completes(tmp_path):
+    photos = write_photos(tmp_path / "photos", 300)
+    out = tmp_path / "out"
+    first = subprocess.Popen([sys.executable, "convert.py", str(photos), "--out", str(out), "--workers", "1",
+                              "--no_progress", "--size_limit", "2kb"], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    staging = out / convert.STAGING
+    try:
+        wait_for(lambda: staging.is_dir() and any(staging.glob("shard.*")), first, "shard in its staging folder")
+        first.send_signal(signal.SIGSTOP)  # the first conversion is half-way, for as long as the second takes
+        try:
+            message = error_of(convert.main, [str(photos), "--out", str(out), "--workers", "1", "--no_progress"],
+                               "convert.py")
+        finally:
+            first.send_signal(signal.SIGCONT)
+        stdout, stderr = first.communicate(timeout=COMMAND_TIMEOUT_SECONDS)
+    finally:
+        first.kill()
+    assert f"--out {out} is being written by another command" in message
+    assert first.returncode == 0, stderr[-2000:]
+    assert "wrote 300 samples" in stdout
+    index = json.loads((out / "index.json").read_text())
+    assert all((out / shard["zip_data"]["basename"]).is_file() for shard in index["shards"])
+    assert readable_samples(out) == 300
+
+
+def test_a_second_export_into_the_same_out_is_refused_before_reading_the_checkpoint(tmp_path):
+    """export.py holds --out as convert.py and latents.py do (files.hold_output)."""
+    from t2ibench.files import acquire
+
+    checkpoint = tmp_path / "run.pt"
+    checkpoint.write_bytes(b"not a checkpoint: never read, the output is refused first")
+    out = tmp_path / "pipeline"
+    hold = acquire("--out", out)  # what an export.py still writing holds
+    try:
+        message = error_of(export.main, [str(checkpoint), "--out", str(out)], "export.py")
+    finally:
+        hold.release()
+    assert f"--out {out} is being written by another command" in message
+
+
+# -----------------------------------------------------------------------------------------------
+# 2. A corrupt compressed shard read by loader workers: one line naming the shard, quickly.
+# -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def corrupt_shards(tmp_path_factory) -> Path:
+    """Image shards (zstd, several) whose second shard is random bytes of its own size."""
+    out = write_images(tmp_path_factory.mktemp("corrupt") / "mds", 16, size_limit=4096)
+    corrupt(out / "shard.00001.mds.zstd")
+    return out
+
+
+def test_corrupt_zstd_shard_with_two_loader_workers_ends_naming_it(corrupt_shards, tmp_path):
+    # Streamed through a cache, as from a remote: it hung after the first batch until killed.
+    result = run_command("benchmark.py", *TINY, "--max_duration", "4ba", "--num_workers", "2", "--remote",
+                         str(corrupt_shards), "--local", str(tmp_path / "cache"), "--allow_random_encoders")
+    line = one_line_error(result, "benchmark.py")
+    assert f"shard {corrupt_shards}/shard.00001.mds.zstd cannot be read" in line
+    assert "batch_size" not in line
+
+
+def test_corrupt_zstd_shard_without_workers_is_not_blamed_on_the_batch_size(corrupt_shards, capsys):
+    message = error_of(benchmark.cli, [*TINY, "--max_duration", "4ba", "--num_workers", "0", "--local",
+                                       str(corrupt_shards), "--allow_random_encoders"], "benchmark.py")
+    assert f"shard {corrupt_shards}/shard.00001.mds.zstd cannot be read" in message
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_corrupt_zstd_shard_in_latents_with_two_workers_ends_naming_it(corrupt_shards, tmp_path):
+    result = run_command("latents.py", "--local", str(corrupt_shards), "--out", str(tmp_path / "latents"),
+                         "--model_config", "tiny", "--image_size", "32", "--batch_size", "2", "--chunk_size", "4",
+                         "--num_workers", "2", "--no_progress")
+    line = one_line_error(result, "latents.py")
+    assert f"shard {corrupt_shards}/shard.00001.mds.zstd cannot be read" in line
