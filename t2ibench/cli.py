@@ -83,6 +83,13 @@ NON_NEGATIVE_FLOAT = Range(float, 0)
 FRACTION = Range(float, 0, 1)
 SEED = Range(int, 0, 2**32 - 1)  # what numpy and Composer's reproducibility.seed_all accept
 SECONDS = POSITIVE_FLOAT
+# Image sides in pixels: 16 times SDXL's 1024. Beyond it (--image_size 1048576) sizes overflow deep in
+# torch instead of meaning a run; no model here trains near it.
+MAX_IMAGE_SIZE = 16_384
+IMAGE_SIZE = Range(int, 1, MAX_IMAGE_SIZE)
+# GPUs in one run or one row of cost.py's table (a results file's world_size of 10**400 overflowed a float).
+MAX_GPUS = 1_000_000
+GPU_COUNT = Range(int, 1, MAX_GPUS)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
