@@ -40,10 +40,11 @@ from t2ibench.callbacks.run_record import RunRecord
 from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
 from t2ibench.callbacks.validation import EVAL_LABEL, ValidationLog
+from t2ibench.checkpoints import write_whole
 from t2ibench.checks import PRECISIONS
 from t2ibench.cli import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
-from t2ibench.files import STAGING_FOLDER, hold_output, staged_folder, write_error, write_text
+from t2ibench.files import STAGING_FOLDER, no_room, hold_output, staged_folder, write_error, write_text
 from t2ibench.model import DiffusionModel, unwrap_model
 from t2ibench.norms import NORM_PRECISIONS, set_norm_precision
 from t2ibench.model import DiffusionModel, unwrap_model, vae_overflows_in
@@ -403,6 +404,7 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, training
                                     metric_names=["ValidationLoss"], device_eval_microbatch_size=run.microbatch
                                     if isinstance(run.microbatch, int) else None,
                                     subset_num_batches=-(-args.eval_samples // args.batch_size) if capped else -1))
+    write_whole()  # a checkpoint is complete under its name, or absent (a full disk leaves no part of it)
     restore_rng = RestoreRngOnStreamingResume()
     callbacks = [SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), measured.throughput,
                  StopOnNonFiniteLoss(args.load_path, args.save_folder), StopOnEmptyEpoch(),
@@ -606,6 +608,9 @@ def user_error(error: BaseException) -> str | None:
     line = errors.storage_error(error) or errors.worker_error(error, ("data.BadDataError",))
     if line:
         return line
+    full = no_room(error)
+    if full is not None:  # a checkpoint or a sample grid on a full disk
+        return write_error(full.filename or "a file of the run (--save_folder, --samples_dir)", full)
     if isinstance(error, FileExistsError) and "may conflict with a future checkpoint" in text:
         return f"--save_folder: {lines[0]}"
     if type(error).__module__.startswith("wandb.errors"):

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import tarfile
 import tempfile
 import zipfile
@@ -24,6 +25,7 @@ import torch
 from composer.core import Time
 from composer.utils import dist
 
+from t2ibench.checkpoints import resume_from, resume_point
 from t2ibench.errors import fail, storage_error
 from t2ibench.families import FAMILIES, ModelFamily, family_of
 from t2ibench.images import GEOMETRY_KEYS
@@ -115,6 +117,23 @@ def check_run(args: argparse.Namespace, world_size: int) -> None:
         if saved and not (Path(args.save_folder) / "latest-rank0.pt").exists():
             fail(f"--autoresume: {args.save_folder} holds checkpoints but no latest-rank0.pt; "
                  f"resume explicitly with --load_path {saved[-1]} (or move the old checkpoints away)")
+        check_latest_checkpoint(args.save_folder)
+
+
+def check_latest_checkpoint(save_folder: str) -> None:
+    """--autoresume from a latest checkpoint that was cut short (a copy, a disk that filled up before
+    checkpoints were written whole): resume from the newest complete one beside it, saying so."""
+    found = resume_point(save_folder)
+    if found is None:
+        return
+    latest, previous = found
+    if previous is None:
+        fail(f"--autoresume: the latest checkpoint {latest} is incomplete (cut short) and {save_folder} holds no "
+             "complete one before it: move it away to start over, or restore it")
+    if dist.get_global_rank() == 0:  # the other ranks read the folder once rank 0 has pointed it elsewhere
+        kept = resume_from(latest, previous)
+        print(f"note: --autoresume: the latest checkpoint {latest.name} is incomplete (cut short; kept as {kept.name}); "
+              f"resuming from the newest complete one, {previous.name}", file=sys.stderr, flush=True)
 
 
 def check_parallelism(args: argparse.Namespace, family: ModelFamily, world_size: int) -> None:

@@ -31,6 +31,17 @@ from t2ibench.locations import is_remote
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+def no_room(error: BaseException) -> OSError | None:
+    """The OSError saying the disk is full behind `error`, if any: torch.save, for one, reports a full
+    disk as a RuntimeError ('unexpected pos') raised while the OSError is handled."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in NO_ROOM:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def write_error(what: str, error: OSError) -> str:
     """One line for an OSError while writing `what` (a flag and its location), saying what to do."""
     reason = error.strerror or type(error).__name__

@@ -191,3 +191,107 @@ def test_corrupt_zstd_shard_in_latents_with_two_workers_ends_naming_it(corrupt_s
                          "--num_workers", "2", "--no_progress")
     line = one_line_error(result, "latents.py")
     assert f"shard {corrupt_shards}/shard.00001.mds.zstd cannot be read" in line
+
+
+# -----------------------------------------------------------------------------------------------
+# 5. A full disk: one line; every file is the old one or the complete new one; results kept.
+# -----------------------------------------------------------------------------------------------
+
+SYNTH = [*TINY, "--use_synth_data", "--num_workers", "0"]
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A folder on a 64 KiB tmpfs (mounted for the test: it needs root, as CI runs), filled by `fill`."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if made.returncode != 0:
+        pytest.skip(f"a full disk is a 64 KiB tmpfs, and mounting one needs root: {made.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(folder: Path) -> None:
+    """Fill the file system of `folder` up to its last byte."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for chunk in (4096, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * chunk)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
+def leftovers(folder: Path) -> list[str]:
+    """Temporary or partial files a writer left behind."""
+    return sorted(p.name for p in folder.rglob("*") if "partial" in p.name or p.name.endswith(".tmp"))
+
+
+def test_results_json_on_a_full_disk_keeps_the_old_file_and_says_so(full_disk, capsys):
+    results = full_disk / "results.json"
+    results.write_text('{"old": true}\n')
+    fill(full_disk)
+    message = error_of(benchmark.cli, [*SYNTH, "--results_json", str(results)], "benchmark.py")
+    assert f"--results_json {results} could not be written (No space left on device)" in message
+    assert results.read_text() == '{"old": true}\n' and leftovers(full_disk) == []
+    assert "throughput" in capsys.readouterr().out  # the figures were printed before
+
+
+def test_ema_export_on_a_full_disk_keeps_the_results_and_export_py_leaves_nothing(full_disk, tmp_path):
+    fill(full_disk)
+    results, run = tmp_path / "results.json", tmp_path / "run"
+    message = error_of(benchmark.cli, [*SYNTH, "--use_ema", "--ema_export_dir", str(full_disk / "ema"),
+                                       "--results_json", str(results), "--save_folder", str(run),
+                                       "--save_interval", "2ba"], "benchmark.py")
+    assert f"--ema_export_dir {full_disk / 'ema'} could not be written (No space left on device)" in message
+    assert json.loads(results.read_text())["images_per_sec"] > 0  # measured, and kept
+    assert not (full_disk / "ema").exists() or leftovers(full_disk) == list(os.listdir(full_disk / "ema")) == []
+    message = error_of(export.main, [str(run / "latest-rank0.pt"), "--out", str(full_disk / "pipe")], "export.py")
+    assert f"--out {full_disk / 'pipe'}: the pipeline could not be written (No space left on device)" in message
+    assert not (full_disk / "pipe").exists()
+
+
+def test_checkpoint_on_a_full_disk_is_one_line_and_leaves_no_part(full_disk):
+    message = error_of(benchmark.cli, [*SYNTH, "--save_folder", str(full_disk / "run"), "--save_interval", "1ba"],
+                       "benchmark.py")
+    assert "ep0-ba1-rank0.pt could not be written (No space left on device)" in message
+    assert not list((full_disk / "run").glob("*.pt")) and leftovers(full_disk) == []
+
+
+@pytest.mark.parametrize("flag, name", [("--csv", "t.csv"), ("--markdown", "t.md"), ("--plot", "t.png")])
+def test_cost_outputs_on_a_full_disk_keep_the_old_file(full_disk, flag, name):
+    old = full_disk / name
+    old.write_bytes(b"old table")
+    fill(full_disk)
+    message = error_of(cost.main, ["--gpus", "8", "--images_per_sec", "128.2", flag, str(old)], "cost.py")
+    assert f"{flag} {old} could not be written (No space left on device)" in message
+    assert old.read_bytes() == b"old table" and leftovers(full_disk) == []
+
+
+# -----------------------------------------------------------------------------------------------
+# 6. --autoresume with the latest checkpoint cut short: resumed from the newest complete one.
+# -----------------------------------------------------------------------------------------------
+
+def test_autoresume_from_a_truncated_latest_checkpoint_resumes_from_the_one_before(tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = [*SYNTH, "--save_folder", str(run), "--save_interval", "1ba", "--autoresume", "--run_name", "cut"]
+    benchmark.main(argv)
+    latest = run / "ep0-ba2-rank0.pt"
+    assert (run / "latest-rank0.pt").resolve() == latest.resolve()
+    whole = latest.read_bytes()
+    latest.write_bytes(whole[:len(whole) // 2])
+    capsys.readouterr()
+    results = benchmark.main([*argv, "--max_duration", "3ba"])
+    err = capsys.readouterr().err
+    assert ("the latest checkpoint ep0-ba2-rank0.pt is incomplete (cut short; kept as ep0-ba2-rank0.pt.truncated); "
+            "resuming from the newest complete one, ep0-ba1-rank0.pt") in err
+    assert (run / "ep0-ba2-rank0.pt.truncated").stat().st_size == len(whole) // 2  # the user's bytes, kept
+    assert results["measured_batches"] + results["warmup_batches"] == 2  # batches 2 and 3, from batch 1
+    assert (run / "latest-rank0.pt").resolve().name == "ep0-ba3-rank0.pt"
