@@ -113,7 +113,7 @@ from t2ibench.mds import INDEX_FILE, SHARD_NAME
 from t2ibench.images import ImageGeometry
 from t2ibench.model import scale_images, vae_overflows_in
 from t2ibench.scale import SAMPLES as SAMPLES_AT_SCALE
-from t2ibench.sources import Source, parse_sources
+from t2ibench.sources import Source, check_cache_current, parse_sources
 
 log = logging.getLogger(__name__)
 
@@ -504,6 +504,7 @@ def validate(args: argparse.Namespace) -> tuple[ModelFamily, Source]:
         problem = unwritable("--local", source.local, folder=True)
     if problem:
         fail(problem)
+    check_cache_current(source)  # a cache of an older version of the remote: refused, not read
     return family, source
 
 

@@ -409,7 +409,7 @@ def check_source(source: Source, args: argparse.Namespace) -> int:
     local, remote = source.local, source.remote
     if Path(local).exists() and not Path(local).is_dir():
         fail(f"--local {local} is a file, not a folder")
-    check_cache(source)
+    check_cache(source, timeout=args.download_timeout)
     if args.precomputed and (not remote or not is_remote(remote)):
         check_precompute_record(Path(remote or local, PRECOMPUTE_RECORD), args)
     if remote and not is_remote(remote) and Path(remote, "index.json").is_file():

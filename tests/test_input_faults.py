@@ -295,3 +295,55 @@ def test_autoresume_from_a_truncated_latest_checkpoint_resumes_from_the_one_befo
     assert (run / "ep0-ba2-rank0.pt.truncated").stat().st_size == len(whole) // 2  # the user's bytes, kept
     assert results["measured_batches"] + results["warmup_batches"] == 2  # batches 2 and 3, from batch 1
     assert (run / "latest-rank0.pt").resolve().name == "ep0-ba3-rank0.pt"
+
+
+# -----------------------------------------------------------------------------------------------
+# 3. A dataset re-converted in place at its --remote: the old cached copy is refused, not trained on.
+# -----------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """A moto S3 server on loopback, with the environment Streaming and boto3 read; yields a boto3 client."""
+    boto3 = pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for name, value in (("S3_ENDPOINT_URL", f"http://{host}:{port}"), ("AWS_ACCESS_KEY_ID", "testing"),
+                            ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_DEFAULT_REGION", "us-east-1")):
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("AWS_PROFILE", raising=False)
+        client = boto3.client("s3", endpoint_url=f"http://{host}:{port}")
+        client.create_bucket(Bucket="data")
+        yield client
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("where", ["path", "s3"])
+def test_a_remote_converted_again_is_not_trained_from_its_old_cache(tmp_path, request, where):
+    first, second = write_photos(tmp_path / "first", 8), write_photos(tmp_path / "second", 12)
+    (second / "p000.jpg").write_bytes(jpeg(99))  # other pixels, as well as other samples
+    remote = str(tmp_path / "mds") if where == "path" else "s3://data/laion/mds"
+    if where == "s3":
+        request.getfixturevalue("s3")
+    convert.main([str(first), "--out", remote, "--workers", "1", "--no_progress"])
+    argv = [*TINY, "--num_workers", "0", "--remote", remote, "--local", str(tmp_path / "cache"),
+            "--allow_random_encoders"]
+    benchmark.main(argv)  # fills the cache
+    convert.main([str(second), "--out", remote, "--workers", "1", "--no_progress", "--overwrite"])
+    message = error_of(benchmark.main, argv, "benchmark.py")
+    assert f"--local {tmp_path / 'cache'} holds an older copy of --remote {remote}" in message
+    latents_argv = ["--remote", remote, "--local", str(tmp_path / "cache"), "--out", str(tmp_path / "latents"),
+                    "--model_config", "tiny", "--image_size", "32", "--num_workers", "0", "--no_progress"]
+    assert "holds an older copy" in error_of(latents.main, latents_argv, "latents.py")
+    assert not (tmp_path / "latents").exists()
