@@ -529,6 +529,7 @@ class StreamingLatents(NamedShardErrors, StreamingDataset):
         super().__init__(**stream_arguments(resolve_sources(sources, remote, local)), batch_size=batch_size,
                          shuffle=shuffle, shuffle_seed=shuffle_seed, **streaming_kwargs)
         self.family = family or DEFAULT_FAMILY
+        self.vocabulary = self.family.vocabulary_sizes(config or self.family.configs[0])  # token ids must be below
         # The shapes the run expects: the family's at `config`; SD2 without one: text_dim only.
         self.expected = None if config is None else {
             fmt: stored_shapes(self.family, config, fmt == "text_states") for fmt in FORMATS}
@@ -544,6 +545,23 @@ class StreamingLatents(NamedShardErrors, StreamingDataset):
             raise ValueError(f"the sources mix precomputed formats ({formats}): precompute them all the same way "
                              "(with or without latents.py --store_text_states)")
         self.text_format = next(iter(formats.values()))
+
+    def _value_problem(self, sample: dict[str, Any]) -> str | None:
+        """Why a sample's values cannot be trained on (None when they can): latents or text states that are
+        not finite, token ids beyond the text encoder's vocabulary. Shapes are checked per shard."""
+        arrays = [*LATENT_KEYS, *(self.family.conditioning_keys if self.text_format == "text_states" else ())]
+        for key in arrays:
+            if not np.isfinite(sample[key]).all():
+                return (f"{key} is not finite (NaN or infinity): the latents were computed wrongly, not trained "
+                        "wrongly; compute them again with latents.py (it stops on such values)")
+        if self.text_format != "text_states":
+            for key, size in self.vocabulary.items():
+                ids = sample[token_column(key, self.family)]
+                if ids.size and int(ids.max()) >= size:
+                    return (f"{token_column(key, self.family)} holds token id {int(ids.max())}, beyond the {size:,} "
+                            "of the text encoder: computed with another tokenizer; precompute them with latents.py "
+                            "for this --model_config")
+        return None
 
     def _check_shard(self, where: str, shard: Any, image_size: int | None, text_dim: int | None) -> str:
         """The format of the shards in `where`; raises ValueError if they do not fit the run."""
@@ -576,6 +594,9 @@ class StreamingLatents(NamedShardErrors, StreamingDataset):
 
     def get_item(self, index: int) -> dict[str, torch.Tensor]:
         sample = self.read_sample(index)
+        problem = self._value_problem(sample)
+        if problem:  # found by the loader (a worker, on the CPU), not as a NaN loss or an index error in the step
+            raise BadDataError(f"shard {self._shard_file(self.spanner[index][0])}, sample {index}: {problem}")
         # MDS decodes arrays as read-only views of the shard: copy into tensors the batch can own.
         item = {key: torch.from_numpy(np.array(sample[key])) for key in LATENT_KEYS}
         if self.text_format == "text_states":

@@ -17,7 +17,8 @@ def _file_problem(info: Any, which: str) -> str | None:
     if not isinstance(info, dict):
         return f"its {which} is {type(info).__name__}, not an object"
     basename = info.get("basename")
-    if not isinstance(basename, str) or not basename or "/" in basename or basename in (".", ".."):
+    # merge_index names the parts' shards by their subfolder ("part-000/shard.00000.mds"): relative paths only.
+    if not isinstance(basename, str) or not basename or basename.startswith("/") or ".." in basename.split("/"):
         return f"its {which} has no file name ('basename': {basename!r})"
     size = info.get("bytes")
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
