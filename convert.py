@@ -296,7 +296,16 @@ def parquet_candidates(path: Path, image_column: str | None, caption_column: str
     parquet = _parquet_file(path)
     columns = [image_col, caption_col] + (["key"] if "key" in parquet.schema_arrow.names else [])
     row = 0
-    for batch in parquet.iter_batches(batch_size=256, columns=columns):
+    batches = parquet.iter_batches(batch_size=256, columns=columns)
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as error:  # noqa: BLE001  pyarrow.ArrowInvalid, OSError...: a damaged page of the user's file
+            detail = (str(error).strip().splitlines() or [""])[0][:200]
+            raise ConvertError(f"{path} cannot be read after row {row:,} ({type(error).__name__}: {detail}): the "
+                               "file is damaged; download or write it again (nothing was written)") from None
+        if batch is None:
+            break
         for record in batch.to_pylist():
             image = record[image_col]
             if isinstance(image, dict):  # Hugging Face `Image` feature: {"bytes": ..., "path": ...}

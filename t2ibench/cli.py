@@ -113,6 +113,31 @@ class Parser(argparse.ArgumentParser):
     def convert_arg_line_to_args(self, line: str) -> list[str]:
         return shlex.split(line, comments=True)
 
+    def _read_args_from_files(self, arg_strings: list[str]) -> list[str]:
+        # argparse's own, with the file named in one line when it is not UTF-8 or a line does not split
+        # (an unbalanced quote): argparse 3.11 lets both through as tracebacks.
+        expanded: list[str] = []
+        for text in arg_strings:
+            if not text or text[0] not in self.fromfile_prefix_chars:
+                expanded.append(text)
+                continue
+            name = text[1:]
+            try:
+                with open(name, encoding="utf-8") as handle:
+                    content = handle.read()
+            except OSError as error:
+                self.error(f"flag file {text} cannot be read ({error.strerror or error})")
+            except UnicodeDecodeError as error:
+                self.error(f"flag file {text} is not UTF-8 text (byte {error.start}); save it as UTF-8")
+            found: list[str] = []
+            for number, line in enumerate(content.splitlines(), 1):
+                try:
+                    found += self.convert_arg_line_to_args(line)
+                except ValueError as error:  # shlex: "No closing quotation", "No escaped character"
+                    self.error(f"flag file {text}, line {number}: {error}; close the quote (or escape it with \\)")
+            expanded += self._read_args_from_files(found)
+        return expanded
+
     def _get_value(self, action: argparse.Action, arg_string: str):
         if isinstance(action.type, Range):  # "--flag value must be ...", not argparse's "invalid int value"
             try:
