@@ -604,7 +604,8 @@ def user_error(error: BaseException) -> str | None:
     text = str(error)
     lines = [line for line in text.splitlines() if line.strip()]
     if isinstance(error, (data.BadDataError, NonFiniteLossError, EmptyEpochError)):
-        return lines[-1] if lines else text
+        # From a loader worker, PyTorch re-raises the type with the worker's traceback as its message.
+        return errors.worker_error(error, ("data.BadDataError",)) or (lines[-1] if lines else text)
     line = errors.storage_error(error) or errors.worker_error(error, ("data.BadDataError",))
     if line:
         return line

@@ -561,9 +561,10 @@ def run(args: argparse.Namespace) -> dict | None:
 def bad_data(error: BaseException) -> str | None:
     """One line for bad data: a shard that cannot be read, or more of the source undecodable than
     --max_bad_fraction allows (raised here or in a loader worker)."""
-    if isinstance(error, data.BadDataError):
+    found = errors.worker_error(error, ("data.BadDataError",))  # raised in a loader worker
+    if found is None and isinstance(error, data.BadDataError):
         return str(error).strip().splitlines()[-1]
-    return errors.worker_error(error, ("data.BadDataError",))
+    return found
 
 
 def open_source(args: argparse.Namespace, family: ModelFamily, location: Source,

@@ -347,3 +347,168 @@ def test_a_remote_converted_again_is_not_trained_from_its_old_cache(tmp_path, re
                     "--model_config", "tiny", "--image_size", "32", "--num_workers", "0", "--no_progress"]
     assert "holds an older copy" in error_of(latents.main, latents_argv, "latents.py")
     assert not (tmp_path / "latents").exists()
+
+
+# -----------------------------------------------------------------------------------------------
+# 4. Precomputed data that does not fit the run: every shard of every source checked, in one line.
+# -----------------------------------------------------------------------------------------------
+
+PRECOMPUTED = ["--model_config", "tiny", "--batch_size", "4", "--max_duration", "2ba", "--num_workers", "0",
+               "--precomputed"]
+
+
+def write_latents(out: Path, count: int = 8, image_size: int = 32, channels: int = 4, shapeless: bool = False,
+                  token_max: int = 100, nan: bool = False) -> Path:
+    """Precomputed shards in latents.py's format (data.mds_columns), written by MDSWriter, made wrong as asked."""
+    import data
+    from streaming import MDSWriter
+    from t2ibench.families import MODEL_CONFIGS
+
+    family = MODEL_CONFIGS["tiny"]
+    columns = data.mds_columns(channels, image_size // 8, None, "fp16", True, family=family, config="tiny")
+    if shapeless:
+        columns["latent_mean"] = columns["latent_logvar"] = "ndarray:float16"
+    rng = np.random.default_rng(0)
+    with MDSWriter(out=str(out), columns=columns, compression="zstd") as writer:
+        for i in range(count):
+            mean = rng.standard_normal((channels, image_size // 8, image_size // 8)).astype(np.float16)
+            if nan:
+                mean[:] = np.nan
+            sample = {"index": i, "latent_mean": mean, "latent_logvar": np.full_like(mean, -10), "caption": f"c {i}"}
+            for key, shape in data.stored_shapes(family, "tiny", False).items():
+                sample[data.token_column(key, family)] = rng.integers(0, token_max, shape).astype(np.uint16)
+            writer.write(sample)
+    return out
+
+
+@pytest.mark.parametrize("case, size, expected", [
+    ("shapeless", 64, "shard shard.00000.mds.zstd stores latent_mean as 'ndarray:float16', without a fixed shape"),
+    ("32px at --image_size 64", 64, "holds latents of 32x32 images, not --image_size 64"),
+    ("3 channels", 32, "holds 3-channel latents; the VAE of --model_config tiny makes 4"),
+    ("merged parts of two sizes", 32, "shard b/shard.00000.mds.zstd holds latents of 64x64 images, not --image_size 32"),
+])
+def test_precomputed_shards_that_do_not_fit_are_refused_before_training(tmp_path, case, size, expected):
+    from streaming.base.util import merge_index
+
+    folder = tmp_path / "latents"
+    if case == "merged parts of two sizes":
+        write_latents(folder / "a", image_size=32), write_latents(folder / "b", image_size=64)
+        merge_index([str(folder / "a" / "index.json"), str(folder / "b" / "index.json")], str(folder))
+    else:
+        write_latents(folder, shapeless=case == "shapeless", channels=3 if case == "3 channels" else 4)
+    message = error_of(benchmark.main, [*PRECOMPUTED, "--image_size", str(size), "--local", str(folder)],
+                       "benchmark.py")
+    assert expected in message
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("token ids beyond the vocabulary", "token_ids holds token id 6"),
+    ("NaN latents", "latent_mean is not finite (NaN or infinity): the latents were computed wrongly"),
+])
+def test_precomputed_values_that_cannot_train_name_the_shard_not_the_learning_rate(tmp_path, case, expected):
+    folder = write_latents(tmp_path / "latents", token_max=65535 if "token" in case else 100, nan="NaN" in case)
+    result = run_command("benchmark.py", *PRECOMPUTED, "--image_size", "32", "--local", str(folder),
+                         "--num_workers", "2")
+    line = one_line_error(result, "benchmark.py")
+    assert f"shard {folder}/shard.00000.mds.zstd, sample " in line and expected in line
+    assert "--lr" not in line and "BadDataError" not in line
+
+
+# -----------------------------------------------------------------------------------------------
+# 7. Malformed files and flags that reached Python's errors.
+# -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda index: index["shards"][0].update(samples="lots"), "shard 0 has 'samples': 'lots', not a count"),
+    (lambda index: index.update(shards=["shard.00000.mds"]), "shard 0 is str ('shard.00000.mds'), not an object"),
+    (lambda index: index["shards"][0]["raw_data"].pop("basename"), "its raw_data has no file name"),
+    (lambda index: index["shards"][1].update(samples=0), "shard shard.00001.mds holds no samples (index.json lists 0)"),
+])
+def test_index_fields_of_the_wrong_type_are_one_line(tmp_path, damage, expected):
+    folder = write_images(tmp_path / "mds", 16, compression=None, size_limit=4096)
+    index = json.loads((folder / "index.json").read_text())
+    damage(index)
+    (folder / "index.json").write_text(json.dumps(index))
+    message = error_of(benchmark.main, [*TINY, "--num_workers", "0", "--local", str(folder)], "benchmark.py")
+    assert expected in message and str(folder) in message
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b'--batch_size "8\n', "flag file @{path}, line 1: No closing quotation"),
+    (b"--batch_size 8  # caf\xe9\n", "flag file @{path} is not UTF-8 text"),
+])
+def test_flag_files_with_an_open_quote_or_not_utf8_are_one_line(tmp_path, content, expected):
+    path = tmp_path / "flags.args"
+    path.write_bytes(content)
+    for main, prog in ((benchmark.main, "benchmark.py"), (convert.main, "convert.py"), (cost.main, "cost.py")):
+        assert expected.format(path=path) in error_of(main, [f"@{path}"], prog)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint of a tiny run (the encoders in it: trained online)."""
+    run = tmp_path_factory.mktemp("run")
+    benchmark.main([*SYNTH, "--save_folder", str(run), "--save_interval", "2ba"])
+    return run / "latest-rank0.pt"
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("shape", "its vae weights do not fit the vae of this model"),
+    ("nan", "unet.conv_in.weight holds NaN or infinite values"),
+])
+def test_export_of_damaged_or_nan_weights_is_refused_and_writes_nothing(checkpoint, tmp_path, damage, expected):
+    import torch
+
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    model = state["state"]["model"]
+    if damage == "shape":
+        key = next(k for k in model if k.startswith("vae.") and k.endswith("conv_in.weight"))
+        model[key] = model[key][:, :1]
+    else:
+        model["unet.conv_in.weight"] = torch.full_like(model["unet.conv_in.weight"], float("nan"))
+    damaged = tmp_path / "damaged.pt"
+    torch.save(state, damaged)
+    out = tmp_path / "pipeline"
+    assert expected in error_of(export.main, [str(damaged), "--out", str(out)], "export.py")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("world_size", 10**400, "'world_size' must be a GPU count from 1 to 1,000,000, got a number of 401 digits"),
+    ("model_config", ["sd2-base"], "'model_config' must be a model configuration name"),
+])
+def test_cost_results_with_absurd_fields_are_one_line(tmp_path, field, value, expected):
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps({"images_per_sec": 100.0, "world_size": 8, field: value}))
+    assert expected in error_of(cost.main, [str(results)], "cost.py")
+
+
+def test_bench_gpu_out_naming_a_file_is_refused(tmp_path):
+    import bench_gpu
+
+    existing = tmp_path / "results.txt"
+    existing.write_text("mine")
+    message = error_of(bench_gpu.main, ["--dry_run", "--gpus", "8", "--gpu_memory_gib", "79.1", "--out", str(existing)],
+                       "bench_gpu.py")
+    assert "is a file, not a folder" in message and existing.read_text() == "mine"
+
+
+# -----------------------------------------------------------------------------------------------
+# 8. Messages that point at the cause (the shard, the file), not elsewhere.
+# -----------------------------------------------------------------------------------------------
+
+def test_a_damaged_parquet_page_names_the_file(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "photos.parquet"
+    pq.write_table(pa.table({"jpg": [jpeg(i) for i in range(600)], "txt": [f"c {i}" for i in range(600)]}), path,
+                   row_group_size=300)
+    content = bytearray(path.read_bytes())
+    start = pq.ParquetFile(path).metadata.row_group(1).column(0).data_page_offset
+    content[start + 100:start + 3000] = b"\xab" * 2900  # the second row group's first page; the footer is intact
+    path.write_bytes(bytes(content))
+    message = error_of(convert.main, [str(path), "--out", str(tmp_path / "out"), "--workers", "1", "--no_progress"],
+                       "convert.py")
+    assert f"{path} cannot be read after row" in message and "the file is damaged" in message
+    assert not (tmp_path / "out").exists()
