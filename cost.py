@@ -174,7 +174,7 @@ def load_results(path: str) -> Measurement:
         raise ValueError(f"{path}: 'images_per_sec' must be a positive number, got {ips!r}")
     if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_GPUS:
         shown = repr(n) if len(repr(n)) <= 40 else f"a number of {len(str(n))} digits"
-        raise ValueError(f"{path}: 'world_size' must be a GPU count from 1 to {MAX_GPUS:,}, got {shown}")
+        raise ValueError(f"{path}: 'world_size' must be a positive integer (GPUs, at most {MAX_GPUS:,}), got {shown}")
     for key, kind, what in (("device", str, "a device name"), ("model_config", str, "a model configuration name"),
                             ("image_size", int, "a size in pixels"), ("precomputed", bool, "true or false")):
         value = data.get(key)

@@ -474,7 +474,7 @@ def test_export_of_damaged_or_nan_weights_is_refused_and_writes_nothing(checkpoi
 
 
 @pytest.mark.parametrize("field, value, expected", [
-    ("world_size", 10**400, "'world_size' must be a GPU count from 1 to 1,000,000, got a number of 401 digits"),
+    ("world_size", 10**400, "'world_size' must be a positive integer (GPUs, at most 1,000,000), got a number of 401 digits"),
     ("model_config", ["sd2-base"], "'model_config' must be a model configuration name"),
 ])
 def test_cost_results_with_absurd_fields_are_one_line(tmp_path, field, value, expected):
