@@ -142,19 +142,32 @@ def test_a_second_convert_into_the_same_out_is_refused_and_the_first_completes(t
     assert readable_samples(out) == 300
 
 
-def test_a_second_export_into_the_same_out_is_refused_before_reading_the_checkpoint(tmp_path):
-    """export.py holds --out as convert.py and latents.py do (files.hold_output)."""
+def test_every_command_refuses_an_output_another_one_is_writing(tmp_path):
+    """export.py, latents.py and benchmark.py hold their outputs as convert.py does (files.hold_output)."""
     from t2ibench.files import acquire
 
     checkpoint = tmp_path / "run.pt"
     checkpoint.write_bytes(b"not a checkpoint: never read, the output is refused first")
-    out = tmp_path / "pipeline"
-    hold = acquire("--out", out)  # what an export.py still writing holds
-    try:
-        message = error_of(export.main, [str(checkpoint), "--out", str(out)], "export.py")
-    finally:
-        hold.release()
-    assert f"--out {out} is being written by another command" in message
+    images = write_images(tmp_path / "images", 4)
+    out = tmp_path / "out"
+    commands = [
+        (export.main, "export.py", "--out", [str(checkpoint), "--out", str(out)]),
+        (latents.main, "latents.py", "--out", ["--local", str(images), "--out", str(out), "--model_config", "tiny",
+                                               "--image_size", "32", "--num_workers", "0", "--no_progress"]),
+        (benchmark.main, "benchmark.py", "--save_folder", [*SYNTH, "--save_folder", str(out)]),
+        (benchmark.main, "benchmark.py", "--ema_export_dir", [*SYNTH, "--use_ema", "--ema_export_dir", str(out)]),
+    ]
+    for main, prog, flag, argv in commands:
+        hold = acquire(flag, out)  # what the same command, still writing, holds
+        try:
+            message = error_of(main, argv, prog)
+        finally:
+            hold.release()
+        assert f"{flag} {out} is being written by another command" in message
+        assert not out.exists()  # the refused command left nothing (the hold removed the folder it made)
+
+
+SYNTH = [*TINY, "--use_synth_data", "--num_workers", "0"]
 
 
 # -----------------------------------------------------------------------------------------------
@@ -196,9 +209,6 @@ def test_corrupt_zstd_shard_in_latents_with_two_workers_ends_naming_it(corrupt_s
 # -----------------------------------------------------------------------------------------------
 # 5. A full disk: one line; every file is the old one or the complete new one; results kept.
 # -----------------------------------------------------------------------------------------------
-
-SYNTH = [*TINY, "--use_synth_data", "--num_workers", "0"]
-
 
 @pytest.fixture
 def full_disk(tmp_path):
