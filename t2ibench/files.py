@@ -63,7 +63,7 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", **open_kwargs) -> Iter
             yield handle
             handle.flush()
             os.fsync(handle.fileno())  # the bytes are on disk before the name points at them
-        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp's 0600 is not what open() would have made
+        os.chmod(temporary, 0o666 & ~UMASK)  # mkstemp's 0600 is not what open() would have made
         os.replace(temporary, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -75,6 +75,10 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# Read once, at import (before any thread starts): reading it means setting it for a moment.
+UMASK = _umask()
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
