@@ -181,6 +181,8 @@ class NamedShardErrors:
         yield from super()._each_sample_id(it)
         failed = getattr(self, "_failed_shard", None)
         if failed is not None and getattr(self, "_event", None) is not None and self._event.is_set():
+            if type(failed[1]).__module__.startswith(STORAGE_MODULES):
+                raise failed[1]  # the store's error (credentials, network), reported as such
             raise self._shard_error(*failed)
 
     def _shard_error(self, where: str, cause: BaseException) -> "BadDataError":
