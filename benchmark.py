@@ -13,6 +13,7 @@ trainer, results.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -40,9 +41,11 @@ from t2ibench.callbacks.run_record import RunRecord
 from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
 from t2ibench.callbacks.validation import EVAL_LABEL, ValidationLog
+from t2ibench.checkpoints import write_whole
 from t2ibench.checks import PRECISIONS
 from t2ibench.cli import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
+from t2ibench.files import STAGING_FOLDER, no_room, hold_output, staged_folder, write_error, write_text
 from t2ibench.norms import NORM_PRECISIONS, set_norm_precision
 from t2ibench.model import DiffusionModel, unwrap_model, vae_overflows_in
 from t2ibench.runtime import Runtime
@@ -193,15 +196,22 @@ def validate(args: argparse.Namespace, world_size: int) -> ModelFamily:
 def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None = None) -> dict:
     """One run: runtime, data, model, trainer, results; returns the results (what --results_json holds)."""
     args = parse_args(argv)
-    with errors.command("benchmark.py"):
+    with errors.command("benchmark.py"), contextlib.ExitStack() as held:
         family = validate(args, dist.get_world_size())  # every user error, before anything is built
+        if dist.get_global_rank() == 0:  # a second run writing the same folders is refused, not mixed in
+            for flag in ("save_folder", "ema_export_dir"):
+                held.enter_context(hold_output(f"--{flag}", getattr(args, flag)))
         run = Runtime.start(args, family)
         training_data = build_data(args, run, family)
         run = run.with_counted_microbatch(args, family, training_data.text_format)  # the shards' format counts
         model = build_model(args, run, family, training_data)
         trainer, measured = build_trainer(args, run, model, training_data, extra_callbacks)
-        results = train(args, run, trainer, model, measured)
-        report(args, results)
+        try:
+            results = train(args, run, trainer, model, measured)
+            report(args, results)  # the figures are kept whatever the export does
+            export_average(args, run, trainer, model, measured)
+        finally:
+            trainer.close()
         return results
 
 
@@ -404,10 +414,8 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, training
     algorithms = []
     if args.use_ema:
         from ema import EMA
-        # The EMA writes the denoiser into <ema_export_dir>/<name>; the rest of the pipeline follows after fit.
-        export = os.path.join(args.ema_export_dir, model.denoiser_name) if args.ema_export_dir else None
-        measured.ema = EMA(half_life=args.ema_half_life, ema_start=args.ema_start, export_dir=export,
-                           export_submodule=model.denoiser_name)
+        # The averaged pipeline is exported after the results are written (export_average).
+        measured.ema = EMA(half_life=args.ema_half_life, ema_start=args.ema_start)
         algorithms.append(measured.ema)
     if args.grad_clip_norm:
         from composer.algorithms import GradientClipping
@@ -425,6 +433,7 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, training
                                     metric_names=["ValidationLoss"], device_eval_microbatch_size=run.microbatch
                                     if isinstance(run.microbatch, int) else None,
                                     subset_num_batches=-(-args.eval_samples // args.batch_size) if capped else -1))
+    write_whole()  # a checkpoint is complete under its name, or absent (a full disk leaves no part of it)
     restore_rng = RestoreRngOnStreamingResume()
     callbacks = [SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), measured.throughput,
                  StopOnNonFiniteLoss(args.load_path, args.save_folder), StopOnEmptyEpoch(),
@@ -479,21 +488,17 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, training
 
 
 def train(args: argparse.Namespace, run: Runtime, trainer: Trainer, built: Model, measured: Measured) -> dict:
-    """Fit (unless a retried job finds its run complete), export the EMA pipeline; the results."""
+    """Fit (unless a retried job finds its run complete); the results."""
     model, encoders = built.model, built.encoders
     trained_before = int(trainer.state.timestamp.batch)
-    if not run_already_complete(trainer, measured.ema, args.ema_export_dir):
+    if not run_already_complete(trainer):
         trainer.fit()
     window_end = measured.throughput.window_end
     after_window_s = time.perf_counter() - window_end if window_end else None
-    denoiser_dir = Path(args.ema_export_dir or "", model.denoiser_name)
-    if args.ema_export_dir and run.is_rank_zero and Path(denoiser_dir, "config.json").is_file():
-        averaged = type(model.denoiser).from_pretrained(denoiser_dir)
-        write_pipeline(args.ema_export_dir, model.family, dataclasses.replace(
-            encoders, denoiser=averaged, noise_scheduler=model.noise_scheduler))
     results = {
         **measured.throughput.summary,
-        # From the end of the last batch to the return of fit: final checkpoint, EMA export, uploads.
+        # From the end of the last batch to the return of fit: final checkpoint, uploads (the EMA
+        # export follows the results: export_average).
         "seconds_after_window": after_window_s,
         "world_size": run.world_size,
         "device": torch.cuda.get_device_name() if run.on_gpu else "cpu",
@@ -532,23 +537,41 @@ def train(args: argparse.Namespace, run: Runtime, trainer: Trainer, built: Model
         # A retried --autoresume job whose run had finished: nothing was trained or measured here.
         results.update(already_complete=True, images_per_sec=None, images_per_sec_per_device=None,
                        measured_batches=0, trained_batches=trained_before, save_folder=args.save_folder)
-    trainer.close()
     return results
 
 
-def run_already_complete(trainer: Trainer, ema: Callback | None, ema_export_dir: str | None) -> bool:
+def run_already_complete(trainer: Trainer) -> bool:
     """True when the loaded checkpoint is already at --max_duration (a retried --autoresume job).
 
     Composer's fit() raises then ("No training would occur"); the job instead finishes what the
-    killed one may not have: the EMA export. The summary and results say the run was complete.
+    killed one may not have: the EMA export (export_average). The summary and results say the run
+    was complete.
     """
     state = trainer.state
-    if state.timestamp.get(state.max_duration.unit) < state.max_duration:
-        return False
-    if ema is not None and ema_export_dir and ema.initialized:
-        name = unwrap_model(state.model).denoiser_name
-        ema.export_unet(state.model, os.path.join(ema_export_dir, name), submodule=name)  # the pipeline follows
-    return True
+    return state.timestamp.get(state.max_duration.unit) >= state.max_duration
+
+
+def export_average(args: argparse.Namespace, run: Runtime, trainer: Trainer, built: Model, measured: Measured) -> None:
+    """--ema_export_dir: the pipeline with the averaged denoiser, written after the results (a full disk
+    here loses no figure), into a staging folder moved into place with model_index.json last."""
+    ema, folder = measured.ema, args.ema_export_dir
+    if not folder or ema is None:
+        return
+    if not ema.initialized:
+        print(f"note: the EMA had not started by the end of training (--ema_start {args.ema_start}): nothing "
+              f"exported to --ema_export_dir {folder}", file=sys.stderr, flush=True)
+        return
+    model, name = built.model, built.model.denoiser_name
+    staging = Path(folder, STAGING_FOLDER)
+    try:
+        with staged_folder(folder, last="model_index.json") if run.is_rank_zero else contextlib.nullcontext():
+            ema.export_unet(trainer.state.model, staging / name, submodule=name)  # every rank: FSDP gathers
+            if run.is_rank_zero:
+                averaged = type(model.denoiser).from_pretrained(staging / name)
+                write_pipeline(staging, model.family, dataclasses.replace(
+                    built.encoders, denoiser=averaged, noise_scheduler=model.noise_scheduler))
+    except OSError as error:
+        errors.fail(write_error(f"--ema_export_dir {folder}", error) + "; the results were written before it")
 
 
 def report(args: argparse.Namespace, results: dict) -> None:
@@ -559,8 +582,10 @@ def report(args: argparse.Namespace, results: dict) -> None:
     if results.get("already_complete") and args.results_json and Path(args.results_json).exists():
         print(f"kept {args.results_json} (written by the run that trained)")
     elif args.results_json:
-        Path(args.results_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.results_json).write_text(json.dumps(results, indent=2) + "\n")
+        try:
+            write_text(args.results_json, json.dumps(results, indent=2) + "\n")  # the old file or the new one
+        except OSError as error:
+            errors.fail(write_error(f"--results_json {args.results_json}", error) + " (the figures are printed above)")
         print(f"results written to {args.results_json}")
 
 
@@ -570,10 +595,14 @@ def user_error(error: BaseException) -> str | None:
     text = str(error)
     lines = [line for line in text.splitlines() if line.strip()]
     if isinstance(error, (data.BadDataError, NonFiniteLossError, EmptyEpochError)):
-        return lines[-1] if lines else text
+        # From a loader worker, PyTorch re-raises the type with the worker's traceback as its message.
+        return errors.worker_error(error, ("data.BadDataError",)) or (lines[-1] if lines else text)
     line = errors.storage_error(error) or errors.worker_error(error, ("data.BadDataError",))
     if line:
         return line
+    full = no_room(error)
+    if full is not None:  # a checkpoint or a sample grid on a full disk
+        return write_error(full.filename or "a file of the run (--save_folder, --samples_dir)", full)
     if isinstance(error, FileExistsError) and "may conflict with a future checkpoint" in text:
         return f"--save_folder: {lines[0]}"
     if type(error).__module__.startswith("wandb.errors"):

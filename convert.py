@@ -74,7 +74,8 @@ from t2ibench.errors import UserError
 from t2ibench.images import load_image, to_rgb
 from t2ibench.locations import (check_output, is_remote, missing_upload_credentials, normalise, scheme,
                                 upload_schemes)
-from t2ibench.mds import SHARD_NAME
+from t2ibench.files import Hold, acquire
+from t2ibench.mds import INDEX_FILE, SHARD_NAME, missing_shard_files
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -295,7 +296,16 @@ def parquet_candidates(path: Path, image_column: str | None, caption_column: str
     parquet = _parquet_file(path)
     columns = [image_col, caption_col] + (["key"] if "key" in parquet.schema_arrow.names else [])
     row = 0
-    for batch in parquet.iter_batches(batch_size=256, columns=columns):
+    batches = parquet.iter_batches(batch_size=256, columns=columns)
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as error:  # noqa: BLE001  pyarrow.ArrowInvalid, OSError...: a damaged page of the user's file
+            detail = (str(error).strip().splitlines() or [""])[0][:200]
+            raise ConvertError(f"{path} cannot be read after row {row:,} ({type(error).__name__}: {detail}): the "
+                               "file is damaged; download or write it again (nothing was written)") from None
+        if batch is None:
+            break
         for record in batch.to_pylist():
             image = record[image_col]
             if isinstance(image, dict):  # Hugging Face `Image` feature: {"bytes": ..., "path": ...}
@@ -512,7 +522,7 @@ class Output:
     created: bool = False  # --out did not exist before
 
 
-def prepare_output(out: str, overwrite: bool) -> Output:
+def prepare_output(out: str, overwrite: bool, created: bool | None = None) -> Output:
     """Refuse to mix a new dataset into existing files; with --overwrite, replace an MDS dataset
     only: its index.json and shard files, and nothing else (any other file: refused)."""
     if is_remote(out):
@@ -529,7 +539,7 @@ def prepare_output(out: str, overwrite: bool) -> Output:
             raise ConvertError(f"--out {out}: {staging} holds files convert.py did not write ({foreign[0]}...): "
                                "move them away or choose another --out")
         shutil.rmtree(staging)
-    created = not path.exists()
+    created = not path.exists() if created is None else created  # the hold may have made the folder
     entries = set(os.listdir(path)) if path.is_dir() else set()
     replaced: list[Path] = []
     if entries:
@@ -559,6 +569,12 @@ def publish(output: Output) -> None:
     if output.writer_out == output.out:
         return
     staging, path = Path(output.writer_out), Path(output.writer_out).parent
+    index = json.loads((staging / INDEX_FILE).read_text())
+    missing = missing_shard_files(staging, index)
+    if missing:  # never an index whose files are not all there
+        raise ConvertError(f"--out {output.out}: {len(missing)} of the {len(index['shards'])} shard file(s) just "
+                           f"written are gone from {staging} ({missing[0]}...): something else deleted them while "
+                           "this ran; the old dataset, if any, is untouched; run the conversion again")
     for old in output.replaced:
         old.unlink()
     names = sorted(os.listdir(staging), key=lambda name: name == "index.json")
@@ -618,9 +634,27 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
     problem = problem or missing_upload_credentials("--out", out)
     if problem:
         raise ConvertError(problem)
+    # Held from here to the end: a second conversion into the same --out is refused instead of
+    # deleting this one's staging folder (and this one then publishing an index of missing shards).
+    hold = None if is_remote(out) else acquire("--out", out)
+    try:
+        return _convert(inputs, out, hold, fmt=fmt, compression=compression, hashes=hashes, size_limit=size_limit,
+                        min_size=min_size, max_size=max_size, quality=quality, overwrite=overwrite, workers=workers,
+                        image_column=image_column, caption_column=caption_column, progress=progress,
+                        allow_truncated=allow_truncated)
+    finally:
+        if hold is not None:
+            hold.release()
+
+
+def _convert(inputs: list[str], out: str, hold: Hold | None, *, fmt: str, compression: str | None,
+             hashes: tuple[str, ...], size_limit: int | str, min_size: int, max_size: int, quality: int,
+             overwrite: bool, workers: int, image_column: str | None, caption_column: str | None, progress: bool,
+             allow_truncated: bool) -> Report:
+    """The conversion itself, with --out checked and held (convert)."""
     report = Report(out=out)
     sources, total = find_sources(inputs, fmt, image_column, caption_column, report, allow_truncated)
-    output = prepare_output(out, overwrite)
+    output = prepare_output(out, overwrite, created=hold.created if hold is not None else False)
     check = functools.partial(prepare, min_size=min_size, max_size=max_size, quality=quality)
     # Worker processes decode and re-encode; this process reads the inputs and writes shards in
     # input order. Batches bound the memory in flight (Pool.imap would read all inputs ahead).

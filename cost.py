@@ -59,8 +59,9 @@ import os
 from dataclasses import dataclass
 
 from t2ibench import errors
-from t2ibench.cli import POSITIVE_FLOAT, POSITIVE_INT, Parser
+from t2ibench.cli import GPU_COUNT, MAX_GPUS, MAX_IMAGE_SIZE, POSITIVE_FLOAT, POSITIVE_INT, Parser
 from t2ibench.errors import fail
+from t2ibench.files import atomic_file, write_error
 from t2ibench.locations import check_output, check_outputs_apart, normalise
 from t2ibench.scale import (MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU, MLPERF_FLUX_TRAIN_SAMPLES, PRICED_MODELS,
                             SAMPLES,  # 2023: 1.4M x 2048
@@ -171,8 +172,15 @@ def load_results(path: str) -> Measurement:
     # bool is an int in Python, and a JSON true is never a GPU count
     if isinstance(ips, bool) or not isinstance(ips, (int, float)) or not math.isfinite(ips) or ips <= 0:
         raise ValueError(f"{path}: 'images_per_sec' must be a positive number, got {ips!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise ValueError(f"{path}: 'world_size' must be a positive integer, got {n!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_GPUS:
+        shown = repr(n) if len(repr(n)) <= 40 else f"a number of {len(str(n))} digits"
+        raise ValueError(f"{path}: 'world_size' must be a positive integer (GPUs, at most {MAX_GPUS:,}), got {shown}")
+    for key, kind, what in (("device", str, "a device name"), ("model_config", str, "a model configuration name"),
+                            ("image_size", int, "a size in pixels"), ("precomputed", bool, "true or false")):
+        value = data.get(key)
+        if value is not None and (not isinstance(value, kind) or (kind is int and (
+                isinstance(value, bool) or not 0 < value <= MAX_IMAGE_SIZE))):
+            raise ValueError(f"{path}: '{key}' must be {what}, got {str(value)[:40]!r}")
     return Measurement(n, float(ips), path, data.get("device"), data.get("image_size"), data.get("model_config"),
                        data.get("precomputed"))
 
@@ -313,7 +321,7 @@ def format_table(rows: list[Row]) -> str:
 
 def write_csv(rows: list[Row], path: str) -> None:
     """Machine-readable table: unformatted numbers, one row per GPU count."""
-    with open(path, "w", newline="") as f:
+    with atomic_file(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["num_gpus", "images_per_sec", "days", "gpu_hours", "cost_usd", "source"])
         for r in rows:
@@ -325,7 +333,7 @@ def write_markdown(rows: list[Row], path: str, caption: str) -> None:
     """Markdown table (same cells as the terminal table) followed by its assumptions."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---:|" * (len(COLUMNS) - 1) + "---|"]
     lines += ["| " + " | ".join(format_cells(r)) + " |" for r in rows]
-    with open(path, "w") as f:
+    with atomic_file(path, "w") as f:
         f.write("\n".join(lines) + f"\n\n{caption}\n")
 
 
@@ -379,8 +387,11 @@ def plot(rows: list[Row], path: str, title: str) -> None:
     ax_cost.set_title("cost of the run", fontsize=10)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_file(path, "wb") as f:  # the format from the name's suffix, as savefig(path) takes it
+            fig.savefig(f, dpi=120, format=os.path.splitext(path)[1][1:].lower())
+    finally:
+        plt.close(fig)
 
 
 # -----------------------------------------------------------------------------
@@ -405,11 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="results JSON files with images_per_sec (global) and world_size (GPUs)")
     p.add_argument("--results", nargs="+", action="extend", default=[], metavar="FILE",
                    help="more results JSON files")
-    p.add_argument("--gpus", nargs="+", action="extend", type=POSITIVE_INT, default=[],
+    p.add_argument("--gpus", nargs="+", action="extend", type=GPU_COUNT, default=[],
                    metavar="N", help="measured GPU counts, paired with --images_per_sec")
     p.add_argument("--images_per_sec", nargs="+", action="extend", type=POSITIVE_FLOAT,
                    default=[], metavar="X", help="measured global images/s, one per --gpus")
-    p.add_argument("--num_gpus", nargs="+", type=POSITIVE_INT, metavar="N",
+    p.add_argument("--num_gpus", nargs="+", type=GPU_COUNT, metavar="N",
                    help="GPU counts for the table (default: the measured counts plus powers of "
                         "two up to 2x the largest measured, at least to 256)")
     p.add_argument("--samples", type=POSITIVE_FLOAT, default=None,
@@ -610,15 +621,18 @@ def table(args: argparse.Namespace) -> list[Row]:
     print()
     print(format_table(rows))
 
-    if args.csv:
-        write_csv(rows, args.csv)
-        print(f"wrote {args.csv}")
-    if args.markdown:
-        write_markdown(rows, args.markdown, caption)
-        print(f"wrote {args.markdown}")
-    if args.plot:
-        plot([r for r in rows if r.source in ("measured", "predicted")], args.plot, title)  # not the references
-        print(f"wrote {args.plot}")
+    # Each file is replaced whole or left as it was (files.atomic_file); a full disk is one line.
+    writes = [("--csv", args.csv, lambda: write_csv(rows, args.csv)),
+              ("--markdown", args.markdown, lambda: write_markdown(rows, args.markdown, caption)),
+              ("--plot", args.plot, lambda: plot([r for r in rows if r.source in ("measured", "predicted")],
+                                                  args.plot, title))]  # not the references
+    for flag, path, write in writes:
+        if path:
+            try:
+                write()
+            except OSError as error:
+                fail(write_error(f"{flag} {path}", error))
+            print(f"wrote {path}")
     return rows
 
 

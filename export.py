@@ -32,6 +32,7 @@ from t2ibench import errors
 from t2ibench.cli import SEED, Parser
 from t2ibench.errors import fail
 from t2ibench.families import FAMILIES, MODEL_CONFIGS, build_aside, detect_config
+from t2ibench.files import hold_output, staged_folder, write_error
 from t2ibench.locations import LOAD_SCHEMES, check_output, is_remote, normalise
 from t2ibench.sampling import SAMPLERS, write_pipeline
 
@@ -128,6 +129,22 @@ def main(argv: list[str] | None = None) -> Path:
         return export(args)
 
 
+def load_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], name: str, where: str) -> None:
+    """`weights` into `module` (the checkpoint's `name`), refusing damaged or non-finite ones in one line:
+    a pipeline of NaN weights draws black images, and a wrong shape is a traceback deep in torch."""
+    for key, tensor in weights.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            fail(f"CHECKPOINT {where}: {name}.{key} holds NaN or infinite values: the run diverged or the file "
+                 "is damaged; export an earlier checkpoint (nothing was written)")
+    try:
+        module.load_state_dict(weights)
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()
+        detail = " ".join(line.strip() for line in first[1:3])[:200] if len(first) > 1 else first[0][:200]
+        fail(f"CHECKPOINT {where}: its {name} weights do not fit the {name} of this model ({detail}): the file is "
+             "damaged or was not written by benchmark.py (nothing was written)")
+
+
 def export(args: argparse.Namespace) -> Path:
     checkpoint = normalise("CHECKPOINT", args.checkpoint, LOAD_SCHEMES)
     out = Path(normalise("--out", args.out, ()))
@@ -140,6 +157,13 @@ def export(args: argparse.Namespace) -> Path:
         ("--model_name", args.model_name if args.model_name and Path(args.model_name).is_dir() else None)])
     if problem:
         fail(problem)
+    # Held from here to the end (a second export into --out is refused before it reads a checkpoint).
+    with hold_output("--out", out):
+        return export_held(args, checkpoint, out)
+
+
+def export_held(args: argparse.Namespace, checkpoint: str, out: Path) -> Path:
+    """export, with --out probed and held: read the checkpoint, check its weights, write the pipeline."""
     state = load_checkpoint(checkpoint)["state"]  # read_checkpoint made sure it holds state.model
     # Only tensors are weights: a sharded save may keep other entries (extra state) beside them.
     weights = {k.removeprefix("module."): v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
@@ -160,7 +184,8 @@ def export(args: argparse.Namespace) -> Path:
     if args.scheduler is not None and args.scheduler not in family.samplers:
         fail(f"--scheduler {args.scheduler} does not sample {config}; choose {' or '.join(family.samplers)}")
     denoiser = family.build(config, denoiser=True, vae=False, text_encoders=False, tokenizers=False).denoiser
-    denoiser.load_state_dict({k: v.float() for k, v in denoiser_weights.items()})
+    load_weights(denoiser, {k: v.float() for k, v in denoiser_weights.items()},
+                 family.denoiser_name + (" (EMA)" if args.ema else ""), checkpoint)
 
     # Frozen networks the run did not train with (precomputed latents): rebuilt as the run built them,
     # from the model name and seed it recorded (benchmark.py's RunRecord), so that the pipeline
@@ -186,11 +211,14 @@ def export(args: argparse.Namespace) -> Path:
     for name, module in [("vae", parts.vae), *parts.text_encoders.items()]:
         trained_with = {k[len(name) + 1:]: v for k, v in weights.items() if k.startswith(name + ".")}
         if trained_with:  # the encoders the run itself used
-            module.load_state_dict(trained_with)
+            load_weights(module, trained_with, name, checkpoint)
+    # Written into a staging folder and moved into place with model_index.json last: a full disk
+    # leaves --out as it was.
     try:
-        write_pipeline(out, family, dataclasses.replace(parts, denoiser=denoiser), args.scheduler)
+        with staged_folder(out, last="model_index.json") as staging:
+            write_pipeline(staging, family, dataclasses.replace(parts, denoiser=denoiser), args.scheduler)
     except OSError as error:  # probed above; a disk that fills up while writing
-        fail(f"--out {out}: the pipeline could not be written ({type(error).__name__}: {error})")
+        fail(write_error(f"--out {out}: the pipeline", error))
     print(f"wrote a {family.pipeline_class} ({config}, {'EMA' if args.ema else 'trained'} "
           f"{family.denoiser_name}) to {out}")
     return out

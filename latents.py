@@ -93,7 +93,7 @@ from typing import Any
 import numpy as np
 import torch
 from composer.utils import dist, reproducibility
-from streaming import MDSWriter, StreamingDataset
+from streaming import MDSWriter
 from streaming.base.compression import get_compressions
 from streaming.base.hashing import get_hashes
 from streaming.base.util import bytes_to_int
@@ -106,13 +106,14 @@ from t2ibench import errors, flags
 from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_INT, SECONDS
 from t2ibench.errors import UserError, fail
 from t2ibench.families import ModelFamily, require_pretrained
+from t2ibench.files import acquire, write_text
 from t2ibench.locations import is_remote, missing_upload_credentials, normalise, overlap, \
     unwritable, upload_schemes
 from t2ibench.mds import INDEX_FILE, SHARD_NAME
 from t2ibench.images import ImageGeometry
 from t2ibench.model import scale_images, vae_overflows_in
 from t2ibench.scale import SAMPLES as SAMPLES_AT_SCALE
-from t2ibench.sources import Source, parse_sources
+from t2ibench.sources import Source, check_cache_current, parse_sources
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class IndexedImageCaptions(data.StreamingImageCaptions):
     """
 
     def get_item(self, index: int) -> dict[str, Any]:
-        sample = StreamingDataset.get_item(self, index)  # the raw columns: download errors propagate
+        sample = self.read_sample(index)  # the raw columns: a shard that cannot be read is named (BadDataError)
         caption = sample.get(self.caption_key)
         try:
             if not isinstance(caption, str):
@@ -200,10 +201,7 @@ def read_json(out: str, name: str) -> dict | None:
 def write_json(out: str, name: str, obj: dict) -> None:
     text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
     if not is_remote(out):
-        Path(out).mkdir(parents=True, exist_ok=True)
-        tmp = Path(out, f".{name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, Path(out, name))  # atomic: never a half-written file
+        write_text(Path(out, name), text)  # atomic: never a half-written file
         return
     from streaming.base.storage.upload import CloudUploader
 
@@ -275,12 +273,13 @@ def clear_output(out: str) -> None:
              "it; choose a new or empty folder")
     ours = {SETTINGS_FILE, f".{SETTINGS_FILE}.tmp", INDEX_FILE}
     chunk = re.compile(r"chunk\d{6}")
+    partial = re.compile(rf"\.{re.escape(SETTINGS_FILE)}\.\w+\.partial")  # files.atomic_file's, left by a kill
     foreign = []
     for entry in sorted(path.iterdir()):
         if entry.is_dir() and not entry.is_symlink() and chunk.fullmatch(entry.name):
             foreign += [f"{entry.name}/{f.name}" for f in sorted(entry.iterdir())
                         if not (f.is_file() and (f.name == INDEX_FILE or SHARD_NAME.fullmatch(f.name)))]
-        elif not (entry.is_file() and entry.name in ours):
+        elif not (entry.is_file() and (entry.name in ours or partial.fullmatch(entry.name))):
             foreign.append(entry.name)
     if foreign:
         fail(f"--out {out} holds files latents.py did not write ({', '.join(foreign[:3])}"
@@ -294,7 +293,10 @@ def clear_output(out: str) -> None:
 
 
 def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int) -> list[int]:
-    """Rank 0: check --out, record the settings there, and return the chunks still to do."""
+    """Rank 0: hold --out (a second latents.py into it is refused; see main), check it, record the settings
+    there, and return the chunks still to do."""
+    if not is_remote(args.out) and getattr(args, "out_hold", None) is None:
+        args.out_hold = acquire("--out", args.out)
     if args.overwrite and not is_remote(args.out):
         clear_output(args.out)
     existing = read_json(args.out, SETTINGS_FILE)
@@ -502,6 +504,7 @@ def validate(args: argparse.Namespace) -> tuple[ModelFamily, Source]:
         problem = unwritable("--local", source.local, folder=True)
     if problem:
         fail(problem)
+    check_cache_current(source)  # a cache of an older version of the remote: refused, not read
     return family, source
 
 
@@ -515,40 +518,53 @@ def source_fingerprint(source: IndexedImageCaptions) -> str:
 def main(argv: list[str] | None = None) -> dict | None:
     """Encode the source into --out; rank 0 returns the report (None on the other ranks)."""
     args = parse_args(argv)
-    with errors.command("latents.py", debug=args.debug, explain=bad_data):
-        family, source_location = validate(args)
-        device = start(args)
-        vae, text_encoders, tokenizers, random_encoders = build_encoders(args, family, device)
-        source, fingerprint = open_source(args, family, source_location, tokenizers)
-        columns = mds_columns(vae.config.latent_channels, args.image_size // family.latent_downsample, None,
-                              args.storage_dtype, not args.no_captions, text_states=args.store_text_states,
-                              family=family, config=args.model_config, micro_conditioning=family.micro_conditioning)
-        num_chunks = math.ceil(source.num_samples / args.chunk_size)
-        settings = {
-            "source": source_location.remote or os.path.abspath(source_location.local),
-            "source_samples": source.num_samples, "source_index_sha256": fingerprint,
-            "chunk_size": args.chunk_size, "image_size": args.image_size, "model_config": args.model_config,
-            "model_name": args.model_name if args.model_config in family.pretrained_configs else None,
-            "random_encoders": random_encoders, "seed": args.seed if random_encoders else None,
-            "columns": columns, "image_key": args.image_key, "caption_key": args.caption_key,
-        }
-        mine = plan(args, settings, num_chunks)
-        stats = Stats()
-        started = time.perf_counter()
-        if mine:
-            encode_chunks(args, family, source, vae, text_encoders, device, columns, mine, stats,
-                          show_progress=dist.get_global_rank() == 0)
-        elapsed = time.perf_counter() - started
-        dist.barrier()
-        all_stats = dist.all_gather_object(vars(stats))
-        if dist.get_global_rank() != 0:
-            return None
-        return finish(args, source.num_samples, num_chunks, all_stats, elapsed, dist.get_world_size(), device)
+    try:
+        with errors.command("latents.py", debug=args.debug, explain=bad_data):
+            return run(args)
+    finally:
+        if getattr(args, "out_hold", None) is not None:
+            args.out_hold.release()  # held by rank 0 from plan_work to the end
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """main's body: validate, build, plan, encode, finish."""
+    family, source_location = validate(args)
+    device = start(args)
+    vae, text_encoders, tokenizers, random_encoders = build_encoders(args, family, device)
+    source, fingerprint = open_source(args, family, source_location, tokenizers)
+    columns = mds_columns(vae.config.latent_channels, args.image_size // family.latent_downsample, None,
+                          args.storage_dtype, not args.no_captions, text_states=args.store_text_states,
+                          family=family, config=args.model_config, micro_conditioning=family.micro_conditioning)
+    num_chunks = math.ceil(source.num_samples / args.chunk_size)
+    settings = {
+        "source": source_location.remote or os.path.abspath(source_location.local),
+        "source_samples": source.num_samples, "source_index_sha256": fingerprint,
+        "chunk_size": args.chunk_size, "image_size": args.image_size, "model_config": args.model_config,
+        "model_name": args.model_name if args.model_config in family.pretrained_configs else None,
+        "random_encoders": random_encoders, "seed": args.seed if random_encoders else None,
+        "columns": columns, "image_key": args.image_key, "caption_key": args.caption_key,
+    }
+    mine = plan(args, settings, num_chunks)
+    stats = Stats()
+    started = time.perf_counter()
+    if mine:
+        encode_chunks(args, family, source, vae, text_encoders, device, columns, mine, stats,
+                      show_progress=dist.get_global_rank() == 0)
+    elapsed = time.perf_counter() - started
+    dist.barrier()
+    all_stats = dist.all_gather_object(vars(stats))
+    if dist.get_global_rank() != 0:
+        return None
+    return finish(args, source.num_samples, num_chunks, all_stats, elapsed, dist.get_world_size(), device)
 
 
 def bad_data(error: BaseException) -> str | None:
-    """One line when more of the source could not be decoded than --max_bad_fraction allows."""
-    return str(error).strip().splitlines()[-1] if isinstance(error, data.BadDataError) else None
+    """One line for bad data: a shard that cannot be read, or more of the source undecodable than
+    --max_bad_fraction allows (raised here or in a loader worker)."""
+    found = errors.worker_error(error, ("data.BadDataError",))  # raised in a loader worker
+    if found is None and isinstance(error, data.BadDataError):
+        return str(error).strip().splitlines()[-1]
+    return found
 
 
 def open_source(args: argparse.Namespace, family: ModelFamily, location: Source,

@@ -58,6 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]  # the project root
 sys.path.insert(0, str(ROOT))
 
 from t2ibench.fp8 import FP8_MODES, MIN_CAPABILITY  # noqa: E402
+from t2ibench.cli import GPU_COUNT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser  # noqa: E402
+from t2ibench.locations import check_output  # noqa: E402
 
 GLOBAL_BATCH = 2048  # cost.py's batch (the 2023 benchmark's and the SD2 recipe's)
 # MLPerf Training v5.1's Flux.1 global batch in NVIDIA's 16-GPU entries (its 512-GPU ones use 2048).
@@ -387,20 +389,20 @@ def peak_tflops_of(device_name: str) -> float | None:
     return next((tflops for key, tflops in PEAK_TFLOPS if key in name), None)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> Parser:
+    p = Parser("bench_gpu.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="results folder (JSON per setting, logs, table)")
-    p.add_argument("--gpus", type=int, default=None, help="GPUs per setting (default: all visible)")
-    p.add_argument("--gpu_memory_gib", type=float, default=None,
+    p.add_argument("--gpus", type=GPU_COUNT, default=None, help="GPUs per setting (default: all visible)")
+    p.add_argument("--gpu_memory_gib", type=POSITIVE_FLOAT, default=None,
                    help="memory of one GPU in GiB for the microbatches (default: the visible GPU's, as torch "
                         "reports it; an 80 GB A100/H100 reports 79.1)")
-    p.add_argument("--peak_tflops", type=float, default=None,
+    p.add_argument("--peak_tflops", type=POSITIVE_FLOAT, default=None,
                    help="peak bf16 TFLOP/s of one GPU for the time estimate (default: the visible GPU's, else an H100's)")
-    p.add_argument("--batches", type=int, default=25, help="batches of 2048 images per setting, warm-up included")
-    p.add_argument("--warmup_batches", type=int, default=5, help="batches left out of the measurement")
+    p.add_argument("--batches", type=POSITIVE_INT, default=25, help="batches of 2048 images per setting, warm-up included")
+    p.add_argument("--warmup_batches", type=NON_NEGATIVE_INT, default=5, help="batches left out of the measurement")
     p.add_argument("--quick", action="store_true", help=f"only {QUICK}")
     p.add_argument("--only", nargs="+", default=None, help=f"settings to run, from {list(MATRIX)}")
-    p.add_argument("--timeout_s", type=int, default=1800,
+    p.add_argument("--timeout_s", type=POSITIVE_INT, default=1800,
                    help="limit per setting, seconds; past it the launch's whole process group is ended")
     p.add_argument("--dry_run", action="store_true",
                    help="print each setting's full command, microbatch and the time estimate; run nothing")
@@ -414,7 +416,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "compute capability 8.9: Ada, Hopper, Blackwell)")
     p.add_argument("--smoke", action="store_true",
                    help="check the tool without a GPU: each family's tiny model, 32x32, on CPU (figures mean nothing)")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     names = args.only or (QUICK if args.quick else list(MATRIX))
     unknown = [n for n in names if n not in MATRIX]
     if unknown:
@@ -430,6 +436,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         fail(f"--timeout_s {args.timeout_s} must be positive")
     if not args.dry_run and args.out is None:
         fail("--out is required (the folder for the results), unless --dry_run")
+    problem = check_output("--out", str(args.out) if args.out else None, folder=True)
+    if problem:  # an existing file, or a place that cannot be written: refused before any run
+        fail(problem)
     return args
 
 

@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
 from t2ibench import memory  # noqa: E402
+from t2ibench.cli import GPU_COUNT, IMAGE_SIZE, POSITIVE_FLOAT, POSITIVE_INT, Parser  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of  # noqa: E402
 from t2ibench.fp8 import FP8_MODES  # noqa: E402
 from t2ibench.images import GEOMETRY_KEYS  # noqa: E402
@@ -230,12 +231,12 @@ def table(model_config: str, image_size: int | None, fsdp: str, num_gpus: int, *
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> Parser:
+    p = Parser("memory.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_config", default="sd2-base", help=f"one of {sorted(MODEL_CONFIGS)}")
-    p.add_argument("--image_size", type=int, default=None,
+    p.add_argument("--image_size", type=IMAGE_SIZE, default=None,
                    help="training resolution in pixels (default: the family's, 512 for SD2, 1024 for SDXL)")
-    p.add_argument("--gpu_memory_gib", type=float, default=memory.GPU_MEMORY_GIB["H100 80GB"],
+    p.add_argument("--gpu_memory_gib", type=POSITIVE_FLOAT, default=memory.GPU_MEMORY_GIB["H100 80GB"],
                    help="memory of one GPU in GiB, as torch.cuda.get_device_properties(0).total_memory / 2**30 "
                         "(an 80 GB A100 or H100 reports 79.1)")
     p.add_argument("--precomputed", action="store_true", help="train from precomputed latents (no VAE)")
@@ -248,7 +249,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fsdp", default="auto", choices=("auto", *memory.FSDP_MODES),
                    help="none (DDP), shard_grad_op or full_shard over --num_gpus ranks; auto: the family's "
                         "default (full_shard for Flux.1 on several GPUs, else none), as benchmark.py's")
-    p.add_argument("--num_gpus", type=int, default=8, help="ranks the model is replicated or sharded over")
+    p.add_argument("--num_gpus", type=GPU_COUNT, default=8, help="ranks the model is replicated or sharded over")
     p.add_argument("--no_ema", action="store_true", help="without benchmark.py's --use_ema")
     p.add_argument("--activation_checkpointing", action="store_true",
                    help="the denoiser's blocks recomputed in backward (benchmark.py's --activation_checkpointing)")
@@ -257,15 +258,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "default (step on one GPU under amp_bf16 without FSDP)")
     p.add_argument("--fp8", default="off", choices=FP8_MODES,
                    help="the denoiser's Linear layers in float8 as benchmark.py's --fp8 converts them")
-    p.add_argument("--per_device_batch", type=int, default=None,
+    p.add_argument("--per_device_batch", type=POSITIVE_INT, default=None,
                    help="images per GPU per step: the microbatch must divide it (benchmark.py's auto)")
     p.add_argument("--json", action="store_true", help="end with the figures as one JSON object on one line")
     p.add_argument("--table", action="store_true", help="print the README's microbatch table instead")
     p.add_argument("--check_cpu", action="store_true",
                    help="compare the count with a real CPU step (--model_config, --image_size, --microbatch, "
                         "the data path and --activation_checkpointing)")
-    p.add_argument("--microbatch", type=int, default=2, help="with --check_cpu: images in the real CPU step")
-    args = p.parse_args(argv)
+    p.add_argument("--microbatch", type=POSITIVE_INT, default=2, help="with --check_cpu: images in the real CPU step")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     if args.model_config not in MODEL_CONFIGS:
         fail(f"--model_config '{args.model_config}' is unknown; choose one of {sorted(MODEL_CONFIGS)}")
     family = MODEL_CONFIGS[args.model_config]

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import tarfile
 import tempfile
 import zipfile
@@ -25,12 +26,14 @@ from composer.core import Time
 from composer.utils import dist
 
 from t2ibench import fp8
+from t2ibench.checkpoints import resume_from, resume_point
 from t2ibench.errors import fail, storage_error
 from t2ibench.families import FAMILIES, ModelFamily, family_of
 from t2ibench.images import GEOMETRY_KEYS
 from t2ibench.cli import check_workers
 from t2ibench.flags import check_shared
 from t2ibench.parallel import resolve_mode
+from t2ibench.mds import index_problem, shard_file
 from t2ibench.locations import (CHECKPOINT_SCHEMES, LOAD_SCHEMES, check_output, check_outputs_apart, is_remote, normalise,
                                 same_source_key)
 from t2ibench.sources import Source, check_cache, parse_sources
@@ -118,6 +121,23 @@ def check_run(args: argparse.Namespace, world_size: int) -> None:
         if saved and not (Path(args.save_folder) / "latest-rank0.pt").exists():
             fail(f"--autoresume: {args.save_folder} holds checkpoints but no latest-rank0.pt; "
                  f"resume explicitly with --load_path {saved[-1]} (or move the old checkpoints away)")
+        check_latest_checkpoint(args.save_folder)
+
+
+def check_latest_checkpoint(save_folder: str) -> None:
+    """--autoresume from a latest checkpoint that was cut short (a copy, a disk that filled up before
+    checkpoints were written whole): resume from the newest complete one beside it, saying so."""
+    found = resume_point(save_folder)
+    if found is None:
+        return
+    latest, previous = found
+    if previous is None:
+        fail(f"--autoresume: the latest checkpoint {latest} is incomplete (cut short) and {save_folder} holds no "
+             "complete one before it: move it away to start over, or restore it")
+    if dist.get_global_rank() == 0:  # the other ranks read the folder once rank 0 has pointed it elsewhere
+        kept = resume_from(latest, previous)
+        print(f"note: --autoresume: the latest checkpoint {latest.name} is incomplete (cut short; kept as {kept.name}); "
+              f"resuming from the newest complete one, {previous.name}", file=sys.stderr, flush=True)
 
 
 def check_parallelism(args: argparse.Namespace, family: ModelFamily, world_size: int) -> None:
@@ -293,18 +313,22 @@ def read_index(index_file: Path, label: str) -> dict:
         index = json.loads(index_file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         fail(f"{label}: {index_file} is not a readable MDS index ({error}); re-create the dataset with convert.py")
-    if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
-        fail(f"{label}: {index_file} is not an MDS index (no list of shards); re-create the dataset with convert.py")
+    problem = index_problem(index)  # fields of the wrong type: refused here, not deep in Streaming
+    if problem:
+        fail(f"{label}: {index_file} is not a usable MDS index: {problem}; re-create the dataset with convert.py")
     return index
 
 
 def check_index(index: dict, label: str, args: argparse.Namespace) -> int:
     """Columns of an MDS dataset against the flags (the right kind of shards); returns its number of samples."""
     shards = index["shards"]
-    num_samples = sum(int(shard.get("samples", 0)) for shard in shards)
+    num_samples = sum(shard["samples"] for shard in shards)  # read_index checked that they are counts
     columns = list(shards[0].get("column_names", [])) if shards else []
     if num_samples == 0:
         fail(f"{label} holds no samples; convert some data into it with convert.py")
+    empty = [shard_file(shard) for shard in shards if shard["samples"] == 0]
+    if empty:  # MDSWriter never writes one; Streaming would train around it, then blame the batch size
+        fail(f"{label}: shard {empty[0]} holds no samples (index.json lists 0): the dataset is damaged; re-convert it")
     if args.precomputed and "latent_mean" not in columns:
         fail(f"--precomputed: {label} holds image shards (columns {columns}), not precomputed latents; "
              "drop --precomputed, or write latents from them with latents.py")
@@ -323,6 +347,10 @@ def check_index(index: dict, label: str, args: argparse.Namespace) -> int:
             fail(f"--precomputed: {label} holds latents without {', '.join(missing)}, which --model_config "
                  f"{args.model_config} is conditioned on (precomputed for another model?); write them with "
                  f"latents.py --model_config {args.model_config}")
+        for shard in shards:  # every shard: the parts of a merged index may differ
+            problem = precomputed_shard_problem(shard, family, args.model_config, args.image_size)
+            if problem:
+                fail(f"--precomputed: {label}: shard {shard_file(shard)} {problem}")
     hashes = shards[0].get("hashes", []) if shards else []
     if args.validate_hash and args.validate_hash not in hashes:
         fail(f"--validate_hash {args.validate_hash}: the shards of {label} list no such hash (they have {hashes}); "
@@ -356,6 +384,57 @@ def check_shard_files(folder: Path, index: dict, label: str, args: argparse.Name
             if expected and get_hash(args.validate_hash, path.read_bytes()) != expected:
                 fail(f"--validate_hash {args.validate_hash}: shard {path} does not match its hash in index.json: it is "
                      "corrupted; re-convert the dataset, or delete the file to download it again")
+
+
+# What a precomputed column may be stored as (latents.py: fp16 or fp32 arrays, uint16 token ids).
+LATENT_DTYPES = ("float16", "float32")
+TOKEN_DTYPES = ("uint8", "uint16", "int16", "int32", "int64")
+
+
+def precomputed_shard_problem(shard: dict, family: ModelFamily, config: str, image_size: int) -> str | None:
+    """What makes one shard of precomputed latents unfit for this run (from its column encodings in
+    index.json: no data read), or None: latents of another size or channel count, arrays without a
+    fixed shape, float token ids, text columns of other shapes."""
+    encodings = dict(zip(shard.get("column_names", []), shard.get("column_encodings", [])))
+    fixed = "latents.py stores every array with a fixed shape (ndarray:float16:4,64,64): write them with latents.py"
+
+    def array(key: str) -> tuple[str, tuple[int, ...] | None] | None:
+        parts = encodings.get(key, "").split(":")
+        if parts[0] != "ndarray" or len(parts) < 2:
+            return None
+        try:
+            return parts[1], tuple(int(x) for x in parts[2].split(",")) if len(parts) == 3 else None
+        except ValueError:
+            return parts[1], None
+
+    channels, side = family.latent_channels(config), image_size // family.latent_downsample
+    for key in ("latent_mean", "latent_logvar"):
+        found = array(key)
+        if found is None or found[1] is None:
+            return f"stores {key} as {encodings.get(key)!r}, without a fixed shape; {fixed}"
+        dtype, shape = found
+        if dtype not in LATENT_DTYPES or len(shape) != 3:
+            return f"stores {key} as {encodings[key]!r}: latents are {' or '.join(LATENT_DTYPES)} arrays (C, H, W)"
+        if shape[0] != channels:
+            return (f"holds {shape[0]}-channel latents; the VAE of --model_config {config} makes {channels}: "
+                    f"precompute them with latents.py --model_config {config}")
+        if shape[1:] != (side, side):
+            made = "x".join(str(n * family.latent_downsample) for n in shape[1:])
+            return (f"holds latents of {made} images, not --image_size {image_size}: train at --image_size "
+                    f"{shape[1] * family.latent_downsample}, or precompute at --image_size {image_size} with latents.py")
+    states = all(key in encodings for key in family.stored_text_columns(True))
+    expected = family.conditioning_shapes(config) if states else family.text_input_shapes(config)
+    for key, shape in expected.items():
+        column = key if states else family.token_columns.get(key, key)
+        found = array(column)
+        if found is None or found[1] is None:
+            return f"stores {column} as {encodings.get(column)!r}, without a fixed shape; {fixed}"
+        if tuple(found[1]) != tuple(shape):
+            return (f"holds {column} of shape {found[1]}, but --model_config {config} takes {tuple(shape)}: computed for "
+                    "another model or text encoder; precompute them with latents.py --model_config " + config)
+        if not states and found[0] not in TOKEN_DTYPES:
+            return f"stores the token ids {column} as {found[0]}, not integers; write them with latents.py"
+    return None
 
 
 def check_dataset_size(num_samples: int, label: str, args: argparse.Namespace) -> None:
@@ -398,7 +477,7 @@ def check_source(source: Source, args: argparse.Namespace) -> int:
     local, remote = source.local, source.remote
     if Path(local).exists() and not Path(local).is_dir():
         fail(f"--local {local} is a file, not a folder")
-    check_cache(source)
+    check_cache(source, timeout=args.download_timeout)
     if args.precomputed and (not remote or not is_remote(remote)):
         check_precompute_record(Path(remote or local, PRECOMPUTE_RECORD), args)
     if remote and not is_remote(remote) and Path(remote, "index.json").is_file():

@@ -83,6 +83,13 @@ NON_NEGATIVE_FLOAT = Range(float, 0)
 FRACTION = Range(float, 0, 1)
 SEED = Range(int, 0, 2**32 - 1)  # what numpy and Composer's reproducibility.seed_all accept
 SECONDS = POSITIVE_FLOAT
+# Image sides in pixels: 16 times SDXL's 1024. Beyond it (--image_size 1048576) sizes overflow deep in
+# torch instead of meaning a run; no model here trains near it.
+MAX_IMAGE_SIZE = 16_384
+IMAGE_SIZE = Range(int, 1, MAX_IMAGE_SIZE)
+# GPUs in one run or one row of cost.py's table (a results file's world_size of 10**400 overflowed a float).
+MAX_GPUS = 1_000_000
+GPU_COUNT = Range(int, 1, MAX_GPUS)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -105,6 +112,31 @@ class Parser(argparse.ArgumentParser):
 
     def convert_arg_line_to_args(self, line: str) -> list[str]:
         return shlex.split(line, comments=True)
+
+    def _read_args_from_files(self, arg_strings: list[str]) -> list[str]:
+        # argparse's own, with the file named in one line when it is not UTF-8 or a line does not split
+        # (an unbalanced quote): argparse 3.11 lets both through as tracebacks.
+        expanded: list[str] = []
+        for text in arg_strings:
+            if not text or text[0] not in self.fromfile_prefix_chars:
+                expanded.append(text)
+                continue
+            name = text[1:]
+            try:
+                with open(name, encoding="utf-8") as handle:
+                    content = handle.read()
+            except OSError as error:
+                self.error(f"flag file {text} cannot be read ({error.strerror or error})")
+            except UnicodeDecodeError as error:
+                self.error(f"flag file {text} is not UTF-8 text (byte {error.start}); save it as UTF-8")
+            found: list[str] = []
+            for number, line in enumerate(content.splitlines(), 1):
+                try:
+                    found += self.convert_arg_line_to_args(line)
+                except ValueError as error:  # shlex: "No closing quotation", "No escaped character"
+                    self.error(f"flag file {text}, line {number}: {error}; close the quote (or escape it with \\)")
+            expanded += self._read_args_from_files(found)
+        return expanded
 
     def _get_value(self, action: argparse.Action, arg_string: str):
         if isinstance(action.type, Range):  # "--flag value must be ...", not argparse's "invalid int value"

@@ -77,6 +77,8 @@ def worker_error(error: BaseException, own_types: tuple[str, ...]) -> str | None
     lines = [line for line in text.splitlines() if line.strip()]
     if lines and text.startswith("Caught ") and " in DataLoader worker process " in lines[0]:
         names = "|".join(re.escape(name) for name in own_types)
-        if re.match(rf"({names}|botocore\.exceptions\.\w+|google\.\S+|FileNotFoundError): ", lines[-1]):
+        if own_types and re.match(rf"({names}): ", lines[-1]):
+            return lines[-1].split(": ", 1)[1]  # the project's own message, as it reads without workers
+        if re.match(rf"(botocore\.exceptions\.\w+|google\.\S+|FileNotFoundError): ", lines[-1]):
             return lines[-1]
     return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from t2ibench.cli import FRACTION, NON_NEGATIVE_INT, POSITIVE_INT, SECONDS, SEED
+from t2ibench.cli import FRACTION, IMAGE_SIZE, NON_NEGATIVE_INT, POSITIVE_INT, SECONDS, SEED
 from t2ibench.cli import Parser, check_workers  # noqa: F401 - the commands' parser and its rules, with these groups
 from t2ibench.errors import fail
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of
@@ -46,7 +46,7 @@ def add_model(p: argparse.ArgumentParser) -> None:
                    help="hub id or local diffusers folder with the pretrained VAE, text encoder(s) and tokenizer(s) "
                         "(default: the model's own: stabilityai/stable-diffusion-2-base for SD2, "
                         "stabilityai/stable-diffusion-xl-base-1.0 for SDXL, black-forest-labs/FLUX.1-schnell for Flux)")
-    g.add_argument("--image_size", type=POSITIVE_INT, default=None,
+    g.add_argument("--image_size", type=IMAGE_SIZE, default=None,
                    help="resolution in pixels, a multiple of 8 (16 for Flux.1) (default: the model's training "
                         "size: 512 for SD2 and Flux.1, 1024 for sdxl-base, 64 for sdxl-tiny)")
     g.add_argument("--allow_random_encoders", action="store_true",

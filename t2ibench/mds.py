@@ -1,8 +1,67 @@
 """What an MDS dataset consists of on disk, for the commands that write one (convert.py, latents.py)
-and may delete only what they wrote (--overwrite)."""
+and may delete only what they wrote (--overwrite), and for every reader of an index.json: the one
+check of its fields' types (`index_problem`) and of the files it names (`missing_shard_files`)."""
 from __future__ import annotations
 
+import os
 import re
+from typing import Any
 
 INDEX_FILE = "index.json"  # written last by MDSWriter: a folder with it holds a complete dataset
 SHARD_NAME = re.compile(r"shard\.\d{5,}\.mds(\.[a-z0-9:]+)?")  # how MDSWriter names shard files
+
+
+def _file_problem(info: Any, which: str) -> str | None:
+    if info is None:
+        return None
+    if not isinstance(info, dict):
+        return f"its {which} is {type(info).__name__}, not an object"
+    basename = info.get("basename")
+    # merge_index names the parts' shards by their subfolder ("part-000/shard.00000.mds"): relative paths only.
+    if not isinstance(basename, str) or not basename or basename.startswith("/") or ".." in basename.split("/"):
+        return f"its {which} has no file name ('basename': {basename!r})"
+    size = info.get("bytes")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        return f"its {which} 'bytes' is {size!r}, not a size"
+    return None
+
+
+def index_problem(index: Any) -> str | None:
+    """What makes a parsed index.json unusable (fields of the wrong type, a shard without a file
+    name), or None. Streaming would fail on them deep in its reader, or count 'lots' of samples."""
+    if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
+        return "it is not an MDS index (no list of 'shards')"
+    for number, shard in enumerate(index["shards"]):
+        where = f"shard {number}"
+        if not isinstance(shard, dict):
+            return f"{where} is {type(shard).__name__} ({str(shard)[:40]!r}), not an object"
+        samples = shard.get("samples")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            return f"{where} has 'samples': {samples!r}, not a count"
+        if shard.get("raw_data") is None:
+            return f"{where} has no 'raw_data' (its shard file)"
+        for which in ("raw_data", "zip_data"):
+            problem = _file_problem(shard.get(which), which)
+            if problem:
+                return f"{where}: {problem}"
+        names, encodings = shard.get("column_names", []), shard.get("column_encodings", [])
+        if not (isinstance(names, list) and isinstance(encodings, list) and len(names) == len(encodings)
+                and all(isinstance(x, str) for x in names + encodings)):
+            return f"{where} has malformed 'column_names'/'column_encodings' (lists of names, of equal length)"
+    return None
+
+
+def shard_file(shard: dict) -> str:
+    """The file a shard is stored in: the compressed one when there is one (MDSWriter keeps only it)."""
+    return (shard.get("zip_data") or shard["raw_data"])["basename"]
+
+
+def missing_shard_files(folder: str | os.PathLike, index: dict) -> list[str]:
+    """The shard files `index` names that are not in `folder` (either the compressed or the raw file
+    counts: a cache keeps the decompressed one)."""
+    missing = []
+    for shard in index["shards"]:
+        names = [info["basename"] for info in (shard.get("zip_data"), shard.get("raw_data")) if info]
+        if not any(os.path.isfile(os.path.join(folder, name)) for name in names):
+            missing.append(names[0])
+    return missing

@@ -18,12 +18,13 @@ import argparse
 import json
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from composer.utils import dist
 
-from t2ibench.errors import fail
+from t2ibench.errors import fail, storage_error
 from t2ibench.locations import DEFAULT_CACHE_ROOT, cache_folder, data_schemes, is_remote, normalise, same_source_key
 
 _PROPORTION = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)=(.+)$")
@@ -113,8 +114,9 @@ def recorded_remote(local: str) -> str | None:
         return f"an unreadable {record}"
 
 
-def check_cache(source: Source, default_cache_root: str = DEFAULT_CACHE_ROOT) -> None:
-    """Refuse a cache folder filled from another remote: Streaming would serve its samples silently.
+def check_cache(source: Source, default_cache_root: str = DEFAULT_CACHE_ROOT, timeout: float = 60.0) -> None:
+    """Refuse a cache folder filled from another remote, or from an older version of this one:
+    Streaming would serve its samples silently (`timeout`: seconds to fetch the remote's index).
 
     Without a remote, a folder that is a remote's cache is refused too: Streaming would delete its
     decompressed shards (expecting the compressed ones beside them) and then fail for lack of a
@@ -141,6 +143,45 @@ def check_cache(source: Source, default_cache_root: str = DEFAULT_CACHE_ROOT) ->
             fail(f"--local {source.local} already holds an MDS dataset that was not streamed from --remote "
                  f"{source.remote} (no {CACHE_RECORD}); Streaming would train on it instead: pass an empty or "
                  "new --local")
+    check_cache_current(source, timeout)
+
+
+def remote_index(source: Source, timeout: float) -> dict | None:
+    """The index.json of `source.remote` as it is now (a local path read, an object store downloaded
+    with Streaming's own downloader); None if it is not readable there (other checks say so)."""
+    if not is_remote(source.remote):
+        path = Path(source.remote, "index.json")
+        try:
+            return json.loads(path.read_text()) if path.is_file() else None
+        except (OSError, ValueError):
+            return None
+    from streaming.base.storage import CloudDownloader
+
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            CloudDownloader.direct_download(f"{source.remote.rstrip('/')}/index.json", f"{folder}/index.json", timeout)
+            return json.loads(Path(folder, "index.json").read_text())
+        except ValueError:
+            return None
+        except Exception as error:  # noqa: BLE001  any store's client error: reported, not hidden
+            fail(f"--remote {source.remote}: cannot read index.json: {storage_error(error) or error}")
+
+
+def check_cache_current(source: Source, timeout: float = 60.0) -> None:
+    """Refuse a cache that holds an older version of its remote (re-converted in place since it was
+    cached): Streaming reads the cached index.json and would train on the old samples without a word."""
+    cached = Path(source.local, "index.json")
+    if not source.remote or not cached.is_file() or os.path.abspath(source.local) == cached_remote(source):
+        return
+    try:
+        held = json.loads(cached.read_text())
+    except (OSError, ValueError):
+        return  # an unreadable index is refused, naming it, where it is read
+    now = remote_index(source, timeout)
+    if isinstance(now, dict) and isinstance(held, dict) and now.get("shards") != held.get("shards"):
+        fail(f"--local {source.local} holds an older copy of --remote {source.remote} (its index.json differs from "
+             "the remote's: the dataset was written again since it was cached), and Streaming would train on the old "
+             f"samples: delete the cache folder {source.local} to stream the new version, or pass another --local")
 
 
 def record_cache(source: Source) -> None:

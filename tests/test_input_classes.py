@@ -44,9 +44,23 @@ TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--im
         "--max_duration", "2ba", "--num_workers", "0", "--warmup_batches", "1"]
 REAL = ["--model_config", "tiny", "--batch_size", "4", "--image_size", "32", "--max_duration", "2ba",
         "--num_workers", "0"]
+
+
+def _bench_module(name: str):
+    """bench/NAME.py imported by path, under a name of its own (bench/memory.py is not t2ibench.memory)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
 COMMANDS = {"benchmark.py": benchmark, "convert.py": convert, "latents.py": latents, "export.py": export,
             "cost.py": cost, "learns.py": learns, "index_scale.py": index_scale, "blocks.py": blocks,
-            "step_ops.py": step_ops}
+            "step_ops.py": step_ops,
+            "bench_gpu.py": _bench_module("bench_gpu"), "memory.py": _bench_module("memory")}
 
 
 def error_of(main, argv: list[str], prog: str = "benchmark.py") -> str:
@@ -102,6 +116,8 @@ NOT_NUMBERS = {
     "index_scale.py": {"--out", "--json", "--from_json", "--child", "--local"},
     "step_ops.py": {"--model_config"},
     "blocks.py": {"--compare_results_json"},
+    "bench_gpu.py": {"--out", "--only", "--model_name"},
+    "memory.py": {"--model_config"},
 }
 # Numbers written as strings (time strings, sizes, counts with units), checked by each command's
 # validation: (command, flag, bad values, flags the check needs).

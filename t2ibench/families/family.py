@@ -160,6 +160,10 @@ class ModelFamily(ABC):
         """Per-sample shape of each token-id tensor (`text_input_keys`), as latents.py stores them."""
 
     @abstractmethod
+    def vocabulary_sizes(self, config: str) -> dict[str, int]:
+        """Token ids each text input (`text_input_keys`) takes: every id is below its size."""
+
+    @abstractmethod
     def random_text_inputs(self, generator: torch.Generator, config: str) -> TextInputs:
         """Token ids of one random caption (synthetic data) of `config`, drawn from `generator`."""
 

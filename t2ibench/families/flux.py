@@ -314,6 +314,9 @@ class Flux(ModelFamily):
     def text_input_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
         return {"clip_ids": (CLIP_MAX_LENGTH,), "t5_ids": (CONFIGS[config]["max_sequence_length"],)}
 
+    def vocabulary_sizes(self, config: str) -> dict[str, int]:
+        return {"clip_ids": CLIP_VOCAB_SIZE, "t5_ids": CONFIGS[config]["text_encoder_2"]["vocab_size"]}
+
     def random_text_inputs(self, generator: torch.Generator, config: str) -> dict[str, torch.Tensor]:
         cfg = CONFIGS[config]
         return {"clip_ids": torch.randint(0, CLIP_VOCAB_SIZE, (CLIP_MAX_LENGTH,), generator=generator),

@@ -150,6 +150,9 @@ class SD2(ModelFamily):
     def text_input_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
         return {"captions": (MAX_LENGTH,)}
 
+    def vocabulary_sizes(self, config: str) -> dict[str, int]:
+        return {"captions": VOCAB_SIZE}
+
     def random_text_inputs(self, generator: torch.Generator, config: str) -> dict[str, torch.Tensor]:
         return {"captions": torch.randint(0, VOCAB_SIZE, (MAX_LENGTH,), generator=generator)}
 

@@ -253,6 +253,9 @@ class SDXL(ModelFamily):
     def text_input_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
         return {TOKENS_KEY: (MAX_LENGTH,)}
 
+    def vocabulary_sizes(self, config: str) -> dict[str, int]:
+        return {TOKENS_KEY: VOCAB_SIZE}
+
     def random_text_inputs(self, generator: torch.Generator, config: str) -> dict[str, torch.Tensor]:
         return {TOKENS_KEY: torch.randint(0, VOCAB_SIZE, (MAX_LENGTH,), generator=generator)}
 

@@ -1,0 +1,84 @@
+"""Checkpoints in a local --save_folder: written whole, and resumed from the newest complete one.
+
+Composer 0.32 writes a checkpoint straight to its final name (`composer.utils.checkpoint.
+_write_checkpoint_file`), so a full disk or a kill while saving leaves a half-written
+`ep0-ba6-rank0.pt` that the next run refuses, or, pointed at by `latest-rank0.pt`, resumes from with
+a traceback. `write_whole` makes Composer write each checkpoint under a temporary name in the same
+folder and rename it when complete. `resume_point` finds, for --autoresume, the newest checkpoint
+that is complete when the latest one is not.
+"""
+from __future__ import annotations
+
+import os
+import re
+import zipfile
+from pathlib import Path
+
+from t2ibench.files import no_room
+
+LATEST = "latest-rank0.pt"  # Composer's symlink to the newest checkpoint of rank 0
+SAVED = re.compile(r"ep(\d+)-ba(\d+)-rank0\.pt")  # Composer's default checkpoint names, rank 0
+
+
+def write_whole() -> None:
+    """Make Composer write every checkpoint under a temporary name and rename it when complete (once
+    per process). A checkpoint that cannot be written raises an OSError naming it (a full disk:
+    benchmark.py's one line), and leaves no part of itself."""
+    import composer.utils.checkpoint as checkpoint
+
+    original = checkpoint._write_checkpoint_file
+    if getattr(original, "writes_whole", False):
+        return
+
+    def write(state_dict: dict, filename: str) -> None:
+        folder, name = os.path.split(filename)
+        # The same ending as the name: Composer picks tar or compression from it.
+        partial = os.path.join(folder, f".partial-{os.getpid()}.{name}")
+        try:
+            original(state_dict, partial)
+            os.replace(partial, filename)
+        except BaseException as error:
+            if os.path.exists(partial):
+                os.unlink(partial)
+            full = no_room(error)
+            if full is not None:
+                raise OSError(full.errno, full.strerror, filename) from error
+            raise
+
+    write.writes_whole = True
+    checkpoint._write_checkpoint_file = write
+
+
+def is_complete(path: Path) -> bool:
+    """Whether a checkpoint file (a torch zip archive, Composer's `.pt`) is whole: a file cut short
+    loses the archive's directory, which sits at its end."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("data.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+
+
+def resume_point(save_folder: str | os.PathLike) -> tuple[Path, Path] | None:
+    """(the latest checkpoint, the newest complete one before it) when `latest-rank0.pt` points at an
+    incomplete `.pt` checkpoint (the second is None when there is none); None when there is nothing to
+    repair (no latest, a complete one, or a format this check does not read)."""
+    latest = Path(save_folder, LATEST)
+    if not latest.exists() or latest.suffix != ".pt" or is_complete(latest):
+        return None
+    target = latest.resolve()
+    saved = sorted((p for p in Path(save_folder).iterdir() if SAVED.fullmatch(p.name) and p.resolve() != target),
+                   key=lambda p: tuple(int(n) for n in SAVED.fullmatch(p.name).groups()), reverse=True)
+    return target, next((p for p in saved if is_complete(p)), None)
+
+
+def resume_from(latest: Path, previous: Path) -> Path:
+    """Point `latest-rank0.pt` at `previous` (a complete checkpoint) and keep the incomplete `latest`
+    as NAME.truncated (the user's bytes, never deleted); returns where the truncated file went."""
+    kept = latest.with_name(latest.name + ".truncated")
+    os.replace(latest, kept)
+    link = Path(previous.parent, LATEST)
+    temporary = link.with_name(f".{LATEST}.{os.getpid()}")
+    os.symlink(previous.name, temporary)  # relative, as Composer makes it
+    os.replace(temporary, link)
+    return kept

@@ -1,0 +1,523 @@
+"""The classes of bad input a fuzz found (nothing lost, nothing hung, nothing trained on the wrong
+data), one or a few tests per class, each through the real command: two writers into one output,
+a corrupt compressed shard read by loader workers, a stale cache of a re-converted remote,
+precomputed data that does not fit the run, a full disk, a truncated latest checkpoint, malformed
+files and flags, and messages that must point at the cause.
+
+Real parts throughout: shards written by MDSWriter, Composer runs through the commands' `main`
+(in this process) or their command line (a subprocess, always with a timeout, where a hang or the
+exit status matters), a full disk made by mounting a 64 KiB tmpfs (the tests run as root; they
+are skipped, saying why, where mounting is not allowed).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import benchmark  # noqa: E402
+import convert  # noqa: E402
+import cost  # noqa: E402
+import export  # noqa: E402
+import latents  # noqa: E402
+
+# A run that must end in one line within this many seconds, or it hangs (it hung until killed).
+COMMAND_TIMEOUT_SECONDS = 180
+TINY = ["--model_config", "tiny", "--batch_size", "4", "--image_size", "32", "--max_duration", "2ba",
+        "--warmup_batches", "1"]
+
+
+def jpeg(seed: int, size: int = 24) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG")
+    return buffer.getvalue()
+
+
+def write_images(out: Path, count: int, compression: str | None = "zstd", size_limit: int = 1 << 26) -> Path:
+    """Image-caption shards as convert.py writes them."""
+    from streaming import MDSWriter
+    with MDSWriter(out=str(out), columns={"jpg": "bytes", "caption": "str", "key": "str"}, compression=compression,
+                   hashes=["xxh64"], size_limit=size_limit) as writer:
+        for i in range(count):
+            writer.write({"jpg": jpeg(i), "caption": f"photo {i}", "key": str(i)})
+    return out
+
+
+def write_photos(folder: Path, count: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        (folder / f"p{i:03d}.jpg").write_bytes(jpeg(i))
+        (folder / f"p{i:03d}.txt").write_text(f"photo {i}")
+    return folder
+
+
+def corrupt(path: Path) -> None:
+    """Random bytes of the same size: the index's size check passes, decoding does not."""
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, path.stat().st_size, dtype=np.uint8).tobytes())
+
+
+def error_of(main, argv: list[str], prog: str) -> str:
+    """The one-line error a command's main stops with."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    message = str(exit_info.value.code)
+    assert message.startswith(f"{prog}: error: ") and "\n" not in message, message
+    return message
+
+
+def run_command(*argv: str, timeout: float = COMMAND_TIMEOUT_SECONDS) -> subprocess.CompletedProcess:
+    """A command line of this repository, killed (and the test failed) if it outlives `timeout`."""
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def one_line_error(result: subprocess.CompletedProcess, prog: str) -> str:
+    """The command failed with exactly one error line and no traceback; that line."""
+    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith(f"{prog}: error: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+def readable_samples(folder: Path) -> int:
+    """Samples StreamingDataset reads back from a local MDS dataset, every one of them."""
+    from streaming import StreamingDataset
+    dataset = StreamingDataset(local=str(folder), batch_size=1, shuffle=False)
+    return sum(1 for i in range(dataset.num_samples) if dataset[i] is not None)
+
+
+# -----------------------------------------------------------------------------------------------
+# 1. Two writers, one output: the second is refused; the first completes, every shard there.
+# -----------------------------------------------------------------------------------------------
+
+def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"the first command ended before {what}: {process.communicate()[1][-2000:]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"no {what} after {timeout} s")
+        time.sleep(0.002)
+
+
+def test_a_second_convert_into_the_same_out_is_refused_and_the_first_completes(tmp_path):
+    photos = write_photos(tmp_path / "photos", 300)
+    out = tmp_path / "out"
+    first = subprocess.Popen([sys.executable, "convert.py", str(photos), "--out", str(out), "--workers", "1",
+                              "--no_progress", "--size_limit", "2kb"], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    staging = out / convert.STAGING
+    try:
+        wait_for(lambda: staging.is_dir() and any(staging.glob("shard.*")), first, "shard in its staging folder")
+        first.send_signal(signal.SIGSTOP)  # the first conversion is half-way, for as long as the second takes
+        try:
+            message = error_of(convert.main, [str(photos), "--out", str(out), "--workers", "1", "--no_progress"],
+                               "convert.py")
+        finally:
+            first.send_signal(signal.SIGCONT)
+        stdout, stderr = first.communicate(timeout=COMMAND_TIMEOUT_SECONDS)
+    finally:
+        first.kill()
+    assert f"--out {out} is being written by another command" in message
+    assert first.returncode == 0, stderr[-2000:]
+    assert "wrote 300 samples" in stdout
+    index = json.loads((out / "index.json").read_text())
+    assert all((out / shard["zip_data"]["basename"]).is_file() for shard in index["shards"])
+    assert readable_samples(out) == 300
+
+
+def test_every_command_refuses_an_output_another_one_is_writing(tmp_path):
+    """export.py, latents.py and benchmark.py hold their outputs as convert.py does (files.hold_output)."""
+    from t2ibench.files import acquire
+
+    checkpoint = tmp_path / "run.pt"
+    checkpoint.write_bytes(b"not a checkpoint: never read, the output is refused first")
+    images = write_images(tmp_path / "images", 4)
+    out = tmp_path / "out"
+    commands = [
+        (export.main, "export.py", "--out", [str(checkpoint), "--out", str(out)]),
+        (latents.main, "latents.py", "--out", ["--local", str(images), "--out", str(out), "--model_config", "tiny",
+                                               "--image_size", "32", "--num_workers", "0", "--no_progress"]),
+        (benchmark.main, "benchmark.py", "--save_folder", [*SYNTH, "--save_folder", str(out)]),
+        (benchmark.main, "benchmark.py", "--ema_export_dir", [*SYNTH, "--use_ema", "--ema_export_dir", str(out)]),
+    ]
+    for main, prog, flag, argv in commands:
+        hold = acquire(flag, out)  # what the same command, still writing, holds
+        try:
+            message = error_of(main, argv, prog)
+        finally:
+            hold.release()
+        assert f"{flag} {out} is being written by another command" in message
+        assert not out.exists()  # the refused command left nothing (the hold removed the folder it made)
+
+
+SYNTH = [*TINY, "--use_synth_data", "--num_workers", "0"]
+
+
+# -----------------------------------------------------------------------------------------------
+# 2. A corrupt compressed shard read by loader workers: one line naming the shard, quickly.
+# -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def corrupt_shards(tmp_path_factory) -> Path:
+    """Image shards (zstd, several) whose second shard is random bytes of its own size."""
+    out = write_images(tmp_path_factory.mktemp("corrupt") / "mds", 16, size_limit=4096)
+    corrupt(out / "shard.00001.mds.zstd")
+    return out
+
+
+def test_corrupt_zstd_shard_with_two_loader_workers_ends_naming_it(corrupt_shards, tmp_path):
+    # Streamed through a cache, as from a remote: it hung after the first batch until killed.
+    result = run_command("benchmark.py", *TINY, "--max_duration", "4ba", "--num_workers", "2", "--remote",
+                         str(corrupt_shards), "--local", str(tmp_path / "cache"), "--allow_random_encoders")
+    line = one_line_error(result, "benchmark.py")
+    assert f"shard {corrupt_shards}/shard.00001.mds.zstd cannot be read" in line
+    assert "batch_size" not in line
+
+
+def test_corrupt_zstd_shard_without_workers_is_not_blamed_on_the_batch_size(corrupt_shards, capsys):
+    message = error_of(benchmark.cli, [*TINY, "--max_duration", "4ba", "--num_workers", "0", "--local",
+                                       str(corrupt_shards), "--allow_random_encoders"], "benchmark.py")
+    assert f"shard {corrupt_shards}/shard.00001.mds.zstd cannot be read" in message
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_corrupt_zstd_shard_in_latents_with_two_workers_ends_naming_it(corrupt_shards, tmp_path):
+    result = run_command("latents.py", "--local", str(corrupt_shards), "--out", str(tmp_path / "latents"),
+                         "--model_config", "tiny", "--image_size", "32", "--batch_size", "2", "--chunk_size", "4",
+                         "--num_workers", "2", "--no_progress")
+    line = one_line_error(result, "latents.py")
+    assert f"shard {corrupt_shards}/shard.00001.mds.zstd cannot be read" in line
+
+
+# -----------------------------------------------------------------------------------------------
+# 5. A full disk: one line; every file is the old one or the complete new one; results kept.
+# -----------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A folder on a 64 KiB tmpfs (mounted for the test: it needs root, as CI runs), filled by `fill`."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if made.returncode != 0:
+        pytest.skip(f"a full disk is a 64 KiB tmpfs, and mounting one needs root: {made.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(folder: Path) -> None:
+    """Fill the file system of `folder` up to its last byte."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for chunk in (4096, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * chunk)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
+def leftovers(folder: Path) -> list[str]:
+    """Temporary or partial files a writer left behind."""
+    return sorted(p.name for p in folder.rglob("*") if "partial" in p.name or p.name.endswith(".tmp"))
+
+
+def test_results_json_on_a_full_disk_keeps_the_old_file_and_says_so(full_disk, capsys):
+    results = full_disk / "results.json"
+    results.write_text('{"old": true}\n')
+    fill(full_disk)
+    message = error_of(benchmark.cli, [*SYNTH, "--results_json", str(results)], "benchmark.py")
+    assert f"--results_json {results} could not be written (No space left on device)" in message
+    assert results.read_text() == '{"old": true}\n' and leftovers(full_disk) == []
+    assert "throughput" in capsys.readouterr().out  # the figures were printed before
+
+
+def test_ema_export_on_a_full_disk_keeps_the_results_and_export_py_leaves_nothing(full_disk, tmp_path):
+    fill(full_disk)
+    results, run = tmp_path / "results.json", tmp_path / "run"
+    message = error_of(benchmark.cli, [*SYNTH, "--use_ema", "--ema_export_dir", str(full_disk / "ema"),
+                                       "--results_json", str(results), "--save_folder", str(run),
+                                       "--save_interval", "2ba"], "benchmark.py")
+    assert f"--ema_export_dir {full_disk / 'ema'} could not be written (No space left on device)" in message
+    assert json.loads(results.read_text())["images_per_sec"] > 0  # measured, and kept
+    assert not (full_disk / "ema").exists() or leftovers(full_disk) == list(os.listdir(full_disk / "ema")) == []
+    message = error_of(export.main, [str(run / "latest-rank0.pt"), "--out", str(full_disk / "pipe")], "export.py")
+    assert f"--out {full_disk / 'pipe'}: the pipeline could not be written (No space left on device)" in message
+    assert not (full_disk / "pipe").exists()
+
+
+def test_checkpoint_on_a_full_disk_is_one_line_and_leaves_no_part(full_disk):
+    message = error_of(benchmark.cli, [*SYNTH, "--save_folder", str(full_disk / "run"), "--save_interval", "1ba"],
+                       "benchmark.py")
+    assert "ep0-ba1-rank0.pt could not be written (No space left on device)" in message
+    assert not list((full_disk / "run").glob("*.pt")) and leftovers(full_disk) == []
+
+
+@pytest.mark.parametrize("flag, name", [("--csv", "t.csv"), ("--markdown", "t.md"), ("--plot", "t.png")])
+def test_cost_outputs_on_a_full_disk_keep_the_old_file(full_disk, flag, name):
+    old = full_disk / name
+    old.write_bytes(b"old table")
+    fill(full_disk)
+    message = error_of(cost.main, ["--gpus", "8", "--images_per_sec", "128.2", flag, str(old)], "cost.py")
+    assert f"{flag} {old} could not be written (No space left on device)" in message
+    assert old.read_bytes() == b"old table" and leftovers(full_disk) == []
+
+
+# -----------------------------------------------------------------------------------------------
+# 6. --autoresume with the latest checkpoint cut short: resumed from the newest complete one.
+# -----------------------------------------------------------------------------------------------
+
+def test_autoresume_from_a_truncated_latest_checkpoint_resumes_from_the_one_before(tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = [*SYNTH, "--save_folder", str(run), "--save_interval", "1ba", "--autoresume", "--run_name", "cut"]
+    benchmark.main(argv)
+    latest = run / "ep0-ba2-rank0.pt"
+    assert (run / "latest-rank0.pt").resolve() == latest.resolve()
+    whole = latest.read_bytes()
+    latest.write_bytes(whole[:len(whole) // 2])
+    capsys.readouterr()
+    results = benchmark.main([*argv, "--max_duration", "3ba"])
+    err = capsys.readouterr().err
+    assert ("the latest checkpoint ep0-ba2-rank0.pt is incomplete (cut short; kept as ep0-ba2-rank0.pt.truncated); "
+            "resuming from the newest complete one, ep0-ba1-rank0.pt") in err
+    assert (run / "ep0-ba2-rank0.pt.truncated").stat().st_size == len(whole) // 2  # the user's bytes, kept
+    assert results["measured_batches"] + results["warmup_batches"] == 2  # batches 2 and 3, from batch 1
+    assert (run / "latest-rank0.pt").resolve().name == "ep0-ba3-rank0.pt"
+
+
+# -----------------------------------------------------------------------------------------------
+# 3. A dataset re-converted in place at its --remote: the old cached copy is refused, not trained on.
+# -----------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """A moto S3 server on loopback, with the environment Streaming and boto3 read; yields a boto3 client."""
+    boto3 = pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for name, value in (("S3_ENDPOINT_URL", f"http://{host}:{port}"), ("AWS_ACCESS_KEY_ID", "testing"),
+                            ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_DEFAULT_REGION", "us-east-1")):
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("AWS_PROFILE", raising=False)
+        client = boto3.client("s3", endpoint_url=f"http://{host}:{port}")
+        client.create_bucket(Bucket="data")
+        yield client
+    finally:
+        server.stop()
+
+
+def test_a_remote_converted_again_is_not_trained_from_its_old_cache(tmp_path, s3):
+    first, second = write_photos(tmp_path / "first", 8), write_photos(tmp_path / "second", 12)
+    (second / "p000.jpg").write_bytes(jpeg(99))  # other pixels, as well as other samples
+    remote = "s3://data/laion/mds"  # a local --remote takes the same check (sources.check_cache_current)
+    convert.main([str(first), "--out", remote, "--workers", "1", "--no_progress"])
+    argv = [*TINY, "--num_workers", "0", "--remote", remote, "--local", str(tmp_path / "cache"),
+            "--allow_random_encoders"]
+    benchmark.main(argv)  # fills the cache
+    convert.main([str(second), "--out", remote, "--workers", "1", "--no_progress", "--overwrite"])
+    message = error_of(benchmark.main, argv, "benchmark.py")
+    assert f"--local {tmp_path / 'cache'} holds an older copy of --remote {remote}" in message
+    latents_argv = ["--remote", remote, "--local", str(tmp_path / "cache"), "--out", str(tmp_path / "latents"),
+                    "--model_config", "tiny", "--image_size", "32", "--num_workers", "0", "--no_progress"]
+    assert "holds an older copy" in error_of(latents.main, latents_argv, "latents.py")
+    assert not (tmp_path / "latents").exists()
+
+
+# -----------------------------------------------------------------------------------------------
+# 4. Precomputed data that does not fit the run: every shard of every source checked, in one line.
+# -----------------------------------------------------------------------------------------------
+
+PRECOMPUTED = ["--model_config", "tiny", "--batch_size", "4", "--max_duration", "2ba", "--num_workers", "0",
+               "--precomputed"]
+
+
+def write_latents(out: Path, count: int = 8, image_size: int = 32, channels: int = 4, shapeless: bool = False,
+                  token_max: int = 100, nan: bool = False) -> Path:
+    """Precomputed shards in latents.py's format (data.mds_columns), written by MDSWriter, made wrong as asked."""
+    import data
+    from streaming import MDSWriter
+    from t2ibench.families import MODEL_CONFIGS
+
+    family = MODEL_CONFIGS["tiny"]
+    columns = data.mds_columns(channels, image_size // 8, None, "fp16", True, family=family, config="tiny")
+    if shapeless:
+        columns["latent_mean"] = columns["latent_logvar"] = "ndarray:float16"
+    rng = np.random.default_rng(0)
+    with MDSWriter(out=str(out), columns=columns, compression="zstd") as writer:
+        for i in range(count):
+            mean = rng.standard_normal((channels, image_size // 8, image_size // 8)).astype(np.float16)
+            if nan:
+                mean[:] = np.nan
+            sample = {"index": i, "latent_mean": mean, "latent_logvar": np.full_like(mean, -10), "caption": f"c {i}"}
+            for key, shape in data.stored_shapes(family, "tiny", False).items():
+                sample[data.token_column(key, family)] = rng.integers(0, token_max, shape).astype(np.uint16)
+            writer.write(sample)
+    return out
+
+
+@pytest.mark.parametrize("case, size, expected", [
+    ("shapeless", 64, "shard shard.00000.mds.zstd stores latent_mean as 'ndarray:float16', without a fixed shape"),
+    ("32px at --image_size 64", 64, "holds latents of 32x32 images, not --image_size 64"),
+    ("3 channels", 32, "holds 3-channel latents; the VAE of --model_config tiny makes 4"),
+    ("merged parts of two sizes", 32, "shard b/shard.00000.mds.zstd holds latents of 64x64 images, not --image_size 32"),
+])
+def test_precomputed_shards_that_do_not_fit_are_refused_before_training(tmp_path, case, size, expected):
+    from streaming.base.util import merge_index
+
+    folder = tmp_path / "latents"
+    if case == "merged parts of two sizes":
+        write_latents(folder / "a", image_size=32), write_latents(folder / "b", image_size=64)
+        merge_index([str(folder / "a" / "index.json"), str(folder / "b" / "index.json")], str(folder))
+    else:
+        write_latents(folder, shapeless=case == "shapeless", channels=3 if case == "3 channels" else 4)
+    message = error_of(benchmark.main, [*PRECOMPUTED, "--image_size", str(size), "--local", str(folder)],
+                       "benchmark.py")
+    assert expected in message
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("token ids beyond the vocabulary", "token_ids holds token id 6"),
+    ("NaN latents", "latent_mean is not finite (NaN or infinity): the latents were computed wrongly"),
+])
+def test_precomputed_values_that_cannot_train_name_the_shard_not_the_learning_rate(tmp_path, case, expected):
+    folder = write_latents(tmp_path / "latents", token_max=65535 if "token" in case else 100, nan="NaN" in case)
+    argv = [*PRECOMPUTED, "--image_size", "32", "--local", str(folder)]
+    if "token" in case:  # without loader workers, in this process
+        line = error_of(benchmark.cli, argv, "benchmark.py")
+    else:  # found in a loader worker: the same line
+        line = one_line_error(run_command("benchmark.py", *argv, "--num_workers", "2"), "benchmark.py")
+    assert f"shard {folder}/shard.00000.mds.zstd, sample " in line and expected in line
+    assert "--lr" not in line and "BadDataError" not in line
+
+
+# -----------------------------------------------------------------------------------------------
+# 7. Malformed files and flags that reached Python's errors.
+# -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda index: index["shards"][0].update(samples="lots"), "shard 0 has 'samples': 'lots', not a count"),
+    (lambda index: index.update(shards=["shard.00000.mds"]), "shard 0 is str ('shard.00000.mds'), not an object"),
+    (lambda index: index["shards"][0]["raw_data"].pop("basename"), "its raw_data has no file name"),
+    (lambda index: index["shards"][1].update(samples=0), "shard shard.00001.mds holds no samples (index.json lists 0)"),
+])
+def test_index_fields_of_the_wrong_type_are_one_line(tmp_path, damage, expected):
+    folder = write_images(tmp_path / "mds", 16, compression=None, size_limit=4096)
+    index = json.loads((folder / "index.json").read_text())
+    damage(index)
+    (folder / "index.json").write_text(json.dumps(index))
+    message = error_of(benchmark.main, [*TINY, "--num_workers", "0", "--local", str(folder)], "benchmark.py")
+    assert expected in message and str(folder) in message
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b'--batch_size "8\n', "flag file @{path}, line 1: No closing quotation"),
+    (b"--batch_size 8  # caf\xe9\n", "flag file @{path} is not UTF-8 text"),
+])
+def test_flag_files_with_an_open_quote_or_not_utf8_are_one_line(tmp_path, content, expected):
+    path = tmp_path / "flags.args"
+    path.write_bytes(content)
+    for main, prog in ((benchmark.main, "benchmark.py"), (convert.main, "convert.py"), (cost.main, "cost.py")):
+        assert expected.format(path=path) in error_of(main, [f"@{path}"], prog)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint of a tiny run (the encoders in it: trained online)."""
+    run = tmp_path_factory.mktemp("run")
+    benchmark.main([*SYNTH, "--save_folder", str(run), "--save_interval", "2ba"])
+    return run / "latest-rank0.pt"
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("shape", "its vae weights do not fit the vae of this model"),
+    ("nan", "unet.conv_in.weight holds NaN or infinite values"),
+])
+def test_export_of_damaged_or_nan_weights_is_refused_and_writes_nothing(checkpoint, tmp_path, damage, expected):
+    import torch
+
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    model = state["state"]["model"]
+    if damage == "shape":
+        key = next(k for k in model if k.startswith("vae.") and k.endswith("conv_in.weight"))
+        model[key] = model[key][:, :1]
+    else:
+        model["unet.conv_in.weight"] = torch.full_like(model["unet.conv_in.weight"], float("nan"))
+    damaged = tmp_path / "damaged.pt"
+    torch.save(state, damaged)
+    out = tmp_path / "pipeline"
+    assert expected in error_of(export.main, [str(damaged), "--out", str(out)], "export.py")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("world_size", 10**400, "'world_size' must be a positive integer (GPUs, at most 1,000,000), got a number of 401 digits"),
+    ("model_config", ["sd2-base"], "'model_config' must be a model configuration name"),
+])
+def test_cost_results_with_absurd_fields_are_one_line(tmp_path, field, value, expected):
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps({"images_per_sec": 100.0, "world_size": 8, field: value}))
+    assert expected in error_of(cost.main, [str(results)], "cost.py")
+
+
+def test_bench_gpu_out_naming_a_file_is_refused(tmp_path):
+    import bench_gpu
+
+    existing = tmp_path / "results.txt"
+    existing.write_text("mine")
+    message = error_of(bench_gpu.main, ["--dry_run", "--gpus", "8", "--gpu_memory_gib", "79.1", "--out", str(existing)],
+                       "bench_gpu.py")
+    assert "is a file, not a folder" in message and existing.read_text() == "mine"
+
+
+# -----------------------------------------------------------------------------------------------
+# 8. Messages that point at the cause (the shard, the file), not elsewhere.
+# -----------------------------------------------------------------------------------------------
+
+def test_a_damaged_parquet_page_names_the_file(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "photos.parquet"
+    pq.write_table(pa.table({"jpg": [jpeg(i) for i in range(600)], "txt": [f"c {i}" for i in range(600)]}), path,
+                   row_group_size=300)
+    content = bytearray(path.read_bytes())
+    start = pq.ParquetFile(path).metadata.row_group(1).column(0).data_page_offset
+    content[start + 100:start + 3000] = b"\xab" * 2900  # the second row group's first page; the footer is intact
+    path.write_bytes(bytes(content))
+    message = error_of(convert.main, [str(path), "--out", str(tmp_path / "out"), "--workers", "1", "--no_progress"],
+                       "convert.py")
+    assert f"{path} cannot be read after row" in message and "the file is damaged" in message
+    assert not (tmp_path / "out").exists()
