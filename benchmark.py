@@ -410,7 +410,7 @@ def build_trainer(args: argparse.Namespace, run: Runtime, built: Model, training
                                    trained_flops),
                         LossByTimestep(args.log_interval) if args.loss_bins else None, None)
     if args.profile_batches:
-        measured.profile = ProfileBatches(args.warmup_batches, args.profile_batches, args.profile_dir)
+        measured.profile = ProfileBatches(args.warmup_batches, args.profile_batches, args.profile_dir, pauses)
     algorithms = []
     if args.use_ema:
         from ema import EMA

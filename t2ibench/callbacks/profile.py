@@ -30,6 +30,8 @@ from composer.loggers import Logger
 from composer.utils import dist
 from torch.profiler import ProfilerActivity, profile
 
+from t2ibench.callbacks.throughput import Pauses
+
 TOP_OPS = 15
 
 
@@ -39,8 +41,11 @@ class ProfileBatches(Callback):
     Counted in this process, as the throughput window's warm-up is: a resumed run warms up again.
     """
 
-    def __init__(self, first_batch: int, num_batches: int, folder: str):
+    def __init__(self, first_batch: int, num_batches: int, folder: str, pauses: Pauses | None = None):
         self.first_batch, self.num_batches, self.folder = first_batch, num_batches, folder
+        # Stopping the profiler and writing its trace take seconds at the end of the last profiled
+        # batch, where the throughput window may already have started: recorded as a pause.
+        self.pauses = pauses if pauses is not None else Pauses()
         self.summary: dict = {}
         self._profiler: profile | None = None
         self._start = 0.0
@@ -64,17 +69,18 @@ class ProfileBatches(Callback):
         self._batches_done += 1
         if self._profiler is None or self.summary or self._batches_done < self.first_batch + self.num_batches:
             return
-        self._sync()
-        wall = time.perf_counter() - self._start
-        self._profiler.__exit__(None, None, None)
-        self.summary = self._summarize(self._profiler, wall)
+        self._finish()
 
     def fit_end(self, state: State, logger: Logger) -> None:
         if self._profiler is not None and not self.summary:  # the run ended inside the profiled batches
-            self._sync()
-            wall = time.perf_counter() - self._start
-            self._profiler.__exit__(None, None, None)
-            self.summary = self._summarize(self._profiler, wall)
+            self._finish()
+
+    def _finish(self) -> None:
+        self._sync()
+        stop = time.perf_counter()
+        self._profiler.__exit__(None, None, None)
+        self.summary = self._summarize(self._profiler, stop - self._start)
+        self.pauses.record(stop, time.perf_counter() - stop)
 
     def _summarize(self, prof: profile, wall_seconds: float) -> dict:
         os.makedirs(self.folder, exist_ok=True)
