@@ -100,7 +100,8 @@ def print_row(args: argparse.Namespace, row: dict) -> None:
     setup = (f"weight casts per {row['weight_casts']}, "
              f"{'activation checkpointing' if row['activation_checkpointing'] else 'no checkpointing'}")
     if not row["fits"]:
-        print(f"{setup}: no microbatch fits {args.gpu_memory_gib:g} GiB")
+        print(f"{setup}: no microbatch fits {args.gpu_memory_gib:g} GiB on one GPU (bench/memory.py says why); "
+              "pass --microbatch N to count the step anyway")
         return
     print(f"{setup}: microbatch {row['microbatch']}, {row['microbatches_per_step']} per step of {args.batch_size}")
     for kind in kernels.KINDS:
