@@ -63,6 +63,7 @@ from t2ibench.errors import fail  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
 from t2ibench.norms import NORM_PRECISIONS, set_norm_precision  # noqa: E402
 from t2ibench.parallel import FSDP_MODES, resolve_mode  # noqa: E402
+from t2ibench.runtime import resolve_precision  # noqa: E402
 from t2ibench.scale import MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU  # noqa: E402
 
 NVLINK4_GB_PER_SEC = 450.0  # H100 SXM NVLink 4: 900 GB/s both directions, 450 each way
@@ -121,7 +122,7 @@ def validate(args: argparse.Namespace) -> None:
         fail(f"--image_size {args.image_size} must be a multiple of {multiple} for {args.model_config}")
     on_gpu = torch.cuda.is_available()
     args.device = "cuda" if on_gpu else "cpu"
-    args.precision = args.precision if args.precision != "auto" else ("amp_bf16" if on_gpu else "fp32")
+    args.precision = resolve_precision(args.precision, on_gpu)
     fp8.check(args.fp8, args.precision)
     if args.precomputed_format and not args.precomputed:
         fail("--precomputed_format needs --precomputed")

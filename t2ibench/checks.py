@@ -37,6 +37,7 @@ from t2ibench.mds import index_problem, shard_file
 from t2ibench.locations import (CHECKPOINT_SCHEMES, LOAD_SCHEMES, check_output, check_outputs_apart, is_remote, normalise,
                                 same_source_key)
 from t2ibench.sources import Source, check_cache, parse_sources
+from t2ibench.runtime import resolve_precision
 from t2ibench.weight_casts import weight_casts_problem
 
 PRECISIONS = ("auto", "fp32", "amp_bf16", "amp_fp16")
@@ -152,8 +153,8 @@ def check_parallelism(args: argparse.Namespace, family: ModelFamily, world_size:
     if args.fsdp != "none" and world_size == 1:
         fail(f"--fsdp {args.fsdp} shards the denoiser over the ranks and this run has one: drop the flag, or launch "
              "several ranks (composer -n N benchmark.py ...)")
-    precision = args.precision if args.precision != "auto" else ("amp_bf16" if torch.cuda.is_available() else "fp32")
-    problem = weight_casts_problem(args.weight_casts, precision=precision, world_size=world_size)
+    problem = weight_casts_problem(args.weight_casts, precision=resolve_precision(args.precision, torch.cuda.is_available()),
+                                   world_size=world_size)
     if problem:
         fail(problem)
     if args.fsdp != "none" and args.channels_last:

@@ -21,6 +21,11 @@ from t2ibench.parallel import resolve_mode
 from t2ibench.weight_casts import resolve_weight_casts
 
 
+def resolve_precision(precision: str, on_gpu: bool) -> str:
+    """--precision with "auto" made concrete: amp_bf16 on a GPU, fp32 on a CPU."""
+    return precision if precision != "auto" else ("amp_bf16" if on_gpu else "fp32")
+
+
 @dataclass(frozen=True)
 class Runtime:
     world_size: int
@@ -47,7 +52,7 @@ class Runtime:
             torch.cuda.set_device(dist.get_local_rank())
             # Fixed shapes every step: let cuDNN time its convolution algorithms once and keep the fastest.
             torch.backends.cudnn.benchmark = True
-        precision = args.precision if args.precision != "auto" else ("amp_bf16" if on_gpu else "fp32")
+        precision = resolve_precision(args.precision, on_gpu)
         per_device = args.batch_size // world_size
         microbatch = args.device_train_microbatch_size
         if microbatch == "auto" and not on_gpu:
