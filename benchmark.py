@@ -42,7 +42,7 @@ from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
 from t2ibench.callbacks.validation import EVAL_LABEL, ValidationLog
 from t2ibench.checkpoints import write_whole
-from t2ibench.checks import PRECISIONS
+from t2ibench.precision import PRECISION_CHOICES
 from t2ibench.cli import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Range
 from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
 from t2ibench.files import STAGING_FOLDER, no_room, hold_output, staged_folder, write_error, write_text
@@ -53,7 +53,7 @@ from t2ibench.sampling import MAX_GUIDANCE_SCALE, load_prompts, write_pipeline
 from t2ibench.objectives import TIMESTEP_SAMPLINGS
 from t2ibench.sources import parse_sources, record_cache
 from t2ibench.streaming import StreamingSettings
-from t2ibench.weight_casts import WEIGHT_CASTS, CastWeightsOncePerStep
+from t2ibench.weight_casts import WEIGHT_CAST_CHOICES, CastWeightsOncePerStep
 from t2ibench.summary import print_summary
 
 # SD2's and SDXL's DDPM schedules have 1000 training timesteps (Flux's are continuous): more loss bins
@@ -79,7 +79,7 @@ def build_parser() -> flags.Parser:
     flags.add_run(p, "seeds model init, noise, timesteps, data order")
     g = p.add_argument_group("run length, precision, results")
     g.add_argument("--max_duration", type=str, default="1ep", help="Composer time string: 20ba, 1ep, 100000sp")
-    g.add_argument("--precision", type=str, default="auto", help=f"one of {PRECISIONS}; auto: amp_bf16 on GPU, fp32 on CPU")
+    g.add_argument("--precision", type=str, default="auto", help=f"one of {PRECISION_CHOICES}; auto: amp_bf16 on GPU, fp32 on CPU")
     g.add_argument("--results_json", type=str, default=None, help="write the throughput summary to this JSON file")
     g.add_argument("--num_synthetic_samples", type=POSITIVE_INT, default=100_000, help="size of the synthetic dataset")
     g.add_argument("--lr", type=POSITIVE_FLOAT, default=1e-4, help="AdamW learning rate (constant unless --lr_schedule / --lr_warmup_batches)")
@@ -114,7 +114,7 @@ def build_parser() -> flags.Parser:
     g.add_argument("--norm_precision", type=str, default="autocast", choices=NORM_PRECISIONS,
                    help="under AMP, GroupNorm and LayerNorm run in the autocast dtype (autocast), or in fp32 as "
                         "CUDA autocast's own lists have them (fp32)")
-    g.add_argument("--fsdp", type=str, default="auto", choices=parallel.FSDP_MODES,
+    g.add_argument("--fsdp", type=str, default="auto", choices=parallel.FSDP_CHOICES,
                    help="shard the denoiser's weights, gradients and AdamW state over the ranks (Composer's FSDP2): "
                         "full_shard (weights gathered block by block in forward and again in backward), "
                         "shard_grad_op (gathered once per microbatch, kept until its backward ends); none: DDP; "
@@ -122,7 +122,7 @@ def build_parser() -> flags.Parser:
     g.add_argument("--fused_adamw", type=str, default="auto", choices=("auto", "on", "off"),
                    help="fused AdamW kernel; auto: on with CUDA")
     g.add_argument("--xformers", action="store_true", help="use xFormers attention in the UNet (default: PyTorch SDPA)")
-    g.add_argument("--weight_casts", type=str, default="auto", choices=WEIGHT_CASTS,
+    g.add_argument("--weight_casts", type=str, default="auto", choices=WEIGHT_CAST_CHOICES,
                    help="cast the denoiser's weights to bf16 once per optimizer step (step: bf16 copies, fp32 "
                         "weights for the optimizer) or in every microbatch's forward and backward as autocast does "
                         "(microbatch); auto: step on one CUDA device under amp_bf16, else microbatch")

@@ -62,13 +62,14 @@ from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED, P
 from t2ibench.errors import fail  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
 from t2ibench.norms import NORM_PRECISIONS, set_norm_precision  # noqa: E402
-from t2ibench.parallel import FSDP_MODES, resolve_mode  # noqa: E402
-from t2ibench.runtime import resolve_precision  # noqa: E402
+from t2ibench.parallel import FSDP_CHOICES, resolve_mode  # noqa: E402
+from t2ibench.precision import PRECISION_CHOICES, resolve_precision  # noqa: E402
 from t2ibench.scale import MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU  # noqa: E402
 
 NVLINK4_GB_PER_SEC = 450.0  # H100 SXM NVLink 4: 900 GB/s both directions, 450 each way
 OPTIMIZER_PROBE_PARAMS = 2**22  # at least this many parameters per optimizer and EMA timing (4M)
-PRECISIONS = ("auto", "fp32", "amp_bf16")
+# fp16 is left out: fp8 refuses it and MLPerf's reference runs bf16.
+PRECISIONS = tuple(p for p in PRECISION_CHOICES if p != "amp_fp16")
 # The settings a benchmark.py results JSON must share with the prediction it is compared with.
 COMPARED = {"model_config": "model_config", "image_size": "image_size", "global_batch_size": "global_batch",
             "device_train_microbatch_size": "microbatch", "precision": "precision", "fp8": "fp8",
@@ -97,7 +98,7 @@ def build_parser() -> Parser:
     g.add_argument("--activation_checkpointing", action="store_true", help="each block recomputed in backward")
     flags.add_fp8(g)
     g.add_argument("--use_ema", action="store_true", help="add the EMA update per step (MLPerf's Flux.1 runs none)")
-    g.add_argument("--fsdp", type=str, default="auto", choices=FSDP_MODES,
+    g.add_argument("--fsdp", type=str, default="auto", choices=FSDP_CHOICES,
                    help="sharding on several GPUs, as benchmark.py's (auto: full_shard for Flux.1, else DDP)")
     g.add_argument("--num_workers", type=NON_NEGATIVE_INT, default=8, help="loader processes of the harness, as benchmark.py's")
     g = p.add_argument_group("the node and the measurement")

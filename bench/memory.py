@@ -42,8 +42,8 @@ from t2ibench.fp8 import FP8_MODES  # noqa: E402
 from t2ibench.images import GEOMETRY_KEYS  # noqa: E402
 from t2ibench.model import DiffusionModel  # noqa: E402
 from t2ibench.norms import set_norm_precision  # noqa: E402
-from t2ibench.parallel import resolve_mode  # noqa: E402
-from t2ibench.weight_casts import (WEIGHT_CASTS, CastWeightsOncePerStep, resolve_weight_casts,  # noqa: E402
+from t2ibench.parallel import FSDP_CHOICES, resolve_mode  # noqa: E402
+from t2ibench.weight_casts import (WEIGHT_CAST_CHOICES, CastWeightsOncePerStep, resolve_weight_casts,  # noqa: E402
                                   weight_casts_problem)
 
 # The table's columns: (heading, precomputed, text format); None: the family's own precomputed format.
@@ -246,14 +246,14 @@ def build_parser() -> Parser:
     p.add_argument("--precision", default="amp_bf16", choices=memory.PRECISIONS)
     p.add_argument("--norm_precision", default="autocast", choices=memory.NORM_PRECISIONS,
                    help="GroupNorm/LayerNorm in the autocast dtype (benchmark.py's default) or in fp32")
-    p.add_argument("--fsdp", default="auto", choices=("auto", *memory.FSDP_MODES),
+    p.add_argument("--fsdp", default="auto", choices=FSDP_CHOICES,
                    help="none (DDP), shard_grad_op or full_shard over --num_gpus ranks; auto: the family's "
                         "default (full_shard for Flux.1 on several GPUs, else none), as benchmark.py's")
     p.add_argument("--num_gpus", type=GPU_COUNT, default=8, help="ranks the model is replicated or sharded over")
     p.add_argument("--no_ema", action="store_true", help="without benchmark.py's --use_ema")
     p.add_argument("--activation_checkpointing", action="store_true",
                    help="the denoiser's blocks recomputed in backward (benchmark.py's --activation_checkpointing)")
-    p.add_argument("--weight_casts", default="auto", choices=WEIGHT_CASTS,
+    p.add_argument("--weight_casts", default="auto", choices=WEIGHT_CAST_CHOICES,
                    help="weights cast per microbatch (autocast's) or bf16 copies once per step; auto: benchmark.py's "
                         "default (step on one GPU under amp_bf16 without FSDP)")
     p.add_argument("--fp8", default="off", choices=FP8_MODES,

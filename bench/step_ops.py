@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from t2ibench import errors, kernels, memory  # noqa: E402
 from t2ibench.cli import POSITIVE_INT, Parser, Range  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
-from t2ibench.weight_casts import WEIGHT_CASTS, resolve_weight_casts, weight_casts_problem  # noqa: E402
+from t2ibench.weight_casts import WEIGHT_CAST_CHOICES, resolve_weight_casts, weight_casts_problem  # noqa: E402
 
 MAX_BATCH = 1 << 20
 
@@ -37,7 +37,7 @@ def build_parser() -> Parser:
                    help="with --precomputed: token ids (text encoders in the step) or text states (none)")
     p.add_argument("--activation_checkpointing", action="store_true",
                    help="the denoiser's blocks recomputed in backward (benchmark.py's flag)")
-    p.add_argument("--weight_casts", default="auto", choices=WEIGHT_CASTS,
+    p.add_argument("--weight_casts", default="auto", choices=WEIGHT_CAST_CHOICES,
                    help="weights cast per microbatch (autocast) or once per step (bf16 copies); auto: "
                         "benchmark.py's default on one GPU (step under amp_bf16)")
     p.add_argument("--precision", default="amp_bf16", choices=memory.PRECISIONS)

@@ -37,10 +37,9 @@ from t2ibench.mds import index_problem, shard_file
 from t2ibench.locations import (CHECKPOINT_SCHEMES, LOAD_SCHEMES, check_output, check_outputs_apart, is_remote, normalise,
                                 same_source_key)
 from t2ibench.sources import Source, check_cache, parse_sources
-from t2ibench.runtime import resolve_precision
+from t2ibench.precision import PRECISION_CHOICES, resolve_precision
 from t2ibench.weight_casts import weight_casts_problem
 
-PRECISIONS = ("auto", "fp32", "amp_bf16", "amp_fp16")
 # Time units the run counts: tokens are never counted here, and Composer refuses `dur` and
 # wall-clock `sec` for max_duration and anything but ep/ba for the console log.
 TIME_UNITS = {"max_duration": ("ba", "ep", "sp"), "save_interval": ("ba", "ep", "sp", "dur"),
@@ -81,8 +80,8 @@ def check_locations(args: argparse.Namespace) -> None:
 
 def check_run(args: argparse.Namespace, world_size: int) -> None:
     """Precision, batch and microbatch against the world size, and flags that need other flags."""
-    if args.precision not in PRECISIONS:
-        fail(f"--precision '{args.precision}' is unknown; choose one of {PRECISIONS}")
+    if args.precision not in PRECISION_CHOICES:
+        fail(f"--precision '{args.precision}' is unknown; choose one of {PRECISION_CHOICES}")
     if args.precision == "amp_fp16" and not torch.cuda.is_available():
         # amp_bf16 runs on CPU under torch's CPU autocast (the model's); fp16 autocast has no CPU path here.
         fail(f"--precision {args.precision} needs a CUDA GPU (none here); on CPU use fp32, auto or amp_bf16 (CPU autocast)")

@@ -74,6 +74,9 @@ from t2ibench.families import ModelFamily, family_of
 from t2ibench.images import GEOMETRY_KEYS
 from t2ibench.model import DiffusionModel
 from t2ibench.norms import NORM_PRECISIONS
+from t2ibench.parallel import FSDP_MODES
+from t2ibench.precision import PRECISIONS
+from t2ibench.weight_casts import WEIGHT_CASTS
 
 GIB = 2**30
 # Device memory the PyTorch allocator never sees: the CUDA context with its kernels (about 0.5-0.6
@@ -85,10 +88,7 @@ CUDA_CONTEXT_BYTES = int(1.5 * GIB)
 ALLOCATOR_RESERVE_FRACTION = 0.10
 # torch.cuda.get_device_properties(0).total_memory of common GPUs, GiB: what `auto` compares with.
 GPU_MEMORY_GIB = {"A100 40GB": 39.4, "A100 80GB": 79.1, "H100 80GB": 79.1, "H200 141GB": 139.8}
-FSDP_MODES = ("none", "shard_grad_op", "full_shard")  # t2ibench.parallel's, with "auto" resolved
-PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 TEXT_FORMATS = ("tokens", "text_states")  # what precomputed batches carry: token ids or encoder outputs
-WEIGHT_CASTS = ("microbatch", "step")  # t2ibench.weight_casts' modes, "auto" resolved
 MAX_MICROBATCH = 1024
 COUNTED_MICROBATCHES = (2, 4)  # the step is counted at these sizes; bytes are linear in the size from 2 on
 __all__ = [

@@ -1,6 +1,6 @@
 """Data parallelism of a run: DDP, or FSDP2 on the denoiser through Composer (`--fsdp`).
 
-`FSDP_MODES` are the flag's values; `resolve_mode` turns `auto` into the family's default (FSDP
+`FSDP_CHOICES` are the flag's values; `resolve_mode` turns `auto` into the family's default (FSDP
 full_shard for a model whose training state does not fit one GPU, such as Flux.1; DDP otherwise);
 `fsdp_parallelism` is the config handed to Composer's Trainer; `average_gradients_over_gloo` fixes
 gloo's reduce-scatter on CPU where it sums (torch 2.7), so that the CPU tests compute the gradients
@@ -13,7 +13,8 @@ import warnings
 import torch
 from composer.utils import FSDP2Config, ParallelismConfig, dist
 
-FSDP_MODES = ("auto", "none", "shard_grad_op", "full_shard")
+FSDP_MODES = ("none", "shard_grad_op", "full_shard")  # what a run applies: DDP, ZeRO-2, ZeRO-3
+FSDP_CHOICES = ("auto", *FSDP_MODES)  # --fsdp; auto: the family's default (resolve_mode)
 
 
 def resolve_mode(mode: str, parallelism: str, world_size: int) -> str:

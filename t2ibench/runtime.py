@@ -18,12 +18,8 @@ from composer.utils import dist, reproducibility
 from t2ibench import memory
 from t2ibench.families import ModelFamily
 from t2ibench.parallel import resolve_mode
+from t2ibench.precision import resolve_precision
 from t2ibench.weight_casts import resolve_weight_casts
-
-
-def resolve_precision(precision: str, on_gpu: bool) -> str:
-    """--precision with "auto" made concrete: amp_bf16 on a GPU, fp32 on a CPU."""
-    return precision if precision != "auto" else ("amp_bf16" if on_gpu else "fp32")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,8 @@ import torch
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 
-WEIGHT_CASTS = ("auto", "microbatch", "step")  # --weight_casts; auto: step on one CUDA device under amp_bf16
+WEIGHT_CASTS = ("microbatch", "step")  # what a run applies
+WEIGHT_CAST_CHOICES = ("auto", *WEIGHT_CASTS)  # --weight_casts; auto: step on one CUDA device under amp_bf16
 
 
 def resolve_weight_casts(mode: str, *, on_gpu: bool, precision: str, world_size: int) -> str:
