@@ -82,3 +82,42 @@ def resume_from(latest: Path, previous: Path) -> Path:
     os.symlink(previous.name, temporary)  # relative, as Composer makes it
     os.replace(temporary, link)
     return kept
+
+
+def layout(path: str | os.PathLike) -> dict:
+    """What a checkpoint must hold for this code to load it: every model tensor's name and shape,
+    the parameters the optimizer keeps state for, the algorithms' and callbacks' state keys (the
+    EMA's averaged tensors by name). Two releases whose layouts are equal read each other's
+    checkpoints; `scripts/checkpoint_layout.py` writes one, tests/test_checkpoint_layout.py compares."""
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=False)["state"]
+
+    def shapes(tensors: dict) -> dict[str, list[int]]:
+        return {name: list(tensor.shape) for name, tensor in sorted(tensors.items())}
+
+    algorithms = {}
+    for name, algorithm_state in state["algorithms"]:
+        algorithms[name] = {key: shapes(value) if key == "shadow" else type(value).__name__
+                            for key, value in sorted(algorithm_state.items())}
+    return {"model": shapes(state["model"]),
+            "optimizers": {name: sorted(optimizer["state"]) for name, optimizer in sorted(state["optimizers"].items())},
+            "algorithms": algorithms,
+            "callbacks": {name: sorted(value) if isinstance(value, dict) else type(value).__name__
+                          for name, value in sorted(state["callbacks"].items())}}
+
+
+def layout_digests(full: dict) -> dict[str, str]:
+    """A layout in a few lines: {part: "N entries sha256:..."} per model part (unet, vae, ...),
+    optimizer, algorithm and the callbacks; equal digests mean equal names and shapes."""
+    import hashlib
+    import json
+
+    parts: dict[str, dict] = {}
+    for name, shape in full["model"].items():
+        parts.setdefault(f"model/{name.split('.')[0]}", {})[name] = shape
+    parts.update({f"optimizer/{name}": keys for name, keys in full["optimizers"].items()})
+    parts.update({f"algorithm/{name}": keys for name, keys in full["algorithms"].items()})
+    parts["callbacks"] = full["callbacks"]
+    return {part: f"{len(value)} entries sha256:" + hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+            for part, value in sorted(parts.items())}
