@@ -1,11 +1,5 @@
-"""Checkpoints in a local --save_folder: written whole, and resumed from the newest complete one.
-
-Composer 0.32 writes a checkpoint straight to its final name (`composer.utils.checkpoint.
-_write_checkpoint_file`), so a full disk or a kill while saving leaves a half-written
-`ep0-ba6-rank0.pt` that the next run refuses, or, pointed at by `latest-rank0.pt`, resumes from with
-a traceback. `write_whole` makes Composer write each checkpoint under a temporary name in the same
-folder and rename it when complete. `resume_point` finds, for --autoresume, the newest checkpoint
-that is complete when the latest one is not.
+"""Checkpoints in a local --save_folder written whole (Composer 0.32 writes straight to the final name)
+and resumed from the newest complete one; the layout a checkpoint must have to load.
 """
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""One way to fail: a user error is one line that names the flag or file and says what to do.
-
-Library code raises `UserError` (through `fail`) without knowing which command it serves; each
-command runs inside `command("benchmark.py", debug=...)`, which prints it as
-`benchmark.py: error: <message>` and exits non-zero, without a traceback (`--debug` shows it).
-`UserError` is a `SystemExit`, so a library function called from a script of one's own still
-stops with the message and no traceback. Exceptions that are not user errors are bugs: they keep
-their traceback, except the few, recognised by `user_error`, that the input causes while the run
-is under way (an object store refusing the credentials, bad data found by a loader worker).
+"""One way to fail: a user error is one line naming the flag or file and what to do, no traceback
+(`fail`, `command`); see docs/errors.md.
 """
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""Writing what a command produces so that a reader never sees a part of it, and no two commands
-write one output at once.
-
-- `atomic_file` (and `write_text`): a file is written beside its target under a temporary name,
-  flushed to disk and renamed over it, so a full disk, a kill or an error leaves the old file or
-  the complete new one, never a 0-byte or half-written file (which the next run would refuse).
-- `staged_folder`: a folder's new content is written into a staging folder inside it and moved
-  into place when complete, its index file last (`model_index.json`, `index.json`).
-- `hold_output`: an exclusive hold on a local output folder for as long as a command writes it
-  (`flock` on the folder itself, so nothing is left behind and a killed command releases it).
-  A second command given the same output is refused in one line instead of deleting the first
-  one's work. Object-store outputs cannot be held this way; they are written as before.
-- `write_error`: the one line for an OSError while writing (a full disk among them).
+"""Writing a command's outputs so that no reader sees a part of one and no two commands write one:
+atomic files, staged folders, exclusive holds on output folders, the one line for a failed write.
+What each guards against: docs/errors.md.
 """
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
-"""Float8 training of the denoiser's Linear layers (`--fp8 tensorwise|rowwise`), through torchao.
-
-    python benchmark.py --model_config flux1-tiny --precomputed --use_synth_data --batch_size 8 --fp8 tensorwise ...
-
-torchao's float8 training (`torchao.float8`, pinned in requirements.txt) swaps an `nn.Linear` for a
-`Float8Linear` that casts its input, its weight and, in backward, the output's gradient to float8
-with dynamic scales (one per tensor for `tensorwise`, one per row for `rowwise`, powers of two) and
-multiplies them with `torch._scaled_mm`; the weights, gradients and AdamW state stay what they were
-(fp32 master weights), and every other layer keeps the run's precision (bf16 under `amp_bf16`).
-
-Which layers: a float8 matmul needs every dimension a multiple of 16 (`torch._scaled_mm`: the
-inner dimension of each of the three products, so the input features, the output features and, for
-the weight's gradient, the rows: tokens x microbatch). A Linear is converted when its input and
-output features and the rows it sees per sample are multiples of 16 (`ALIGNMENT`), whatever the
-microbatch; the rows per sample are read off one step on the meta device
-(`memory.linear_rows_per_sample`). Layers applied once per sample (timestep and pooled-text
-embedders, AdaLN modulation: rows = the microbatch) and cross-attention projections of 77 CLIP
-tokens keep the run's precision: their FLOPs are a sliver of the step.
-
-Where: a CUDA GPU with float8 tensor cores (compute capability 8.9: Ada, Hopper, Blackwell) runs
-the kernels; an older GPU is refused (`check`). On a CPU, `torch._scaled_mm` has no kernel (torch
-2.7.0: "Could not run 'aten::_scaled_mm' ... CPU"), so the run emulates it (torchao's `emulate`:
-the same casts to float8 and back, the product in the input's precision): the numerics of float8
-training, not its speed; the run's summary says so.
+"""Float8 training of the denoiser's Linear layers through torchao (`--fp8 tensorwise|rowwise`):
+which layers can be converted, the refusal on GPUs without float8 tensor cores, emulation on a CPU.
+What it does and what was checked: docs/flux.md, "Float8 training".
 """
 from __future__ import annotations
 

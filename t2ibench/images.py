@@ -1,8 +1,5 @@
-"""Images as training sees them: decoded from their bytes, made RGB, resized and center-cropped.
-
-Used by convert.py (which checks and re-encodes images) and by the training data (data.py), so an
-image converts and trains the same way. Pillow and NumPy only: convert.py, a CPU tool, needs no
-deep-learning library.
+"""Images as training sees them: decoded, made RGB, resized and center-cropped, the same in convert.py
+and in training (Pillow and NumPy only).
 """
 from __future__ import annotations
 

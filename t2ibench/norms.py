@@ -1,26 +1,6 @@
-"""Low-precision normalization layers (`--norm_precision`): GroupNorm and LayerNorm in the autocast dtype.
-
-Under CUDA autocast, torch 2.7 runs `group_norm` and `layer_norm` in fp32 (its fp32 op list): a bf16
-activation is read, an fp32 one written and kept for the backward pass, and the frozen parts' bf16
-norm weights are upcast on every call. `set_norm_precision(model, "autocast")` makes every exact
-`torch.nn.GroupNorm` and `torch.nn.LayerNorm` of a model run in the autocast dtype instead (half the
-activation bytes of each norm output); `"fp32"` keeps autocast's own fp32 behaviour, on CPUs too.
-
-What that touches in each family (diffusers 0.35, transformers 4.57):
-
-- SD2 and SDXL: the UNet's GroupNorms (resnets, transformer blocks' input norm) and LayerNorms
-  (transformer blocks), the VAE's GroupNorms, and the CLIP text encoders' LayerNorms (plain
-  `torch.nn.LayerNorm` in transformers' CLIP).
-- Flux.1: the transformer's LayerNorms, all without affine parameters (`elementwise_affine=False`,
-  inside AdaLayerNormZero / AdaLayerNormZeroSingle / AdaLayerNormContinuous: their weight and bias
-  are None, which `_cast` passes through), the VAE's GroupNorms and CLIP-L's LayerNorms.
-- Left alone, because they are other classes with their own forward: RMSNorm (Flux's query/key
-  norms, `torch.nn.RMSNorm`), T5's `T5LayerNorm` (an RMS norm that already computes its variance
-  in fp32 and casts to its weights' dtype), and any subclass of GroupNorm/LayerNorm that overrides
-  forward (diffusers' `FP32LayerNorm`, which exists to stay in fp32).
-
-The names `NORM_PRECISIONS` and `set_norm_precision` are what the memory model (t2ibench.memory)
-and benchmark.py import.
+"""GroupNorm and LayerNorm in the autocast dtype (`--norm_precision autocast`, the default under
+AMP) instead of CUDA autocast's fp32, changed in place so parameters and checkpoint keys stay.
+Which layers of each family it touches and why not Composer's algorithms: docs/speed.md, "Norms".
 """
 from __future__ import annotations
 

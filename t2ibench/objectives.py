@@ -1,9 +1,5 @@
-"""Training objectives: how clean latents and noise become the denoiser's input and its target.
-
-A model family names its objective (`ModelFamily.objective`). `DDPMObjective` is SD2's (and SDXL's):
-integer timesteps uniform over the DDPM schedule, the target the noise (`epsilon`) or the velocity
-(`v_prediction`). A rectified-flow objective (Flux.1: interpolate data and noise, the velocity
-noise - data as target, timesteps drawn in [0, 1]) is `RectifiedFlowObjective`.
+"""Training objectives: how clean latents and noise become the denoiser's input and target
+(`DDPMObjective`: SD2's and SDXL's; `RectifiedFlowObjective`: Flux.1's).
 """
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Sampling from the model being trained: diffusers samplers, prompt sets, the sampling loop, image
-grids, and pipeline folders diffusers loads.
-
-The sampler is diffusers' own (DDIM or Euler, built from the training noise schedule's config);
-only the loop around it is written here, because it must run on the denoiser inside the Composer
-model (with the EMA weights swapped in) rather than through a pipeline that would own copies of
-the parts. `callbacks.samples.SampleImages` draws grids with it while training; bench/learns.py
-scores them.
+"""Sampling from the model being trained: diffusers' samplers on the denoiser inside the Composer model
+(EMA weights swapped in), prompt sets, image grids, and pipeline folders diffusers loads.
 """
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""The installed stack: which torch this runs on, and whether the pinned packages beside it can work.
+"""The installed stack: which torch this runs on, and whether the packages beside it can work with it,
+read from package metadata before importing anything (one line to fix, not a traceback).
 
-    python -m t2ibench.stack        # after either install: one line of versions, or one line saying what to fix
-
-There are two installs (README): `pip install -r requirements.txt` (Composer 0.32.1's pin pulls torch
-2.7.0), and on a host whose torch is already installed, `pip install --no-deps -r
-requirements-host-torch.txt`, which leaves torch and torchvision to the host. The second can leave a
-torchvision built for another torch, or none, and Composer imports torchvision on `import composer`:
-either would end in a traceback from deep inside an import (or a C++ symbol error). This module reads
-only package metadata before importing anything, so it can say what to fix in one line; then it
-imports what a run imports. `benchmark.py` records `versions()` in its results JSON and
-`bench/bench_gpu.py` in its environment.json.
+    python -m t2ibench.stack
 """
 from __future__ import annotations
 

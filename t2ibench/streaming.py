@@ -1,7 +1,5 @@
-"""The Streaming settings of the real-data loaders: one record from the flags to `StreamingDataset`.
-
-Both loaders (image shards and precomputed latents) take a `StreamingSettings` and hand
-`dataset_kwargs()` to `StreamingDataset`, so a setting added here reaches both, spelled once.
+"""The Streaming settings of the real-data loaders: one record from the flags to `StreamingDataset`,
+shared by the image and the precomputed loaders.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The CLIP byte-level BPE tokenizer of Stable Diffusion 2, built offline.
-
-SD2 tokenizes captions with OpenAI CLIP's BPE (vocabulary 49408, 77 tokens, padded with "!").
-When `--model_name` names a pretrained folder or a cached hub id we load its `tokenizer/` subfolder;
-otherwise we build the same tokenizer from the BPE merges list that the `open-clip-torch` package
-ships (`bpe_simple_vocab_16e6.txt.gz`), so nothing is downloaded at run time.
+"""The CLIP BPE tokenizer of Stable Diffusion 2, built offline from open-clip-torch's merges list when
+`--model_name` has no `tokenizer/` folder.
 """
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""MLPerf's quality measure for text-to-image training: the validation loss at fixed timesteps.
-
-MLPerf Training's Flux.1 benchmark (v5.1) scores a run by its loss on held-out samples, each
-evaluated at one of 8 fixed timesteps t = k/8, k = 0..7, with the mean over all samples as the
-figure (its reference averages per timestep and weights by the counts, which is the same number);
-the target is 0.586. Here sample i is evaluated at k = i mod 8 with noise drawn from a generator
-seeded by i, so every evaluation of a run (and of any run on the same held-out set) scores the same
-problems, whatever the number of ranks or the batch size: only the weights change the figure. The
-latents are the VAE posterior's mean (not a draw), for the same reason.
-(The reference draws the eval noise from the training RNG and assigns timesteps in blocks per
-batch; the held-out set, timesteps and loss are the same.)
-
-`ValidationLoss` is a torchmetrics Metric, so Composer's evaluator sums it over ranks.
+"""MLPerf's validation loss at 8 fixed timesteps, as a torchmetrics Metric Composer's evaluator sums
+over ranks; how the timesteps and noise are fixed: docs/metrics.md, "Validation loss".
 """
 from __future__ import annotations
 

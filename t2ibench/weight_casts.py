@@ -1,35 +1,6 @@
-"""Cast the denoiser's weights to the autocast dtype once per optimizer step, not once per microbatch.
-
-    python benchmark.py --model_config tiny --use_synth_data --batch_size 8 --image_size 64 \
-        --max_duration 4ba --precision amp_bf16 --weight_casts step
-
-Under autocast every forward casts each fp32 weight to bf16 (one kernel per weight tensor and
-microbatch), every backward casts each weight gradient back (`ToCopyBackward`, one more), and an
-activation-checkpointed block casts its weights again when it is recomputed. The SDXL UNet has
-about 1,700 weight tensors: at microbatch 2 on an H100 these casts were about a third of the
-step's kernels while the GPU idled half the step waiting for the host to launch them.
-
-`CastWeightsOncePerStep` keeps a bf16 copy of every trainable weight (the copies autocast would
-cache, kept for the whole run) and lets the denoiser compute with them:
-
-* `Event.BEFORE_TRAIN_BATCH`: the copies are refreshed from the fp32 weights with one multi-tensor
-  copy (`torch._foreach_copy_` converts dtypes in its multi-tensor kernel) and put in the
-  denoiser's place of its parameters, so no forward, recomputation or backward casts a weight.
-  Gradients accumulate over the microbatches into the copies' bf16 `.grad`.
-* `Event.AFTER_TRAIN_BATCH` (before gradient clipping and the optimizer step, which Composer
-  runs after it): the fp32 weights are put back and receive the gradients, upcast with one more
-  multi-tensor copy; the bf16 gradients are freed.
-
-So the optimizer, the EMA, checkpoints, evaluation and sampling only ever see the fp32 weights,
-and a run with one microbatch per step computes exactly what autocast computes (a cast is a cast,
-whichever kernel does it; tests/test_weight_casts.py checks the losses bit for bit). With several
-microbatches per step the gradients are summed in bf16 before the upcast (autocast sums them in
-fp32). Memory: the copies (2 bytes a weight) replace autocast's cached casts, and during backward
-the gradients are bf16 (2 bytes) instead of fp32 (4), so a step peaks lower (t2ibench.memory).
-
-Only with bf16 autocast on a single device: DDP's gradient hooks are on the fp32 parameters (they
-would never fire), FSDP already gathers its weights in bf16 once per forward, and fp16's loss
-scaler unscales the optimizer's gradients before `Event.AFTER_TRAIN_BATCH`.
+"""Cast the denoiser's weights to bf16 once per optimizer step instead of in every microbatch
+(`--weight_casts`): fewer kernel launches in launch-bound steps, the same numbers as autocast with
+one microbatch per step. How and when it applies: docs/speed.md, "Launch-bound steps".
 """
 from __future__ import annotations
 
@@ -74,6 +45,8 @@ class CastWeightsOncePerStep(Algorithm):
         self._swapped = False
 
     def match(self, event: Event, state: State) -> bool:
+        # Composer runs gradient clipping and the optimizer step after AFTER_TRAIN_BATCH: by then the
+        # fp32 weights are back in place and hold the step's gradients.
         return event in (Event.BEFORE_TRAIN_BATCH, Event.AFTER_TRAIN_BATCH)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:

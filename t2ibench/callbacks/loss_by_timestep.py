@@ -1,11 +1,5 @@
-"""The training loss by noise level: which timesteps the model has not learned yet.
-
-Logs, every `--log_interval` (in batches) and at the end, `loss/timestep_<first>-<last>`: the mean
-training loss (the objective's MSE, unitless) of the window's samples whose timestep fell in that
-bin, over all ranks. `summary()` gives the whole run's per bin (timesteps, mean loss, samples) for
-the results JSON (`loss_by_timestep_bin`); it is in the checkpoint, so a resumed run's covers the
-whole run. Cost: the model adds each step's per-sample errors to `DiffusionModel.loss_bins` on the
-device; here one all-reduce of 2 x bins numbers per interval, none per step.
+"""Log the training loss by noise level (`--loss_bins`): which timesteps the model has not learned
+yet. What it logs: docs/metrics.md.
 """
 from __future__ import annotations
 

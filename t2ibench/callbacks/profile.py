@@ -1,23 +1,5 @@
-"""Profile a few steady-state batches with the torch profiler: a trace, the costliest ops, how busy the device was.
-
-    python benchmark.py --model_config tiny --use_synth_data --batch_size 8 --image_size 64 \
-        --max_duration 8ba --warmup_batches 2 --profile_batches 2 --profile_dir profile
-
-`benchmark.py --profile_batches N` profiles batches `warmup_batches` to `warmup_batches + N - 1`,
-and the throughput window starts after them (profiling slows the step). Each rank writes
-`<profile_dir>/trace-rank<R>.json` (Chrome trace format: Perfetto or chrome://tracing opens it);
-`summary` holds, for the results JSON and the printed summary:
-
-    profile_trace                path of rank 0's trace
-    profile_batches              batches profiled
-    profile_wall_seconds         wall time of those batches (the device synchronized at both ends)
-    device_busy_fraction         CUDA: kernel time / wall time; CPU: time inside ops / wall time
-    profile_top_ops              the 15 ops with the most self time on the device (CUDA) or host (CPU):
-                                 name, calls, self_seconds
-
-Composer's own profiler (composer.profiler) needs a profiler warm-up batch of its own in its
-schedule and writes its traces under its own names, and gives neither the table nor the busy
-fraction; torch.profiler started and stopped at the batch boundaries does both in a few lines.
+"""Profile a few batches after the warm-up with the torch profiler (`--profile_batches`): a trace per
+rank, the costliest ops and how busy the device was. What it reports: docs/metrics.md.
 """
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""What a training run prints while it runs: one progress line, like a benchmark, not a metrics dump.
-
-On a terminal, global rank 0 keeps one line up to date (batch, rolling images/s, loss, time left);
-in a log file or a pipe it prints one compact line per `--log_interval` instead, so that a SLURM or
-platform log reads as a table. Composer's console logger prints every metric of the batch on
-separate lines, and its progress bar counts batches per second per epoch with no images/s and no
-time left for a run of several epochs: this callback replaces both. Everything else Composer logs
-(W&B, the metrics it computes) is unchanged; the final summary is printed by `benchmark.py`.
-
-It logs no metrics. The line: `batch N/total (percent)`, images/s (all ranks, over the last
-`window_batches` batches), the loss (mean over ranks and microbatches), the last validation loss
-(with `--eval_interval`), elapsed and left (1h02m, 3m07s).
+"""The one progress line a run prints (rank 0): batch, images/s, loss, time left; updated in place on a
+terminal, one line per `--log_interval` in a log file. It replaces Composer's console logger and
+progress bar, which print every metric and count batches per epoch; it logs nothing.
 """
 from __future__ import annotations
 

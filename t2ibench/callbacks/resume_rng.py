@@ -1,14 +1,6 @@
-"""The random state of a run resumed in the middle of an epoch of streamed data, restored.
-
-Composer 0.32.1 (`Trainer._train_loop`) restores the RNG state it read from the checkpoint only
-when the run resumes at the start of an epoch, or while it spins a plain DataLoader forward to the
-batch the run had reached. A StreamingDataLoader resumes by itself (Composer's "dataset
-resumption"), so the spin is skipped, and the state is never restored: after a SIGKILL and
-`--autoresume` in the middle of an epoch of streamed images or precomputed latents, every draw
-after the restart (noise, timesteps, VAE posterior samples, caption dropout) differed from the
-uninterrupted run's. This restores it where Composer's spin would have: when the first batch has
-been fetched, after the loader's iterator was created (which draws its base seed from the global
-generator at the start of the epoch in both runs). Logs nothing.
+"""Restore the checkpoint's random state after a mid-epoch resume on streamed data: Composer 0.32.1
+restores it only when it spins a plain DataLoader forward, which a StreamingDataLoader skips, so
+every draw after an --autoresume differed from the uninterrupted run's. Logs nothing.
 """
 from __future__ import annotations
 

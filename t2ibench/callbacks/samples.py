@@ -1,8 +1,5 @@
-"""Sample grids while training (`benchmark.py --sample_prompts ...`).
-
-Every `--sample_interval` and at the end, `<folder>/<batch>.png` (one image per prompt, uint8 RGB
-at the training resolution, in a grid) and, to the loggers, the image `samples` at step `batch`.
-The seconds spent sampling are recorded in the run's `Pauses`, so images/s leaves them out.
+"""Draw sample grids while training (`--sample_prompts`), left out of the measured time.
+What it writes and logs: docs/metrics.md.
 """
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""The benchmark's measurement: a callback that measures what Composer's SpeedMonitor does not.
-
-Composer's `SpeedMonitor` logs rolling images/sec, FLOPs/sec and MFU from the model's
-`flops_per_batch`. `Throughput` adds the figures a benchmark needs over the whole run after
-warm-up: images/sec (global and per device), MFU (of the whole step, and of the trained network
-alone), peak device memory, the share of step time
-spent waiting for the loader and the seconds spent saving checkpoints. Its `summary` is what
-`benchmark.py` prints and writes to JSON, and what it logs, as `benchmark/<key>`:
-
-    images_per_sec, images_per_sec_per_device   images/s over the measured window
-    measured_batches, warmup_batches             batches in and before the window
-    measured_seconds                             seconds of the window, pauses left out
-    data_wait_fraction, data_wait_fraction_mean  share of the window in the loader's next() (max, mean over ranks)
-    checkpoint_seconds_in_window, checkpoint_seconds_after_window   seconds saving checkpoints
-    peak_memory_bytes, peak_memory_reserved_bytes                   bytes (max over ranks)
-    flops_per_image, peak_flops_per_device, mfu                     FLOPs, FLOP/s, fraction
-
-Time spent on purpose outside training inside the window (sample grids) is recorded in a `Pauses`
-shared with the callback that pauses, and left out of the measured seconds.
+"""The benchmark's measurement over the whole run after the warm-up: images/s, MFU, data wait,
+peak memory, checkpoint time (`Throughput`), with deliberate pauses left out (`Pauses`).
+What it logs, in which units: docs/metrics.md.
 """
 from __future__ import annotations
 

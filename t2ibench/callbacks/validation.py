@@ -1,17 +1,5 @@
-"""MLPerf's quality measure while training: the validation loss at fixed timesteps, every `--eval_interval`.
-
-Composer's evaluator runs `DiffusionModel.eval_forward` over the held-out data and accumulates
-`validation.ValidationLoss`; this callback, at the end of each evaluation, sums the metric's
-per-timestep states over the ranks and logs (at step `batch`):
-
-    eval/loss            the mean validation loss over all held-out samples (MLPerf's figure; unitless MSE)
-    eval/loss_t<k>       the mean at fixed timestep k/8 of the schedule, k = 0..7
-    eval/seconds         seconds the evaluation took (left out of images/s through the run's Pauses)
-
-It keeps the history (`history`: one entry per evaluation with batch, samples trained, loss,
-per-timestep losses, its seconds and the training seconds before it) and, with a `target`, the
-first evaluation at or below it (`reached`): time to a quality target, with the seconds spent
-evaluating and sampling left out. Both are in the checkpoint, so a resumed run reports the whole run.
+"""Log MLPerf's validation loss at 8 fixed timesteps every `--eval_interval`, and when it first
+reaches `--eval_target`. What it logs: docs/metrics.md.
 """
 from __future__ import annotations
 
