@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row = {"model_config": name, "image_size": size, "hand_fwd": fwd, "hand_fwd_bwd": fwd_bwd}
             if not args.no_flop_counter:
                 counted = family.flops_per_image(name, size, vae=False, text_encoders=False)
-                row.update(counter_fwd=counted["unet_fwd"], counter_fwd_bwd=counted["unet_fwd_bwd"])
+                row.update(counter_fwd=counted["denoiser_fwd"], counter_fwd_bwd=counted["denoiser_fwd_bwd"])
             rows.append(row)
             line = f"{name} at {size}px: by hand {fwd / 1e9:,.1f} GFLOP fwd, {fwd_bwd / 1e9:,.1f} fwd+bwd"
             if "counter_fwd" in row:
