@@ -60,7 +60,8 @@ class Renamed(SD2):
     for the denoiser (Flux.1 calls its denoiser `transformer`); everything else is the base class's."""
 
     name = "renamed"
-    architectures = {"renamed-tiny": {"transformer" if part == "unet" else part: config for part, config in TINY.items()}}
+    architectures = {"renamed-tiny": {("transformer" if part == "unet" else part): config
+                                      for part, config in TINY.items()}}
     pretrained_configs = ()
     denoiser_name = "transformer"
 

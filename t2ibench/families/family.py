@@ -64,11 +64,9 @@ def is_frozen_network(name: str) -> bool:
     return name == "vae" or name.startswith("text_encoder")
 
 
-# A tiny VAE is random, but must behave like a trained one in the way that matters for learning: a
-# trained VAE's posterior is nearly deterministic (its std is tiny against the latent means), while a
-# random one's log-variance is ~0, a std of ~1 that buries the means in noise. So a tiny config's
-# log-variance channels start at this bias (std e^-6); its latent scale (and shift) were then measured
-# on this VAE the way SD's 0.18215 was.
+# A tiny config's random VAE starts its log-variance channels here (a std of e^-6), so that its posterior
+# is nearly deterministic, as a trained VAE's is; a random one's std of ~1 buries the latent means in
+# noise (docs/design.md, "The tiny VAEs").
 TINY_VAE_LOGVAR_BIAS = -12.0
 
 
@@ -194,7 +192,8 @@ class ModelFamily(ABC):
         with torch.device("meta"):
             network = self.denoiser_class(**architecture[self.denoiser_name])
             vae = AutoencoderKL(**architecture["vae"])
-            encoders = {name: new_text_encoder(cls, architecture[name]) for name, cls in self.text_encoder_classes.items()}
+            encoders = {name: new_text_encoder(cls, architecture[name])
+                        for name, cls in self.text_encoder_classes.items()}
         # The schedule's tensors are real: they are tiny, and a model built on these parts trains.
         scale, shift = latent_scale_and_shift(None, architecture["vae"], None)
         return Parts(network, vae, encoders, {}, self.scheduler_class(**self.scheduler_config), scale, shift)

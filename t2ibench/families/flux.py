@@ -226,8 +226,10 @@ class Flux(ModelFamily):
         # CLIP-L's is built from its vocabulary offline; T5's loads from model_name or stops (t5_tokenizer).
         clip = load_pretrained(CLIPTokenizer, model_name, "tokenizer")
         tokenizers = {"tokenizer": clip or clip_tokenizer(), "tokenizer_2": t5_tokenizer(config, model_name)}
-        return tokenizers, [name for name, loaded in (("tokenizer", clip is not None), ("tokenizer_2", bool(model_name)))
-                            if loaded]
+        loaded = ["tokenizer"] if clip is not None else []
+        if model_name:  # t5_tokenizer loaded it (or stopped)
+            loaded.append("tokenizer_2")
+        return tokenizers, loaded
 
     def max_sequence_length(self, config: str) -> int:
         """T5 tokens per caption (256 for flux1-schnell, as MLPerf; pass it to FluxPipeline as max_sequence_length)."""
