@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import benchmark  # noqa: E402
-from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
+from t2ibench.families import FAMILIES, MODEL_CONFIGS, family_of  # noqa: E402
 from t2ibench.families.sd2 import SD2, TINY  # noqa: E402
 from t2ibench.model import DiffusionModel  # noqa: E402
 
@@ -55,6 +55,20 @@ def test_every_config_belongs_to_one_family_and_sd2_is_complete():
         family_of("sd9")
 
 
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.name)
+def test_every_family_reports_the_same_flops_keys_and_builds_a_tiny_vae_like_a_trained_one(family):
+    tiny = family.configs[-1]
+    flops = family.flops_per_image(tiny, 64)
+    assert {"denoiser_fwd", "denoiser_fwd_bwd", "vae_encoder", "text_encoder", "total"} <= set(flops)
+    assert 2 * flops["denoiser_fwd"] < flops["denoiser_fwd_bwd"] < flops["total"]
+    assert flops["total"] == flops["denoiser_fwd_bwd"] + flops["vae_encoder"] + flops["text_encoder"]
+    # The log-variance bias reaches the posterior (SD's quant_conv, the last encoder convolution of
+    # Flux's VAE): a random VAE's std would be ~1, burying the latent means.
+    torch.manual_seed(0)
+    posterior = family.build_vae(tiny).encode(torch.rand(2, 3, 64, 64) * 2 - 1).latent_dist
+    assert posterior.std.max() < 1e-2 < posterior.mean.std()
+
+
 class Renamed(SD2):
     """A second family in a few lines: SD2's tiny model under another config name and another name
     for the denoiser (Flux.1 calls its denoiser `transformer`); everything else is the base class's."""
@@ -76,6 +90,7 @@ def test_a_second_family_is_a_module_and_a_registration(tmp_path, monkeypatch):
                     "--results_json", str(results)])
     r = json.loads(results.read_text())
     assert r["model_config"] == "renamed-tiny" and r["flops_per_image"] > 0 and r["final_loss"] > 0
+    assert r["flops_per_image_breakdown"]["denoiser_fwd_bwd"] > r["flops_per_image_breakdown"]["denoiser_fwd"] > 0
     state = torch.load(tmp_path / "run" / "latest-rank0.pt", map_location="cpu", weights_only=False)["state"]
     assert {k.split(".")[0] for k in state["model"]} == {"transformer", "vae", "text_encoder"}
     ema = dict(state["algorithms"])["EMA"]
