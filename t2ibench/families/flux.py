@@ -290,15 +290,17 @@ class Flux(ModelFamily):
     # -- figures -----------------------------------------------------------------------------------
     def flops_per_image(self, config: str, image_size: int, *, vae: bool = True,
                         text_encoders: bool = True) -> dict[str, float]:
-        """`ModelFamily.flops_per_image`, and CLIP-L's and T5-XXL's shares of `text_encoder` apart (`clip`, `t5`)."""
-        flops = super().flops_per_image(config, image_size, vae=vae, text_encoders=text_encoders)
+        """`ModelFamily.flops_per_image`, with CLIP-L's and T5-XXL's shares of `text_encoder` apart (`clip`, `t5`)."""
+        flops = super().flops_per_image(config, image_size, vae=vae, text_encoders=False)
         flops["clip"] = flops["t5"] = 0.0
-        if text_encoders:
+        if text_encoders:  # each encoder counted once, on its own
             shapes = self.text_input_shapes(config)
             for key, name, ids in (("clip", "text_encoder", "clip_ids"), ("t5", "text_encoder_2", "t5_ids")):
                 with torch.device("meta"), torch.no_grad():
                     encoder = new_text_encoder(self.text_encoder_classes[name], self.architectures[config][name])
                     flops[key] = count_flops(lambda: encoder(torch.zeros(1, *shapes[ids], dtype=torch.long)))
+            flops["text_encoder"] = flops["clip"] + flops["t5"]
+            flops["total"] += flops["text_encoder"]
         return flops
 
     def precomputed_bytes_per_sample(self, config: str, image_size: int, itemsize: int = 2) -> dict[str, int]:
