@@ -565,7 +565,7 @@ def export_average(args: argparse.Namespace, run: Runtime, trainer: Trainer, bui
     staging = Path(folder, STAGING_FOLDER)
     try:
         with staged_folder(folder, last="model_index.json") if run.is_rank_zero else contextlib.nullcontext():
-            ema.export_unet(trainer.state.model, staging / name, submodule=name)  # every rank: FSDP gathers
+            ema.export_denoiser(trainer.state.model, staging / name, submodule=name)  # every rank: FSDP gathers
             if run.is_rank_zero:
                 averaged = type(model.denoiser).from_pretrained(staging / name)
                 write_pipeline(staging, model.family, dataclasses.replace(

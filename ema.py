@@ -3,9 +3,10 @@
 What it keeps: one fp32 "shadow" tensor per trainable parameter (``requires_grad=True``), on the
 parameter's device, keyed by the parameter's name in ``state.model`` with wrapper prefixes removed
 (``module.`` of DDP, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``, ``_orig_mod.``), so
-for ``t2ibench.model.DiffusionModel`` the UNet's entries are ``unet.*``. Frozen parameters (the VAE and the
-text encoder) and buffers are not copied: they do not change, so averaging them is pure cost.
-Extra memory is therefore exactly 4 bytes per trainable parameter (3.46 GB for the SD2 UNet).
+for ``t2ibench.model.DiffusionModel`` the denoiser's entries are ``unet.*`` (``transformer.*`` for
+Flux.1). Frozen parameters (the VAE and the text encoders) and buffers are not copied: they do not
+change, so averaging them is pure cost. Extra memory is therefore exactly 4 bytes per trainable
+parameter (3.46 GB for the SD2 UNet).
 
 How it updates: once per update, after the optimizer step (``Event.BATCH_END``, or
 ``Event.EPOCH_END`` for epoch intervals), with one multi-tensor call over all tensors::
@@ -32,8 +33,9 @@ without FSDP; with FSDP1 it holds each rank's flat shards and must resume with t
 and wrapping.
 
 Using the average: ``with ema.averaged_weights(model): ...`` swaps it into the model and back, and
-``ema.export_unet(model, path)`` (or ``EMA(..., export_dir=path)``, run at ``Event.FIT_END``) writes
-the averaged UNet as a diffusers folder that ``UNet2DConditionModel.from_pretrained`` reads.
+``ema.export_denoiser(model, path)`` (or ``EMA(..., export_dir=path)``, run at ``Event.FIT_END``) writes
+the averaged denoiser as a diffusers folder that its class's ``from_pretrained`` reads
+(``UNet2DConditionModel``, ``FluxTransformer2DModel``).
 """
 from __future__ import annotations
 
@@ -131,10 +133,10 @@ class EMA(Algorithm):
         update_interval: time string, ``"<n>ba"`` or ``"<n>ep"`` with n > 0: update when the number
             of completed batches (epochs) is a multiple of n. Must have ``half_life``'s unit.
             Default ``"1ba"``.
-        export_dir: if set, at ``Event.FIT_END`` the averaged UNet is written there as a diffusers
-            folder (see :meth:`export_unet`).
-        export_submodule: the attribute of the (unwrapped) model exported to ``export_dir``.
-            Default ``"unet"``.
+        export_dir: if set, at ``Event.FIT_END`` the averaged denoiser is written there as a diffusers
+            folder (see :meth:`export_denoiser`).
+        export_submodule: the attribute of the (unwrapped) model exported to ``export_dir``: the
+            denoiser's (``DiffusionModel.denoiser_name``). Default ``"unet"``.
     """
 
     def __init__(
@@ -220,7 +222,7 @@ class EMA(Algorithm):
             if not self.initialized:
                 warnings.warn(f"EMA: training ended before ema_start={self._args['ema_start']!r}; nothing exported")
                 return
-            self.export_unet(state.model, self.export_dir, submodule=self.export_submodule)
+            self.export_denoiser(state.model, self.export_dir, submodule=self.export_submodule)
 
     def _update_due(self, state: State) -> bool:
         if not self.initialized:
@@ -475,11 +477,11 @@ class EMA(Algorithm):
                         shadow.copy_(average)
             self._swapped = False
 
-    def export_unet(self, model: torch.nn.Module, save_directory: str | os.PathLike, submodule: str = "unet",
-                    dtype: torch.dtype = torch.float32) -> None:
-        """Write the averaged ``model.<submodule>`` as a diffusers folder (config.json + safetensors).
+    def export_denoiser(self, model: torch.nn.Module, save_directory: str | os.PathLike, submodule: str = "unet",
+                        dtype: torch.dtype = torch.float32) -> None:
+        """Write the averaged ``model.<submodule>`` (the denoiser) as a diffusers folder (config.json + safetensors).
 
-        Load it with ``UNet2DConditionModel.from_pretrained(save_directory)``. Weights are written in
+        Load it with its class's ``from_pretrained(save_directory)``. Weights are written in
         ``dtype`` (default fp32: the shadow as is); the submodule's frozen parameters and buffers, if
         any, are written as they are in the model. Global rank 0 writes; call it on every rank.
         Without FSDP the state dict references the shadow (no copy). With FSDP the averaged shards
@@ -491,7 +493,7 @@ class EMA(Algorithm):
         self._bind(model)
         if self._has_dtensor:
             if not self.initialized:
-                raise RuntimeError("EMA.export_unet: the average has not started yet (see ema_start)")
+                raise RuntimeError("EMA.export_denoiser: the average has not started yet (see ema_start)")
             full = self._full_shadow(prefix)  # the average, gathered tensor by tensor
             weights = {}
             for k, v in module.state_dict().items():  # in the same order on every rank
@@ -510,7 +512,7 @@ class EMA(Algorithm):
             weights = {_clean_name(k)[len(prefix):]: v for k, v in full.items() if _clean_name(k).startswith(prefix)}
         else:
             if not self.initialized:
-                raise RuntimeError("EMA.export_unet: the average has not started yet (see ema_start)")
+                raise RuntimeError("EMA.export_denoiser: the average has not started yet (see ema_start)")
             weights = {}
             for k, v in module.state_dict().items():
                 k = _clean_name(k)

@@ -1,23 +1,9 @@
-"""FLOPs of a diffusers UNet2DConditionModel per image, counted by hand from its config: the
-independent check of what torch.utils.flop_counter reports.
+"""FLOPs of a diffusers UNet2DConditionModel per image, counted by hand from its config without running it:
+the independent check of what torch.utils.flop_counter reports (`ModelFamily.flops_per_image`'s
+`denoiser_fwd` and `denoiser_fwd_bwd`). How backward is counted is in docs/sdxl.md ("FLOPs per image").
 
     python bench/unet_flops.py                                      # sdxl-base at 1024, sd2-base at 512
     python bench/unet_flops.py --model_config sdxl-base --image_size 1024 512 256
-
-The training code prices an image with torch.utils.flop_counter on meta tensors
-(throughput.count_flops_per_image, sdxl.count_flops_per_image): it sees every matmul and
-convolution the UNet runs. This script does not run the UNet. It walks the architecture the config
-describes (conv_in, the timestep and added embeddings, every ResNet block, transformer block,
-down- and upsampler of every level, the middle block, conv_out) and adds up 2 x multiply-adds of
-each convolution, linear layer and attention product, so a mistake in either count, or a config
-that does not build what it says, shows as a difference.
-
-Backward, as flop_counter counts it on meta tensors (attention through SDPA's math path): every
-weight gets its gradient (the forward's FLOPs again) and every input that needs one gets its
-gradient (again). Inputs that need none: the noisy latents (conv_in), the sinusoidal timestep and
-time-id features (the first linear layer of each embedding) and the text states (the key and
-value projections of cross-attention). Attention products have both operands from trained layers
-(2x the forward). Norms, activations, softmax and additions are not counted (nor by flop_counter).
 """
 from __future__ import annotations
 
@@ -177,7 +163,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row = {"model_config": name, "image_size": size, "hand_fwd": fwd, "hand_fwd_bwd": fwd_bwd}
             if not args.no_flop_counter:
                 counted = family.flops_per_image(name, size, vae=False, text_encoders=False)
-                row.update(counter_fwd=counted["unet_fwd"], counter_fwd_bwd=counted["unet_fwd_bwd"])
+                row.update(counter_fwd=counted["denoiser_fwd"], counter_fwd_bwd=counted["denoiser_fwd_bwd"])
             rows.append(row)
             line = f"{name} at {size}px: by hand {fwd / 1e9:,.1f} GFLOP fwd, {fwd_bwd / 1e9:,.1f} fwd+bwd"
             if "counter_fwd" in row:

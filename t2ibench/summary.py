@@ -25,8 +25,9 @@ def print_summary(r: dict) -> None:
     since = " after warm-up" if r["peak_memory_kind"].startswith("cuda") else ", whole run"
     mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_flops_per_device'] / 1e12:.0f} TFLOP/s peak per device" if r.get("mfu")
            else "n/a (unknown device peak; pass --peak_tflops)")
-    trained = (f"; trained network alone (UNet forward + backward, {r['flops_per_image_trained_network'] / 1e9:.1f} "
-               f"GFLOP/image): {100 * r['mfu_trained_network']:.1f}%" if r.get("mfu_trained_network") else "")
+    trained = (f"; trained network alone (denoiser forward + backward, "
+               f"{r['flops_per_image_trained_network'] / 1e9:.1f} GFLOP/image): {100 * r['mfu_trained_network']:.1f}%"
+               if r.get("mfu_trained_network") else "")
     print(
         "\n=== Stable Diffusion benchmark ===\n"
         f"model {r['model_config']} at {r['image_size']}x{r['image_size']}, {r['precision']}, "

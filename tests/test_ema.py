@@ -302,7 +302,7 @@ def test_export_loads_with_from_pretrained_and_swap_restores(tmp_path):
     algo.update(sd)  # the shadow now differs from the parameters
     training = {n: p.detach().clone() for n, p in sd.named_parameters()}
 
-    algo.export_unet(sd, tmp_path / "ema_unet")
+    algo.export_denoiser(sd, tmp_path / "ema_unet")
     loaded = UNet2DConditionModel.from_pretrained(tmp_path / "ema_unet")
     for n, p in loaded.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p, algo.shadow["unet." + n]), n
@@ -455,7 +455,7 @@ def _fsdp_worker(out: str) -> None:
     restored_exactly &= all(torch.equal(from_dcp.shadow[n], t) for n, t in algo.shadow.items())
 
     before = [p.detach().clone() for p in container.parameters()]
-    algo.export_unet(container, os.path.join(out, "fsdp_export"))
+    algo.export_denoiser(container, os.path.join(out, "fsdp_export"))
     weights_restored = all(torch.equal(p, b) for p, b in zip(container.parameters(), before))
     full_snapshots.append(full_snapshots[-1])  # the extra update above saw the same parameters
     torch.save({"full_numel": sum(p.numel() for p in full_snapshots[0].values()), "local_numel": local_numel,

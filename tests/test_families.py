@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import benchmark  # noqa: E402
-from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
-from t2ibench.families.sd2 import SD2, build_vae  # noqa: E402
+from t2ibench.families import FAMILIES, MODEL_CONFIGS, family_of  # noqa: E402
+from t2ibench.families.sd2 import SD2, TINY  # noqa: E402
 from t2ibench.model import DiffusionModel  # noqa: E402
 
 # The training model's state-dict keys and shapes as the release before the package layout wrote them
@@ -42,7 +42,7 @@ def test_every_config_belongs_to_one_family_and_sd2_is_complete():
     family = MODEL_CONFIGS["tiny"]
     parts = family.build("tiny")
     assert (parts.pretrained, parts.random) == ([], ["vae", "text_encoder"])  # tiny: never pretrained
-    assert parts.latent_scale == build_vae("tiny").config.scaling_factor == 3.6
+    assert parts.latent_scale == family.build_vae("tiny").config.scaling_factor == 3.6
     inputs = family.tokenize(parts.tokenizers, ["a red square", ""])
     assert list(inputs) == list(family.text_input_keys) and inputs["captions"].shape == (2, 77)
     conditioning = family.encode_text(parts.text_encoders, inputs)
@@ -55,29 +55,29 @@ def test_every_config_belongs_to_one_family_and_sd2_is_complete():
         family_of("sd9")
 
 
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.name)
+def test_every_family_reports_the_same_flops_keys_and_builds_a_tiny_vae_like_a_trained_one(family):
+    tiny = family.configs[-1]
+    flops = family.flops_per_image(tiny, 64)
+    assert {"denoiser_fwd", "denoiser_fwd_bwd", "vae_encoder", "text_encoder", "total"} <= set(flops)
+    assert 2 * flops["denoiser_fwd"] < flops["denoiser_fwd_bwd"] < flops["total"]
+    assert flops["total"] == flops["denoiser_fwd_bwd"] + flops["vae_encoder"] + flops["text_encoder"]
+    # The log-variance bias reaches the posterior (SD's quant_conv, the last encoder convolution of
+    # Flux's VAE): a random VAE's std would be ~1, burying the latent means.
+    torch.manual_seed(0)
+    posterior = family.build_vae(tiny).encode(torch.rand(2, 3, 64, 64) * 2 - 1).latent_dist
+    assert posterior.std.max() < 1e-2 < posterior.mean.std()
+
+
 class Renamed(SD2):
     """A second family in a few lines: SD2's tiny model under another config name and another name
-    for the denoiser (Flux.1 calls its denoiser `transformer`)."""
+    for the denoiser (Flux.1 calls its denoiser `transformer`); everything else is the base class's."""
 
     name = "renamed"
-    configs = ("renamed-tiny",)
+    architectures = {"renamed-tiny": {("transformer" if part == "unet" else part): config
+                                      for part, config in TINY.items()}}
     pretrained_configs = ()
     denoiser_name = "transformer"
-
-    def build(self, config, model_name=None, **parts):
-        return super().build("tiny", None, **parts)
-
-    def meta_parts(self, config):
-        return super().meta_parts("tiny")
-
-    def latent_channels(self, config):
-        return super().latent_channels("tiny")
-
-    def conditioning_shapes(self, config):
-        return super().conditioning_shapes("tiny")
-
-    def flops_per_image(self, config, image_size, **parts):
-        return super().flops_per_image("tiny", image_size, **parts)
 
 
 def test_a_second_family_is_a_module_and_a_registration(tmp_path, monkeypatch):
@@ -90,6 +90,7 @@ def test_a_second_family_is_a_module_and_a_registration(tmp_path, monkeypatch):
                     "--results_json", str(results)])
     r = json.loads(results.read_text())
     assert r["model_config"] == "renamed-tiny" and r["flops_per_image"] > 0 and r["final_loss"] > 0
+    assert r["flops_per_image_breakdown"]["denoiser_fwd_bwd"] > r["flops_per_image_breakdown"]["denoiser_fwd"] > 0
     state = torch.load(tmp_path / "run" / "latest-rank0.pt", map_location="cpu", weights_only=False)["state"]
     assert {k.split(".")[0] for k in state["model"]} == {"transformer", "vae", "text_encoder"}
     ema = dict(state["algorithms"])["EMA"]

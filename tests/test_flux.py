@@ -74,11 +74,11 @@ def test_flux1_tiny_keeps_the_structure_at_a_few_million_parameters(tiny):
 def test_flux1_schnell_flops_per_256px_sample_against_an_independent_count():
     flops = FLUX.flops_per_image("flux1-schnell", 256, vae=False, text_encoders=False)
     analytic = flux.analytic_transformer_flops("flux1-schnell", 256)
-    assert flops["transformer_fwd"] == pytest.approx(analytic["forward"], rel=0.001)
+    assert flops["denoiser_fwd"] == pytest.approx(analytic["forward"], rel=0.001)
     # Backward: two matmuls per forward matmul (gradients of inputs and of weights).
-    assert flops["transformer_fwd_bwd"] == pytest.approx(3 * flops["transformer_fwd"], rel=0.01)
-    assert flops["transformer_fwd_bwd"] == pytest.approx(NVIDIA_FLUX_DECLARED_FLOP_PER_SAMPLE, rel=0.01)
-    assert flops["total"] == flops["transformer_fwd_bwd"]  # precomputed: no encoder in the step
+    assert flops["denoiser_fwd_bwd"] == pytest.approx(3 * flops["denoiser_fwd"], rel=0.01)
+    assert flops["denoiser_fwd_bwd"] == pytest.approx(NVIDIA_FLUX_DECLARED_FLOP_PER_SAMPLE, rel=0.01)
+    assert flops["total"] == flops["denoiser_fwd_bwd"]  # precomputed: no encoder in the step
 
 
 def test_pack_and_image_ids_match_flux_pipeline():

@@ -295,7 +295,7 @@ def test_benchmark_trains_on_precomputed_latents(single, states, tmp_path, data_
     # Tokens (also the synthetic default): the text encoder runs, the VAE does not.
     text_flops = online["text_encoder"] if data_source != "text_states" else 0.0
     assert r["precomputed_format"] == ("text_states" if data_source == "text_states" else "tokens")
-    assert r["flops_per_image"] == pytest.approx(online["unet_fwd_bwd"] + text_flops)
+    assert r["flops_per_image"] == pytest.approx(online["denoiser_fwd_bwd"] + text_flops)
     assert r["flops_per_image"] < online["total"]
     assert r["random_parts"] == (["text_encoder"] if text_flops else [])  # the tiny text encoder, built; no VAE
     assert r["data"] == ("synthetic" if data_source == "synthetic" else str(shards))

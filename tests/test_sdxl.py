@@ -100,10 +100,10 @@ def test_sdxl_base_flops_per_1024_image_equal_a_count_by_hand():
     assert counted["vae_encoder"] == pytest.approx(PRICED_MODELS["sdxl-base"][2], rel=1e-3)  # cost.py's constant
     counted["total"] -= counted["vae_encoder"]
     by_hand_fwd, by_hand_fwd_bwd = unet_flops.unet_flops(sdxl.SDXL_BASE["unet"], 1024 // 8)
-    assert counted["unet_fwd"] == by_hand_fwd
-    assert counted["unet_fwd_bwd"] == by_hand_fwd_bwd
+    assert counted["denoiser_fwd"] == by_hand_fwd
+    assert counted["denoiser_fwd_bwd"] == by_hand_fwd_bwd
     assert 2.9 < by_hand_fwd_bwd / by_hand_fwd < 3.0  # backward: about twice the forward
-    assert counted["total"] == counted["unet_fwd_bwd"]  # precomputed: no encoder runs
+    assert counted["total"] == counted["denoiser_fwd_bwd"]  # precomputed: no encoder runs
 
 
 def test_cost_table_is_labelled_for_sdxl_base_at_1024(tmp_path, capsys):
@@ -126,9 +126,9 @@ def test_cost_table_is_labelled_for_sdxl_base_at_1024(tmp_path, capsys):
 def test_encoder_flops_are_counted_when_they_run():
     online = FAMILY.flops_per_image("sdxl-tiny", 64)
     assert online["vae_encoder"] > 0 and online["text_encoder"] > 0
-    assert online["total"] == pytest.approx(online["unet_fwd_bwd"] + online["vae_encoder"] + online["text_encoder"])
+    assert online["total"] == pytest.approx(online["denoiser_fwd_bwd"] + online["vae_encoder"] + online["text_encoder"])
     fwd, fwd_bwd = unet_flops.unet_flops(sdxl.SDXL_TINY["unet"], 8)
-    assert (online["unet_fwd"], online["unet_fwd_bwd"]) == (fwd, fwd_bwd)
+    assert (online["denoiser_fwd"], online["denoiser_fwd_bwd"]) == (fwd, fwd_bwd)
 
 
 # -----------------------------------------------------------------------------------------------

@@ -21,12 +21,12 @@ def test_sd2_base_flops_per_512_image_match_the_reference():
     flops = family.flops_per_image("sd2-base", image_size=512)
     # Reference (torch.utils.flop_counter on the SD2-base configs): 2,409 GFLOP UNet fwd+bwd,
     # 1,117 VAE encoder, 45 text encoder, 3,570 online total.
-    assert flops["unet_fwd_bwd"] == pytest.approx(2409e9, rel=0.02)
-    assert flops["unet_fwd"] == pytest.approx(804e9, rel=0.02)
+    assert flops["denoiser_fwd_bwd"] == pytest.approx(2409e9, rel=0.02)
+    assert flops["denoiser_fwd"] == pytest.approx(804e9, rel=0.02)
     assert flops["vae_encoder"] == pytest.approx(1117e9, rel=0.02)
     assert flops["total"] == pytest.approx(3570e9, rel=0.02)
     precomputed = family.flops_per_image("sd2-base", image_size=512, vae=False, text_encoders=False)
-    assert precomputed["total"] == precomputed["unet_fwd_bwd"] == pytest.approx(flops["unet_fwd_bwd"])
+    assert precomputed["total"] == precomputed["denoiser_fwd_bwd"] == pytest.approx(flops["denoiser_fwd_bwd"])
 
 
 class SlowLoader:

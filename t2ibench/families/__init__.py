@@ -1,8 +1,7 @@
-"""The model families, and which one each `--model_config` belongs to.
+"""The registry of model families: which family each `--model_config` belongs to.
 
-Adding a family (SDXL, Flux.1): write `families/<name>.py` with a `ModelFamily` subclass (see
-`families/family.py` and `families/sd2.py`), and add it to `FAMILIES` below: its configurations
-then work in every command (`--model_config`), in the FLOPs and memory figures, and in export.
+A family is one module here with a `ModelFamily` subclass (families/family.py) and one entry in
+`FAMILIES`; its configurations then work in every command, in the FLOPs and memory figures, and in export.
 """
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
-"""What a model family is: the one interface through which the commands use a text-to-image model.
-
-A family (SD2 now; SDXL and Flux.1 next) is one module in this folder, a subclass of
-`ModelFamily`, registered by one line in `families/__init__.py`. It says everything specific to
-the model; the rest of the project is written against this interface only:
-
-- building: its configurations (`--model_config` values), the parts built offline from bundled
-  configs or loaded pretrained from `--model_name` (`build`, `meta_parts`; `pretrained_missing`
-  says up front which frozen parts cannot be had), the diffusers names
-  of those parts (`Parts`: the denoiser trained from scratch, the VAE, one or two text encoders
-  and tokenizers), the latent space (channels, downsampling, patching, scale and shift);
-- conditioning: how captions become token ids (`tokenize`, one tokenizer or two) and ids become
-  what the denoiser attends to (`encode_text`); both are dicts of tensors keyed by name, so SDXL's
-  pooled embedding and size/crop ids or Flux's T5 states and CLIP pooled vector fit;
-- training: the objective (`objective`: epsilon or velocity on a DDPM schedule, or rectified
-  flow) and one denoiser call (`predict`);
-- figures: FLOPs per image of the trained network and of the frozen encoders
-  (`flops_per_image`; the memory a step takes is counted from the parts, `t2ibench.memory`), the
-  default data parallelism (`parallelism`: DDP, or FSDP for models whose state does not fit one GPU)
-  and the denoiser's blocks that FSDP shards one at a time (`fsdp_blocks`);
-- use: the diffusers pipeline class for sample grids and export (`make_pipeline`).
+"""The model-family interface: what a family supplies (its configs, parts, conditioning, objective and
+pipeline) and what every family shares, written once here (building its parts offline or pretrained,
+the parts on the meta device, the tiny VAE, FLOPs per image). The interface is described in
+docs/design.md ("A model family is one module").
 """
 from __future__ import annotations
 
@@ -31,9 +14,10 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import torch
+from diffusers import AutoencoderKL
 
 from t2ibench.errors import fail
-from t2ibench.flops import count_flops
+from t2ibench.flops import count_flops, count_forward_backward
 from t2ibench.objectives import Objective
 
 TextInputs = dict[str, torch.Tensor]  # tokenized captions by batch key, e.g. {"captions": (B, 77) ids}
@@ -80,14 +64,33 @@ def is_frozen_network(name: str) -> bool:
     return name == "vae" or name.startswith("text_encoder")
 
 
+# A tiny config's random VAE starts its log-variance channels here (a std of e^-6), so that its posterior
+# is nearly deterministic, as a trained VAE's is; a random one's std of ~1 buries the latent means in
+# noise (docs/design.md, "The tiny VAEs").
+TINY_VAE_LOGVAR_BIAS = -12.0
+
+
 class ModelFamily(ABC):
-    """One kind of text-to-image model. Subclasses set the class attributes and the methods below."""
+    """One kind of text-to-image model: the class attributes and abstract methods are what differs
+    between families; the methods written here are the same for every family."""
 
     name: ClassVar[str]  # "sd2"
-    configs: ClassVar[tuple[str, ...]]  # its --model_config values; the first is the full-size one
+    # Each --model_config of the family (the first the full-size one, then its miniature): the
+    # configs of its parts by diffusers part name (the denoiser under `denoiser_name`, "vae",
+    # "text_encoder", ...), plus any setting of the family's own (Flux: "max_sequence_length"). A
+    # tiny config sets "vae_logvar_bias" (TINY_VAE_LOGVAR_BIAS).
+    architectures: ClassVar[dict[str, dict[str, Any]]]
     pretrained_configs: ClassVar[tuple[str, ...]]  # those whose frozen parts exist pretrained (--model_name)
     default_model_name: ClassVar[str]  # hub id of the pretrained frozen parts
-    denoiser_name: ClassVar[str] = "unet"  # attribute of the training model: checkpoint keys unet.*
+    denoiser_name: ClassVar[str]  # its diffusers name, the attribute of the training model: checkpoint keys unet.*
+    denoiser_class: ClassVar[type]  # the diffusers class of the denoiser, always built from scratch
+    # The frozen text encoders by diffusers name, in the order they are built: transformers classes,
+    # each built from its own `config_class`.
+    text_encoder_classes: ClassVar[dict[str, type]]
+    scheduler_class: ClassVar[type]  # the diffusers scheduler of the training noise schedule
+    scheduler_config: ClassVar[dict[str, Any]]  # that schedule, used when --model_name has none
+    # Whether --model_name's scheduler/ is the training schedule (SDXL's hub folder holds its sampler instead).
+    scheduler_from_pretrained: ClassVar[bool] = True
     pipeline_class: ClassVar[str]  # the diffusers pipeline class of samples and export
     pipeline_parts: ClassVar[tuple[str, ...]]  # the folders of an exported pipeline (beside model_index.json)
     parallelism: ClassVar[str] = "ddp"  # the default data parallelism: "ddp" or "fsdp"
@@ -114,6 +117,11 @@ class ModelFamily(ABC):
     token_columns: ClassVar[dict[str, str]] = {}
 
     @property
+    def configs(self) -> tuple[str, ...]:
+        """Its --model_config values; the first is the full-size one."""
+        return tuple(self.architectures)
+
+    @property
     def frozen_parts(self) -> tuple[str, ...]:
         """The folders of the pretrained frozen networks (SD2: vae, text_encoder; SDXL and Flux.1 add
         text_encoder_2), read from `pipeline_parts` so that the two cannot disagree."""
@@ -126,12 +134,69 @@ class ModelFamily(ABC):
         return tuple(self.token_columns.get(key, key) for key in self.text_input_keys)
 
     # -- building --------------------------------------------------------------------------------
-    @abstractmethod
     def build(self, config: str, model_name: str | None = None, *, denoiser: bool = True, vae: bool = True,
               text_encoders: bool = True, tokenizers: bool = True) -> Parts:
         """The parts asked for: the denoiser random (from the global RNG), frozen parts pretrained
         from `model_name` when available, else random (each from its own seeded generator, see
         `seeded`), tokenizers always usable offline."""
+        architecture = self.architectures[config]
+        lookup = model_name if config in self.pretrained_configs else None  # no pretrained weights have tiny shapes
+        pretrained: list[str] = []
+        random: list[str] = []
+
+        def frozen(name: str, cls: type, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+            module = load_pretrained(cls, lookup, name)
+            (pretrained if module is not None else random).append(name)
+            # In eval mode from the start: a frozen part is never trained, and dropout (T5's 0.1) would
+            # make its outputs random wherever it is used outside the training model (latents.py, samples).
+            return (module if module is not None else seeded(name, build)).eval()
+
+        built_vae = frozen("vae", AutoencoderKL, lambda: self.build_vae(config)) if vae else None
+        encoders = {}
+        if text_encoders:
+            for name, cls in self.text_encoder_classes.items():
+                encoders[name] = frozen(name, cls, functools.partial(new_text_encoder, cls, architecture[name]))
+        found: dict[str, Any] = {}
+        if tokenizers:
+            found, loaded = self.build_tokenizers(config, lookup)
+            pretrained += loaded
+        scheduler = (load_pretrained(self.scheduler_class, lookup, "scheduler") if self.scheduler_from_pretrained
+                     else None)
+        if scheduler is None:
+            scheduler = self.scheduler_class(**self.scheduler_config)
+        # Always from scratch (that is the benchmark), last: the only part drawn from the global RNG.
+        network = self.denoiser_class(**architecture[self.denoiser_name]) if denoiser else None
+        scale, shift = latent_scale_and_shift(built_vae, architecture["vae"], lookup)
+        return Parts(network, built_vae, encoders, found, scheduler, scale, shift, pretrained=pretrained, random=random)
+
+    @abstractmethod
+    def build_tokenizers(self, config: str, model_name: str | None) -> tuple[dict[str, Any], list[str]]:
+        """The tokenizers by diffusers name, and the names of those loaded from `model_name` (None: build
+        them offline). A tokenizer built offline is the family's own, not a random part."""
+
+    def build_vae(self, config: str) -> AutoencoderKL:
+        """A randomly initialized VAE of `config`; a tiny one as a miniature of a trained one (TINY_VAE_LOGVAR_BIAS)."""
+        architecture = self.architectures[config]
+        vae = AutoencoderKL(**architecture["vae"])
+        if "vae_logvar_bias" in architecture:
+            # The layer that outputs the posterior's mean and log-variance: quant_conv in SD's VAE, the
+            # encoder's last convolution in Flux's (which has no quant convs).
+            moments = vae.quant_conv if vae.quant_conv is not None else vae.encoder.conv_out
+            with torch.no_grad():
+                moments.bias[vae.config.latent_channels:] = architecture["vae_logvar_bias"]
+        return vae
+
+    def meta_parts(self, config: str) -> Parts:
+        """Every module on the meta device: shapes, parameter counts and FLOPs without memory."""
+        architecture = self.architectures[config]
+        with torch.device("meta"):
+            network = self.denoiser_class(**architecture[self.denoiser_name])
+            vae = AutoencoderKL(**architecture["vae"])
+            encoders = {name: new_text_encoder(cls, architecture[name])
+                        for name, cls in self.text_encoder_classes.items()}
+        # The schedule's tensors are real: they are tiny, and a model built on these parts trains.
+        scale, shift = latent_scale_and_shift(None, architecture["vae"], None)
+        return Parts(network, vae, encoders, {}, self.scheduler_class(**self.scheduler_config), scale, shift)
 
     def default_image_size(self, config: str) -> int:
         """Pixels a run trains at without --image_size (the 2023 benchmark's 512 unless a family says)."""
@@ -143,13 +208,9 @@ class ModelFamily(ABC):
         `pretrained_configs`: the others never load pretrained parts."""
         return pretrained_missing(model_name, self.frozen_parts)
 
-    @abstractmethod
-    def meta_parts(self, config: str) -> Parts:
-        """Every module on the meta device: shapes, parameter counts and FLOPs without memory."""
-
-    @abstractmethod
     def latent_channels(self, config: str) -> int:
         """Channels of the VAE latents (before any patching)."""
+        return self.architectures[config]["vae"]["latent_channels"]
 
     @abstractmethod
     def conditioning_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
@@ -163,9 +224,12 @@ class ModelFamily(ABC):
     def vocabulary_sizes(self, config: str) -> dict[str, int]:
         """Token ids each text input (`text_input_keys`) takes: every id is below its size."""
 
-    @abstractmethod
     def random_text_inputs(self, generator: torch.Generator, config: str) -> TextInputs:
-        """Token ids of one random caption (synthetic data) of `config`, drawn from `generator`."""
+        """Token ids of one random caption (synthetic data) of `config`, drawn from `generator` in the
+        order of `text_input_shapes`."""
+        vocabulary = self.vocabulary_sizes(config)
+        return {key: torch.randint(0, vocabulary[key], shape, generator=generator)
+                for key, shape in self.text_input_shapes(config).items()}
 
     # -- conditioning ------------------------------------------------------------------------------
     @abstractmethod
@@ -202,17 +266,41 @@ class ModelFamily(ABC):
         return [*denoiser.down_blocks, denoiser.mid_block, *denoiser.up_blocks]
 
     # -- figures -----------------------------------------------------------------------------------
-    @abstractmethod
     def flops_per_image(self, config: str, image_size: int, *, vae: bool = True,
                         text_encoders: bool = True) -> dict[str, float]:
-        """FLOPs of one training image, counted on meta tensors (`flops.count_flops`): keys
-        `denoiser_fwd`, `denoiser_fwd_bwd`, `vae_encoder`, `text_encoder` and `total`; a part
-        left out (its outputs precomputed) costs 0."""
+        """FLOPs of one training image, counted on meta tensors: `denoiser_fwd`, `denoiser_fwd_bwd`,
+        `vae_encoder`, `text_encoder` (all encoders) and `total` (the step: the denoiser's forward and
+        backward and the encoders that run); a part left out (its outputs precomputed) costs 0."""
+        parts = self.meta_parts(config)
+        latent_size = image_size // self.latent_downsample
+        noisy = torch.randn(1, self.latent_channels(config), latent_size, latent_size, device="meta")
+        timesteps = torch.full((1,), 500, device="meta")
+        conditioning = {key: torch.randn(1, *shape, device="meta")
+                        for key, shape in self.conditioning_shapes(config).items()}
+        forward, forward_backward = count_forward_backward(
+            lambda: self.predict(parts.denoiser, noisy, timesteps, conditioning))
+        flops = {"denoiser_fwd": forward, "denoiser_fwd_bwd": forward_backward, "vae_encoder": 0.0,
+                 "text_encoder": 0.0}
+        with torch.no_grad():
+            if vae:
+                images = torch.randn(1, 3, image_size, image_size, device="meta")
+                flops["vae_encoder"] = count_flops(lambda: parts.vae.encode(images))
+            if text_encoders:
+                ids = {key: torch.zeros(1, *shape, dtype=torch.long, device="meta")
+                       for key, shape in self.text_input_shapes(config).items()}
+                flops["text_encoder"] = count_flops(lambda: self.encode_text(parts.text_encoders, ids))
+        flops["total"] = flops["denoiser_fwd_bwd"] + flops["vae_encoder"] + flops["text_encoder"]
+        return flops
 
     # -- use ---------------------------------------------------------------------------------------
     @abstractmethod
     def make_pipeline(self, parts: Parts, sampler: Any) -> Any:
         """A diffusers pipeline (`pipeline_class`) of these parts with `sampler` as its scheduler."""
+
+
+def new_text_encoder(cls: type, config: dict[str, Any]) -> torch.nn.Module:
+    """A randomly initialized transformers text encoder of `cls` from its config dict."""
+    return cls(cls.config_class(**config))
 
 
 # -- helpers for families ---------------------------------------------------------------------------
@@ -243,19 +331,20 @@ def hub_reachable() -> bool:
     return True
 
 
-def latent_scale_of(vae: torch.nn.Module | None, config_scale: float, model_name: str | None) -> float:
-    """The VAE's scaling factor: the built VAE's, or, on precomputed latents (no VAE built), that of the
-    VAE that encoded them, read from `model_name`'s vae/config.json only, else `config_scale` (the
-    family's own value)."""
+def latent_scale_and_shift(vae: torch.nn.Module | None, vae_config: dict[str, Any],
+                           model_name: str | None) -> tuple[float, float]:
+    """The VAE's scaling and shift factors (latents = (z - shift) x scale; SD's VAEs have no shift): the
+    built VAE's, or, on precomputed latents (no VAE built), those of the VAE that encoded them, read from
+    `model_name`'s vae/config.json only, else `vae_config`'s (the family's own)."""
     if vae is not None:
-        return float(vae.config.scaling_factor)
-    if model_name:
-        from diffusers import AutoencoderKL
+        vae_config = dict(vae.config)
+    elif model_name:
         try:
-            return float(AutoencoderKL.load_config(model_name, subfolder="vae", local_files_only=True)["scaling_factor"])
-        except Exception:  # noqa: BLE001 - not available offline: the family's own value
+            loaded = AutoencoderKL.load_config(model_name, subfolder="vae", local_files_only=True)
+            return float(loaded["scaling_factor"]), float(loaded.get("shift_factor") or 0.0)
+        except Exception:  # noqa: BLE001 - not available offline: the family's own values
             pass
-    return float(config_scale)
+    return float(vae_config["scaling_factor"]), float(vae_config.get("shift_factor") or 0.0)
 
 
 def load_pretrained(cls: Any, model_name: str | None, subfolder: str) -> Any:
@@ -328,11 +417,3 @@ def require_pretrained(parts: Parts, *, needed: bool, allowed: bool, model_name:
         fail(f"pretrained {' and '.join(missing)} not found for --model_name {model_name}: outputs of random "
              "encoders are useless for training (download the model to a local folder and pass it), or pass "
              "--allow_random_encoders to measure throughput anyway")
-
-
-def denoiser_flops(denoiser: torch.nn.Module, call: Callable[[], torch.Tensor]) -> tuple[float, float]:
-    """FLOPs of one forward and of one forward+backward of `denoiser` (meta tensors)."""
-    forward = count_flops(call)
-    forward_backward = count_flops(lambda: call().sum().backward())
-    denoiser.zero_grad(set_to_none=True)
-    return forward, forward_backward

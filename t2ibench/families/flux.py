@@ -1,38 +1,18 @@
-"""Flux.1-schnell, MLPerf Training's text-to-image model since v5.1: everything specific to it, behind `ModelFamily`.
-
-    python benchmark.py --model_config flux1-tiny --precomputed --use_synth_data --batch_size 8 --image_size 64 ...
-    python benchmark.py --model_config flux1-schnell --precomputed --use_synth_data --image_size 256 ...   # GPUs
-
-MLPerf Training v5.1 trains the Flux.1-schnell architecture from scratch (a rectified-flow
-multimodal diffusion transformer of 11.9B parameters) on CC12M at 256x256, with the 16-channel VAE,
-CLIP-L (pooled output) and T5-XXL (256 tokens) frozen and their outputs precomputed.
-
-- `flux1-schnell` mirrors the diffusers configs of black-forest-labs/FLUX.1-schnell
-  (`FluxTransformer2DModel`: 19 double-stream + 38 single-stream blocks, width 3072 = 24 heads x 128,
-  16-channel latents patched 2x2 into 64 input channels, RoPE axes (16, 56, 56), no guidance
-  embedding); `flux1-tiny` keeps its structure at a few million parameters for CPUs and tests. Both
-  build offline; the pretrained VAE, CLIP-L and T5-XXL come from `--model_name` when present.
-- Tokenizers: CLIP-L's is SD2's CLIP BPE (built offline, padded with the end token as Flux's is);
-  T5-XXL's SentencePiece tokenizer exists only in `--model_name`'s tokenizer_2/ (refused by name
-  otherwise), and `flux1-tiny` uses ByT5's byte-level tokenizer, which needs no file at all.
-- A caption becomes `clip_ids` (77) and `t5_ids` (L); the transformer is conditioned on
-  `t5_states` (L x 4096, T5's last hidden states) and `clip_pooled` (768, CLIP's pooled output).
-- Training is rectified flow (`objectives.RectifiedFlowObjective`) as MLPerf's reference does it
-  (its training step: x_t = (1 - t) x0 + t noise with t ~ U(0, 1), target noise - x0, MSE), on latents
-  (VAE sample - shift) x scale; the denoiser sees x_t as 2x2-patch tokens with RoPE positions.
-- MLPerf's quality measure, the validation loss at 8 fixed timesteps, is `t2ibench.validation`.
+"""Flux.1-schnell, MLPerf Training's text-to-image model since v5.1, as a model family: its configs
+(`flux1-schnell`, and `flux1-tiny`, its structure at a few million parameters), its T5 and CLIP
+conditioning, 2x2 latent patches, the rectified-flow objective and its pipeline; the rest is
+`ModelFamily`'s. What MLPerf trains, and how this follows it, is in docs/flux.md.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from transformers import (ByT5Tokenizer, CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel,
-                          T5TokenizerFast)
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from transformers import ByT5Tokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from t2ibench.errors import fail
-from t2ibench.families.family import ModelFamily, Parts, load_pretrained, seeded
+from t2ibench.families.family import TINY_VAE_LOGVAR_BIAS, ModelFamily, Parts, load_pretrained, new_text_encoder
 from t2ibench.flops import count_flops
 from t2ibench.objectives import RectifiedFlowObjective
 from t2ibench.tokenizer import MAX_LENGTH as CLIP_MAX_LENGTH
@@ -72,12 +52,8 @@ FLUX1_SCHNELL: dict[str, Any] = {
     "max_sequence_length": 256,  # T5 tokens: MLPerf's (and schnell's) length
 }
 
-# The tiny VAE is random, but must behave like a trained one: its posterior nearly deterministic
-# (a random encoder's log-variance is ~0, a std of ~1 that buries the means), so the log-variance
-# half of the encoder's output convolution starts at -12 (Flux's VAE has no quant_conv, where SD2's
-# tiny VAE puts it). Shift and scale are the mean and 1/std of this VAE's latent means, measured as
-# Flux's 0.1159 and 0.3611 were (`python -m t2ibench.families.flux --measure_tiny_vae`: uniform images with a rectangle).
-TINY_VAE_LOGVAR_BIAS = -12.0
+# The tiny VAE's shift and scale: the mean and 1/std of its latent means, measured as Flux's 0.1159 and
+# 0.3611 were (`python -m t2ibench.families.flux --measure_tiny_vae`: uniform images with a rectangle).
 TINY_SHIFT_FACTOR = -0.01  # measured -0.0101 (means of seeds 0, 1, 17, 42)
 TINY_SCALING_FACTOR = 2.83  # measured 2.827
 
@@ -105,6 +81,7 @@ FLUX1_TINY: dict[str, Any] = {
     # Bytes of caption (with the end token): short captions fit. Text tokens are most of the sequence
     # at 64x64 (16 image tokens), so 32 rather than 256 keeps a CPU step cheap (64 would cost 1.7x).
     "max_sequence_length": 32,
+    "vae_logvar_bias": TINY_VAE_LOGVAR_BIAS,  # a miniature of a trained VAE (family.TINY_VAE_LOGVAR_BIAS)
 }
 
 CONFIGS = {"flux1-schnell": FLUX1_SCHNELL, "flux1-tiny": FLUX1_TINY}
@@ -112,7 +89,6 @@ CONFIGS = {"flux1-schnell": FLUX1_SCHNELL, "flux1-tiny": FLUX1_TINY}
 # FLUX.1-schnell's sampler (its scheduler/ folder): flow-matching Euler with no resolution shift.
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False, base_shift=0.5,
                         max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
-
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -165,15 +141,6 @@ def t5_tokenizer(config: str, model_name: str | None) -> Any:
     return tokenizer
 
 
-def build_vae(config: str) -> AutoencoderKL:
-    """A randomly initialized VAE of `config`; the tiny one as a miniature of a trained one."""
-    vae = AutoencoderKL(**CONFIGS[config]["vae"])
-    if config == "flux1-tiny":
-        with torch.no_grad():
-            vae.encoder.conv_out.bias[vae.config.latent_channels:] = TINY_VAE_LOGVAR_BIAS
-    return vae
-
-
 def measure_tiny_vae(seeds: tuple[int, ...] = (0, 1, 17, 42), image_size: int = 64) -> tuple[float, float]:
     """(shift, scale) of the tiny VAE: the mean and 1/std of its latent means on uniform images with a
     rectangle, averaged over `seeds` of its initialization (how TINY_SHIFT_FACTOR and TINY_SCALING_FACTOR were set)."""
@@ -189,7 +156,7 @@ def measure_tiny_vae(seeds: tuple[int, ...] = (0, 1, 17, 42), image_size: int = 
     for seed in seeds:
         torch.manual_seed(seed)
         with torch.no_grad():
-            means = build_vae("flux1-tiny").encode(batch).latent_dist.mean
+            means = Flux().build_vae("flux1-tiny").encode(batch).latent_dist.mean
         shifts.append(means.mean().item())
         scales.append(1.0 / means.std().item())
     return sum(shifts) / len(shifts), sum(scales) / len(scales)
@@ -224,10 +191,14 @@ def analytic_transformer_flops(config: str, image_size: int) -> dict[str, float]
 
 class Flux(ModelFamily):
     name = "flux"
-    configs = tuple(CONFIGS)
-    pretrained_configs = ("flux1-schnell",)  # no pretrained weights have the tiny shapes
+    architectures = CONFIGS
+    pretrained_configs = ("flux1-schnell",)
     default_model_name = "black-forest-labs/FLUX.1-schnell"
     denoiser_name = "transformer"
+    denoiser_class = FluxTransformer2DModel
+    text_encoder_classes = {"text_encoder": CLIPTextModel, "text_encoder_2": T5EncoderModel}  # CLIP-L, T5-XXL
+    scheduler_class = FlowMatchEulerDiscreteScheduler
+    scheduler_config = SCHEDULER_CONFIG
     pipeline_class = "FluxPipeline"
     pipeline_parts = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
     # 11.9B parameters: fp32 weights, gradients and two AdamW moments are 190 GB (238 GB with an EMA),
@@ -251,77 +222,29 @@ class Flux(ModelFamily):
         """MLPerf trains Flux.1 at 256x256; the tiny model at 64x64, its size for CPU runs and tests."""
         return 256 if config == "flux1-schnell" else 64
 
-    def build(self, config: str, model_name: str | None = None, *, denoiser: bool = True, vae: bool = True,
-              text_encoders: bool = True, tokenizers: bool = True) -> Parts:
-        cfg = CONFIGS[config]
-        lookup = model_name if config in self.pretrained_configs else None
-        pretrained: list[str] = []
-        random: list[str] = []
-
-        def part(name: str, cls: Any, build: Any) -> Any:
-            module = load_pretrained(cls, lookup, name)
-            (pretrained if module is not None else random).append(name)
-            # Frozen parts in eval mode from the start: T5's dropout (0.1) would otherwise make its
-            # outputs random wherever they are used outside the training model (latents.py, samples).
-            return (module if module is not None else seeded(name, build)).eval()
-
-        built_vae = part("vae", AutoencoderKL, lambda: build_vae(config)) if vae else None
-        encoders = {}
-        if text_encoders:
-            encoders["text_encoder"] = part("text_encoder", CLIPTextModel,
-                                            lambda: CLIPTextModel(CLIPTextConfig(**cfg["text_encoder"])))
-            encoders["text_encoder_2"] = part("text_encoder_2", T5EncoderModel,
-                                              lambda: T5EncoderModel(T5Config(**cfg["text_encoder_2"])))
-        tokenizer = {}
-        if tokenizers:
-            # The tokenizers are not random parts: CLIP-L's is built from its vocabulary, ByT5's has none.
-            tokenizer["tokenizer"] = load_pretrained(CLIPTokenizer, lookup, "tokenizer") or clip_tokenizer()
-            tokenizer["tokenizer_2"] = t5_tokenizer(config, lookup)
-            pretrained += [name for name in ("tokenizer", "tokenizer_2") if lookup and name not in random]
-        scheduler = (load_pretrained(FlowMatchEulerDiscreteScheduler, lookup, "scheduler")
-                     or FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG))
-        transformer = FluxTransformer2DModel(**cfg["transformer"]) if denoiser else None  # from scratch: the benchmark
-        vae_config = dict(built_vae.config) if built_vae is not None else dict(cfg["vae"])
-        if built_vae is None and lookup:
-            try:  # precomputed latents: the shift and scale of the VAE that encoded them, from its config
-                vae_config = AutoencoderKL.load_config(lookup, subfolder="vae", local_files_only=True)
-            except Exception:  # noqa: BLE001 - not available offline: Flux's own values, in the config above
-                pass
-        return Parts(transformer, built_vae, encoders, tokenizer, scheduler, float(vae_config["scaling_factor"]),
-                     float(vae_config["shift_factor"]), pretrained=pretrained, random=random)
-
-    def meta_parts(self, config: str) -> Parts:
-        cfg = CONFIGS[config]
-        with torch.device("meta"):
-            transformer, vae = FluxTransformer2DModel(**cfg["transformer"]), AutoencoderKL(**cfg["vae"])
-            encoders = {"text_encoder": CLIPTextModel(CLIPTextConfig(**cfg["text_encoder"])),
-                        "text_encoder_2": T5EncoderModel(T5Config(**cfg["text_encoder_2"]))}
-        return Parts(transformer, vae, encoders, {}, FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
-                     float(cfg["vae"]["scaling_factor"]), float(cfg["vae"]["shift_factor"]))
-
-    def latent_channels(self, config: str) -> int:
-        return CONFIGS[config]["vae"]["latent_channels"]
+    def build_tokenizers(self, config: str, model_name: str | None) -> tuple[dict[str, Any], list[str]]:
+        # CLIP-L's is built from its vocabulary offline; T5's loads from model_name or stops (t5_tokenizer).
+        clip = load_pretrained(CLIPTokenizer, model_name, "tokenizer")
+        tokenizers = {"tokenizer": clip or clip_tokenizer(), "tokenizer_2": t5_tokenizer(config, model_name)}
+        loaded = ["tokenizer"] if clip is not None else []
+        if model_name:  # t5_tokenizer loaded it (or stopped)
+            loaded.append("tokenizer_2")
+        return tokenizers, loaded
 
     def max_sequence_length(self, config: str) -> int:
         """T5 tokens per caption (256 for flux1-schnell, as MLPerf; pass it to FluxPipeline as max_sequence_length)."""
-        return CONFIGS[config]["max_sequence_length"]
+        return self.architectures[config]["max_sequence_length"]
 
     def conditioning_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
-        cfg = CONFIGS[config]
-        return {"t5_states": (cfg["max_sequence_length"], cfg["text_encoder_2"]["d_model"]),
-                "clip_pooled": (cfg["text_encoder"]["hidden_size"],)}
+        architecture = self.architectures[config]
+        return {"t5_states": (architecture["max_sequence_length"], architecture["text_encoder_2"]["d_model"]),
+                "clip_pooled": (architecture["text_encoder"]["hidden_size"],)}
 
     def text_input_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
-        return {"clip_ids": (CLIP_MAX_LENGTH,), "t5_ids": (CONFIGS[config]["max_sequence_length"],)}
+        return {"clip_ids": (CLIP_MAX_LENGTH,), "t5_ids": (self.architectures[config]["max_sequence_length"],)}
 
     def vocabulary_sizes(self, config: str) -> dict[str, int]:
-        return {"clip_ids": CLIP_VOCAB_SIZE, "t5_ids": CONFIGS[config]["text_encoder_2"]["vocab_size"]}
-
-    def random_text_inputs(self, generator: torch.Generator, config: str) -> dict[str, torch.Tensor]:
-        cfg = CONFIGS[config]
-        return {"clip_ids": torch.randint(0, CLIP_VOCAB_SIZE, (CLIP_MAX_LENGTH,), generator=generator),
-                "t5_ids": torch.randint(0, cfg["text_encoder_2"]["vocab_size"], (cfg["max_sequence_length"],),
-                                        generator=generator)}
+        return {"clip_ids": CLIP_VOCAB_SIZE, "t5_ids": self.architectures[config]["text_encoder_2"]["vocab_size"]}
 
     # -- conditioning ------------------------------------------------------------------------------
     def tokenize(self, tokenizers: dict[str, Any], captions: list[str]) -> dict[str, torch.Tensor]:
@@ -367,42 +290,24 @@ class Flux(ModelFamily):
     # -- figures -----------------------------------------------------------------------------------
     def flops_per_image(self, config: str, image_size: int, *, vae: bool = True,
                         text_encoders: bool = True) -> dict[str, float]:
-        """FLOPs of one training sample. The transformer's forward and backward are counted in one
-        pass (half the time of two on the 11.9B model); text_encoder is CLIP plus T5."""
-        parts, length = self.meta_parts(config), CONFIGS[config]["max_sequence_length"]
-        transformer = parts.denoiser
-        latent = image_size // VAE_DOWNSAMPLE
-        noisy = torch.randn(1, self.latent_channels(config), latent, latent, device="meta")
-        conditioning = {key: torch.randn(1, *shape, device="meta")
-                        for key, shape in self.conditioning_shapes(config).items()}
-        timesteps = torch.full((1,), 500.0, device="meta")
-        from torch.utils.flop_counter import FlopCounterMode
-        with FlopCounterMode(display=False) as counter:
-            output = self.predict(transformer, noisy, timesteps, conditioning)
-            forward = float(counter.get_total_flops())
-            output.sum().backward()
-            forward_backward = float(counter.get_total_flops())
-        transformer.zero_grad(set_to_none=True)
-        flops = {"transformer_fwd": forward, "transformer_fwd_bwd": forward_backward, "vae_encoder": 0.0,
-                 "text_encoder": 0.0, "clip": 0.0, "t5": 0.0}
-        with torch.no_grad():
-            if vae:
-                images = torch.randn(1, 3, image_size, image_size, device="meta")
-                flops["vae_encoder"] = count_flops(lambda: parts.vae.encode(images))
-            if text_encoders:
-                ids = {key: torch.zeros(1, *shape, dtype=torch.long, device="meta")
-                       for key, shape in self.text_input_shapes(config).items()}
-                flops["clip"] = count_flops(lambda: parts.text_encoders["text_encoder"](ids["clip_ids"]))
-                flops["t5"] = count_flops(lambda: parts.text_encoders["text_encoder_2"](ids["t5_ids"]))
-                flops["text_encoder"] = flops["clip"] + flops["t5"]
-        flops["total"] = flops["transformer_fwd_bwd"] + flops["vae_encoder"] + flops["text_encoder"]
+        """`ModelFamily.flops_per_image`, with CLIP-L's and T5-XXL's shares of `text_encoder` apart (`clip`, `t5`)."""
+        flops = super().flops_per_image(config, image_size, vae=vae, text_encoders=False)
+        flops["clip"] = flops["t5"] = 0.0
+        if text_encoders:  # each encoder counted once, on its own
+            shapes = self.text_input_shapes(config)
+            for key, name, ids in (("clip", "text_encoder", "clip_ids"), ("t5", "text_encoder_2", "t5_ids")):
+                with torch.device("meta"), torch.no_grad():
+                    encoder = new_text_encoder(self.text_encoder_classes[name], self.architectures[config][name])
+                    flops[key] = count_flops(lambda: encoder(torch.zeros(1, *shapes[ids], dtype=torch.long)))
+            flops["text_encoder"] = flops["clip"] + flops["t5"]
+            flops["total"] += flops["text_encoder"]
         return flops
 
     def precomputed_bytes_per_sample(self, config: str, image_size: int, itemsize: int = 2) -> dict[str, int]:
         """Bytes of one precomputed sample before compression, at `itemsize` bytes per value (fp16,
         as latents.py stores; MLPerf's bf16 is the same size): VAE moments (mean and log-variance, 16
         channels), T5 states (L x 4096) and CLIP's pooled output (768), plus an int64 index."""
-        latent = self.latent_channels(config) * (image_size // VAE_DOWNSAMPLE) ** 2
+        latent = self.latent_channels(config) * (image_size // self.latent_downsample) ** 2
         shapes = self.conditioning_shapes(config)
         sizes = {"vae_moments": 2 * latent * itemsize,
                  "t5_states": shapes["t5_states"][0] * shapes["t5_states"][1] * itemsize,
