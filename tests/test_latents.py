@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import data  # noqa: E402
+from t2ibench import precomputed  # noqa: E402
 from t2ibench.locations import cache_folder  # noqa: E402
 from t2ibench.model import scale_images  # noqa: E402
 from t2ibench.sources import parse_sources  # noqa: E402
@@ -115,16 +116,16 @@ def reference(source):
 
 
 def test_sizes_and_columns():
-    assert data.bytes_per_sample(512, 1024) == 2 * 4 * 64 * 64 * 2 + 77 * 2 + 8 == 65_698
-    assert data.bytes_per_sample(512, 1024, text_states=True) == 2 * 4 * 64 * 64 * 2 + 77 * 1024 * 2 + 8 == 223_240
-    assert data.bytes_per_sample(512, 1024, "fp32", text_states=True) == 2 * 4 * 64 * 64 * 4 + 77 * 1024 * 4 + 8
-    columns = data.mds_columns(4, 64, 1024)
+    assert precomputed.bytes_per_sample(512, 1024) == 2 * 4 * 64 * 64 * 2 + 77 * 2 + 8 == 65_698
+    assert precomputed.bytes_per_sample(512, 1024, text_states=True) == 2 * 4 * 64 * 64 * 2 + 77 * 1024 * 2 + 8 == 223_240
+    assert precomputed.bytes_per_sample(512, 1024, "fp32", text_states=True) == 2 * 4 * 64 * 64 * 4 + 77 * 1024 * 4 + 8
+    columns = precomputed.mds_columns(4, 64, 1024)
     assert columns["latent_mean"] == "ndarray:float16:4,64,64" and columns["token_ids"] == "ndarray:uint16:77"
-    assert "text_states" not in columns and data.text_format(list(columns)) == "tokens"
-    states = data.mds_columns(4, 64, 1024, text_states=True)
+    assert "text_states" not in columns and precomputed.text_format(list(columns)) == "tokens"
+    states = precomputed.mds_columns(4, 64, 1024, text_states=True)
     assert states["text_states"] == "ndarray:float16:77,1024" and "token_ids" not in states
-    assert data.text_format(list(states)) == "text_states" and data.text_format(["jpg", "caption"]) is None
-    assert "caption" not in data.mds_columns(4, 64, 1024, captions=False)
+    assert precomputed.text_format(list(states)) == "text_states" and precomputed.text_format(["jpg", "caption"]) is None
+    assert "caption" not in precomputed.mds_columns(4, 64, 1024, captions=False)
 
 
 @pytest.mark.parametrize("fmt", ["tokens", "text_states"])
@@ -138,7 +139,7 @@ def test_precompute_stores_every_sample_once_as_the_encoders_compute_it(single, 
     report = json.loads(stdout.strip().splitlines()[-1])
     assert report["samples"] == NUM_SAMPLES - 1 and report["skipped"] == 1 and report["images_per_sec"] > 0
     # The final report: bytes per sample (arrays + index + caption + MDS offsets) and the projection.
-    expected_raw = data.bytes_per_sample(IMAGE_SIZE, 64, text_states=fmt == "text_states")
+    expected_raw = precomputed.bytes_per_sample(IMAGE_SIZE, 64, text_states=fmt == "text_states")
     assert report["format"] == fmt and expected_raw < report["bytes_per_sample_raw"] < expected_raw + 150
     assert report["projected_tb_stored"] == pytest.approx(report["bytes_per_sample_stored"] * 2_867_200_000 / 1e12, abs=0.01)
     assert f"2,867,200,000 such samples: {report['projected_tb_stored']:,} TB" in stdout
@@ -178,7 +179,7 @@ def test_two_ranks_store_every_sample_exactly_once(source, single, tmp_path):
     assert sorted(samples) == GOOD
     for index in GOOD:
         np.testing.assert_array_equal(samples[index]["token_ids"], expected[index]["token_ids"])
-        for key in data.LATENT_KEYS:
+        for key in precomputed.LATENT_KEYS:
             np.testing.assert_allclose(samples[index][key].astype(np.float32),
                                        expected[index][key].astype(np.float32), rtol=1e-3, atol=1e-3)
 
@@ -207,7 +208,7 @@ def test_interrupted_run_resumes_and_skips_complete_chunks(source, single, tmp_p
     assert sorted(samples) == GOOD
     for index in GOOD:
         np.testing.assert_array_equal(samples[index]["token_ids"], expected[index]["token_ids"])
-        for key in data.LATENT_KEYS:  # CPU convolutions may differ in the last fp32 bit between processes
+        for key in precomputed.LATENT_KEYS:  # CPU convolutions may differ in the last fp32 bit between processes
             np.testing.assert_allclose(samples[index][key].astype(np.float32),
                                        expected[index][key].astype(np.float32), rtol=1e-3, atol=1e-3)
 
@@ -242,7 +243,7 @@ def test_training_dataset_reads_either_format_and_checks_the_shapes(single, stat
                                          text_dim=64, batch_size_per_device=4, num_workers=0, seed=SEED)
         assert loader.dataset.text_format == ("tokens" if text_key == "captions" else "text_states")
         batch = next(iter(loader))
-        assert set(batch) == {*data.LATENT_KEYS, text_key, "sample_index"}  # the index: validation-loss noise
+        assert set(batch) == {*precomputed.LATENT_KEYS, text_key, "sample_index"}  # the index: validation-loss noise
         assert batch["latent_mean"].shape == batch["latent_logvar"].shape == (4, 4, 8, 8)
         assert batch["latent_mean"].dtype == torch.float16
         if text_key == "captions":  # token ids, as image batches carry them
@@ -259,7 +260,7 @@ def test_training_dataset_reads_either_format_and_checks_the_shapes(single, stat
 def test_synthetic_latents_are_deterministic_and_shaped_like_the_shards():
     dataset = data.SyntheticLatents(image_size=64, text_dim=32, num_samples=10, seed=3)
     a, b = dataset[4], dataset[4]
-    assert set(a) == {*data.LATENT_KEYS, "captions", "sample_index"} and all(torch.equal(a[k], b[k]) for k in a)
+    assert set(a) == {*precomputed.LATENT_KEYS, "captions", "sample_index"} and all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["latent_mean"], dataset[5]["latent_mean"])
     loader = data.latents_dataloader(synthetic=True, remote=None, local=None, image_size=64, text_dim=32,
                                      batch_size_per_device=4, num_workers=0, num_samples=10, seed=3,
