@@ -23,14 +23,15 @@ under a dispatch mode that sees every ATen op below autograd, forward, loss and 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from t2ibench import memory
+from t2ibench.families import family_of
+from t2ibench.memory.step import build_meta_step
+from t2ibench.precomputed import batch_text_format
 
 KINDS = ("casts", "normalization", "elementwise", "matmul_conv", "attention", "optimizer", "ema")
 KIND_LABELS = {"casts": "weight, gradient and activation casts", "normalization": "normalization",
@@ -153,18 +154,15 @@ def count_step_kernels(model_config: str, image_size: int, microbatch: int, batc
     rules, and the step's once-per-step kernels, for a run with these settings on one GPU."""
     if batch_size_per_device % microbatch:
         raise ValueError(f"microbatch {microbatch} does not divide the per-device batch {batch_size_per_device}")
-    dtype = memory._dtype_of(precision)
-    copies = weight_casts == "step" and dtype is not None
-    policy = memory.CUDA_AUTOCAST.with_norms(norm_precision)
-    model = memory.build_meta_model(model_config, precomputed=precomputed, precomputed_format=precomputed_format,
-                                    frozen_dtype=dtype, denoiser_dtype=dtype if copies else None)
-    if activation_checkpointing:
-        memory.use_checkpointing(model, policy, dtype, "cuda")
-    model.train()
-    batch = memory.meta_batch(model, model_config, image_size, microbatch)
+    copies = weight_casts == "step" and precision != "fp32"
+    text_format = batch_text_format(family_of(model_config), precomputed, precomputed_format)
+    meta = build_meta_step(model_config, image_size, precision=precision, norm_precision=norm_precision,
+                           text_format=text_format, activation_checkpointing=activation_checkpointing,
+                           low_precision_weights=copies)
+    model, batch = meta.model, meta.batch(microbatch)
     counter = KernelCounter()
     with torch.random.fork_rng(devices=[]), counter:
-        with memory.AutocastRules(policy, dtype, "cuda"):
+        with meta.rules():
             loss = model.loss(model(batch), batch)
         counter.phase = "backward"
         loss.backward()

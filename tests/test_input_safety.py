@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import convert  # noqa: E402
 import latents  # noqa: E402
+from t2ibench.precomputed import RECORD_FILE  # noqa: E402
 
 TINY = ["--model_config", "tiny", "--image_size", "64", "--batch_size", "2", "--chunk_size", "2",
         "--num_workers", "0", "--no_progress"]
@@ -403,7 +404,7 @@ def test_latents_resume_refuses_a_replaced_source_and_overwrite_keeps_foreign_fi
     shutil.copytree(source, src)
     report = latents.main(["--local", str(src), "--out", str(out), *TINY, "--max_chunks", "1"])
     assert report["chunks_left"] == 1
-    settings = json.loads((out / latents.SETTINGS_FILE).read_text())
+    settings = json.loads((out / RECORD_FILE).read_text())
     assert len(settings["source_index_sha256"]) == 64
 
     # The source replaced at the same path by another dataset of the same size.
@@ -419,7 +420,7 @@ def test_latents_resume_refuses_a_replaced_source_and_overwrite_keeps_foreign_fi
     (out / "my-notes.txt").unlink()
     report = latents.main(["--local", str(src), "--out", str(out), *TINY, "--overwrite"])
     assert report["samples"] == 4
-    settings_now = json.loads((out / latents.SETTINGS_FILE).read_text())
+    settings_now = json.loads((out / RECORD_FILE).read_text())
     assert settings_now["source_index_sha256"] != settings["source_index_sha256"]
 
 

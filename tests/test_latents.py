@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import data  # noqa: E402
-from t2ibench import precomputed  # noqa: E402
+from t2ibench import latent_encoding, latent_store, precomputed  # noqa: E402
 from t2ibench.locations import cache_folder  # noqa: E402
 from t2ibench.model import scale_images  # noqa: E402
 from t2ibench.sources import parse_sources  # noqa: E402
@@ -134,7 +134,7 @@ def test_precompute_stores_every_sample_once_as_the_encoders_compute_it(single, 
     from t2ibench.tokenizer import tokenize
 
     out, stdout = single if fmt == "tokens" else states
-    assert sorted(p.name for p in out.glob("chunk*")) == [latents.chunk_name(k) for k in range(NUM_CHUNKS)]
+    assert sorted(p.name for p in out.glob("chunk*")) == [latent_store.chunk_name(k) for k in range(NUM_CHUNKS)]
     assert (out / "index.json").is_file() and (out / "precompute.json").is_file()
     report = json.loads(stdout.strip().splitlines()[-1])
     assert report["samples"] == NUM_SAMPLES - 1 and report["skipped"] == 1 and report["images_per_sec"] > 0
@@ -188,10 +188,10 @@ def test_interrupted_run_resumes_and_skips_complete_chunks(source, single, tmp_p
     out = tmp_path / "latents"
     shutil.copytree(single[0], out)
     # A crash: chunk 3 never started, chunk 1 has shards but no index.json, nothing merged yet.
-    shutil.rmtree(out / latents.chunk_name(3))
-    (out / latents.chunk_name(1) / "index.json").unlink()
+    shutil.rmtree(out / latent_store.chunk_name(3))
+    (out / latent_store.chunk_name(1) / "index.json").unlink()
     (out / "index.json").unlink()
-    kept = {p: p.stat().st_mtime_ns for k in (0, 2) for p in (out / latents.chunk_name(k)).iterdir()}
+    kept = {p: p.stat().st_mtime_ns for k in (0, 2) for p in (out / latent_store.chunk_name(k)).iterdir()}
 
     # Stops again after one chunk (chunk 1). In this process, to save a start-up; the CLI follows.
     report = latents.main(["--local", str(source), "--out", str(out), *PRECOMPUTE, "--max_chunks", "1"])
@@ -199,7 +199,7 @@ def test_interrupted_run_resumes_and_skips_complete_chunks(source, single, tmp_p
     assert "2 already complete, 2 to do" in first and "1 of 4 chunk(s) left" in first
     assert report["written_this_run"] == CHUNK - 1 and report["skipped_this_run"] == 1  # sample 7 is in chunk 1
     assert report["chunks_left"] == 1
-    assert not (out / "index.json").exists() and (out / latents.chunk_name(1) / "index.json").is_file()
+    assert not (out / "index.json").exists() and (out / latent_store.chunk_name(1) / "index.json").is_file()
     second = precompute(source, out)
     assert "3 already complete, 1 to do" in second.stdout and "done: 19 of 20 samples" in second.stdout
     assert {p: p.stat().st_mtime_ns for p in kept} == kept  # complete chunks were not rewritten
@@ -215,9 +215,9 @@ def test_interrupted_run_resumes_and_skips_complete_chunks(source, single, tmp_p
 
 def test_other_settings_are_refused(single):
     existing = json.loads((single[0] / "precompute.json").read_text())
-    assert latents.check_settings(existing, dict(existing)) is None
-    assert latents.check_settings(None, existing) is None
-    problem = latents.check_settings(existing, {**existing, "chunk_size": 5, "image_size": 128})
+    assert latent_store.check_settings(existing, dict(existing)) is None
+    assert latent_store.check_settings(None, existing) is None
+    problem = latent_store.check_settings(existing, {**existing, "chunk_size": 5, "image_size": 128})
     assert "chunk_size" in problem and "image_size" in problem and "--overwrite" in problem
 
 
@@ -227,7 +227,7 @@ def test_other_settings_are_refused(single):
 def test_values_that_cannot_be_stored_stop_the_run(storage, bad, error):
     mean, logvar, text = torch.zeros(3, 4, 8, 8), torch.zeros(3, 4, 8, 8), torch.zeros(3, 77, 16)
     mean[1, 2, 3, 4] = bad
-    encoded = latents.Encoded([10, 11, 12], ["a", "b", "c"], (mean, logvar, {"text_states": text}), storage,
+    encoded = latent_encoding.Encoded([10, 11, 12], ["a", "b", "c"], (mean, logvar, {"text_states": text}), storage,
                               torch.device("cpu"))
     if error is None:
         arrays, ranges = encoded.arrays(storage, "fp32")
