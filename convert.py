@@ -30,9 +30,6 @@ from typing import Iterator
 
 from PIL import Image, ImageOps
 from streaming import MDSWriter
-from streaming.base.compression import get_compressions
-from streaming.base.hashing import get_hashes
-from streaming.base.util import bytes_to_int
 from tqdm import tqdm
 
 from t2ibench import errors
@@ -44,7 +41,7 @@ from t2ibench.images import load_image, to_rgb
 from t2ibench.locations import (check_output, is_remote, missing_upload_credentials, normalise, scheme,
                                 upload_schemes)
 from t2ibench.files import Hold, acquire
-from t2ibench.mds import INDEX_FILE, SHARD_NAME, missing_shard_files
+from t2ibench.mds import INDEX_FILE, SHARD_NAME, codec_problem, missing_shard_files, size_limit_problem
 
 COLUMNS = {"jpg": "bytes", "caption": "str", "key": "str"}  # the output's: what data.StreamingImageCaptions reads
 
@@ -247,17 +244,9 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
     problem = check_workers("--workers", workers)
     if problem:
         raise ConvertError(problem)
-    unknown = [c for c in [compression] if c and c not in get_compressions()]
-    unknown += [h for h in hashes if h not in get_hashes()]
-    if unknown:
-        families = sorted({c.split(":")[0] for c in get_compressions()})
-        raise ConvertError(f"--compression / --hashes: unknown compression or hash {unknown}: compressions are "
-                           f"{families} (zstd:19 sets a level), hashes are {sorted(get_hashes())}")
-    try:
-        if not 0 < bytes_to_int(size_limit) < 2**32:
-            raise ValueError
-    except (ValueError, TypeError):
-        raise ConvertError(f"--size_limit {size_limit} must be a size such as 64mb, below 4gb") from None
+    problem = codec_problem(compression, hashes, " (zstd:19 sets a level)") or size_limit_problem(size_limit)
+    if problem:
+        raise ConvertError(problem)
     # --out probed before any input is read: writable, a folder, and not an input nor inside one
     # (nor holding one, which --overwrite would delete).
     problem = check_output("--out", out, folder=True, inputs=[("INPUT", name) for name in inputs])

@@ -29,9 +29,6 @@ import numpy as np
 import torch
 from composer.utils import dist, reproducibility
 from streaming import MDSWriter
-from streaming.base.compression import get_compressions
-from streaming.base.hashing import get_hashes
-from streaming.base.util import bytes_to_int
 from torch.utils.data import DataLoader, Dataset
 
 import data
@@ -46,7 +43,7 @@ from t2ibench.images import GEOMETRY_KEYS, ImageGeometry
 from t2ibench.latent_encoding import Encoded, Stats, encode
 from t2ibench.latent_store import (check_settings, chunk_name, chunk_writer, clear_output, completed_chunks, join,
                                    read_json, write_json)
-from t2ibench.mds import INDEX_FILE
+from t2ibench.mds import INDEX_FILE, codec_problem, size_limit_problem
 from t2ibench.precomputed import (RECORD_FILE, STORAGE_DTYPES, TEXT_STATES, TOKEN_IDS_DTYPE, TOKENS, mds_columns,
                                   token_column)
 from t2ibench.scale import SAMPLES as SAMPLES_AT_SCALE
@@ -198,16 +195,9 @@ def validate(args: argparse.Namespace) -> tuple[ModelFamily, Source]:
         fail(too_many)
     if not 0.0 < args.dist_timeout < math.inf:
         fail(f"--dist_timeout {args.dist_timeout} must be a positive number of seconds")
-    try:
-        if not 0 < bytes_to_int(args.size_limit) < 2**32:
-            raise ValueError
-    except (ValueError, TypeError):
-        fail(f"--size_limit {args.size_limit} must be a size such as 64mb, below 4gb")
-    unknown = [c for c in [args.compression] if c and c not in get_compressions()]
-    unknown += [h for h in args.hashes if h not in get_hashes()]
-    if unknown:
-        fail(f"--compression / --hashes: unknown compression or hash {unknown}: compressions are "
-             f"{sorted({c.split(':')[0] for c in get_compressions()})}, hashes are {sorted(get_hashes())}")
+    problem = size_limit_problem(args.size_limit) or codec_problem(args.compression, args.hashes)
+    if problem:
+        fail(problem)
     sources = parse_sources(args.remote, args.local)
     if not sources:
         fail("no input: pass --remote (with --local as cache) or --local with the image-caption MDS shards")
