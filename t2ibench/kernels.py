@@ -2,23 +2,8 @@
 
     python bench/step_ops.py --model_config sdxl-base --image_size 1024 --precomputed --precomputed_format text_states
 
-A step that launches more kernels than the GPU can run while the host queues them is launch-bound:
-the GPU idles between small kernels. This counts what the step asks for, with no GPU: the step of
-the memory model (`t2ibench.memory`: the family's meta model and batch, CUDA autocast's rules with
-its weight-cast cache, the attention kernel CUDA picks, activation checkpointing applied) runs once
-under a dispatch mode that sees every ATen op below autograd, forward, loss and backward alike.
-
-* One op that reaches a device kernel is one launch; views, `empty` and `detach` launch none. A
-  cuBLAS or cuDNN call may launch two or three kernels of its own (split-K, a bias reduction): the
-  matmul and convolution figure is a floor.
-* A cast is a `_to_copy` or `copy_` that changes the dtype: autocast's weight casts in forward (and
-  again in a checkpointed block's recomputation), `ToCopyBackward`'s gradient casts in backward,
-  and the step's casts of activations.
-* Multi-tensor ops (`torch._foreach_*`, fused AdamW) launch as CUDA's `multi_tensor_apply` does:
-  chunks of 65,536 elements, a launch whenever 320 blocks or the depth's tensor limit fill up.
-* Per step, amortised over the global batch: fused AdamW, the EMA's `_foreach_lerp_`, Composer's
-  loss bookkeeping, the gradient accumulation's adds from the second microbatch on, and, with
-  `weight_casts` "step" (t2ibench.weight_casts), the copies' refresh and the gradients' upcast.
+The step is the memory model's (`t2ibench.memory.step.build_meta_step`), run once under a dispatch
+mode that sees every ATen op below autograd; what counts as a launch and a cast: docs/speed.md.
 """
 from __future__ import annotations
 
