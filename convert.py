@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from t2ibench import errors
 from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_INT, Parser, Range
-from t2ibench.convert_inputs import (EMPTY_CAPTION, MISSING_CAPTION, MISSING_IMAGE, PARQUET_CAPTION_COLUMNS,
+from t2ibench.convert_inputs import (EMPTY_CAPTION, FORMAT_CHOICES, MISSING_CAPTION, MISSING_IMAGE, PARQUET_CAPTION_COLUMNS,
                                      PARQUET_IMAGE_COLUMNS, STAGING, TOO_SMALL, UNDECODABLE, Candidate, ConvertError,
                                      Report, find_sources, iter_candidates)
 from t2ibench.images import load_image, to_rgb
@@ -230,7 +230,7 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
     """Convert `inputs` to MDS shards in `out`; returns the report (also printed by main)."""
     inputs = [normalise("INPUT", name, ()) if scheme(name) == "file" else name for name in inputs]
     out = normalise("--out", out, upload_schemes())
-    if fmt not in ("auto", "folder", "webdataset", "parquet"):
+    if fmt not in FORMAT_CHOICES:
         raise ConvertError(f"--format {fmt} is unknown; choose auto, folder, webdataset or parquet")
     if min_size < 0 or max_size < 0 or (max_size and max_size < min_size):
         raise ConvertError(f"--min_size {min_size} / --max_size {max_size}: need 0 <= min_size <= max_size (0: no limit)")
@@ -328,7 +328,7 @@ def build_parser() -> Parser:
     p = Parser("convert.py", description=__doc__)
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="image folders, .tar shards (or folders of them), .parquet files")
     p.add_argument("--out", required=True, help="output folder, or s3:// gs:// oci:// ... URI")
-    p.add_argument("--format", dest="fmt", default="auto", choices=("auto", "folder", "webdataset", "parquet"),
+    p.add_argument("--format", dest="fmt", default="auto", choices=FORMAT_CHOICES,
                    help="how to read the inputs (auto: tar shards, else parquet files, else images)")
     p.add_argument("--compression", default="zstd", help="shard compression: zstd, zstd:<level>, gz, br, none")
     p.add_argument("--hashes", default="sha1,xxh64", help="comma-separated hashes stored per shard ('' for none)")

@@ -16,6 +16,7 @@ from t2ibench.locations import is_remote
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+FORMAT_CHOICES = ("auto", "folder", "webdataset", "parquet")  # --format: every kind found, or one
 # Column names tried, in order, when reading parquet files (img2dataset writes `jpg` and `txt`;
 # Hugging Face datasets write an `image` struct and often `caption` or `text`).
 PARQUET_IMAGE_COLUMNS = ("jpg", "jpeg", "png", "webp", "image", "img")
@@ -303,7 +304,7 @@ def find_sources(inputs: list[str], fmt: str, image_column: str | None = None,
             "folder": [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS],
         }
         if fmt == "auto":
-            kinds = [k for k in ("webdataset", "parquet", "folder") if found[k]]
+            kinds = [k for k in found if found[k]]  # tar shards first, then parquet, then images
             if found["webdataset"] and found["parquet"]:
                 kinds.remove("parquet")
                 report.not_read[f"{names['parquet']} next to tar shards (img2dataset metadata; "
