@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import convert  # noqa: E402
 import data  # noqa: E402
+from t2ibench import convert_inputs  # noqa: E402
 from t2ibench.model import scale_images  # noqa: E402
 from t2ibench.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize  # noqa: E402
 
@@ -222,6 +223,22 @@ def write_webdataset_tar(path: Path, samples: dict[str, dict[str, bytes]]) -> No
                 info = tarfile.TarInfo(f"{key}.{ext}")
                 info.size = len(content)
                 tar.addfile(info, io.BytesIO(content))
+
+
+def test_sources_of_a_mixed_folder_are_read_tars_first_and_img2datasets_parquet_left_out(tmp_path):
+    # A folder holding tar shards, their img2dataset metadata parquet and a loose captioned image:
+    # --format auto reads the tar and the image, counts the parquet as not read, and finds every sample.
+    jpeg = encoded(smooth_rgb(0), "JPEG")
+    write_webdataset_tar(tmp_path / "00000.tar", {"a": {"jpg": jpeg, "txt": b"one"}, "b": {"jpg": jpeg, "txt": b"two"}})
+    (tmp_path / "00000.parquet").write_bytes(b"metadata only")
+    (tmp_path / "photo.jpg").write_bytes(jpeg)
+    (tmp_path / "photo.txt").write_bytes("caf\xe9".encode("cp1252"))  # not UTF-8: read as Windows-1252, counted
+    report = convert_inputs.Report(out="")
+    sources, total = convert_inputs.find_sources([str(tmp_path)], "auto", report=report)
+    assert [source.kind for source in sources] == ["webdataset", "folder"] and total == 3
+    assert sum(report.not_read.values()) == 1
+    candidates = list(convert_inputs.iter_candidates(sources, report, None, None))
+    assert sorted(c.caption for c in candidates) == ["caf\xe9", "one", "two"] and report.non_utf8_captions == 1
 
 
 def test_convert_webdataset_tars_then_read_back(tmp_path, tok):
