@@ -33,6 +33,7 @@ import convert  # noqa: E402
 import cost  # noqa: E402
 import export  # noqa: E402
 import latents  # noqa: E402
+from t2ibench import convert_inputs  # noqa: E402
 
 # A run that must end in one line within this many seconds, or it hangs (it hung until killed).
 COMMAND_TIMEOUT_SECONDS = 180
@@ -122,7 +123,7 @@ def test_a_second_convert_into_the_same_out_is_refused_and_the_first_completes(t
     first = subprocess.Popen([sys.executable, "convert.py", str(photos), "--out", str(out), "--workers", "1",
                               "--no_progress", "--size_limit", "2kb"], cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
-    staging = out / convert.STAGING
+    staging = out / convert_inputs.STAGING
     try:
         wait_for(lambda: staging.is_dir() and any(staging.glob("shard.*")), first, "shard in its staging folder")
         first.send_signal(signal.SIGSTOP)  # the first conversion is half-way, for as long as the second takes
