@@ -105,7 +105,7 @@ class _ByIndex(Dataset):
 
 
 # -----------------------------------------------------------------------------------------------
-# The output folder: local path or object-store URI.
+# The output folder (t2ibench.latent_store): held, checked and recorded by rank 0.
 # -----------------------------------------------------------------------------------------------
 
 def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int) -> list[int]:
@@ -134,7 +134,7 @@ def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int) -> list
 
 
 # -----------------------------------------------------------------------------------------------
-# Encoding.
+# The command: flags, checks, then the run (encoding: t2ibench.latent_encoding).
 # -----------------------------------------------------------------------------------------------
 
 def build_parser() -> flags.Parser:
