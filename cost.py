@@ -1,67 +1,26 @@
 """Time and cost to train Stable Diffusion 2 base (or Flux.1-schnell, MLPerf's model since v5.1), from measured throughput.
 
-The 2023 MosaicML benchmark turned images/sec on 8..128 A100s into days, GPU-hours and dollars
-for the whole training run (2,867,200,000 images = 1.4M steps x 2048, at $2 per A100-hour),
-and extrapolated to 256 GPUs. This script does the same for any set of measurements:
-
     python cost.py results/*.json --plot cost.png
     python cost.py --gpus 8 16 32 64 128 --images_per_sec 128.2 254.0 485.7 912.2 1618.4 \
         --num_gpus 8 16 32 64 128 256 --plot cost.png --csv cost.csv --markdown cost.md
 
-For each GPU count n in the table:
-    days      = samples / images_per_sec(n) / 86400
-    GPU-hours = days * 24 * n
-    cost ($)  = GPU-hours * usd_per_gpu_hour
-
-Measured counts use the measurement (several at the same count are averaged). Other counts are
-predicted by a scaling model on per-GPU throughput t(n) = images_per_sec(n) / n:
-  1. Efficiency per doubling: least-squares fit of ln t(n) linear in log2(n) over the measured
-     counts; exp(slope) is the factor by which per-GPU throughput changes each time the GPU count
-     doubles (0.943 for the 2023 numbers). It is clamped to [0.5, 1]: scaling is never better
-     than linear, and adding GPUs never makes the whole job slower.
-  2. Between two measured counts, t(n) is interpolated linearly in (log2 n, ln t), so the table
-     passes through every measurement; outside the measured range, t(n) starts from the nearest
-     measured count and changes by the fitted factor per doubling. Anchoring at the measured
-     point (rather than reading the fitted line) keeps the table continuous: the 2023 fit line
-     alone is 3.8% above the measured 128-GPU throughput.
-  3. Whatever the data, a prediction never has higher per-GPU throughput than the nearest
-     measured count below it (never better than linear scaling from there), and never lower
-     total throughput than any smaller measured count.
-With one measured count there is nothing to fit: predictions assume linear scaling (constant
-per-GPU throughput), which is an upper bound, and a note says so.
-
-Real scaling usually degrades faster at larger counts (the 2023 doublings kept 99%, 96%, 94% and
-89% of per-GPU throughput), so predictions beyond the largest measured count lean optimistic;
-the blog's own 256-GPU figure (2,589.4) implies 80% for that last doubling.
-
-Results JSON files need `images_per_sec` (global, all GPUs together) and `world_size` (number of
-GPUs); `device`, `image_size`, `model_config` and `precomputed` are used when present: mixing
-them is an error, and a result that is not SD2 base at 512x512 gives a table labeled for what it
-measured (the cost of training that model at that size), never "the cost to train SD2 base".
-`--gpus`/`--images_per_sec` pairs are taken as SD2 base at 512x512 (or `--model_config`'s model at
-its training size), so results files of another model or size are refused beside them, not fitted
-with them into one curve.
-
-Flux.1-schnell (`flux1-schnell` results, or `--model_config flux1-schnell` with --gpus/--images_per_sec)
-is priced for `--samples` (default: one pass over MLPerf's 1,099,776-sample training set; a run to
-MLPerf's quality target takes more), and the table gains reference rows at each measured GPU count:
-the per-GPU samples/s of MLPerf Training v5.1's Flux.1 results (B200, GB200, GB300), marked as
-published elsewhere, not measured here. Its one-time precompute pass (`--precompute`) runs T5-XXL,
-CLIP-L and the VAE encoder (2,683 GFLOP per 256x256 image, T5-XXL 89% of it).
+Turns images/s on some GPU counts into days, GPU-hours and dollars for the whole training run, as
+the 2023 MosaicML table did, and predicts the counts not measured. The arithmetic, the scaling
+model and which results may be mixed are in docs/cost.md.
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
 from dataclasses import dataclass
 
 from t2ibench import errors
-from t2ibench.cli import GPU_COUNT, MAX_GPUS, MAX_IMAGE_SIZE, POSITIVE_FLOAT, POSITIVE_INT, Parser
+from t2ibench.cli import GPU_COUNT, MAX_GPUS, MAX_IMAGE_SIZE, POSITIVE_FLOAT, Parser
+from t2ibench.cost_table import Row, format_table, plot, write_csv, write_markdown
 from t2ibench.errors import fail
-from t2ibench.files import atomic_file, write_error
+from t2ibench.files import write_error
 from t2ibench.locations import check_output, check_outputs_apart, normalise
 from t2ibench.scale import (MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU, MLPERF_FLUX_TRAIN_SAMPLES, PRICED_MODELS,
                             SAMPLES,  # 2023: 1.4M x 2048
@@ -98,17 +57,6 @@ class Measurement:
     image_size: int | None = None
     model_config: str | None = None
     precomputed: bool | None = None  # trained from precomputed latents (no VAE/text encoder in the step)
-
-
-@dataclass
-class Row:
-    """One line of the table. days in days, gpu_hours in GPU-hours, cost_usd in US dollars."""
-    num_gpus: int
-    images_per_sec: float
-    days: float
-    gpu_hours: float
-    cost_usd: float
-    source: str  # "measured", "predicted", or "MLPerf v5.1 <GPU> (published elsewhere)" for reference rows
 
 
 @dataclass
@@ -294,104 +242,6 @@ def model_notes(model: ScalingModel) -> list[str]:
         kept = ", ".join(f"{b}: {per_gpu[b] / per_gpu[a]:.3f}" for a, b in doublings)
         line += f" (measured doublings -> {kept})"
     return [line]
-
-
-# -----------------------------------------------------------------------------
-# outputs
-
-COLUMNS = ("GPUs", "images/s", "days", "GPU-hours", "cost ($)", "source")
-
-
-def format_cells(row: Row) -> list[str]:
-    """The printed form of one row: days to 2 decimals, hours and dollars to the unit."""
-    return [f"{row.num_gpus}", f"{row.images_per_sec:,.1f}", f"{row.days:,.2f}",
-            f"{row.gpu_hours:,.0f}", f"{row.cost_usd:,.0f}", row.source]
-
-
-def format_table(rows: list[Row]) -> str:
-    """Plain-text table, numbers right-aligned, for the terminal."""
-    cells = [list(COLUMNS)] + [format_cells(r) for r in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
-    lines = []
-    for line in cells:
-        numbers = [c.rjust(w) for c, w in zip(line[:-1], widths)]
-        lines.append("  ".join(numbers + [line[-1].ljust(widths[-1])]).rstrip())
-    return "\n".join(lines)
-
-
-def write_csv(rows: list[Row], path: str) -> None:
-    """Machine-readable table: unformatted numbers, one row per GPU count."""
-    with atomic_file(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["num_gpus", "images_per_sec", "days", "gpu_hours", "cost_usd", "source"])
-        for r in rows:
-            w.writerow([r.num_gpus, f"{r.images_per_sec:.2f}", f"{r.days:.4f}",
-                        f"{r.gpu_hours:.1f}", f"{r.cost_usd:.2f}", r.source])
-
-
-def write_markdown(rows: list[Row], path: str, caption: str) -> None:
-    """Markdown table (same cells as the terminal table) followed by its assumptions."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---:|" * (len(COLUMNS) - 1) + "---|"]
-    lines += ["| " + " | ".join(format_cells(r)) + " |" for r in rows]
-    with atomic_file(path, "w") as f:
-        f.write("\n".join(lines) + f"\n\n{caption}\n")
-
-
-def plot(rows: list[Row], path: str, title: str) -> None:
-    """Two panels against GPU count (log2 axis): days to train (log axis) and cost in dollars.
-    Measured rows are filled markers, predicted ones hollow markers on a dashed line."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    gpus = [r.num_gpus for r in rows]
-    predicted = [i for i, r in enumerate(rows) if r.source == "predicted"]
-    measured = [i for i, r in enumerate(rows) if r.source == "measured"]
-    fig, (ax_days, ax_cost) = plt.subplots(1, 2, figsize=(12, 4.8))
-    panels = [(ax_days, [r.days for r in rows], "days to train", lambda v: f"{v:,.1f} d"),
-              (ax_cost, [r.cost_usd / 1000 for r in rows], "cost (thousand US$)",
-               lambda v: f"${v:,.0f}k")]
-    for ax, ys, ylabel, label in panels:
-        # solid between two measurements, dashed wherever a prediction is involved
-        for i in range(len(rows) - 1):
-            both = rows[i].source == rows[i + 1].source == "measured"
-            ax.plot(gpus[i:i + 2], ys[i:i + 2], color="C0", lw=1.2, ls="-" if both else "--")
-        ax.plot([gpus[i] for i in measured], [ys[i] for i in measured], ls="none", marker="o",
-                color="C0")
-        ax.plot([gpus[i] for i in predicted], [ys[i] for i in predicted], ls="none", marker="o",
-                color="C0", mfc="white")
-        handles = [Line2D([], [], color="C0", marker="o", ls="-", label="measured")]
-        if predicted:
-            handles.append(Line2D([], [], color="C0", marker="o", mfc="white", ls="--",
-                                  label="predicted"))
-        ax.legend(handles=handles)
-        for x, y in zip(gpus, ys):
-            ax.annotate(label(y), (x, y), textcoords="offset points", xytext=(5, 6), fontsize=8)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(gpus)
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("number of GPUs")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="major", alpha=0.3)
-        ax.set_xlim(min(gpus) / 1.4, max(gpus) * 1.4)  # room for the labels at both ends
-    ax_days.set_yscale("log")
-    ax_days.set_ylim(min(r.days for r in rows) / 1.5, max(r.days for r in rows) * 1.5)
-    ax_days.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax_days.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax_days.yaxis.set_minor_formatter(NullFormatter())
-    ax_days.set_title("days to train (log scale)", fontsize=10)
-    ax_cost.set_ylim(bottom=0, top=max(r.cost_usd for r in rows) / 1000 * 1.15)
-    ax_cost.set_title("cost of the run", fontsize=10)
-    fig.suptitle(title)
-    fig.tight_layout()
-    try:
-        with atomic_file(path, "wb") as f:  # the format from the name's suffix, as savefig(path) takes it
-            fig.savefig(f, dpi=120, format=os.path.splitext(path)[1][1:].lower())
-    finally:
-        plt.close(fig)
 
 
 # -----------------------------------------------------------------------------

@@ -1,20 +1,9 @@
-"""Training data: everything `benchmark.py` reads, in one place (the 2023 benchmark's data.py).
+"""Training data: every dataset `benchmark.py` reads, in one place (the 2023 benchmark's data.py):
+synthetic images or latents, LAION-style image-caption MDS shards streamed with MosaicML Streaming,
+and the precomputed latents latents.py writes (their format: `t2ibench.precomputed`).
 
-- the synthetic dataset of the 2023 benchmark;
-- LAION-style image-caption MDS shards (written by convert.py), streamed with MosaicML Streaming;
-- precomputed VAE latents and text states (written by latents.py): their on-disk format, defined
-  here once, and the datasets that train from them.
-
-Image datasets yield dicts with `image` (3, S, S) uint8 pixels and the model family's token ids
-(SD2: `captions` (77,) int64; images cross from the loader workers as bytes, a quarter of float32's
-shared memory, pinned memory and host-to-device traffic; `t2ibench.model.scale_images` maps them to
-[-1, 1] on the device); precomputed ones `latent_mean`, `latent_logvar` and either the family's
-token ids (SD2: `captions`, the default format; Flux: `clip_ids` and `t5_ids`) or its text states
-(SD2: `text_states`; Flux: `t5_states` and `clip_pooled`, MLPerf's format). Every sample also
-carries `sample_index`, which fixes its noise and timestep in the validation loss. All are what
-`t2ibench.model.DiffusionModel` consumes. This file stays at the root, where users of the 2023 benchmark import it from, and is
-built from the package's parts (`t2ibench.sources`, `t2ibench.streaming`, `t2ibench.images`, the
-model families); the package never imports it.
+The samples each dataset yields, and why images cross as uint8, are in docs/data.md. This file stays
+at the root, where users of the 2023 benchmark import it from; the package never imports it.
 """
 from __future__ import annotations
 
@@ -32,16 +21,16 @@ from streaming.base.dataset import _ShardState
 from torch.utils.data import DataLoader, Dataset
 
 from t2ibench.errors import STORAGE_MODULES
-from t2ibench.families import FAMILIES, MODEL_CONFIGS, ModelFamily
+from t2ibench.families import FAMILIES, ModelFamily
 from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
 from t2ibench.images import (CROP_KEY, GEOMETRY_KEYS, ORIGINAL_SIZE_KEY, ImageGeometry,  # noqa: F401
                              decode_pixels, decode_pixels_with_geometry, load_image, to_rgb)  # data's API
+from t2ibench.precomputed import (DEFAULT_FAMILY, LATENT_KEYS, TEXT_FORMATS, TEXT_STATES, TEXT_STATES_KEY, TOKENS,
+                                  column_arrays, stored_shapes, text_format, token_column)
 from t2ibench.sources import Source, parse_sources
 from t2ibench.streaming import BAD_CHECK_AFTER, MAX_BAD_FRACTION, StreamingSettings
 from t2ibench.tokenizer import MAX_LENGTH
 
-# The 2023 benchmark's model: the family of data built without one named.
-DEFAULT_FAMILY = MODEL_CONFIGS["sd2-base"]
 
 
 def sample_generator(seed: int, index: int) -> torch.Generator:
@@ -93,15 +82,10 @@ def synthetic_dataloader(image_size: int, batch_size_per_device: int, num_worker
 
 # -----------------------------------------------------------------------------------------------
 # LAION-style image-caption data: MDS shards streamed with MosaicML Streaming.
-#
-# `convert.py` writes the shards (columns `jpg`: encoded image bytes, `caption`: str, `key`: str).
-# Every rank and every loader worker streams its own part of them from `remote` (s3://, gs://,
-# oci://, a path...) into the `local` cache, decodes images by content (JPEG, PNG, WebP...), and
-# turns each sample into the same dict the synthetic set yields.
+# (written by convert.py; the columns are in docs/data.md)
 # -----------------------------------------------------------------------------------------------
 
 log = logging.getLogger(__name__)
-
 
 
 class CompactSpanner:
@@ -413,101 +397,8 @@ def laion_dataloader(remote: str | None = None, local: str | None = None, tokeni
 
 
 # -----------------------------------------------------------------------------------------------
-# Precomputed latents (written by latents.py): the on-disk format, and training from it.
+# Precomputed latents (written by latents.py; the format is t2ibench.precomputed's): training from them.
 # -----------------------------------------------------------------------------------------------
-
-# Two formats, told apart by their columns (training reads either):
-# - "tokens" (latents.py's default): the VAE posterior moments and the caption's token ids; the
-#   frozen text encoder runs online during training. 65,698 bytes per sample at 512x512 in fp16.
-# - "text_states" (latents.py --store_text_states): the moments and the text encoder's output
-#   (77 x D); no encoder runs during training, for 3.4x the bytes (223,240) and 1.9% fewer FLOPs.
-# Token ids are stored as uint16 (154 bytes): CLIP's vocabulary (49,408) fits, half of int32 and a
-# quarter of int64; the dataset hands them to the model as int64, as the image datasets do.
-LATENT_KEYS = ("latent_mean", "latent_logvar")  # the VAE posterior: in every precomputed sample
-TEXT_STATES_KEY = "text_states"  # column and batch key of the text_states format
-TOKEN_IDS_COLUMN = "token_ids"  # column of the tokens format; yielded as "captions", like image batches
-TOKEN_IDS_DTYPE = "uint16"
-TOKENS_KEY = "captions"
-# A family with micro-conditioning (SDXL) also stores GEOMETRY_KEYS, two int32 each (16 bytes a
-# sample): the original size and crop of the image the latents were encoded from, as decoded.
-GEOMETRY_DTYPE = "int32"
-FORMATS = ("tokens", "text_states")
-STORAGE_DTYPES = {"fp16": "float16", "fp32": "float32"}
-# Another family's format: the same two kinds, one column per batch key of the family (Flux:
-# "clip_ids" and "t5_ids", or "t5_states" and "clip_pooled"; T5's 32,128 ids fit uint16 too).
-
-
-def token_column(key: str, family: ModelFamily | None = None) -> str:
-    """The column of a token-id batch key (SD2's `captions` are stored as `token_ids`; others as their key)."""
-    return (family or DEFAULT_FAMILY).token_columns.get(key, key)
-
-
-def stored_shapes(family: ModelFamily, config: str, text_states: bool) -> dict[str, tuple[int, ...]]:
-    """{batch key: per-sample shape} of the text columns of a family's precomputed format."""
-    return family.conditioning_shapes(config) if text_states else family.text_input_shapes(config)
-
-
-def mds_columns(latent_channels: int, latent_size: int, text_dim: int | None = None, storage_dtype: str = "fp16",
-                captions: bool = True, text_states: bool = False, *, family: ModelFamily | None = None,
-                config: str | None = None, micro_conditioning: bool = False) -> dict[str, str]:
-    """MDS columns of a precomputed dataset; the shapes are fixed, so no per-sample shape header.
-
-    Without `family`, SD2's (77 token ids, or 77 x `text_dim` text states); with it, the family's
-    batch keys at `config`'s shapes. `micro_conditioning` (SDXL) adds each image's original size and crop.
-    """
-    dtype = STORAGE_DTYPES[storage_dtype]
-    latent = f"ndarray:{dtype}:{latent_channels},{latent_size},{latent_size}"
-    columns = {"index": "int64", "latent_mean": latent, "latent_logvar": latent}
-    if family is None:
-        shapes = {TEXT_STATES_KEY: (MAX_LENGTH, text_dim)} if text_states else {TOKENS_KEY: (MAX_LENGTH,)}
-    else:
-        shapes = stored_shapes(family, config or family.configs[0], text_states)
-    for key, shape in shapes.items():
-        encoding = dtype if text_states else TOKEN_IDS_DTYPE
-        columns[key if text_states else token_column(key, family)] = f"ndarray:{encoding}:{','.join(map(str, shape))}"
-    if micro_conditioning:
-        columns.update({key: f"ndarray:{GEOMETRY_DTYPE}:2" for key in GEOMETRY_KEYS})
-    if captions:
-        columns["caption"] = "str"
-    return columns
-
-
-def bytes_per_sample(image_size: int, text_dim: int = 1024, storage_dtype: str = "fp16", latent_channels: int = 4,
-                     text_states: bool = False, conditioning_shapes: dict[str, tuple[int, ...]] | None = None,
-                     micro_conditioning: bool = False) -> int:
-    """Bytes of one sample's arrays and index before compression (captions and MDS offsets not counted)."""
-    itemsize = np.dtype(STORAGE_DTYPES[storage_dtype]).itemsize
-    latent = latent_channels * (image_size // 8) ** 2
-    shapes = conditioning_shapes or {TEXT_STATES_KEY: (MAX_LENGTH, text_dim)}
-    text = (sum(int(np.prod(shape)) for shape in shapes.values()) * itemsize if text_states
-            else MAX_LENGTH * np.dtype(TOKEN_IDS_DTYPE).itemsize)
-    geometry = len(GEOMETRY_KEYS) * 2 * np.dtype(GEOMETRY_DTYPE).itemsize if micro_conditioning else 0
-    return 2 * latent * itemsize + text + geometry + 8
-
-
-def text_format(columns: list[str], family: ModelFamily | None = None) -> str | None:
-    """"tokens" or "text_states" from a shard's column names (the family's, SD2's by default); None
-    if they are not precomputed latents of that family."""
-    family = family or DEFAULT_FAMILY
-    if not all(k in columns for k in LATENT_KEYS):
-        return None
-    if all(k in columns for k in family.stored_text_columns(text_states=True)):
-        return "text_states"
-    return "tokens" if all(k in columns for k in family.stored_text_columns(text_states=False)) else None
-
-
-# -----------------------------------------------------------------------------------------------
-
-def _column_shapes(shard: Any) -> dict[str, tuple[str, tuple[int, ...] | None]]:
-    """{column: (dtype, shape)} of the ndarray columns of an MDS shard, from their encodings."""
-    shapes = {}
-    for name, encoding in zip(getattr(shard, "column_names", []), getattr(shard, "column_encodings", [])):
-        parts = encoding.split(":")
-        if parts[0] == "ndarray" and len(parts) >= 2:
-            shape = tuple(int(x) for x in parts[2].split(",")) if len(parts) == 3 else None
-            shapes[name] = (parts[1], shape)
-    return shapes
-
 
 def all_finite(array: np.ndarray) -> bool:
     """np.isfinite(array).all(), 3x faster for float16 (NumPy computes float16 in software): an element is
@@ -542,7 +433,7 @@ class StreamingLatents(NamedShardErrors, StreamingDataset):
         self.vocabulary = self.family.vocabulary_sizes(config or self.family.configs[0])  # token ids must be below
         # The shapes the run expects: the family's at `config`; SD2 without one: text_dim only.
         self.expected = None if config is None else {
-            fmt: stored_shapes(self.family, config, fmt == "text_states") for fmt in FORMATS}
+            fmt: stored_shapes(self.family, config, fmt == TEXT_STATES) for fmt in TEXT_FORMATS}
         formats = {}
         for where, shard in first_shards(self):
             formats[where] = self._check_shard(where, shard, image_size, text_dim)
@@ -559,12 +450,12 @@ class StreamingLatents(NamedShardErrors, StreamingDataset):
     def _value_problem(self, sample: dict[str, Any]) -> str | None:
         """Why a sample's values cannot be trained on (None when they can): latents or text states that are
         not finite, token ids beyond the text encoder's vocabulary. Shapes are checked per shard."""
-        arrays = [*LATENT_KEYS, *(self.family.conditioning_keys if self.text_format == "text_states" else ())]
+        arrays = [*LATENT_KEYS, *(self.family.conditioning_keys if self.text_format == TEXT_STATES else ())]
         for key in arrays:
             if not all_finite(sample[key]):
                 return (f"{key} is not finite (NaN or infinity): the latents were computed wrongly, not trained "
                         "wrongly; compute them again with latents.py (it stops on such values)")
-        if self.text_format != "text_states":
+        if self.text_format != TEXT_STATES:
             for key, size in self.vocabulary.items():
                 ids = sample[token_column(key, self.family)]
                 if ids.size and int(ids.max()) >= size:
@@ -584,19 +475,19 @@ class StreamingLatents(NamedShardErrors, StreamingDataset):
         if found is None:
             raise ValueError(f"{where} holds no precomputed latents (its columns are {columns}): write them with "
                              "`python latents.py --out ...`, or train without --precomputed")
-        shapes = _column_shapes(shard)
+        shapes = column_arrays(shard)
         latent_shape = shapes.get("latent_mean", (None, None))[1]
         text_shape = shapes.get(TEXT_STATES_KEY, (None, None))[1]
         if image_size is not None and latent_shape is not None and latent_shape[1:] != (image_size // 8,) * 2:
             raise ValueError(f"{where} holds latents of {latent_shape[1] * 8}x{latent_shape[2] * 8} images, "
                              f"not {image_size}x{image_size}: precompute at --image_size {image_size} "
                              f"(or train at --image_size {latent_shape[1] * 8})")
-        if self.expected is None and found == "text_states" and text_dim is not None and text_shape is not None \
+        if self.expected is None and found == TEXT_STATES and text_dim is not None and text_shape is not None \
                 and text_shape != (MAX_LENGTH, text_dim):
             raise ValueError(f"{where} holds text states of shape {text_shape}, but the UNet attends to "
                              f"({MAX_LENGTH}, {text_dim}): they were computed with another text encoder")
         for key, expected in (self.expected or {}).get(found, {}).items():
-            stored = shapes.get(key if found == "text_states" else token_column(key, self.family), (None, None))[1]
+            stored = shapes.get(key if found == TEXT_STATES else token_column(key, self.family), (None, None))[1]
             if stored is not None and tuple(stored) != tuple(expected):
                 raise ValueError(f"{where} holds {key} of shape {tuple(stored)}, but this model takes {tuple(expected)}: "
                                  "they were computed for another --model_config (or another text encoder)")
@@ -609,7 +500,7 @@ class StreamingLatents(NamedShardErrors, StreamingDataset):
             raise BadDataError(f"shard {self._shard_file(self.spanner[index][0])}, sample {index}: {problem}")
         # MDS decodes arrays as read-only views of the shard: copy into tensors the batch can own.
         item = {key: torch.from_numpy(np.array(sample[key])) for key in LATENT_KEYS}
-        if self.text_format == "text_states":
+        if self.text_format == TEXT_STATES:
             for key in self.family.conditioning_keys:
                 item[key] = torch.from_numpy(np.array(sample[key]))
         else:
@@ -636,11 +527,11 @@ class SyntheticLatents(Dataset):
     """
 
     def __init__(self, image_size: int, text_dim: int, num_samples: int = 100_000, seed: int = 0,
-                 latent_channels: int = 4, dtype: torch.dtype = torch.float16, text_format: str = "tokens",
+                 latent_channels: int = 4, dtype: torch.dtype = torch.float16, text_format: str = TOKENS,
                  family: ModelFamily | None = None, latent_scale: float = SD2_LATENT_SCALE, config: str | None = None,
                  latent_shift: float = 0.0):
-        if text_format not in FORMATS:
-            raise ValueError(f"text_format {text_format!r} is not one of {FORMATS}")
+        if text_format not in TEXT_FORMATS:
+            raise ValueError(f"text_format {text_format!r} is not one of {TEXT_FORMATS}")
         self.image_size = image_size
         self.latent_shape = (latent_channels, image_size // 8, image_size // 8)
         self.text_dim, self.num_samples, self.seed, self.dtype = text_dim, num_samples, seed, dtype
@@ -657,7 +548,7 @@ class SyntheticLatents(Dataset):
         mean = torch.randn(self.latent_shape, generator=g) / self.latent_scale + self.latent_shift
         logvar = torch.randn(self.latent_shape, generator=g) * 0.5 - 10.0
         item = {"latent_mean": mean.to(self.dtype), "latent_logvar": logvar.to(self.dtype)}
-        if self.text_format == "text_states":
+        if self.text_format == TEXT_STATES:
             for key, shape in self.state_shapes.items():
                 item[key] = torch.randn(shape, generator=g).to(self.dtype)
         else:
@@ -670,7 +561,7 @@ class SyntheticLatents(Dataset):
 
 def latents_dataloader(*, synthetic: bool, remote: str | None = None, local: str | None = None, image_size: int,
                        text_dim: int, batch_size_per_device: int, num_workers: int, num_samples: int = 100_000,
-                       seed: int = 17, latent_channels: int = 4, shuffle: bool = True, synthetic_format: str = "tokens",
+                       seed: int = 17, latent_channels: int = 4, shuffle: bool = True, synthetic_format: str = TOKENS,
                        sources: list[Source] | None = None, settings: StreamingSettings | None = None,
                        family: ModelFamily | None = None, config: str | None = None, latent_scale: float | None = None,
                        latent_shift: float = 0.0, **streaming_kwargs: Any) -> DataLoader:

@@ -6,85 +6,20 @@
         --out s3://bucket/laion/latents-512 --model_name /path/to/stable-diffusion-2-base
     composer benchmark.py --precomputed --remote s3://bucket/laion/latents-512 --local /tmp/latents-cache
 
-The UNet is the only part of Stable Diffusion that trains; the VAE encoder and the text encoder are
-frozen, yet online training runs both on every image of every epoch. The VAE encoder is the costly
-one (1,117 GFLOP per 512x512 image, against 2,409 for the UNet's training step); the text encoder
-costs 45 GFLOP (1.9%) but its output is 77 x 1024 values, 157,696 bytes in fp16, where the token
-ids it reads are 154. So by default this script runs the VAE once over image-caption MDS shards
-(the `jpg`/`caption` columns that convert.py writes and data.StreamingImageCaptions reads) and
-writes MDS shards with, per sample (the format is defined in data.py, which training reads):
-
-    index          int64                  position of the sample in the source dataset
-    latent_mean    ndarray (4, S/8, S/8)  the VAE posterior's mean (unscaled, before x 0.18215)
-    latent_logvar  ndarray (4, S/8, S/8)  the VAE posterior's log-variance (clamped to [-30, 20])
-    token_ids      ndarray uint16 (77,)   the caption's CLIP token ids (training runs the text encoder)
-    caption        str                    the caption (left out with --no_captions)
-
-65,698 bytes per sample at 512x512 before compression (188 TB for 2.9 billion samples). With
---store_text_states, `token_ids` is replaced by
-
-    text_states    ndarray (77, D)        the text encoder's last hidden state (what the UNet attends to)
-
-and training runs no encoder at all, for 3.4x the storage (223,240 bytes, 640 TB). Training
-(benchmark.py --precomputed) tells the two formats apart by their columns. The final report
-prints the bytes per sample stored and what 2,867,200,000 such samples take.
-
-Flux.1 (`--model_config flux1-schnell`, `flux1-tiny`) stores text states by default, MLPerf's format:
-`latent_mean` and `latent_logvar` (16, S/8, S/8), `t5_states` (256, 4096: T5-XXL's last hidden states)
-and `clip_pooled` (768: CLIP-L's pooled output), 2,164,232 bytes per 256x256 sample in fp16;
-`--store_token_ids` stores `clip_ids` (77) and `t5_ids` (256) instead (66,210 bytes), and T5-XXL and
-CLIP then run in every training step (docs/flux.md).
-
-Why the distribution and not a latent: the VAE encoder outputs a Gaussian, and online training
-draws a fresh latent from it every time it sees the image. Storing the mean and log-variance lets
-`t2ibench.model.DiffusionModel` do the same draw (mean + exp(logvar / 2) * noise) each epoch, so
-training on precomputed data is the same training, not training on one frozen noise sample.
-
-Storage dtype (--storage_dtype, default fp16). fp16 keeps 11 significant bits (relative error
-below 5e-4) up to +-65504; bf16 keeps only 8 bits (4e-3), its wider range is not needed here, and
-NumPy, hence MDS, has no bfloat16 (it would have to be stored as raw bytes). The values fit fp16
-with a wide margin: the log-variance is clamped to [-30, 20] by the VAE itself (fp16 spacing there
-is 1/64 or finer: at most 0.4% on the standard deviation, itself tiny), the latent means
-have a spread of about 1/0.18215 = 5.5, and the text states come out of a final layer norm. That
-is the expectation for the pretrained SD2 encoders; what was measured (tiny random-weight model:
-|mean| < 1.1, logvar in [-1.3, 1], |text| < 3.3) says little about them, so the run checks every
-value and stops, naming --storage_dtype fp32, if one is not finite or would overflow fp16; its
-final report prints the largest magnitudes it saw. At 512x512 with SD2 (D = 1024) a sample is
-2 x 4 x 64 x 64 x 2 + 77 x 2 + 8 = 65,698 bytes before compression (plus the caption), 131,234 in
-fp32; with --store_text_states 2 x 4 x 64 x 64 x 2 + 77 x 1024 x 2 + 8 = 223,240, 446,472 in
-fp32. Training batches keep the stored dtype, so fp16 also halves the host-to-device
-copy; the model casts the inputs itself (to fp32, then autocast).
-
-Every sample is encoded exactly once. The source is cut into chunks of --chunk_size consecutive
-sample indices; chunk k holds samples [k * chunk_size, (k + 1) * chunk_size) and is written as its
-own MDS dataset `OUT/chunk{k:06d}/` (shards plus index.json, which MDSWriter writes last). The
-chunks still to do are dealt round-robin to the ranks, which read their samples by index (no
-shuffling, no padding of ranks to equal lengths, so nothing is repeated; each chunk also checks
-that it got every index of its range once). A chunk with a readable index.json is complete and is
-skipped on a rerun, so an interrupted job is resumed by running the same command again (on any
-number of GPUs: chunks do not depend on the world size). When all chunks are complete, rank 0
-merges their indexes into `OUT/index.json` (streaming.base.util.merge_index). The settings that
-decide the content (source, chunk size, image size, model...) and a fingerprint of the source
-(SHA-256 of its index.json shard list) are kept in `OUT/precompute.json`; a rerun with other
-settings, or over a source replaced at the same path, is refused. --out may not overlap --local
-or a local --remote, and --overwrite deletes only what this script writes there. Samples whose
-image cannot be decoded (or whose caption is not a string) are skipped and logged; more than
---max_bad_fraction of them stops the run.
-With several nodes, --out must be a shared folder or an object-store URI (s3://, gs://, oci://...).
+Reads image-caption MDS shards (convert.py's), runs the frozen VAE (and, with --store_text_states,
+the text encoders) once per sample, and writes MDS shards in the format of `t2ibench.precomputed`,
+chunk by chunk, so that rerunning the same command resumes. The format, its sizes, the choice of
+fp16 and how chunks are written and resumed are in docs/data.md.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
-import re
-import shutil
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -94,36 +29,29 @@ import numpy as np
 import torch
 from composer.utils import dist, reproducibility
 from streaming import MDSWriter
-from streaming.base.compression import get_compressions
-from streaming.base.hashing import get_hashes
-from streaming.base.util import bytes_to_int
 from torch.utils.data import DataLoader, Dataset
 
 import data
-from data import (GEOMETRY_DTYPE, GEOMETRY_KEYS, LATENT_KEYS, STORAGE_DTYPES, TOKEN_IDS_DTYPE, mds_columns,
-                  token_column)
 from t2ibench import errors, flags
 from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_INT, SECONDS
 from t2ibench.errors import UserError, fail
 from t2ibench.families import ModelFamily, require_pretrained
-from t2ibench.files import acquire, write_text
+from t2ibench.files import acquire
 from t2ibench.locations import is_remote, missing_upload_credentials, normalise, overlap, \
     unwritable, upload_schemes
-from t2ibench.mds import INDEX_FILE, SHARD_NAME
-from t2ibench.images import ImageGeometry
-from t2ibench.model import scale_images, vae_overflows_in
+from t2ibench.images import GEOMETRY_KEYS, ImageGeometry
+from t2ibench.latent_encoding import Encoded, Stats, encode
+from t2ibench.latent_store import (check_settings, chunk_name, chunk_writer, clear_output, completed_chunks, join,
+                                   read_json, write_json)
+from t2ibench.mds import INDEX_FILE, codec_problem, size_limit_problem
+from t2ibench.precomputed import (RECORD_FILE, STORAGE_DTYPES, TEXT_STATES, TOKEN_IDS_DTYPE, TOKENS, mds_columns,
+                                  token_column)
 from t2ibench.scale import SAMPLES as SAMPLES_AT_SCALE
 from t2ibench.sources import Source, check_cache_current, parse_sources
 
 log = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FP16_MAX = float(np.finfo(np.float16).max)  # 65504
-SETTINGS_FILE = "precompute.json"
-
-
-def chunk_name(k: int) -> str:
-    return f"chunk{k:06d}"
 
 
 # -----------------------------------------------------------------------------------------------
@@ -177,120 +105,8 @@ class _ByIndex(Dataset):
 
 
 # -----------------------------------------------------------------------------------------------
-# The output folder: local path or object-store URI.
+# The output folder (t2ibench.latent_store): held, checked and recorded by rank 0.
 # -----------------------------------------------------------------------------------------------
-
-def join(out: str, *names: str) -> str:
-    return "/".join([out.rstrip("/"), *names]) if is_remote(out) else os.path.join(out, *names)
-
-
-def read_json(out: str, name: str) -> dict | None:
-    """OUT/name parsed, or None if it is missing or not valid JSON (an interrupted write)."""
-    try:
-        if not is_remote(out):
-            return json.loads(Path(out, name).read_text())
-        from streaming.base.storage import CloudDownloader
-
-        with tempfile.TemporaryDirectory() as tmp:
-            CloudDownloader.direct_download(join(out, name), os.path.join(tmp, "file.json"), 60)
-            return json.loads(Path(tmp, "file.json").read_text())
-    except Exception:  # noqa: BLE001  missing (local or remote) or truncated
-        return None
-
-
-def write_json(out: str, name: str, obj: dict) -> None:
-    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
-    if not is_remote(out):
-        write_text(Path(out, name), text)  # atomic: never a half-written file
-        return
-    from streaming.base.storage.upload import CloudUploader
-
-    uploader = CloudUploader.get(out, keep_local=False, exist_ok=True)
-    try:
-        Path(uploader.local, name).write_text(text)
-        uploader.upload_file(name)
-    finally:
-        shutil.rmtree(uploader.local, ignore_errors=True)
-
-
-def completed_chunks(out: str, num_chunks: int) -> set[int]:
-    """Chunks whose MDS dataset is complete: index.json readable (local: and all its shard files there)."""
-    names = {chunk_name(k): k for k in range(num_chunks)}
-    if not is_remote(out):
-        done = set()
-        for name, k in names.items():
-            index = read_json(join(out, name), INDEX_FILE)
-            if index is None:
-                continue
-            # MDSWriter keeps the compressed file when it compresses, else the raw one.
-            files = [(s.get("zip_data") or s["raw_data"])["basename"] for s in index.get("shards", [])]
-            if all(Path(out, name, f).is_file() for f in files):
-                done.add(k)
-        return done
-    from streaming.base.storage.upload import CloudUploader
-
-    # One listing instead of one request per chunk. MDSWriter uploads index.json after the shards
-    # (this script uses one upload thread for remote output, so it is strictly last).
-    uploader = CloudUploader.get(out, keep_local=False, exist_ok=True)
-    try:
-        keys = uploader.list_objects() or []
-    except NotImplementedError:
-        return {k for name, k in names.items() if read_json(join(out, name), INDEX_FILE) is not None}
-    finally:
-        shutil.rmtree(uploader.local, ignore_errors=True)
-    done = set()
-    for key in keys:
-        parts = key.rstrip("/").split("/")
-        if len(parts) >= 2 and parts[-1] == INDEX_FILE and parts[-2] in names:
-            done.add(names[parts[-2]])
-    return done
-
-
-def check_settings(existing: dict | None, settings: dict) -> str | None:
-    """Why `settings` cannot continue the precompute recorded in `existing`, or None if it can."""
-    if existing is None:
-        return None
-    keys = sorted(set(existing) | set(settings))
-    diffs = [f"{k}: {existing.get(k)!r} there, {settings.get(k)!r} now" for k in keys if existing.get(k) != settings.get(k)]
-    if not diffs:
-        return None
-    if existing.get("source_index_sha256") != settings.get("source_index_sha256") and len(diffs) == 1:
-        return ("the output folder holds latents of another version of the source: its index.json (shard names, "
-                "sizes, hashes) changed since they were computed, so resuming would mix two datasets: use "
-                "another --out, or --overwrite to start over")
-    return ("the output folder holds latents computed with other settings (" + "; ".join(diffs) +
-            "): use another --out, the same settings, or --overwrite")
-
-
-def clear_output(out: str) -> None:
-    """--overwrite on a local folder: delete a precomputed dataset there, and only what this script
-    writes (precompute.json, index.json, chunkNNNNNN folders of MDS files); anything else: refuse."""
-    path = Path(out)
-    if not path.is_dir() or not any(path.iterdir()):
-        return
-    if not (path / SETTINGS_FILE).is_file():  # an index.json alone could be any dataset, the source even
-        fail(f"--out {out} is not empty and holds no precomputed latents (no {SETTINGS_FILE}): refusing to delete "
-             "it; choose a new or empty folder")
-    ours = {SETTINGS_FILE, f".{SETTINGS_FILE}.tmp", INDEX_FILE}
-    chunk = re.compile(r"chunk\d{6}")
-    partial = re.compile(rf"\.{re.escape(SETTINGS_FILE)}\.\w+\.partial")  # files.atomic_file's, left by a kill
-    foreign = []
-    for entry in sorted(path.iterdir()):
-        if entry.is_dir() and not entry.is_symlink() and chunk.fullmatch(entry.name):
-            foreign += [f"{entry.name}/{f.name}" for f in sorted(entry.iterdir())
-                        if not (f.is_file() and (f.name == INDEX_FILE or SHARD_NAME.fullmatch(f.name)))]
-        elif not (entry.is_file() and (entry.name in ours or partial.fullmatch(entry.name))):
-            foreign.append(entry.name)
-    if foreign:
-        fail(f"--out {out} holds files latents.py did not write ({', '.join(foreign[:3])}"
-             f"{'...' if len(foreign) > 3 else ''}): --overwrite deletes only precomputed latents; move them away "
-             "or choose another --out")
-    for entry in path.iterdir():
-        if entry.is_dir():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-
 
 def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int) -> list[int]:
     """Rank 0: hold --out (a second latents.py into it is refused; see main), check it, record the settings
@@ -299,121 +115,27 @@ def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int) -> list
         args.out_hold = acquire("--out", args.out)
     if args.overwrite and not is_remote(args.out):
         clear_output(args.out)
-    existing = read_json(args.out, SETTINGS_FILE)
+    existing = read_json(args.out, RECORD_FILE)
     if existing is None:
         # Never mix chunks into (and later replace the index.json of) some other dataset.
         path = Path(args.out)
         foreign = (path.is_dir() and any(path.iterdir())) if not is_remote(args.out) else \
             read_json(args.out, INDEX_FILE) is not None
         if foreign:
-            fail(f"--out {args.out}: not empty and holds no precomputed latents (no {SETTINGS_FILE}); choose a new "
+            fail(f"--out {args.out}: not empty and holds no precomputed latents (no {RECORD_FILE}); choose a new "
                  "or empty folder")
     elif not args.overwrite:
         problem = check_settings(existing, settings)
         if problem:
             fail(f"--out {args.out}: {problem}")
-    write_json(args.out, SETTINGS_FILE, settings)
+    write_json(args.out, RECORD_FILE, settings)
     done = set() if args.overwrite and is_remote(args.out) else completed_chunks(args.out, num_chunks)
     return [k for k in range(num_chunks) if k not in done]
 
 
 # -----------------------------------------------------------------------------------------------
-# Encoding.
+# The command: flags, checks, then the run (encoding: t2ibench.latent_encoding).
 # -----------------------------------------------------------------------------------------------
-
-@torch.no_grad()
-def encode(family: ModelFamily, vae: torch.nn.Module, text_encoders: dict[str, torch.nn.Module], images: torch.Tensor,
-           ids: dict[str, torch.Tensor], device: torch.device,
-           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """VAE posterior mean and log-variance, and the text states (the family's conditioning by key,
-    SD2: text_states, Flux: t5_states and clip_pooled; empty without text encoders: the token ids
-    are stored instead), as float32 on `device`."""
-    images = scale_images(images.to(device, non_blocking=True))  # uint8 pixels -> [-1, 1] on the device
-    ids = {key: value.to(device, non_blocking=True) for key, value in ids.items()}
-    # Contiguous, not channels-last: eager CUDA GroupNorm returns contiguous tensors, so in a
-    # channels-last VAE every convolution after a norm would convert its input back.
-    autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
-                else contextlib.nullcontext())
-    vae_autocast = contextlib.nullcontext() if not vae_overflows_in(vae, dtype) else \
-        torch.autocast(device.type, enabled=False)  # SDXL's own VAE overflows in fp16: fp32 for it
-    with autocast:
-        with vae_autocast:
-            posterior = vae.encode(images).latent_dist
-        text_states = ({key: value.float() for key, value in family.encode_text(text_encoders, ids).items()}
-                       if text_encoders else {})
-    return posterior.mean.float(), posterior.logvar.float(), text_states
-
-
-STAT_NAMES = ("max_abs_mean", "min_logvar", "max_logvar", "max_abs_text")
-
-
-class Stats:
-    """What this rank wrote, and the value ranges it saw (evidence that the storage dtype fits)."""
-
-    def __init__(self):
-        self.written = self.bad = 0
-        self.max_abs_mean = self.max_abs_text = 0.0
-        self.min_logvar, self.max_logvar = math.inf, -math.inf
-
-    def update(self, values: list[float]) -> None:
-        for name, value in zip(STAT_NAMES, values):
-            pick = min if name.startswith("min") else max
-            setattr(self, name, pick(getattr(self, name), value))
-
-
-class Encoded:
-    """One batch's outputs on their way to the host: copied asynchronously (pinned memory on GPU),
-    so that the GPU encodes the next batch while this process writes this one."""
-
-    def __init__(self, indices: list[int], captions: list[str], outputs: tuple[Any, ...],
-                 storage_dtype: str, device: torch.device, token_ids: dict[str, torch.Tensor] | None = None,
-                 geometry: dict[str, torch.Tensor] | None = None):
-        mean, logvar, text = outputs  # text {}: the token ids are stored instead of text states
-        self.indices, self.captions = indices, captions
-        self.token_ids = {key: ids.numpy().astype(TOKEN_IDS_DTYPE) for key, ids in (token_ids or {}).items()}
-        self.geometry = {key: value.numpy().astype(GEOMETRY_DTYPE) for key, value in (geometry or {}).items()}
-        self.keys = [*LATENT_KEYS, *text]  # the stored arrays, in order
-        dtype = getattr(torch, STORAGE_DTYPES[storage_dtype])
-        text_max = (torch.stack([t.abs().amax() for t in text.values()]).amax() if text
-                    else torch.zeros((), device=mean.device))
-        ranges = torch.stack([mean.abs().amax(), logvar.amin(), logvar.amax(), text_max])
-        pinned = device.type == "cuda"
-        tensors = [mean, logvar, *text.values(), ranges]
-        self.host = [torch.empty(t.shape, dtype=t.dtype if t is ranges else dtype, pin_memory=pinned) for t in tensors]
-        for host, tensor in zip(self.host, tensors):
-            host.copy_(tensor.to(host.dtype), non_blocking=pinned)
-        self.event = None
-        if pinned:
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def arrays(self, storage_dtype: str, compute_dtype: str) -> tuple[list[np.ndarray], list[float]]:
-        """Wait for the copies; the arrays (mean, logvar[, conditioning]) and the value ranges. Stops on
-        a value that is not finite or does not fit the storage dtype (it would be stored as inf)."""
-        if self.event is not None:
-            self.event.synchronize()
-        arrays = [t.numpy() for t in self.host[:-1]]
-        ranges = self.host[-1].tolist()
-        for key, array in zip(self.keys, arrays):
-            rows = ~np.isfinite(array.reshape(len(array), -1)).all(axis=1)
-            if not rows.any():
-                continue
-            which = [self.indices[i] for i in np.flatnonzero(rows)][:10]
-            if np.isfinite(ranges).all():  # finite in float32, so too big for the storage dtype
-                raise OverflowError(f"{key} of samples {which} exceeds the {storage_dtype} range "
-                                    f"(+-{FP16_MAX:g}): rerun with --storage_dtype fp32")
-            raise FloatingPointError(f"{key} of samples {which} is not finite (computed in {compute_dtype}): "
-                                     "rerun with --dtype bf16 or --dtype fp32")
-        return arrays, ranges
-
-
-def _writer(out: str, name: str, columns: dict[str, str], args: argparse.Namespace) -> MDSWriter:
-    kwargs: dict[str, Any] = dict(exist_ok=True)  # removes what an interrupted attempt left locally
-    if is_remote(out):
-        kwargs["max_workers"] = 1  # uploads in order: index.json strictly after the shards
-    return MDSWriter(out=join(out, name), columns=columns, compression=args.compression,
-                     hashes=args.hashes, size_limit=args.size_limit, **kwargs)
-
 
 def build_parser() -> flags.Parser:
     p = flags.Parser("latents.py", description=__doc__)
@@ -464,7 +186,7 @@ def validate(args: argparse.Namespace) -> tuple[ModelFamily, Source]:
     if args.store_text_states and args.store_token_ids:
         fail("--store_text_states and --store_token_ids: choose one")
     args.store_text_states = args.store_text_states or (
-        family.default_precomputed_format == "text_states" and not args.store_token_ids)
+        family.default_precomputed_format == TEXT_STATES and not args.store_token_ids)
     for flag in ("batch_size", "chunk_size"):
         if getattr(args, flag) <= 0:
             fail(f"--{flag} {getattr(args, flag)} must be positive")
@@ -473,16 +195,9 @@ def validate(args: argparse.Namespace) -> tuple[ModelFamily, Source]:
         fail(too_many)
     if not 0.0 < args.dist_timeout < math.inf:
         fail(f"--dist_timeout {args.dist_timeout} must be a positive number of seconds")
-    try:
-        if not 0 < bytes_to_int(args.size_limit) < 2**32:
-            raise ValueError
-    except (ValueError, TypeError):
-        fail(f"--size_limit {args.size_limit} must be a size such as 64mb, below 4gb")
-    unknown = [c for c in [args.compression] if c and c not in get_compressions()]
-    unknown += [h for h in args.hashes if h not in get_hashes()]
-    if unknown:
-        fail(f"--compression / --hashes: unknown compression or hash {unknown}: compressions are "
-             f"{sorted({c.split(':')[0] for c in get_compressions()})}, hashes are {sorted(get_hashes())}")
+    problem = size_limit_problem(args.size_limit) or codec_problem(args.compression, args.hashes)
+    if problem:
+        fail(problem)
     sources = parse_sources(args.remote, args.local)
     if not sources:
         fail("no input: pass --remote (with --local as cache) or --local with the image-caption MDS shards")
@@ -705,7 +420,7 @@ def encode_chunks(args: argparse.Namespace, family: ModelFamily, source: Indexed
                 if writer is not None:
                     close_chunk()
                 current, seen = k, set()
-                writer = _writer(args.out, chunk_name(k), columns, args)
+                writer = chunk_writer(args.out, chunk_name(k), columns, args.compression, args.hashes, args.size_limit)
                 if position + 1 < len(chunks):
                     prefetch(chunks[position + 1])
                 position += 1
@@ -782,7 +497,7 @@ def finish(args: argparse.Namespace, num_samples: int, num_chunks: int, all_stat
     stored = sum((s.get("zip_data") or s["raw_data"])["bytes"] for s in index["shards"])
     per_sample_stored = stored / max(samples, 1)
     report.update(samples=samples, skipped=num_samples - samples, shards=len(index["shards"]),
-                  format="text_states" if args.store_text_states else "tokens",
+                  format=TEXT_STATES if args.store_text_states else TOKENS,
                   bytes_per_sample_stored=round(per_sample_stored),
                   bytes_per_sample_raw=round(sum(s["raw_data"]["bytes"] for s in index["shards"]) / max(samples, 1)),
                   projected_samples=SAMPLES_AT_SCALE,

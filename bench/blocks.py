@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project root: run as python bench/NAME.py
 
 from bench_gpu import GLOBAL_BATCH, MLPERF_FLUX_GLOBAL_BATCH  # noqa: E402
-from t2ibench import checks, errors, flags, fp8, memory  # noqa: E402
+from t2ibench import checks, errors, flags, fp8, memory, precomputed  # noqa: E402
 from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED, Parser  # noqa: E402
 from t2ibench.errors import fail  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
@@ -127,7 +127,7 @@ def validate(args: argparse.Namespace) -> None:
     fp8.check(args.fp8, args.precision)
     if args.precomputed_format and not args.precomputed:
         fail("--precomputed_format needs --precomputed")
-    args.text_format = memory._text_format(family, args.precomputed, args.precomputed_format)
+    args.text_format = precomputed.batch_text_format(family, args.precomputed, args.precomputed_format)
     args.global_batch = args.global_batch or (MLPERF_FLUX_GLOBAL_BATCH if family.name == "flux" else GLOBAL_BATCH)
     if args.microbatch is None:
         per_gpu = args.global_batch // max(args.gpus)  # a microbatch that divides every count's per-GPU batch
@@ -155,7 +155,7 @@ def mode_for(args: argparse.Namespace, gpus: int) -> str:
 # -- the step on the meta device: where the blocks are and what they see --------------------------
 
 def meta_model(args: argparse.Namespace, sharded: bool) -> Any:
-    dtype = memory._dtype_of(args.precision)
+    dtype = memory.autocast_dtype(args.precision)
     return memory.build_meta_model(args.model_config, precomputed=args.precomputed,
                                    precomputed_format=args.text_format, frozen_dtype=dtype,
                                    denoiser_dtype=dtype if sharded else None)
@@ -165,7 +165,7 @@ def block_calls(args: argparse.Namespace, sharded: bool) -> tuple[dict[str, tupl
     """Each block's inputs (args, kwargs) and outputs in one meta-device step at --microbatch, by the
     block's name in the denoiser, under the device's autocast rules."""
     model = meta_model(args, sharded)
-    dtype = memory._dtype_of(args.precision)
+    dtype = memory.autocast_dtype(args.precision)
     if args.fp8 != "off":
         memory.use_float8(model, args.fp8, rows(args), dtype, args.device)
     names = block_names(model.denoiser, args.model_config)
@@ -257,7 +257,7 @@ def median_seconds(calls: dict[str, Callable[[], None]], device: str, warmup: in
 
 
 def autocast(args: argparse.Namespace) -> Any:
-    dtype = memory._dtype_of(args.precision)
+    dtype = memory.autocast_dtype(args.precision)
     return torch.autocast(args.device, dtype=dtype, enabled=dtype is not None)
 
 

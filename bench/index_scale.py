@@ -58,7 +58,7 @@ SHARD_LIMIT = 64 * 2**20  # convert.py's default --size_limit (64mb), latents.py
 SHARD_LIMITS = {"64mb": 64 * 2**20, "256mb": 256 * 2**20}  # projected: the old default and latents.py's new one
 TARGET_SAMPLES = 2_000_000_000
 # Bytes per sample of each dataset projected (before compression): a 256px JPEG as convert.py writes
-# it (about 20 KB), latents in the tokens format (data.bytes_per_sample: 2 x 4 x 32 x 32 x 2 + 154 + 8
+# it (about 20 KB), latents in the tokens format (precomputed.bytes_per_sample: 2 x 4 x 32 x 32 x 2 + 154 + 8
 # = 16,546 at 256px, 65,698 at 512px) plus a 50-byte caption and MDS's per-sample offsets (about 70).
 PROJECTED = {"jpeg-256px": 20_000, "latents-256px": 16_546 + 70, "latents-512px": 65_698 + 70}
 

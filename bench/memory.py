@@ -43,13 +43,14 @@ from t2ibench.images import GEOMETRY_KEYS  # noqa: E402
 from t2ibench.model import DiffusionModel  # noqa: E402
 from t2ibench.norms import set_norm_precision  # noqa: E402
 from t2ibench.parallel import FSDP_CHOICES, resolve_mode  # noqa: E402
+from t2ibench.precomputed import TEXT_STATES, TOKENS  # noqa: E402
 from t2ibench.weight_casts import (WEIGHT_CAST_CHOICES, CastWeightsOncePerStep, resolve_weight_casts,  # noqa: E402
                                   weight_casts_problem)
 
 # The table's columns: (heading, precomputed, text format); None: the family's own precomputed format.
 TABLE_COLUMNS = (("online (VAE + text encoders in the loop)", False, None),
-                 ("`--precomputed` (token ids)", True, "tokens"),
-                 ("`--precomputed` (text states)", True, "text_states"))
+                 ("`--precomputed` (token ids)", True, TOKENS),
+                 ("`--precomputed` (text states)", True, TEXT_STATES))
 
 
 def fail(message: str) -> None:
@@ -71,7 +72,7 @@ def real_batch(family: ModelFamily, model_config: str, image_size: int, microbat
         # Log-variances around -10, as a trained VAE's posterior (data.py's synthetic latents).
         batch = {"latent_mean": torch.randn(shape, generator=generator).half(),
                  "latent_logvar": torch.full(shape, -10.0, dtype=torch.float16)}
-    if text_format == "text_states":
+    if text_format == TEXT_STATES:
         batch.update({key: torch.randn(microbatch, *shape, generator=generator).half()
                       for key, shape in family.conditioning_shapes(model_config).items()})
     else:
@@ -105,7 +106,7 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
 
     family = family_of(model_config)
     torch.manual_seed(seed)
-    parts = family.build(model_config, None, vae=text_format is None, text_encoders=text_format != "text_states",
+    parts = family.build(model_config, None, vae=text_format is None, text_encoders=text_format != TEXT_STATES,
                          tokenizers=False)
     model = DiffusionModel(family, parts, num_loss_bins=0)
     if precision != "fp32":

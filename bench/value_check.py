@@ -21,6 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
 import data  # noqa: E402
+from t2ibench import precomputed  # noqa: E402
 from t2ibench.cli import POSITIVE_INT, Parser  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS  # noqa: E402
 
@@ -35,14 +36,14 @@ def build_parser() -> Parser:
 
 def write_latents(out: str, samples: int) -> None:
     family = MODEL_CONFIGS["sd2-base"]
-    columns = data.mds_columns(4, 64, None, "fp16", True, family=family, config="sd2-base")
+    columns = precomputed.mds_columns(4, 64, None, "fp16", True, family=family, config="sd2-base")
     rng = np.random.default_rng(0)
     from streaming import MDSWriter
     with MDSWriter(out=out, columns=columns, compression=None) as writer:
         for i in range(samples):
             mean = rng.standard_normal((4, 64, 64)).astype(np.float16)
             writer.write({"index": i, "latent_mean": mean, "latent_logvar": mean, "caption": "c",
-                          data.token_column("captions", family): rng.integers(0, 49408, 77).astype(np.uint16)})
+                          precomputed.token_column("captions", family): rng.integers(0, 49408, 77).astype(np.uint16)})
 
 
 def main(argv: list[str] | None = None) -> dict:

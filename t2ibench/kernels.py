@@ -2,35 +2,21 @@
 
     python bench/step_ops.py --model_config sdxl-base --image_size 1024 --precomputed --precomputed_format text_states
 
-A step that launches more kernels than the GPU can run while the host queues them is launch-bound:
-the GPU idles between small kernels. This counts what the step asks for, with no GPU: the step of
-the memory model (`t2ibench.memory`: the family's meta model and batch, CUDA autocast's rules with
-its weight-cast cache, the attention kernel CUDA picks, activation checkpointing applied) runs once
-under a dispatch mode that sees every ATen op below autograd, forward, loss and backward alike.
-
-* One op that reaches a device kernel is one launch; views, `empty` and `detach` launch none. A
-  cuBLAS or cuDNN call may launch two or three kernels of its own (split-K, a bias reduction): the
-  matmul and convolution figure is a floor.
-* A cast is a `_to_copy` or `copy_` that changes the dtype: autocast's weight casts in forward (and
-  again in a checkpointed block's recomputation), `ToCopyBackward`'s gradient casts in backward,
-  and the step's casts of activations.
-* Multi-tensor ops (`torch._foreach_*`, fused AdamW) launch as CUDA's `multi_tensor_apply` does:
-  chunks of 65,536 elements, a launch whenever 320 blocks or the depth's tensor limit fill up.
-* Per step, amortised over the global batch: fused AdamW, the EMA's `_foreach_lerp_`, Composer's
-  loss bookkeeping, the gradient accumulation's adds from the second microbatch on, and, with
-  `weight_casts` "step" (t2ibench.weight_casts), the copies' refresh and the gradients' upcast.
+The step is the memory model's (`t2ibench.memory.step.build_meta_step`), run once under a dispatch
+mode that sees every ATen op below autograd; what counts as a launch and a cast: docs/speed.md.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from t2ibench import memory
+from t2ibench.families import family_of
+from t2ibench.memory.step import build_meta_step
+from t2ibench.precomputed import batch_text_format
 
 KINDS = ("casts", "normalization", "elementwise", "matmul_conv", "attention", "optimizer", "ema")
 KIND_LABELS = {"casts": "weight, gradient and activation casts", "normalization": "normalization",
@@ -153,18 +139,15 @@ def count_step_kernels(model_config: str, image_size: int, microbatch: int, batc
     rules, and the step's once-per-step kernels, for a run with these settings on one GPU."""
     if batch_size_per_device % microbatch:
         raise ValueError(f"microbatch {microbatch} does not divide the per-device batch {batch_size_per_device}")
-    dtype = memory._dtype_of(precision)
-    copies = weight_casts == "step" and dtype is not None
-    policy = memory.CUDA_AUTOCAST.with_norms(norm_precision)
-    model = memory.build_meta_model(model_config, precomputed=precomputed, precomputed_format=precomputed_format,
-                                    frozen_dtype=dtype, denoiser_dtype=dtype if copies else None)
-    if activation_checkpointing:
-        memory.use_checkpointing(model, policy, dtype, "cuda")
-    model.train()
-    batch = memory.meta_batch(model, model_config, image_size, microbatch)
+    copies = weight_casts == "step" and precision != "fp32"
+    text_format = batch_text_format(family_of(model_config), precomputed, precomputed_format)
+    meta = build_meta_step(model_config, image_size, precision=precision, norm_precision=norm_precision,
+                           text_format=text_format, activation_checkpointing=activation_checkpointing,
+                           low_precision_weights=copies)
+    model, batch = meta.model, meta.batch(microbatch)
     counter = KernelCounter()
     with torch.random.fork_rng(devices=[]), counter:
-        with memory.AutocastRules(policy, dtype, "cuda"):
+        with meta.rules():
             loss = model.loss(model(batch), batch)
         counter.phase = "backward"
         loss.backward()

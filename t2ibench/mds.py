@@ -1,11 +1,16 @@
 """What an MDS dataset consists of on disk, for the commands that write one (convert.py, latents.py)
 and may delete only what they wrote (--overwrite), and for every reader of an index.json: the one
-check of its fields' types (`index_problem`) and of the files it names (`missing_shard_files`)."""
+check of its fields' types (`index_problem`) and of the files it names (`missing_shard_files`); the
+writers' options are checked once (`size_limit_problem`, `codec_problem`)."""
 from __future__ import annotations
 
 import os
 import re
 from typing import Any
+
+from streaming.base.compression import get_compressions
+from streaming.base.hashing import get_hashes
+from streaming.base.util import bytes_to_int
 
 INDEX_FILE = "index.json"  # written last by MDSWriter: a folder with it holds a complete dataset
 SHARD_NAME = re.compile(r"shard\.\d{5,}\.mds(\.[a-z0-9:]+)?")  # how MDSWriter names shard files
@@ -65,3 +70,24 @@ def missing_shard_files(folder: str | os.PathLike, index: dict) -> list[str]:
         if not any(os.path.isfile(os.path.join(folder, name)) for name in names):
             missing.append(names[0])
     return missing
+
+
+def size_limit_problem(size_limit: int | str) -> str | None:
+    """Why --size_limit cannot be MDSWriter's shard size (it stores offsets in 32 bits), or None."""
+    try:
+        if 0 < bytes_to_int(size_limit) < 2**32:
+            return None
+    except (ValueError, TypeError):
+        pass
+    return f"--size_limit {size_limit} must be a size such as 64mb, below 4gb"
+
+
+def codec_problem(compression: str | None, hashes: list[str] | tuple[str, ...], level_hint: str = "") -> str | None:
+    """Why --compression or --hashes are not Streaming's (the names Streaming 0.13 knows), or None;
+    `level_hint` follows the list of compressions in the message."""
+    unknown = [c for c in [compression] if c and c not in get_compressions()]
+    unknown += [h for h in hashes if h not in get_hashes()]
+    if not unknown:
+        return None
+    return (f"--compression / --hashes: unknown compression or hash {unknown}: compressions are "
+            f"{sorted({c.split(':')[0] for c in get_compressions()})}{level_hint}, hashes are {sorted(get_hashes())}")

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import benchmark  # noqa: E402
 import data  # noqa: E402
+from t2ibench import precomputed  # noqa: E402
 from t2ibench.sources import Source, record_cache  # noqa: E402
 
 TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
@@ -61,7 +62,7 @@ def write_images(out: Path, count: int) -> Path:
 def write_latents(out: Path, count: int) -> Path:
     """A real precomputed-latents MDS dataset in the format data.py defines."""
     from streaming import MDSWriter
-    columns = data.mds_columns(latent_channels=4, latent_size=4, text_dim=8, text_states=True)
+    columns = precomputed.mds_columns(latent_channels=4, latent_size=4, text_dim=8, text_states=True)
     rng = np.random.default_rng(0)
     with MDSWriter(out=str(out), columns=columns) as writer:
         for i in range(count):

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import cost  # noqa: E402
+from t2ibench import cost_table  # noqa: E402
 
 # The 2023 table: GPUs -> (images/s, days, A100-hours, cost in $) as printed.
 TABLE_2023 = {
@@ -221,3 +222,18 @@ def test_a_result_that_is_not_sd2_base_at_512_is_labeled_as_such(tmp_path, capsy
                           model_config="sd2-base", precomputed=False), "--num_gpus", "8"])
     out = capsys.readouterr().out
     assert out.startswith("SD2 base at 512x512:") and "WARNING" not in out
+
+
+def test_table_outputs_agree(tmp_path):
+    # The terminal and Markdown tables print the same rounded cells; the CSV keeps more digits.
+    rows = [cost_table.Row(8, 128.2, 258.8, 49_696.0, 99_392.0, "measured"),
+            cost_table.Row(256, 3054.0, 10.9, 66_764.8, 133_529.6, "predicted")]
+    lines = cost_table.format_table(rows).splitlines()
+    assert lines[0].split() == ["GPUs", "images/s", "days", "GPU-hours", "cost", "($)", "source"]
+    assert len({line.index("measured") if "measured" in line else line.index("predicted") for line in lines[1:]}) == 1
+    cost_table.write_markdown(rows, str(tmp_path / "t.md"), "caption")
+    markdown = (tmp_path / "t.md").read_text()
+    assert "| 256 | 3,054.0 | 10.90 | 66,765 | 133,530 | predicted |" in markdown and markdown.endswith("caption\n")
+    cost_table.write_csv(rows, str(tmp_path / "t.csv"))
+    with open(tmp_path / "t.csv", newline="") as f:
+        assert list(csv.reader(f))[2] == ["256", "3054.00", "10.9000", "66764.8", "133529.60", "predicted"]

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import convert  # noqa: E402
 import data  # noqa: E402
+from t2ibench import convert_inputs  # noqa: E402
 from t2ibench.model import scale_images  # noqa: E402
 from t2ibench.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize  # noqa: E402
 
@@ -183,7 +184,7 @@ def test_convert_folder_then_read_back_every_sample(raw_folder, tmp_path, tok):
     out = tmp_path / "mds"
     report = convert.convert([str(raw_folder)], str(out), workers=1, progress=False)
     assert report.written == len(FOLDER_CAPTIONS) and report.reencoded == 3  # the three PNGs
-    assert dict(report.skipped) == {convert.UNDECODABLE: 1, convert.MISSING_CAPTION: 1, convert.EMPTY_CAPTION: 1}
+    assert dict(report.skipped) == {convert_inputs.UNDECODABLE: 1, convert_inputs.MISSING_CAPTION: 1, convert_inputs.EMPTY_CAPTION: 1}
     assert "skipped 3" in report.summary() and "1 undecodable image" in report.summary()
     index = json.loads((out / "index.json").read_text())
     assert index["shards"][0]["compression"] == "zstd" and index["shards"][0]["hashes"] == ["sha1", "xxh64"]
@@ -224,6 +225,22 @@ def write_webdataset_tar(path: Path, samples: dict[str, dict[str, bytes]]) -> No
                 tar.addfile(info, io.BytesIO(content))
 
 
+def test_sources_of_a_mixed_folder_are_read_tars_first_and_img2datasets_parquet_left_out(tmp_path):
+    # A folder holding tar shards, their img2dataset metadata parquet and a loose captioned image:
+    # --format auto reads the tar and the image, counts the parquet as not read, and finds every sample.
+    jpeg = encoded(smooth_rgb(0), "JPEG")
+    write_webdataset_tar(tmp_path / "00000.tar", {"a": {"jpg": jpeg, "txt": b"one"}, "b": {"jpg": jpeg, "txt": b"two"}})
+    (tmp_path / "00000.parquet").write_bytes(b"metadata only")
+    (tmp_path / "photo.jpg").write_bytes(jpeg)
+    (tmp_path / "photo.txt").write_bytes("caf\xe9".encode("cp1252"))  # not UTF-8: read as Windows-1252, counted
+    report = convert_inputs.Report(out="")
+    sources, total = convert_inputs.find_sources([str(tmp_path)], "auto", report=report)
+    assert [source.kind for source in sources] == ["webdataset", "folder"] and total == 3
+    assert sum(report.not_read.values()) == 1
+    candidates = list(convert_inputs.iter_candidates(sources, report, None, None))
+    assert sorted(c.caption for c in candidates) == ["caf\xe9", "one", "two"] and report.non_utf8_captions == 1
+
+
 def test_convert_webdataset_tars_then_read_back(tmp_path, tok):
     shards_dir = tmp_path / "wds"
     shards_dir.mkdir()
@@ -246,7 +263,7 @@ def test_convert_webdataset_tars_then_read_back(tmp_path, tok):
     out = tmp_path / "mds"
     report = convert.convert([str(shards_dir)], str(out), workers=1, progress=False)
     assert report.written == 4 and report.reencoded == 2
-    assert dict(report.skipped) == {convert.MISSING_CAPTION: 1, convert.UNDECODABLE: 1, convert.MISSING_IMAGE: 1}
+    assert dict(report.skipped) == {convert_inputs.MISSING_CAPTION: 1, convert_inputs.UNDECODABLE: 1, convert_inputs.MISSING_IMAGE: 1}
 
     expected = {"000000000": "first caption", "000000001": "second caption", "000000002": "caption from json",
                 "000010002": "green"}
@@ -273,7 +290,7 @@ def test_convert_parquet_with_image_bytes(tmp_path, tok):
     out = tmp_path / "mds"
     report = convert.convert([str(tmp_path / "00000.parquet")], str(out), workers=1, progress=False)
     assert report.written == 1
-    assert dict(report.skipped) == {convert.MISSING_CAPTION: 1, convert.MISSING_IMAGE: 1, convert.UNDECODABLE: 1}
+    assert dict(report.skipped) == {convert_inputs.MISSING_CAPTION: 1, convert_inputs.MISSING_IMAGE: 1, convert_inputs.UNDECODABLE: 1}
     # Hugging Face datasets store an `image` struct {bytes, path} and often a `caption` column.
     hf = tmp_path / "hf"
     hf.mkdir()
@@ -282,7 +299,7 @@ def test_convert_parquet_with_image_bytes(tmp_path, tok):
     report = convert.convert([str(hf)], str(tmp_path / "mds-hf"), workers=1, progress=False)
     assert report.written == 2 and not report.skipped
     pq.write_table(pa.table({"key": ["a"], "txt": ["metadata only"]}), tmp_path / "meta.parquet")
-    with pytest.raises(convert.ConvertError, match="no image column"):
+    with pytest.raises(convert_inputs.ConvertError, match="no image column"):
         convert.convert([str(tmp_path / "meta.parquet")], str(tmp_path / "mds2"), progress=False)
 
 
@@ -311,7 +328,7 @@ def test_convert_command_line_errors_and_overwrite(raw_folder, tmp_path, capsys)
     assert f"wrote {len(FOLDER_CAPTIONS)} samples" in capsys.readouterr().out
     assert "--overwrite" in error_of(str(raw_folder), "--out", str(out))
     report = convert.main([str(raw_folder), "--out", str(out), "--overwrite", "--no_progress", "--min_size", "80"])
-    assert report.written == 2 and report.skipped[convert.TOO_SMALL] == 3  # only the two 80x80 images pass
+    assert report.written == 2 and report.skipped[convert_inputs.TOO_SMALL] == 3  # only the two 80x80 images pass
 
     with pytest.raises(SystemExit) as exit_info:
         convert.main(["--help"])
@@ -375,7 +392,7 @@ def test_stream_from_s3_on_loopback(raw_folder, tmp_path, tok, monkeypatch):
         assert report.written == len(FOLDER_CAPTIONS)
         objects = {o["Key"] for o in s3.list_objects_v2(Bucket="laion")["Contents"]}
         assert "sd2/mds/index.json" in objects and "sd2/mds/shard.00000.mds.zstd" in objects
-        with pytest.raises(convert.ConvertError, match="already holds an MDS dataset"):
+        with pytest.raises(convert_inputs.ConvertError, match="already holds an MDS dataset"):
             convert.convert([str(raw_folder)], remote, workers=1, progress=False)
 
         cache = tmp_path / "cache"

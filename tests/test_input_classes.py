@@ -32,9 +32,8 @@ import benchmark  # noqa: E402
 import blocks  # noqa: E402
 import convert  # noqa: E402
 import cost  # noqa: E402
-import data  # noqa: E402
 import export  # noqa: E402
-from t2ibench import cli, flags  # noqa: E402
+from t2ibench import cli, flags, precomputed  # noqa: E402
 import index_scale  # noqa: E402
 import latents  # noqa: E402
 import learns  # noqa: E402
@@ -331,7 +330,7 @@ def test_export_follows_the_seed_recorded_in_the_checkpoint(tmp_path):
 
 def write_latents(out: Path, record: dict | None) -> Path:
     from streaming import MDSWriter
-    columns = data.mds_columns(latent_channels=4, latent_size=4, text_dim=64, text_states=True)
+    columns = precomputed.mds_columns(latent_channels=4, latent_size=4, text_dim=64, text_states=True)
     rng = np.random.default_rng(0)
     with MDSWriter(out=str(out), columns=columns) as writer:
         for i in range(8):

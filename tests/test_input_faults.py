@@ -33,6 +33,7 @@ import convert  # noqa: E402
 import cost  # noqa: E402
 import export  # noqa: E402
 import latents  # noqa: E402
+from t2ibench import convert_inputs  # noqa: E402
 
 # A run that must end in one line within this many seconds, or it hangs (it hung until killed).
 COMMAND_TIMEOUT_SECONDS = 180
@@ -122,7 +123,7 @@ def test_a_second_convert_into_the_same_out_is_refused_and_the_first_completes(t
     first = subprocess.Popen([sys.executable, "convert.py", str(photos), "--out", str(out), "--workers", "1",
                               "--no_progress", "--size_limit", "2kb"], cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
-    staging = out / convert.STAGING
+    staging = out / convert_inputs.STAGING
     try:
         wait_for(lambda: staging.is_dir() and any(staging.glob("shard.*")), first, "shard in its staging folder")
         first.send_signal(signal.SIGSTOP)  # the first conversion is half-way, for as long as the second takes
@@ -366,13 +367,13 @@ PRECOMPUTED = ["--model_config", "tiny", "--batch_size", "4", "--max_duration", 
 
 def write_latents(out: Path, count: int = 8, image_size: int = 32, channels: int = 4, shapeless: bool = False,
                   token_max: int = 100, nan: bool = False) -> Path:
-    """Precomputed shards in latents.py's format (data.mds_columns), written by MDSWriter, made wrong as asked."""
-    import data
+    """Precomputed shards in latents.py's format (precomputed.mds_columns), written by MDSWriter, made wrong as asked."""
     from streaming import MDSWriter
+    from t2ibench import precomputed
     from t2ibench.families import MODEL_CONFIGS
 
     family = MODEL_CONFIGS["tiny"]
-    columns = data.mds_columns(channels, image_size // 8, None, "fp16", True, family=family, config="tiny")
+    columns = precomputed.mds_columns(channels, image_size // 8, None, "fp16", True, family=family, config="tiny")
     if shapeless:
         columns["latent_mean"] = columns["latent_logvar"] = "ndarray:float16"
     rng = np.random.default_rng(0)
@@ -382,8 +383,8 @@ def write_latents(out: Path, count: int = 8, image_size: int = 32, channels: int
             if nan:
                 mean[:] = np.nan
             sample = {"index": i, "latent_mean": mean, "latent_logvar": np.full_like(mean, -10), "caption": f"c {i}"}
-            for key, shape in data.stored_shapes(family, "tiny", False).items():
-                sample[data.token_column(key, family)] = rng.integers(0, token_max, shape).astype(np.uint16)
+            for key, shape in precomputed.stored_shapes(family, "tiny", False).items():
+                sample[precomputed.token_column(key, family)] = rng.integers(0, token_max, shape).astype(np.uint16)
             writer.write(sample)
     return out
 

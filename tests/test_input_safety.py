@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import convert  # noqa: E402
 import latents  # noqa: E402
+from t2ibench import convert_inputs  # noqa: E402
+from t2ibench.precomputed import RECORD_FILE  # noqa: E402
 
 TINY = ["--model_config", "tiny", "--image_size", "64", "--batch_size", "2", "--chunk_size", "2",
         "--num_workers", "0", "--no_progress"]
@@ -64,7 +66,7 @@ def error_of(main, argv: list[str]) -> str:
     return message
 
 
-def convert_main(*argv: str) -> convert.Report:
+def convert_main(*argv: str) -> convert_inputs.Report:
     return convert.main([*argv, "--workers", "1", "--no_progress"])
 
 
@@ -232,7 +234,7 @@ def test_truncated_tar_is_refused_or_converted_with_the_loss_reported(tmp_path, 
     assert any("00001.tar" in w and "lost" in w for w in report.warnings)
     assert written_keys(out)[:5] == [f"{k:06d}" for k in range(5)]
     if where == "in the data":  # 4 whole samples; the 5th image is cut short
-        assert report.written == 9 and report.skipped == {convert.TRUNCATED: 1}
+        assert report.written == 9 and report.skipped == {convert_inputs.TRUNCATED: 1}
     else:  # 3 samples before the cut; the 7th member (a jpg) and what follows are lost
         assert report.written == 8 and not report.skipped
 
@@ -294,8 +296,8 @@ def test_failed_conversion_leaves_no_index_and_the_rerun_works(tmp_path, monkeyp
     monkeypatch.undo()
     # A run killed outright leaves its staging folder (shards, no index.json): the rerun clears it.
     shutil.rmtree(out)
-    (out / convert.STAGING).mkdir(parents=True)
-    (out / convert.STAGING / "shard.00000.mds").write_bytes(b"partial")
+    (out / convert_inputs.STAGING).mkdir(parents=True)
+    (out / convert_inputs.STAGING / "shard.00000.mds").write_bytes(b"partial")
     report = convert_main(str(photos), "--out", str(out))
     assert report.written == 4 and sorted(os.listdir(out)) == ["index.json", "shard.00000.mds.zstd"]
     # Killed while publishing (old index.json already deleted): shards alone, which --overwrite replaces.
@@ -403,7 +405,7 @@ def test_latents_resume_refuses_a_replaced_source_and_overwrite_keeps_foreign_fi
     shutil.copytree(source, src)
     report = latents.main(["--local", str(src), "--out", str(out), *TINY, "--max_chunks", "1"])
     assert report["chunks_left"] == 1
-    settings = json.loads((out / latents.SETTINGS_FILE).read_text())
+    settings = json.loads((out / RECORD_FILE).read_text())
     assert len(settings["source_index_sha256"]) == 64
 
     # The source replaced at the same path by another dataset of the same size.
@@ -419,7 +421,7 @@ def test_latents_resume_refuses_a_replaced_source_and_overwrite_keeps_foreign_fi
     (out / "my-notes.txt").unlink()
     report = latents.main(["--local", str(src), "--out", str(out), *TINY, "--overwrite"])
     assert report["samples"] == 4
-    settings_now = json.loads((out / latents.SETTINGS_FILE).read_text())
+    settings_now = json.loads((out / RECORD_FILE).read_text())
     assert settings_now["source_index_sha256"] != settings["source_index_sha256"]
 
 

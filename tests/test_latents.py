@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import data  # noqa: E402
+from t2ibench import latent_encoding, latent_store, precomputed  # noqa: E402
 from t2ibench.locations import cache_folder  # noqa: E402
 from t2ibench.model import scale_images  # noqa: E402
 from t2ibench.sources import parse_sources  # noqa: E402
@@ -115,16 +116,16 @@ def reference(source):
 
 
 def test_sizes_and_columns():
-    assert data.bytes_per_sample(512, 1024) == 2 * 4 * 64 * 64 * 2 + 77 * 2 + 8 == 65_698
-    assert data.bytes_per_sample(512, 1024, text_states=True) == 2 * 4 * 64 * 64 * 2 + 77 * 1024 * 2 + 8 == 223_240
-    assert data.bytes_per_sample(512, 1024, "fp32", text_states=True) == 2 * 4 * 64 * 64 * 4 + 77 * 1024 * 4 + 8
-    columns = data.mds_columns(4, 64, 1024)
+    assert precomputed.bytes_per_sample(512, 1024) == 2 * 4 * 64 * 64 * 2 + 77 * 2 + 8 == 65_698
+    assert precomputed.bytes_per_sample(512, 1024, text_states=True) == 2 * 4 * 64 * 64 * 2 + 77 * 1024 * 2 + 8 == 223_240
+    assert precomputed.bytes_per_sample(512, 1024, "fp32", text_states=True) == 2 * 4 * 64 * 64 * 4 + 77 * 1024 * 4 + 8
+    columns = precomputed.mds_columns(4, 64, 1024)
     assert columns["latent_mean"] == "ndarray:float16:4,64,64" and columns["token_ids"] == "ndarray:uint16:77"
-    assert "text_states" not in columns and data.text_format(list(columns)) == "tokens"
-    states = data.mds_columns(4, 64, 1024, text_states=True)
+    assert "text_states" not in columns and precomputed.text_format(list(columns)) == "tokens"
+    states = precomputed.mds_columns(4, 64, 1024, text_states=True)
     assert states["text_states"] == "ndarray:float16:77,1024" and "token_ids" not in states
-    assert data.text_format(list(states)) == "text_states" and data.text_format(["jpg", "caption"]) is None
-    assert "caption" not in data.mds_columns(4, 64, 1024, captions=False)
+    assert precomputed.text_format(list(states)) == "text_states" and precomputed.text_format(["jpg", "caption"]) is None
+    assert "caption" not in precomputed.mds_columns(4, 64, 1024, captions=False)
 
 
 @pytest.mark.parametrize("fmt", ["tokens", "text_states"])
@@ -133,12 +134,12 @@ def test_precompute_stores_every_sample_once_as_the_encoders_compute_it(single, 
     from t2ibench.tokenizer import tokenize
 
     out, stdout = single if fmt == "tokens" else states
-    assert sorted(p.name for p in out.glob("chunk*")) == [latents.chunk_name(k) for k in range(NUM_CHUNKS)]
+    assert sorted(p.name for p in out.glob("chunk*")) == [latent_store.chunk_name(k) for k in range(NUM_CHUNKS)]
     assert (out / "index.json").is_file() and (out / "precompute.json").is_file()
     report = json.loads(stdout.strip().splitlines()[-1])
     assert report["samples"] == NUM_SAMPLES - 1 and report["skipped"] == 1 and report["images_per_sec"] > 0
     # The final report: bytes per sample (arrays + index + caption + MDS offsets) and the projection.
-    expected_raw = data.bytes_per_sample(IMAGE_SIZE, 64, text_states=fmt == "text_states")
+    expected_raw = precomputed.bytes_per_sample(IMAGE_SIZE, 64, text_states=fmt == "text_states")
     assert report["format"] == fmt and expected_raw < report["bytes_per_sample_raw"] < expected_raw + 150
     assert report["projected_tb_stored"] == pytest.approx(report["bytes_per_sample_stored"] * 2_867_200_000 / 1e12, abs=0.01)
     assert f"2,867,200,000 such samples: {report['projected_tb_stored']:,} TB" in stdout
@@ -178,7 +179,7 @@ def test_two_ranks_store_every_sample_exactly_once(source, single, tmp_path):
     assert sorted(samples) == GOOD
     for index in GOOD:
         np.testing.assert_array_equal(samples[index]["token_ids"], expected[index]["token_ids"])
-        for key in data.LATENT_KEYS:
+        for key in precomputed.LATENT_KEYS:
             np.testing.assert_allclose(samples[index][key].astype(np.float32),
                                        expected[index][key].astype(np.float32), rtol=1e-3, atol=1e-3)
 
@@ -187,10 +188,10 @@ def test_interrupted_run_resumes_and_skips_complete_chunks(source, single, tmp_p
     out = tmp_path / "latents"
     shutil.copytree(single[0], out)
     # A crash: chunk 3 never started, chunk 1 has shards but no index.json, nothing merged yet.
-    shutil.rmtree(out / latents.chunk_name(3))
-    (out / latents.chunk_name(1) / "index.json").unlink()
+    shutil.rmtree(out / latent_store.chunk_name(3))
+    (out / latent_store.chunk_name(1) / "index.json").unlink()
     (out / "index.json").unlink()
-    kept = {p: p.stat().st_mtime_ns for k in (0, 2) for p in (out / latents.chunk_name(k)).iterdir()}
+    kept = {p: p.stat().st_mtime_ns for k in (0, 2) for p in (out / latent_store.chunk_name(k)).iterdir()}
 
     # Stops again after one chunk (chunk 1). In this process, to save a start-up; the CLI follows.
     report = latents.main(["--local", str(source), "--out", str(out), *PRECOMPUTE, "--max_chunks", "1"])
@@ -198,7 +199,7 @@ def test_interrupted_run_resumes_and_skips_complete_chunks(source, single, tmp_p
     assert "2 already complete, 2 to do" in first and "1 of 4 chunk(s) left" in first
     assert report["written_this_run"] == CHUNK - 1 and report["skipped_this_run"] == 1  # sample 7 is in chunk 1
     assert report["chunks_left"] == 1
-    assert not (out / "index.json").exists() and (out / latents.chunk_name(1) / "index.json").is_file()
+    assert not (out / "index.json").exists() and (out / latent_store.chunk_name(1) / "index.json").is_file()
     second = precompute(source, out)
     assert "3 already complete, 1 to do" in second.stdout and "done: 19 of 20 samples" in second.stdout
     assert {p: p.stat().st_mtime_ns for p in kept} == kept  # complete chunks were not rewritten
@@ -207,16 +208,16 @@ def test_interrupted_run_resumes_and_skips_complete_chunks(source, single, tmp_p
     assert sorted(samples) == GOOD
     for index in GOOD:
         np.testing.assert_array_equal(samples[index]["token_ids"], expected[index]["token_ids"])
-        for key in data.LATENT_KEYS:  # CPU convolutions may differ in the last fp32 bit between processes
+        for key in precomputed.LATENT_KEYS:  # CPU convolutions may differ in the last fp32 bit between processes
             np.testing.assert_allclose(samples[index][key].astype(np.float32),
                                        expected[index][key].astype(np.float32), rtol=1e-3, atol=1e-3)
 
 
 def test_other_settings_are_refused(single):
     existing = json.loads((single[0] / "precompute.json").read_text())
-    assert latents.check_settings(existing, dict(existing)) is None
-    assert latents.check_settings(None, existing) is None
-    problem = latents.check_settings(existing, {**existing, "chunk_size": 5, "image_size": 128})
+    assert latent_store.check_settings(existing, dict(existing)) is None
+    assert latent_store.check_settings(None, existing) is None
+    problem = latent_store.check_settings(existing, {**existing, "chunk_size": 5, "image_size": 128})
     assert "chunk_size" in problem and "image_size" in problem and "--overwrite" in problem
 
 
@@ -226,7 +227,7 @@ def test_other_settings_are_refused(single):
 def test_values_that_cannot_be_stored_stop_the_run(storage, bad, error):
     mean, logvar, text = torch.zeros(3, 4, 8, 8), torch.zeros(3, 4, 8, 8), torch.zeros(3, 77, 16)
     mean[1, 2, 3, 4] = bad
-    encoded = latents.Encoded([10, 11, 12], ["a", "b", "c"], (mean, logvar, {"text_states": text}), storage,
+    encoded = latent_encoding.Encoded([10, 11, 12], ["a", "b", "c"], (mean, logvar, {"text_states": text}), storage,
                               torch.device("cpu"))
     if error is None:
         arrays, ranges = encoded.arrays(storage, "fp32")
@@ -242,7 +243,7 @@ def test_training_dataset_reads_either_format_and_checks_the_shapes(single, stat
                                          text_dim=64, batch_size_per_device=4, num_workers=0, seed=SEED)
         assert loader.dataset.text_format == ("tokens" if text_key == "captions" else "text_states")
         batch = next(iter(loader))
-        assert set(batch) == {*data.LATENT_KEYS, text_key, "sample_index"}  # the index: validation-loss noise
+        assert set(batch) == {*precomputed.LATENT_KEYS, text_key, "sample_index"}  # the index: validation-loss noise
         assert batch["latent_mean"].shape == batch["latent_logvar"].shape == (4, 4, 8, 8)
         assert batch["latent_mean"].dtype == torch.float16
         if text_key == "captions":  # token ids, as image batches carry them
@@ -259,7 +260,7 @@ def test_training_dataset_reads_either_format_and_checks_the_shapes(single, stat
 def test_synthetic_latents_are_deterministic_and_shaped_like_the_shards():
     dataset = data.SyntheticLatents(image_size=64, text_dim=32, num_samples=10, seed=3)
     a, b = dataset[4], dataset[4]
-    assert set(a) == {*data.LATENT_KEYS, "captions", "sample_index"} and all(torch.equal(a[k], b[k]) for k in a)
+    assert set(a) == {*precomputed.LATENT_KEYS, "captions", "sample_index"} and all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["latent_mean"], dataset[5]["latent_mean"])
     loader = data.latents_dataloader(synthetic=True, remote=None, local=None, image_size=64, text_dim=32,
                                      batch_size_per_device=4, num_workers=0, num_samples=10, seed=3,

@@ -1,4 +1,4 @@
-"""The memory model (t2ibench/memory.py, bench/memory.py) for every family, `auto` on several ranks,
+"""The memory model (t2ibench/memory/, bench/memory.py) for every family, `auto` on several ranks,
 low-precision norms, and no host work per microbatch.
 
 The count is checked against a real CPU step (the CPU allocator's own running total, from the
@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from t2ibench import memory  # noqa: E402
+from t2ibench.memory import autocast, planning, saved, step  # noqa: E402
 from t2ibench.families import family_of  # noqa: E402
 from t2ibench.images import GEOMETRY_KEYS  # noqa: E402
 from t2ibench.model import DiffusionModel  # noqa: E402
@@ -95,7 +96,7 @@ def test_cuda_rules_cast_as_cuda_autocast_does():
     conv = torch.nn.Conv2d(8, 8, 3, padding=1, device="meta")
     linear = torch.nn.Linear(8, 8, device="meta")
     x = torch.randn(2, 8, 16, 16, device="meta")
-    with memory.AutocastRules(memory.CUDA_AUTOCAST, torch.bfloat16) as rules:
+    with autocast.AutocastRules(autocast.CUDA_AUTOCAST, torch.bfloat16) as rules:
         y = conv(x)
         normed = torch.nn.functional.group_norm(y, 4)
         upsampled = torch.nn.functional.interpolate(y, scale_factor=2.0, mode="nearest")
@@ -107,12 +108,38 @@ def test_cuda_rules_cast_as_cuda_autocast_does():
     assert normed.dtype == upsampled.dtype == torch.float32  # torch 2.7's CUDA fp32 list
     assert len(rules.weight_casts) == 4  # conv and linear weights and biases, each cast once (the cache)
     assert attention.grad_fn.name() == "ScaledDotProductFlashAttentionBackward0"  # no L x L matrix kept
-    with memory.AutocastRules(memory.CUDA_AUTOCAST.with_low_precision_norms(), torch.bfloat16):
+    with autocast.AutocastRules(autocast.CUDA_AUTOCAST.with_low_precision_norms(), torch.bfloat16):
         assert torch.nn.functional.group_norm(conv(x), 4).dtype == torch.bfloat16
-    with memory.AutocastRules(memory.CUDA_AUTOCAST, None):  # fp32: no casts, memory-efficient attention
+    with autocast.AutocastRules(autocast.CUDA_AUTOCAST, None):  # fp32: no casts, memory-efficient attention
         q32 = torch.randn(2, 2, 256, 4, device="meta", requires_grad=True)
         out = torch.nn.functional.scaled_dot_product_attention(q32, q32, q32)
     assert out.dtype == torch.float32 and out.grad_fn.name() == "ScaledDotProductEfficientAttentionBackward0"
+
+
+def test_saved_tensors_are_counted_once_per_storage_and_weights_left_out():
+    # A view keeps its whole storage alive, so a tensor saved twice, or saved with a view of it, is
+    # counted once; the parameters' own storages are weights, not activations.
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    with saved.LiveBytes() as live:
+        with saved.SavedForBackward({saved.storage_key(weight)}) as kept:
+            hidden = x @ weight  # saves x (and the weight, left out)
+            out = (hidden * hidden[:, :1]).sum()  # saves hidden and a view of it: one storage
+        assert kept.bytes() == x.numel() * 4 + hidden.numel() * 4
+        before = live.live_bytes
+        out.backward()
+    assert live.peak_bytes >= before > 0 and weight.grad is not None
+
+
+def test_memory_and_kernel_counts_share_one_meta_step():
+    # bench/step_ops.py's kernel count (t2ibench.kernels) runs the step the memory model counts.
+    meta = step.build_meta_step("tiny", 64, precision="amp_bf16", norm_precision="autocast", text_format=None,
+                                low_precision_weights=True)
+    assert meta.dtype == torch.bfloat16 and meta.model.training
+    assert {p.dtype for p in meta.model.denoiser.parameters()} == {torch.bfloat16}
+    assert meta.batch(2)["image"].shape == (2, 3, 64, 64)
+    counted = step.count_step(meta.model, meta.batch(2), meta.policy, meta.dtype)
+    assert counted.microbatch == 2 and counted.saved_bytes > 0
 
 
 def test_json_contract_and_the_microbatch_fits(capsys):
@@ -156,8 +183,8 @@ def test_batches_have_each_familys_keys():
     keys = {}
     for config, precomputed, text_format in (("sdxl-tiny", False, None), ("flux1-tiny", False, None),
                                              ("flux1-tiny", True, "text_states"), ("tiny", True, "tokens")):
-        model = memory.build_meta_model(config, precomputed=precomputed, precomputed_format=text_format)
-        batch = memory.meta_batch(model, config, 64, 3)
+        model = step.build_meta_model(config, precomputed=precomputed, precomputed_format=text_format)
+        batch = step.meta_batch(model, config, 64, 3)
         assert {tensor.shape[0] for tensor in batch.values()} == {3}
         keys[config, text_format] = set(batch)
     assert keys["sdxl-tiny", None] == {"image", *family_of("sdxl-tiny").text_input_keys, *GEOMETRY_KEYS}
@@ -178,7 +205,7 @@ def test_encoders_keep_nothing_for_backward():
 
 @pytest.mark.parametrize("model_config", ["tiny", "flux1-tiny"])
 def test_fsdp_shards_what_each_mode_shards(model_config):
-    parts = {mode: memory.fixed_bytes(model_config, fsdp=mode, num_gpus=8, weight_cast_bytes=1000)
+    parts = {mode: planning.fixed_bytes(model_config, fsdp=mode, num_gpus=8, weight_cast_bytes=1000)
              for mode in memory.FSDP_MODES}
     none, grad_op, full = parts["none"], parts["shard_grad_op"], parts["full_shard"]
     for name in ("gradients", "adamw_moments", "ema"):
@@ -186,12 +213,12 @@ def test_fsdp_shards_what_each_mode_shards(model_config):
     assert grad_op["weights"] == full["weights"] == none["weights"] // 8  # fp32 masters sharded at rest
     assert none["ddp_buckets"] > 0 and grad_op["ddp_buckets"] == full["ddp_buckets"] == 0
     # Parameters gathered in bf16: all of them from forward to backward, or the root and two blocks.
-    units = memory.fsdp_unit_params(model_config)
+    units = planning.fsdp_unit_params(model_config)
     assert grad_op["weight_casts_or_gathered"] == none["weights"] // 2 > full["weight_casts_or_gathered"]
     assert full["weight_casts_or_gathered"] == 2 * (2 * units["largest_block"] + units["root"])
     assert none["fsdp_reduce_scatter"] == 0 < grad_op["fsdp_reduce_scatter"] == full["fsdp_reduce_scatter"]
     assert sum(none.values()) > sum(grad_op.values()) > sum(full.values())
-    assert memory.fixed_bytes(model_config, fsdp="none", num_gpus=1)["ddp_buckets"] == 0  # no DDP on one GPU
+    assert planning.fixed_bytes(model_config, fsdp="none", num_gpus=1)["ddp_buckets"] == 0  # no DDP on one GPU
 
 
 def test_flux_fsdp_units_are_its_transformer_blocks():
@@ -303,7 +330,7 @@ def test_steady_state_step_copies_nothing_from_host_but_the_batch():
     batch = {"image": torch.zeros(2, 3, 64, 64, dtype=torch.uint8, device="meta"),
              "captions": torch.zeros(2, 77, dtype=torch.long, device="meta")}
     copies = []
-    for step in range(3):
+    for _ in range(3):
         with HostToDevice() as counter:
             model.loss(model(batch), batch).backward()
             ema.update(model)

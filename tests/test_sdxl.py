@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import data  # noqa: E402
 import unet_flops  # noqa: E402
+from t2ibench import precomputed  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, Parts  # noqa: E402
 from t2ibench.families import sdxl  # noqa: E402
 from t2ibench.model import DiffusionModel  # noqa: E402
@@ -371,7 +372,7 @@ def test_precomputed_shards_store_the_geometry_and_refuse_without_it(tmp_path):
     from streaming import MDSWriter
 
     def write(out: Path, micro_conditioning: bool) -> None:
-        columns = data.mds_columns(4, 8, None, micro_conditioning=micro_conditioning)
+        columns = precomputed.mds_columns(4, 8, None, micro_conditioning=micro_conditioning)
         with MDSWriter(out=str(out), columns=columns) as writer:
             for i in range(2):
                 sample = {"index": i, "latent_mean": np.zeros((4, 8, 8), np.float16),
@@ -384,7 +385,7 @@ def test_precomputed_shards_store_the_geometry_and_refuse_without_it(tmp_path):
 
     write(tmp_path / "xl", True)
     write(tmp_path / "sd2", False)
-    assert data.bytes_per_sample(64, micro_conditioning=True) == data.bytes_per_sample(64) + 16
+    assert precomputed.bytes_per_sample(64, micro_conditioning=True) == precomputed.bytes_per_sample(64) + 16
     dataset = data.StreamingLatents(remote=None, local=str(tmp_path / "xl"), batch_size=2, image_size=64,
                                     shuffle=False, family=FAMILY)
     assert dataset[1]["original_size"].tolist() == [481, 640] and dataset[1]["crop_top_left"].tolist() == [0, 11]

@@ -29,6 +29,7 @@ import data  # noqa: E402
 import export  # noqa: E402
 import latents  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS  # noqa: E402
+from t2ibench.precomputed import mds_columns  # noqa: E402
 
 FAMILY = MODEL_CONFIGS["sdxl-tiny"]
 SIZES = [(96, 64), (64, 96), (80, 80), (200, 120)]  # (width, height): landscape, portrait, square, wide
@@ -223,7 +224,7 @@ def test_benchmark_trains_sdxl_on_precomputed_latents(precomputed, tmp_path, fmt
 def test_precomputed_sd2_latents_are_refused_for_sdxl(tmp_path):
     from streaming import MDSWriter
 
-    with MDSWriter(out=str(tmp_path / "sd2"), columns=data.mds_columns(4, 8, None)) as writer:
+    with MDSWriter(out=str(tmp_path / "sd2"), columns=mds_columns(4, 8, None)) as writer:
         writer.write({"index": 0, "latent_mean": np.zeros((4, 8, 8), np.float16),
                       "latent_logvar": np.zeros((4, 8, 8), np.float16), "token_ids": np.zeros(77, np.uint16),
                       "caption": "c"})

@@ -1,0 +1,116 @@
+"""The time-and-cost table of cost.py, one `Row` per GPU count, and its outputs: the terminal table,
+CSV, Markdown and the plot of days and dollars against GPUs."""
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass
+
+from t2ibench.files import atomic_file
+
+
+@dataclass
+class Row:
+    """One line of the table. days in days, gpu_hours in GPU-hours, cost_usd in US dollars."""
+    num_gpus: int
+    images_per_sec: float
+    days: float
+    gpu_hours: float
+    cost_usd: float
+    source: str  # "measured", "predicted", or "MLPerf v5.1 <GPU> (published elsewhere)" for reference rows
+
+
+
+COLUMNS = ("GPUs", "images/s", "days", "GPU-hours", "cost ($)", "source")
+
+
+def format_cells(row: Row) -> list[str]:
+    """The printed form of one row: days to 2 decimals, hours and dollars to the unit."""
+    return [f"{row.num_gpus}", f"{row.images_per_sec:,.1f}", f"{row.days:,.2f}",
+            f"{row.gpu_hours:,.0f}", f"{row.cost_usd:,.0f}", row.source]
+
+
+def format_table(rows: list[Row]) -> str:
+    """Plain-text table, numbers right-aligned, for the terminal."""
+    cells = [list(COLUMNS)] + [format_cells(r) for r in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    lines = []
+    for line in cells:
+        numbers = [c.rjust(w) for c, w in zip(line[:-1], widths)]
+        lines.append("  ".join(numbers + [line[-1].ljust(widths[-1])]).rstrip())
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[Row], path: str) -> None:
+    """Machine-readable table: unformatted numbers, one row per GPU count."""
+    with atomic_file(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["num_gpus", "images_per_sec", "days", "gpu_hours", "cost_usd", "source"])
+        for r in rows:
+            w.writerow([r.num_gpus, f"{r.images_per_sec:.2f}", f"{r.days:.4f}",
+                        f"{r.gpu_hours:.1f}", f"{r.cost_usd:.2f}", r.source])
+
+
+def write_markdown(rows: list[Row], path: str, caption: str) -> None:
+    """Markdown table (same cells as the terminal table) followed by its assumptions."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---:|" * (len(COLUMNS) - 1) + "---|"]
+    lines += ["| " + " | ".join(format_cells(r)) + " |" for r in rows]
+    with atomic_file(path, "w") as f:
+        f.write("\n".join(lines) + f"\n\n{caption}\n")
+
+
+def plot(rows: list[Row], path: str, title: str) -> None:
+    """Two panels against GPU count (log2 axis): days to train (log axis) and cost in dollars.
+    Measured rows are filled markers, predicted ones hollow markers on a dashed line."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    gpus = [r.num_gpus for r in rows]
+    predicted = [i for i, r in enumerate(rows) if r.source == "predicted"]
+    measured = [i for i, r in enumerate(rows) if r.source == "measured"]
+    fig, (ax_days, ax_cost) = plt.subplots(1, 2, figsize=(12, 4.8))
+    panels = [(ax_days, [r.days for r in rows], "days to train", lambda v: f"{v:,.1f} d"),
+              (ax_cost, [r.cost_usd / 1000 for r in rows], "cost (thousand US$)",
+               lambda v: f"${v:,.0f}k")]
+    for ax, ys, ylabel, label in panels:
+        # solid between two measurements, dashed wherever a prediction is involved
+        for i in range(len(rows) - 1):
+            both = rows[i].source == rows[i + 1].source == "measured"
+            ax.plot(gpus[i:i + 2], ys[i:i + 2], color="C0", lw=1.2, ls="-" if both else "--")
+        ax.plot([gpus[i] for i in measured], [ys[i] for i in measured], ls="none", marker="o",
+                color="C0")
+        ax.plot([gpus[i] for i in predicted], [ys[i] for i in predicted], ls="none", marker="o",
+                color="C0", mfc="white")
+        handles = [Line2D([], [], color="C0", marker="o", ls="-", label="measured")]
+        if predicted:
+            handles.append(Line2D([], [], color="C0", marker="o", mfc="white", ls="--",
+                                  label="predicted"))
+        ax.legend(handles=handles)
+        for x, y in zip(gpus, ys):
+            ax.annotate(label(y), (x, y), textcoords="offset points", xytext=(5, 6), fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(gpus)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("number of GPUs")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.set_xlim(min(gpus) / 1.4, max(gpus) * 1.4)  # room for the labels at both ends
+    ax_days.set_yscale("log")
+    ax_days.set_ylim(min(r.days for r in rows) / 1.5, max(r.days for r in rows) * 1.5)
+    ax_days.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax_days.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax_days.yaxis.set_minor_formatter(NullFormatter())
+    ax_days.set_title("days to train (log scale)", fontsize=10)
+    ax_cost.set_ylim(bottom=0, top=max(r.cost_usd for r in rows) / 1000 * 1.15)
+    ax_cost.set_title("cost of the run", fontsize=10)
+    fig.suptitle(title)
+    fig.tight_layout()
+    try:
+        with atomic_file(path, "wb") as f:  # the format from the name's suffix, as savefig(path) takes it
+            fig.savefig(f, dpi=120, format=os.path.splitext(path)[1][1:].lower())
+    finally:
+        plt.close(fig)
