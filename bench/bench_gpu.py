@@ -425,7 +425,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [n for n in names if n not in MATRIX]
     if unknown:
         fail(f"--only: unknown settings {unknown}; choose from {list(MATRIX)}")
-    args.names = names
     if args.batches <= args.warmup_batches:
         fail(f"--batches {args.batches} must exceed --warmup_batches {args.warmup_batches}")
     if args.gpus is not None and args.gpus < 1:
@@ -439,7 +438,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     problem = check_output("--out", str(args.out) if args.out else None, folder=True)
     if problem:  # an existing file, or a place that cannot be written: refused before any run
         fail(problem)
-    return args
+    return argparse.Namespace(**vars(args), names=names)  # the parsed namespace is left as it was parsed
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -173,8 +173,8 @@ def test_uri_schemes(args, flag, expect):
 def test_file_uri_is_a_local_path(images, tmp_path):
     args = benchmark.parse_args(REAL + ["--remote", f"file://{images}", "--local", str(tmp_path / "cache"),
                                         "--results_json", f"file://{tmp_path}/r.json"])
-    benchmark.validate(args, 1)
-    assert args.sources[0].remote == str(images) and args.results_json == f"{tmp_path}/r.json"
+    settings = benchmark.validate(args, 1)
+    assert settings.sources[0].remote == str(images) and settings.results_json == f"{tmp_path}/r.json"
 
 
 @pytest.mark.parametrize("case", ["missing", "folder", "text", "zip"])
