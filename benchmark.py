@@ -1,9 +1,11 @@
-"""Train a text-to-image model (SD2, SDXL or Flux.1) from scratch with Composer and measure images/s.
+"""Train a text-to-image model (SD2 base by default; SDXL, Flux.1) from scratch with Composer and measure images/s.
 
     composer benchmark.py --use_ema --use_synth_data --device_train_microbatch_size 4   # 1 node, all GPUs
     python benchmark.py --model_config tiny --use_synth_data --batch_size 8 --image_size 64 --max_duration 20ba
     composer benchmark.py @recipes/sd2-stage1.args --remote s3://my-bucket/laion/mds ...   # flags from a file
 
+The denoiser starts from random weights; the VAE and text encoders are frozen (from --model_name). Data is
+synthetic (--use_synth_data), MDS shards streamed from --remote, or latents.py's latents (--precomputed).
 How a run goes: docs/design.md; every flag: docs/flags.md.
 """
 from __future__ import annotations
