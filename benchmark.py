@@ -109,7 +109,8 @@ def build_data(settings: Settings, run: Runtime) -> TrainingData:
     for source in [] if settings.use_synth_data else [*settings.sources, *settings.eval_sources]:
         record_cache(source)  # the remote a cache holds, before Streaming fills it
     if not settings.precomputed and not settings.use_synth_data:
-        tokenizers = family.build(settings.model_config, settings.model_name, denoiser=False, vae=False, text_encoders=False)
+        tokenizers = family.build(settings.model_config, settings.model_name, denoiser=False, vae=False,
+                                  text_encoders=False)
 
     def loader(sources: list, seed: int, num_samples: int, held_out: bool) -> DataLoader:
         common = dict(batch_size_per_device=run.batch_size_per_device, num_workers=settings.num_workers, seed=seed,
@@ -267,7 +268,8 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
     model, encoders, flops = built.model, built.encoders, built.flops
     loader = training_data.loader
     fused = settings.fused_adamw == "on" or (settings.fused_adamw == "auto" and run.on_gpu)
-    optimizer = torch.optim.AdamW(model.denoiser.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, fused=fused)
+    optimizer = torch.optim.AdamW(model.denoiser.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
+                                  fused=fused)
     schedulers = []
     if settings.lr_warmup_batches or settings.lr_schedule != "constant":
         from composer.optim import ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler
@@ -275,8 +277,8 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
         # runs are counted in batches): a run in samples warms up over as many samples.
         warmup = (f"{settings.lr_warmup_batches * settings.batch_size}sp" if settings.max_duration.endswith("sp")
                   else f"{settings.lr_warmup_batches}ba")
-        schedulers.append(CosineAnnealingWithWarmupScheduler(t_warmup=warmup, alpha_f=0.0) if settings.lr_schedule == "cosine"
-                          else ConstantWithWarmupScheduler(t_warmup=warmup))
+        schedulers.append(CosineAnnealingWithWarmupScheduler(t_warmup=warmup, alpha_f=0.0)
+                          if settings.lr_schedule == "cosine" else ConstantWithWarmupScheduler(t_warmup=warmup))
     peak_flops = settings.peak_tflops * 1e12 if settings.peak_tflops else None
     pauses = Pauses()
     trained_flops = flops["total"] - flops["vae_encoder"] - flops["text_encoder"]  # the denoiser's forward and backward
@@ -324,7 +326,8 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
         callbacks.append(measured.profile)
     if settings.sample_prompts:
         callbacks.append(SampleImages(
-            model.family, load_prompts(settings.sample_prompts), settings.samples_dir or os.path.join(settings.save_folder, "samples"),
+            model.family, load_prompts(settings.sample_prompts),
+            settings.samples_dir or os.path.join(settings.save_folder, "samples"),
             settings.sample_interval, encoders=encoders,
             image_size=settings.image_size, pauses=pauses, average=measured.ema, sampler=settings.sampler,
             num_steps=settings.sample_steps, guidance_scale=settings.guidance_scale, seed=settings.seed))

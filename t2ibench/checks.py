@@ -78,7 +78,8 @@ def check_run(settings: Settings, world_size: int) -> int | str:
         fail(f"--precision '{settings.precision}' is unknown; choose one of {PRECISION_CHOICES}")
     if settings.precision == "amp_fp16" and not torch.cuda.is_available():
         # amp_bf16 runs on CPU under torch's CPU autocast (the model's); fp16 autocast has no CPU path here.
-        fail(f"--precision {settings.precision} needs a CUDA GPU (none here); on CPU use fp32, auto or amp_bf16 (CPU autocast)")
+        fail(f"--precision {settings.precision} needs a CUDA GPU (none here); on CPU use fp32, auto or amp_bf16 "
+             "(CPU autocast)")
     if settings.batch_size <= 0 or settings.batch_size % world_size:
         fail(f"--batch_size {settings.batch_size} must be a positive multiple of the world size {world_size}")
     per_device = settings.batch_size // world_size
@@ -213,15 +214,13 @@ def check_numbers(settings: Settings) -> None:
         if flag == "max_duration" and time.unit.value == "sp" and time.value < settings.batch_size:
             fail(f"--max_duration {value} is less than one global batch (--batch_size {settings.batch_size}): "
                  "no step would run")
-    if settings.precision == "amp_fp16" and not torch.cuda.is_available():
-        # amp_bf16 runs on CPU under torch's CPU autocast (see main); fp16 autocast has no CPU path here.
-        fail(f"--precision {settings.precision} needs a CUDA GPU (none here); on CPU use fp32, auto or amp_bf16 (CPU autocast)")
 
 
 def run_inputs(settings: Settings) -> list[tuple[str, str | None]]:
     """The local files and folders the run reads: no output may be, contain or lie inside them."""
     inputs = [("--remote", source.remote) for source in settings.sources if source.remote and not is_remote(source.remote)]
-    inputs += [("--local", settings.local), ("--load_path", None if is_remote(settings.load_path or "") else settings.load_path)]
+    load_path = None if is_remote(settings.load_path or "") else settings.load_path
+    inputs += [("--local", settings.local), ("--load_path", load_path)]
     inputs += [("--eval_remote", source.remote) for source in settings.eval_sources
                if source.remote and not is_remote(source.remote)]
     inputs += [("--eval_local", settings.eval_local)]
@@ -238,13 +237,16 @@ def samples_folder(settings: Settings) -> str | None:
         return None
     if settings.samples_dir:
         return settings.samples_dir
-    return os.path.join(settings.save_folder, "samples") if settings.save_folder and not is_remote(settings.save_folder) else None
+    if settings.save_folder and not is_remote(settings.save_folder):
+        return os.path.join(settings.save_folder, "samples")
+    return None
 
 
 def check_outputs(settings: Settings) -> None:
     """Every output is probed before training (locations.check_output): writable, of the right kind, apart
     from the inputs and from each other; not found unwritable after the last batch."""
-    outputs = [("--results_json", settings.results_json, "file"), ("--ema_export_dir", settings.ema_export_dir, "exclusive"),
+    outputs = [("--results_json", settings.results_json, "file"),
+               ("--ema_export_dir", settings.ema_export_dir, "exclusive"),
                ("--save_folder", settings.save_folder, "folder"), ("--samples_dir", samples_folder(settings), "folder"),
                ("--profile_dir", settings.profile_dir if settings.profile_batches else None, "folder")]
     inputs = run_inputs(settings)
@@ -345,7 +347,8 @@ def check_recipe(settings: Settings) -> tuple[str, str | None]:
             fail(f"--{flag} '{getattr(settings, flag)}' must be a Composer time string in {', '.join(units)} (e.g. 1000ba)")
     ema_start = Time.from_timestring(settings.ema_start)
     if ema_start.value < 0 or (ema_start.unit.value == "dur" and ema_start.value > 1):
-        fail(f"--ema_start {settings.ema_start} must be >= 0" + (" and at most 1dur" if ema_start.unit.value == "dur" else ""))
+        fail(f"--ema_start {settings.ema_start} must be >= 0"
+             + (" and at most 1dur" if ema_start.unit.value == "dur" else ""))
     if Time.from_timestring(settings.sample_interval).value <= 0:
         fail(f"--sample_interval {settings.sample_interval} must be positive, e.g. 1000ba")
     if (settings.ema_start != "0ba" or settings.ema_half_life != "1000ba") and not settings.use_ema:
@@ -390,14 +393,14 @@ def check_run_length(settings: Settings, samples_per_epoch: int) -> None:
     and an EMA that starts in time for --ema_export_dir to get something."""
     total = run_batches(settings, samples_per_epoch)
     length = f"--max_duration {settings.max_duration} is {total} batch{'es' if total != 1 else ''}"
-    if settings.lr_warmup_batches > total or (settings.lr_schedule == "cosine" and settings.lr_warmup_batches and
-                                          settings.lr_warmup_batches >= total):
+    warmup = settings.lr_warmup_batches
+    if warmup > total or (settings.lr_schedule == "cosine" and warmup and warmup >= total):
         fail(f"--lr_warmup_batches {settings.lr_warmup_batches} does not end before the run does ({length}): the "
              "learning rate would never reach --lr" + (" or decay" if settings.lr_schedule == "cosine" else "")
              + "; shorten the warm-up or lengthen the run")
     if settings.profile_batches and settings.warmup_batches + settings.profile_batches >= total:
-        fail(f"--profile_batches {settings.profile_batches} after --warmup_batches {settings.warmup_batches} leaves no batch "
-             f"to measure ({length}); profile fewer batches or lengthen the run")
+        fail(f"--profile_batches {settings.profile_batches} after --warmup_batches {settings.warmup_batches} leaves no "
+             f"batch to measure ({length}); profile fewer batches or lengthen the run")
     if settings.use_ema and settings.ema_export_dir:
         start = Time.from_timestring(settings.ema_start)
         # The average starts at the first batch end at or after --ema_start; epochs count up after

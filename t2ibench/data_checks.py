@@ -241,7 +241,8 @@ def check_source(source: Source, settings: Settings, recorded_seed: int | None) 
 def check_evaluation(settings: Settings, recorded_seed: int | None) -> int | None:
     """The validation-loss flags, and the held-out data they name (as check_data checks the training data);
     returns the encoders' seed recorded by the training data (`recorded_seed`) or by the held-out data."""
-    given = [flag for flag in ("eval_remote", "eval_local", "eval_samples", "eval_target") if getattr(settings, flag) is not None]
+    given = [flag for flag in ("eval_remote", "eval_local", "eval_samples", "eval_target")
+             if getattr(settings, flag) is not None]
     if not settings.eval_interval:
         if given:
             fail(f"--{given[0]} needs --eval_interval (how often to compute the validation loss, e.g. 1000ba)")
@@ -251,7 +252,8 @@ def check_evaluation(settings: Settings, recorded_seed: int | None) -> int | Non
     except (ValueError, TypeError):
         unit = None
     if unit not in ("ba", "ep") or not Time.from_timestring(settings.eval_interval).value > 0:
-        fail(f"--eval_interval '{settings.eval_interval}' must be a positive Composer time string in ba or ep (e.g. 1000ba)")
+        fail(f"--eval_interval '{settings.eval_interval}' must be a positive Composer time string in ba or ep "
+             "(e.g. 1000ba)")
     if settings.eval_samples is not None and settings.eval_samples <= 0:
         fail(f"--eval_samples {settings.eval_samples} must be positive")
     if settings.eval_target is not None and not (math.isfinite(settings.eval_target) and settings.eval_target > 0):
