@@ -61,7 +61,8 @@ def validate(args: argparse.Namespace, world_size: int) -> Settings:
 def resolve(args: argparse.Namespace) -> Settings:
     """The flags as settings, before the checks: the family's defaults for --model_name and --image_size,
     locations normalised (file:// URIs become paths; other URIs must use a scheme the flag supports),
-    the data sources parsed. Fails only on what cannot be resolved."""
+    the data sources parsed; the shared groups checked (flags.shared_values). bench/blocks.py builds
+    its loader from this alone."""
     family, model_name, image_size = shared_values(args)
     locations = {flag: normalise(f"--{flag}", getattr(args, flag), schemes)
                  for flag, schemes in LOCATION_SCHEMES.items() if getattr(args, flag)}
@@ -226,14 +227,14 @@ def run_inputs(settings: Settings) -> list[tuple[str, str | None]]:
     inputs += [("--eval_local", settings.eval_local)]
     if settings.model_name and Path(settings.model_name).is_dir():
         inputs.append(("--model_name", settings.model_name))
-    if getattr(settings, "sample_prompts", None) and Path(settings.sample_prompts).is_file():
+    if settings.sample_prompts and Path(settings.sample_prompts).is_file():
         inputs.append(("--sample_prompts", settings.sample_prompts))
     return inputs
 
 
 def samples_folder(settings: Settings) -> str | None:
     """Where sample grids go: --samples_dir, or <--save_folder>/samples."""
-    if not getattr(settings, "sample_prompts", None):
+    if not settings.sample_prompts:
         return None
     if settings.samples_dir:
         return settings.samples_dir
