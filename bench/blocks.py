@@ -64,6 +64,7 @@ from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
 from t2ibench.norms import NORM_PRECISIONS, set_norm_precision  # noqa: E402
 from t2ibench.parallel import FSDP_CHOICES, resolve_mode  # noqa: E402
 from t2ibench.precision import PRECISION_CHOICES, resolve_precision  # noqa: E402
+from t2ibench.precomputed import TEXT_FORMATS  # noqa: E402
 from t2ibench.scale import MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU  # noqa: E402
 
 NVLINK4_GB_PER_SEC = 450.0  # H100 SXM NVLink 4: 900 GB/s both directions, 450 each way
@@ -93,7 +94,7 @@ def build_parser() -> Parser:
     g.add_argument("--precision", type=str, default="auto", choices=PRECISIONS, help="auto: amp_bf16 on a GPU, fp32 on CPU")
     g.add_argument("--norm_precision", type=str, default="autocast", choices=NORM_PRECISIONS, help="as benchmark.py's")
     g.add_argument("--precomputed", action="store_true", help="precomputed latents (no VAE in the step)")
-    g.add_argument("--precomputed_format", type=str, default=None, choices=memory.TEXT_FORMATS,
+    g.add_argument("--precomputed_format", type=str, default=None, choices=TEXT_FORMATS,
                    help="with --precomputed: token ids or text states (default: the family's, text states for Flux.1)")
     g.add_argument("--activation_checkpointing", action="store_true", help="each block recomputed in backward")
     flags.add_fp8(g)

@@ -20,8 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from t2ibench import errors, kernels, memory  # noqa: E402
-from t2ibench.cli import POSITIVE_INT, Parser, Range  # noqa: E402
+from t2ibench.cli import Parser, Range  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
+from t2ibench.precomputed import TEXT_FORMATS  # noqa: E402
 from t2ibench.weight_casts import WEIGHT_CAST_CHOICES, resolve_weight_casts, weight_casts_problem  # noqa: E402
 
 MAX_BATCH = 1 << 20
@@ -33,7 +34,7 @@ def build_parser() -> Parser:
     p.add_argument("--image_size", type=Range(int, 1, 8192), default=None,
                    help="training resolution in pixels (default: the family's: 512 SD2, 1024 SDXL, 256 Flux.1)")
     p.add_argument("--precomputed", action="store_true", help="precomputed latents (no VAE in the step)")
-    p.add_argument("--precomputed_format", default=None, choices=memory.TEXT_FORMATS,
+    p.add_argument("--precomputed_format", default=None, choices=TEXT_FORMATS,
                    help="with --precomputed: token ids (text encoders in the step) or text states (none)")
     p.add_argument("--activation_checkpointing", action="store_true",
                    help="the denoiser's blocks recomputed in backward (benchmark.py's flag)")
