@@ -49,7 +49,7 @@ from t2ibench.precomputed import RECORD_FILE, TEXT_STATES
 from t2ibench.runtime import Runtime
 from t2ibench.sampling import load_prompts, write_pipeline
 from t2ibench.settings import Settings
-from t2ibench.sources import record_cache
+from t2ibench.sources import Source, record_cache
 from t2ibench.streaming import StreamingSettings
 from t2ibench.summary import print_summary
 from t2ibench.weight_casts import CastWeightsOncePerStep
@@ -112,7 +112,7 @@ def build_data(settings: Settings, run: Runtime) -> TrainingData:
         tokenizers = family.build(settings.model_config, settings.model_name, denoiser=False, vae=False,
                                   text_encoders=False)
 
-    def loader(sources: list, seed: int, num_samples: int, held_out: bool) -> DataLoader:
+    def loader(sources: tuple[Source, ...], seed: int, num_samples: int, held_out: bool) -> DataLoader:
         common = dict(batch_size_per_device=run.batch_size_per_device, num_workers=settings.num_workers, seed=seed,
                       family=family)
         streaming = StreamingSettings.from_args(settings)
