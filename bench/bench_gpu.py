@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 from t2ibench.fp8 import FP8_MODES, MIN_CAPABILITY  # noqa: E402
 from t2ibench.cli import GPU_COUNT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser  # noqa: E402
 from t2ibench.locations import check_output  # noqa: E402
+from t2ibench.precomputed import TEXT_STATES  # noqa: E402
 
 GLOBAL_BATCH = 2048  # cost.py's batch (the 2023 benchmark's and the SD2 recipe's)
 # MLPerf Training v5.1's Flux.1 global batch in NVIDIA's 16-GPU entries (its 512-GPU ones use 2048).
@@ -77,7 +78,7 @@ class Setting:
     model_config: str = "sd2-base"
     image_size: int | None = None  # None: the family's training resolution (512 for SD2, 1024 for SDXL)
     precomputed: bool = False
-    precomputed_format: str | None = None  # with precomputed: "tokens" or "text_states" (None: the family's)
+    precomputed_format: str | None = None  # with precomputed: TOKENS or TEXT_STATES (None: the family's)
     norm_precision: str = "autocast"
     fsdp: str = "none"  # passed as --fsdp: none (DDP), shard_grad_op or full_shard
     activation_checkpointing: bool = False
@@ -108,7 +109,7 @@ class Setting:
     def needs_pretrained(self) -> bool:
         """Whether the step runs SD2's frozen parts (VAE or text encoder), which the run looks up by
         --model_name; the other families' rows run random ones where they run any (synthetic data)."""
-        return self.model_config == "sd2-base" and self.text_format != "text_states"
+        return self.model_config == "sd2-base" and self.text_format != TEXT_STATES
 
     def flags(self) -> list[str]:
         """benchmark.py flags of this row beyond the common ones."""
@@ -126,7 +127,7 @@ class Setting:
         return flags
 
 
-_TEXT_STATES = dict(precomputed=True, precomputed_format="text_states")
+_TEXT_STATES = dict(precomputed=True, precomputed_format=TEXT_STATES)
 _MLPERF_FLUX = dict(global_batch=MLPERF_FLUX_GLOBAL_BATCH, use_ema=False)
 MATRIX: dict[str, Setting] = {
     "online-bf16": Setting(),
@@ -252,7 +253,7 @@ def flops_per_image(model_config: str, image_size: int, precomputed: bool, text_
     from t2ibench.families import family_of
 
     flops = family_of(model_config).flops_per_image(model_config, image_size, vae=not precomputed,
-                                                    text_encoders=text_format != "text_states")["total"]
+                                                    text_encoders=text_format != TEXT_STATES)["total"]
     if activation_checkpointing:  # the recomputed forward: about a third of forward + backward
         flops += memory.train_flops_per_image(model_config, image_size) / 3
     return flops
@@ -425,7 +426,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [n for n in names if n not in MATRIX]
     if unknown:
         fail(f"--only: unknown settings {unknown}; choose from {list(MATRIX)}")
-    args.names = names
     if args.batches <= args.warmup_batches:
         fail(f"--batches {args.batches} must exceed --warmup_batches {args.warmup_batches}")
     if args.gpus is not None and args.gpus < 1:
@@ -439,7 +439,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     problem = check_output("--out", str(args.out) if args.out else None, folder=True)
     if problem:  # an existing file, or a place that cannot be written: refused before any run
         fail(problem)
-    return args
+    return argparse.Namespace(**vars(args), names=names)  # the parsed namespace is left as it was parsed
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

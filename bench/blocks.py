@@ -64,6 +64,7 @@ from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
 from t2ibench.norms import NORM_PRECISIONS, set_norm_precision  # noqa: E402
 from t2ibench.parallel import FSDP_CHOICES, resolve_mode  # noqa: E402
 from t2ibench.precision import PRECISION_CHOICES, resolve_precision  # noqa: E402
+from t2ibench.precomputed import TEXT_FORMATS  # noqa: E402
 from t2ibench.scale import MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU  # noqa: E402
 
 NVLINK4_GB_PER_SEC = 450.0  # H100 SXM NVLink 4: 900 GB/s both directions, 450 each way
@@ -93,7 +94,7 @@ def build_parser() -> Parser:
     g.add_argument("--precision", type=str, default="auto", choices=PRECISIONS, help="auto: amp_bf16 on a GPU, fp32 on CPU")
     g.add_argument("--norm_precision", type=str, default="autocast", choices=NORM_PRECISIONS, help="as benchmark.py's")
     g.add_argument("--precomputed", action="store_true", help="precomputed latents (no VAE in the step)")
-    g.add_argument("--precomputed_format", type=str, default=None, choices=memory.TEXT_FORMATS,
+    g.add_argument("--precomputed_format", type=str, default=None, choices=TEXT_FORMATS,
                    help="with --precomputed: token ids or text states (default: the family's, text states for Flux.1)")
     g.add_argument("--activation_checkpointing", action="store_true", help="each block recomputed in backward")
     flags.add_fp8(g)
@@ -115,7 +116,10 @@ def build_parser() -> Parser:
     return p
 
 
-def validate(args: argparse.Namespace) -> None:
+def validate(parsed: argparse.Namespace) -> argparse.Namespace:
+    """The flags with every default resolved and what the prediction derives from them (device,
+    text_format, compared), in a new namespace: the parsed one is left as it was parsed."""
+    args = argparse.Namespace(**vars(parsed))
     family = family_of(args.model_config)
     args.image_size = args.image_size or family.default_image_size(args.model_config)
     multiple = family.latent_downsample * family.patch_size
@@ -145,6 +149,7 @@ def validate(args: argparse.Namespace) -> None:
             fail(f"--global_batch {args.global_batch} over --gpus {gpus} is {args.global_batch / gpus:g} per GPU, "
                  f"which --microbatch {args.microbatch} does not divide; pick a batch all --gpus counts divide")
     args.compared = compared_run(args) if args.compare_results_json else None
+    return args
 
 
 def mode_for(args: argparse.Namespace, gpus: int) -> str:
@@ -407,10 +412,9 @@ def harness_seconds_per_step(args: argparse.Namespace, per_device_batch: int) ->
     run_args = benchmark.parse_args(argv)
     # Only what the loader reads: benchmark.py's full validation would refuse flux1-schnell on one GPU,
     # and no model is built here.
-    family = flags.check_shared(run_args)
-    checks.check_locations(run_args)
-    run = Runtime.start(run_args, family)
-    loader = benchmark.build_data(run_args, run, family).loader
+    settings = checks.resolve(run_args)
+    run = Runtime.start(settings)
+    loader = benchmark.build_data(settings, run).loader
     model = OneParameter()
     throughput = Throughput(warmup, 0.0, None, Pauses(), 0.0)
     trainer = Trainer(model=model, train_dataloader=loader, optimizers=torch.optim.AdamW(model.parameters()),
@@ -542,9 +546,8 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = build_parser().parse_args(argv)
     with errors.command("blocks.py"):
-        validate(args)
+        args = validate(build_parser().parse_args(argv))
         if args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(os.cpu_count() or 1)  # as benchmark.py's one CPU rank runs (runtime.Runtime)
         torch.manual_seed(args.seed)

@@ -275,31 +275,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.model_config not in MODEL_CONFIGS:
         fail(f"--model_config '{args.model_config}' is unknown; choose one of {sorted(MODEL_CONFIGS)}")
     family = MODEL_CONFIGS[args.model_config]
-    if args.image_size is None:
-        args.image_size = family.default_image_size(args.model_config)
+    image_size = family.default_image_size(args.model_config) if args.image_size is None else args.image_size
     pixels_per_token = family.latent_downsample * family.patch_size  # a whole number of latent patches
-    if args.image_size <= 0 or args.image_size % pixels_per_token:
-        fail(f"--image_size {args.image_size} must be a positive multiple of {pixels_per_token} for "
+    if image_size <= 0 or image_size % pixels_per_token:
+        fail(f"--image_size {image_size} must be a positive multiple of {pixels_per_token} for "
              f"{args.model_config}")
     if not args.gpu_memory_gib > 0:
         fail(f"--gpu_memory_gib {args.gpu_memory_gib} must be positive")
     if args.num_gpus < 1:
         fail(f"--num_gpus {args.num_gpus} must be >= 1")
-    args.fsdp = resolve_mode(args.fsdp, family.parallelism, args.num_gpus)
-    if args.fsdp != "none" and args.num_gpus == 1:
-        fail(f"--fsdp {args.fsdp} shards over the ranks and --num_gpus is 1: pass --num_gpus N or --fsdp none")
+    fsdp = resolve_mode(args.fsdp, family.parallelism, args.num_gpus)
+    if fsdp != "none" and args.num_gpus == 1:
+        fail(f"--fsdp {fsdp} shards over the ranks and --num_gpus is 1: pass --num_gpus N or --fsdp none")
     if args.per_device_batch is not None and args.per_device_batch < 1:
         fail(f"--per_device_batch {args.per_device_batch} must be >= 1")
     if args.precomputed_format is not None and not args.precomputed:
         fail("--precomputed_format needs --precomputed")
     if args.microbatch < 1:
         fail(f"--microbatch {args.microbatch} must be >= 1")
-    args.weight_casts = resolve_weight_casts(args.weight_casts, on_gpu=not args.check_cpu, precision=args.precision,
-                                             world_size=args.num_gpus)
-    problem = weight_casts_problem(args.weight_casts, precision=args.precision, world_size=args.num_gpus)
+    weight_casts = resolve_weight_casts(args.weight_casts, on_gpu=not args.check_cpu, precision=args.precision,
+                                        world_size=args.num_gpus)
+    problem = weight_casts_problem(weight_casts, precision=args.precision, world_size=args.num_gpus)
     if problem and not args.check_cpu:
         fail(problem)
-    return args
+    # A new namespace with the defaults resolved: the parsed one is left as it was parsed.
+    return argparse.Namespace(**{**vars(args), "image_size": image_size, "fsdp": fsdp, "weight_casts": weight_casts})
 
 
 def main(argv: list[str] | None = None) -> dict | list | str:

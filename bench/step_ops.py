@@ -20,8 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from t2ibench import errors, kernels, memory  # noqa: E402
-from t2ibench.cli import POSITIVE_INT, Parser, Range  # noqa: E402
+from t2ibench.cli import Parser, Range  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
+from t2ibench.precomputed import TEXT_FORMATS  # noqa: E402
 from t2ibench.weight_casts import WEIGHT_CAST_CHOICES, resolve_weight_casts, weight_casts_problem  # noqa: E402
 
 MAX_BATCH = 1 << 20
@@ -33,7 +34,7 @@ def build_parser() -> Parser:
     p.add_argument("--image_size", type=Range(int, 1, 8192), default=None,
                    help="training resolution in pixels (default: the family's: 512 SD2, 1024 SDXL, 256 Flux.1)")
     p.add_argument("--precomputed", action="store_true", help="precomputed latents (no VAE in the step)")
-    p.add_argument("--precomputed_format", default=None, choices=memory.TEXT_FORMATS,
+    p.add_argument("--precomputed_format", default=None, choices=TEXT_FORMATS,
                    help="with --precomputed: token ids (text encoders in the step) or text states (none)")
     p.add_argument("--activation_checkpointing", action="store_true",
                    help="the denoiser's blocks recomputed in backward (benchmark.py's flag)")
@@ -58,23 +59,26 @@ def build_parser() -> Parser:
     return p
 
 
-def validate(args: argparse.Namespace) -> None:
+def validate(args: argparse.Namespace) -> argparse.Namespace:
+    """The flags with the defaults resolved, in a new namespace (the parsed one is left as it was parsed)."""
     if args.model_config not in MODEL_CONFIGS:
         errors.fail(f"--model_config '{args.model_config}' is unknown; choose one of {sorted(MODEL_CONFIGS)}")
     family = family_of(args.model_config)
-    args.image_size = args.image_size or family.default_image_size(args.model_config)
+    image_size = args.image_size or family.default_image_size(args.model_config)
     pixels = family.latent_downsample * family.patch_size
-    if args.image_size % pixels:
-        errors.fail(f"--image_size {args.image_size} must be a multiple of {pixels} for {args.model_config}")
+    if image_size % pixels:
+        errors.fail(f"--image_size {image_size} must be a multiple of {pixels} for {args.model_config}")
     if args.precomputed_format and not args.precomputed:
         errors.fail("--precomputed_format needs --precomputed")
-    args.batch_size = args.batch_size or 2048
-    if args.microbatch and args.batch_size % args.microbatch:
-        errors.fail(f"--microbatch {args.microbatch} must divide --batch_size {args.batch_size}")
-    args.weight_casts = resolve_weight_casts(args.weight_casts, on_gpu=True, precision=args.precision, world_size=1)
-    problem = weight_casts_problem(args.weight_casts, precision=args.precision, world_size=1)
+    batch_size = args.batch_size or 2048
+    if args.microbatch and batch_size % args.microbatch:
+        errors.fail(f"--microbatch {args.microbatch} must divide --batch_size {batch_size}")
+    weight_casts = resolve_weight_casts(args.weight_casts, on_gpu=True, precision=args.precision, world_size=1)
+    problem = weight_casts_problem(weight_casts, precision=args.precision, world_size=1)
     if problem:
         errors.fail(problem)
+    return argparse.Namespace(**{**vars(args), "image_size": image_size, "batch_size": batch_size,
+                                 "weight_casts": weight_casts})
 
 
 def count(args: argparse.Namespace, weight_casts: str, activation_checkpointing: bool) -> dict:
@@ -111,9 +115,8 @@ def print_row(args: argparse.Namespace, row: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
     with errors.command("step_ops.py"):
-        validate(args)
+        args = validate(build_parser().parse_args(argv))
     data = f"precomputed {args.precomputed_format or family_of(args.model_config).default_precomputed_format}" \
         if args.precomputed else "online"
     print(f"{args.model_config} at {args.image_size}x{args.image_size}, {data}, {args.precision}, norms "

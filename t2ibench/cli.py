@@ -1,17 +1,6 @@
-"""The argument parser of every command: argparse with flag files, one-line errors and the range of
-every number.
-
-A flag file is read where `@FILE` stands (`benchmark.py @recipes/sd2-stage1.args --remote s3://...`;
-flags later on the line win, so a recipe's value can be overridden): one or more flags per line,
-`#` starts a comment. An error is one line, `<command>: error: <message>` (exit status 1), like
-every other user error (`errors.fail`). Light on purpose: convert.py and cost.py
-use it without loading any model code.
-
-Each numeric flag is declared with a `Range` as its argparse `type`, so its range lives next to the
-flag, is checked before anything else runs, and refuses NaN and infinity (a check written `x <= 0`
-lets NaN through: every comparison with NaN is false). Ranges that depend on other flags or on the
-machine (a warm-up within the run, loader processes per core) are checked in each command's
-validation, with `Range.problem` or `flags.check_workers`.
+"""The argument parser of every command: argparse with flag files (`@FILE`), one-line errors and the
+range of every number (`Range`, refusing NaN and infinity). Light on purpose: convert.py and cost.py
+use it without loading any model code. How it reads flag files and why ranges are types: docs/design.md.
 """
 from __future__ import annotations
 

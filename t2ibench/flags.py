@@ -1,20 +1,31 @@
-"""Command-line flags shared by benchmark.py and latents.py, declared once: the data source, the
-model, seeds and workers, and (benchmark.py) the Streaming settings. `check_shared` checks them the
-same way in both. The parser itself is `cli.Parser`.
+"""Command-line flags: the groups benchmark.py and latents.py share, checked once (`shared_values`),
+and benchmark.py's whole parser (`benchmark_parser`). The parser class is `cli.Parser`.
 """
 from __future__ import annotations
 
 import argparse
 import math
 
-from t2ibench.cli import FRACTION, IMAGE_SIZE, NON_NEGATIVE_INT, POSITIVE_INT, SECONDS, SEED
+from t2ibench.cli import (FRACTION, IMAGE_SIZE, NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT,
+                          SECONDS, SEED, Range)
 from t2ibench.cli import Parser, check_workers  # noqa: F401 - the commands' parser and its rules, with these groups
 from t2ibench.errors import fail
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of
 from t2ibench.fp8 import FP8_MODES
 from t2ibench.locations import DEFAULT_CACHE_ROOT
+from t2ibench.norms import NORM_PRECISIONS
+from t2ibench.objectives import TIMESTEP_SAMPLINGS
+from t2ibench.parallel import FSDP_CHOICES
+from t2ibench.precision import PRECISION_CHOICES
+from t2ibench.precomputed import TEXT_FORMATS
+from t2ibench.sampling import MAX_GUIDANCE_SCALE
 from t2ibench.sources import JoinSources
 from t2ibench.streaming import MAX_BAD_FRACTION, SHUFFLE_ALGOS, StreamingSettings
+from t2ibench.weight_casts import WEIGHT_CAST_CHOICES
+
+# SD2's and SDXL's DDPM schedules have 1000 training timesteps (Flux's are continuous): more loss bins
+# than that would stay empty, and more sampler steps than that repeat timesteps.
+MAX_LOSS_BINS = MAX_SAMPLE_STEPS = 1000
 
 
 def add_source(p: argparse.ArgumentParser) -> None:
@@ -101,16 +112,15 @@ def add_streaming(p: argparse.ArgumentParser) -> None:
                         "for a few samples)")
 
 
-def check_shared(args: argparse.Namespace) -> ModelFamily:
-    """The shared groups' values (one line naming the flag for a bad one); returns the model's family."""
+def shared_values(args: argparse.Namespace) -> tuple[ModelFamily, str, int]:
+    """The shared groups' values checked (one line naming the flag for a bad one): the model's family,
+    and --model_name and --image_size with the family's defaults where they were left out."""
     family = family_of(args.model_config)
-    if args.model_name is None:
-        args.model_name = family.default_model_name
-    if args.image_size is None:
-        args.image_size = family.default_image_size(args.model_config)
+    model_name = family.default_model_name if args.model_name is None else args.model_name
+    image_size = family.default_image_size(args.model_config) if args.image_size is None else args.image_size
     multiple = family.latent_downsample * family.patch_size
-    if args.image_size % multiple:
-        fail(f"--image_size {args.image_size} must be a positive multiple of {multiple} (the VAE downsamples by "
+    if image_size % multiple:
+        fail(f"--image_size {image_size} must be a positive multiple of {multiple} (the VAE downsamples by "
              f"{family.latent_downsample}" + (f", and latents are cut into {family.patch_size}x{family.patch_size} "
                                               "patches)" if family.patch_size > 1 else ")"))
     if args.cache_limit is not None:
@@ -121,4 +131,134 @@ def check_shared(args: argparse.Namespace) -> ModelFamily:
             fail(f"--cache_limit {args.cache_limit} is not a size such as 500gb or 20mb")
         if not 0 < limit < math.inf:
             fail(f"--cache_limit {args.cache_limit} must be a positive size such as 500gb")
+    return family, model_name, image_size
+
+
+def check_shared(args: argparse.Namespace) -> ModelFamily:
+    """latents.py's check of the shared groups: `shared_values`, with the defaults written into `args`,
+    where latents.py reads them (benchmark.py keeps them in its `Settings` instead)."""
+    family, args.model_name, args.image_size = shared_values(args)
     return family
+
+
+def benchmark_parser(description: str) -> Parser:
+    """benchmark.py's flags; `description` heads its --help."""
+    p = Parser("benchmark.py", description=description)
+    # The flags of the 2023 benchmark keep their names and defaults (--remote, --local, --image_size
+    # and --model_name among the shared groups below).
+    g = p.add_argument_group("the 2023 benchmark's flags")
+    g.add_argument("--batch_size", type=POSITIVE_INT, default=2048, help="global batch size, images per step over all devices")
+    g.add_argument("--use_synth_data", action="store_true", help="random images and captions (measures the model only)")
+    g.add_argument("--use_ema", action="store_true",
+                   help="keep an EMA of the denoiser's weights (half-life --ema_half_life, 1000 batches)")
+    g.add_argument("--wandb_name", type=str, default=None, help="W&B run name (enables W&B logging)")
+    g.add_argument("--wandb_project", type=str, default=None, help="W&B project (enables W&B logging)")
+    g.add_argument("--device_train_microbatch_size", type=str, default="auto",
+                   help="images per device per forward/backward, or 'auto' (GPU: largest that fits; CPU: no accumulation)")
+    add_source(p)
+    add_model(p)
+    add_run(p, "seeds model init, noise, timesteps, data order")
+    g = p.add_argument_group("run length, precision, results")
+    g.add_argument("--max_duration", type=str, default="1ep", help="Composer time string: 20ba, 1ep, 100000sp")
+    g.add_argument("--precision", type=str, default="auto", help=f"one of {PRECISION_CHOICES}; auto: amp_bf16 on GPU, fp32 on CPU")
+    g.add_argument("--results_json", type=str, default=None, help="write the throughput summary to this JSON file")
+    g.add_argument("--num_synthetic_samples", type=POSITIVE_INT, default=100_000, help="size of the synthetic dataset")
+    g.add_argument("--lr", type=POSITIVE_FLOAT, default=1e-4, help="AdamW learning rate (constant unless --lr_schedule / --lr_warmup_batches)")
+    g.add_argument("--weight_decay", type=NON_NEGATIVE_FLOAT, default=1e-3, help="AdamW weight decay")
+    g.add_argument("--warmup_batches", type=NON_NEGATIVE_INT, default=5, help="batches left out of the throughput measurement")
+    g.add_argument("--peak_tflops", type=POSITIVE_FLOAT, default=None,
+                   help="peak TFLOP/s of one device for MFU (default: Composer's table for A100/H100/H200)")
+    g.add_argument("--log_interval", type=str, default="10ba",
+                   help="in a log file, print a progress line this often (20ba, 1ep); on a terminal the line updates in place")
+    add_streaming(p)
+    g = p.add_argument_group("checkpoints (Composer's: local paths or s3://, gs://, oci://... URIs)")
+    g.add_argument("--save_folder", type=str, default=None, help="where to save checkpoints (path or s3://... URI)")
+    g.add_argument("--save_interval", type=str, default="1000ba", help="checkpoint every this long (20ba, 1ep)")
+    g.add_argument("--save_num_checkpoints_to_keep", type=Range(int, -1), default=-1,
+                   help="local checkpoints to keep (-1: all; 0: none, only with an object-store --save_folder, "
+                        "which keeps every upload)")
+    g.add_argument("--load_path", type=str, default=None, help="checkpoint to start from (path or URI)")
+    g.add_argument("--autoresume", action="store_true",
+                   help="resume from the latest checkpoint in --save_folder if there is one (needs --run_name)")
+    g.add_argument("--run_name", type=str, default=None, help="run name; fixed names let --autoresume find the run")
+    g = p.add_argument_group("speed (defaults are the plain step until GPU measurements say otherwise)")
+    g.add_argument("--precomputed", action="store_true",
+                   help="train from precomputed VAE latents (latents.py): no VAE; the text encoder runs on stored "
+                        "token ids, or is skipped too for shards written with --store_text_states")
+    g.add_argument("--precomputed_format", type=str, default=None, choices=TEXT_FORMATS,
+                   help="with --precomputed --use_synth_data: the format synthetic batches imitate (shards: read "
+                        "from their columns); default tokens for SD2, text_states (MLPerf's) for Flux")
+    g.add_argument("--channels_last", action="store_true", help="denoiser and VAE in channels-last memory format")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile every module that runs per step: the denoiser, and the VAE encoder and text "
+                        "encoders when they run (in place: checkpoint keys unchanged)")
+    g.add_argument("--norm_precision", type=str, default="autocast", choices=NORM_PRECISIONS,
+                   help="under AMP, GroupNorm and LayerNorm run in the autocast dtype (autocast), or in fp32 as "
+                        "CUDA autocast's own lists have them (fp32)")
+    g.add_argument("--fsdp", type=str, default="auto", choices=FSDP_CHOICES,
+                   help="shard the denoiser's weights, gradients and AdamW state over the ranks (Composer's FSDP2): "
+                        "full_shard (weights gathered block by block in forward and again in backward), "
+                        "shard_grad_op (gathered once per microbatch, kept until its backward ends); none: DDP; "
+                        "auto: full_shard for Flux.1 on several ranks, else none")
+    g.add_argument("--fused_adamw", type=str, default="auto", choices=("auto", "on", "off"),
+                   help="fused AdamW kernel; auto: on with CUDA")
+    g.add_argument("--xformers", action="store_true", help="use xFormers attention in the UNet (default: PyTorch SDPA)")
+    g.add_argument("--weight_casts", type=str, default="auto", choices=WEIGHT_CAST_CHOICES,
+                   help="cast the denoiser's weights to bf16 once per optimizer step (step: bf16 copies, fp32 "
+                        "weights for the optimizer) or in every microbatch's forward and backward as autocast does "
+                        "(microbatch); auto: step on one CUDA device under amp_bf16, else microbatch")
+    g.add_argument("--profile_batches", type=Range(int, 0, 1000), default=0,
+                   help="profile this many batches right after the warm-up with the torch profiler (left out of "
+                        "the throughput window): a trace for Perfetto / chrome://tracing, the 15 most expensive "
+                        "ops and the device-busy fraction in the summary and the results JSON")
+    g.add_argument("--profile_dir", type=str, default="profile", help="where --profile_batches writes its trace")
+    g.add_argument("--activation_checkpointing", action="store_true",
+                   help="recompute each block of the denoiser in the backward pass instead of keeping its activations "
+                        "(diffusers' gradient checkpointing): less memory, about a third more compute")
+    add_fp8(g)
+    g = p.add_argument_group("training recipe (every default keeps the 2023 step)")
+    g.add_argument("--lr_warmup_batches", type=NON_NEGATIVE_INT, default=0, help="linear learning-rate warm-up over this many batches")
+    g.add_argument("--lr_schedule", type=str, default="constant", choices=("constant", "cosine"),
+                   help="after the warm-up: constant, or cosine decay to 0 at --max_duration")
+    g.add_argument("--grad_clip_norm", type=POSITIVE_FLOAT, default=None, help="clip the gradient's global L2 norm to this")
+    g.add_argument("--caption_drop_prob", type=Range(float, 0, 1, high_open=True), default=0.0,
+                   help="replace each caption by the empty one with this probability (classifier-free guidance)")
+    g.add_argument("--ema_start", type=str, default="0ba", help="with --use_ema: start averaging at this time (e.g. 1350000ba)")
+    g.add_argument("--ema_half_life", type=str, default="1000ba",
+                   help="with --use_ema: EMA half-life in batches (6931ba is a smoothing of 0.9999 per batch)")
+    g.add_argument("--ema_export_dir", type=str, default=None,
+                   help="with --use_ema: write a complete diffusers pipeline with the EMA weights here at the end")
+    g.add_argument("--snr_gamma", type=POSITIVE_FLOAT, default=None, help="min-SNR-gamma loss weighting (5 is the paper's value)")
+    g.add_argument("--offset_noise", type=Range(float, 0, 1), default=0.0,
+                   help="offset noise strength (e.g. 0.1; at most 1, where the offset is as strong as the noise)")
+    g.add_argument("--loss_bins", type=Range(int, 0, MAX_LOSS_BINS), default=10,
+                   help=f"log the loss in this many bins of timesteps (0: off; at most {MAX_LOSS_BINS}, and at most "
+                        "the training timesteps of a DDPM model)")
+    g.add_argument("--timestep_sampling", type=str, default="uniform", choices=TIMESTEP_SAMPLINGS,
+                   help="how training draws timesteps: uniform (SD2's DDPM steps; Flux: t ~ U(0,1) as MLPerf's "
+                        "reference), or logit_normal (SD3's, Flux only)")
+    g = p.add_argument_group("validation loss (MLPerf's quality measure, every model)")
+    g.add_argument("--eval_interval", type=str, default=None,
+                   help="compute the validation loss at 8 fixed timesteps on held-out samples this often (e.g. "
+                        "1000ba) and at the end; off by default")
+    g.add_argument("--eval_remote", type=str, default=None,
+                   help="held-out MDS shards, in the training data's format (images, or latents with --precomputed)")
+    g.add_argument("--eval_local", type=str, default=None, help="local cache of --eval_remote, or held-out shards on disk")
+    g.add_argument("--eval_samples", type=POSITIVE_INT, default=None,
+                   help="held-out samples per evaluation (default: 256 synthetic ones with --use_synth_data, "
+                        "else all of --eval_remote)")
+    g.add_argument("--eval_target", type=POSITIVE_FLOAT, default=None,
+                   help="report when the validation loss first reaches this (MLPerf Flux.1: 0.586)")
+    g = p.add_argument_group("sample grids while training")
+    g.add_argument("--sample_prompts", type=str, default=None,
+                   help="draw these prompts while training: a text file (one per line) or a built-in set: default, shapes")
+    g.add_argument("--sample_interval", type=str, default="1000ba", help="sample every this long (and at the end)")
+    g.add_argument("--samples_dir", type=str, default=None, help="where sample grids go (default: <--save_folder>/samples)")
+    g.add_argument("--sampler", type=str, default=None, choices=("ddim", "euler"),
+                   help="diffusers sampler for samples: ddim (SD2's default) or euler (for Flux: flow-matching Euler, "
+                        "FluxPipeline's)")
+    g.add_argument("--sample_steps", type=Range(int, 1, MAX_SAMPLE_STEPS), default=50,
+                   help=f"sampler steps per sample (at most {MAX_SAMPLE_STEPS}, the training timesteps of SD2 and SDXL)")
+    g.add_argument("--guidance_scale", type=Range(float, 0, MAX_GUIDANCE_SCALE), default=7.5,
+                   help="classifier-free guidance scale of samples (<= 1: none, as in diffusers)")
+    return p

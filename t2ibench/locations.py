@@ -1,11 +1,6 @@
-"""Location rules, once for every command: what is a URI and what is a path, which stores a flag
-supports, where caches go, and whether an output can be written, before any work starts.
-
-`file://` is decided here, for all five commands: `file:///path` (or `file://localhost/path`) is
-the local path `/path`; any other host is refused. A URI needs `://` (`dbfs:/Volumes/...` is the
-one store that is written with one slash), so a local name with a colon (`C:\\data`, `run:2`) is a
-path, and `s3:/bucket` (one slash) is pointed out rather than taken as a folder named `s3:`.
-Every check names the flag and the location in its one line.
+"""Location rules, once for every command: what is a URI and what is a path (`file://` included), which
+stores a flag supports, where caches go, and whether an output can be written, before any work starts.
+The rules in full: docs/design.md.
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""Where a training run runs: ranks, device, precision and microbatch, set up once before anything is built.
-
-`Runtime.start(args, family)` sets the process up (CUDA device per rank, threads per CPU rank,
-Composer's node signal files, seeds) and decides the precision and the microbatch; the rest of the
-run reads them from the `Runtime` it returns. `auto` on several GPUs is counted by the memory model
-once the data is known (`Runtime.with_counted_microbatch`, `safe_auto_microbatch`).
+"""Where a training run runs: ranks, device, precision and microbatch, decided once (`Runtime.start`)
+from the run's settings before anything is built, and read by the rest of the run.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import warnings
 from dataclasses import dataclass, replace
@@ -19,6 +14,7 @@ from t2ibench import memory
 from t2ibench.families import ModelFamily
 from t2ibench.parallel import resolve_mode
 from t2ibench.precision import resolve_precision
+from t2ibench.settings import Settings
 from t2ibench.weight_casts import resolve_weight_casts
 
 
@@ -37,7 +33,10 @@ class Runtime:
         return dist.get_global_rank() == 0
 
     @classmethod
-    def start(cls, args: argparse.Namespace, family: ModelFamily) -> "Runtime":
+    def start(cls, settings: Settings) -> Runtime:
+        """Set the process up (CUDA device per rank, threads per CPU rank, Composer's node signal files,
+        seeds) and decide the precision and the microbatch (`auto` on several GPUs: see
+        `with_counted_microbatch`)."""
         world_size = dist.get_world_size()
         on_gpu = torch.cuda.is_available()
         if not on_gpu and "OMP_NUM_THREADS" not in os.environ:
@@ -48,32 +47,31 @@ class Runtime:
             torch.cuda.set_device(dist.get_local_rank())
             # Fixed shapes every step: let cuDNN time its convolution algorithms once and keep the fastest.
             torch.backends.cudnn.benchmark = True
-        precision = resolve_precision(args.precision, on_gpu)
-        per_device = args.batch_size // world_size
-        microbatch = args.device_train_microbatch_size
+        precision = resolve_precision(settings.precision, on_gpu)
+        per_device = settings.batch_size // world_size
+        microbatch = settings.device_train_microbatch_size
         if microbatch == "auto" and not on_gpu:
             microbatch = per_device  # Composer's auto microbatching needs a GPU
         # "auto" on several GPUs stays until the data says what precomputed batches carry:
         # `with_counted_microbatch` replaces it with the memory model's count.
-        if args.channels_last and not args.compile and dist.get_global_rank() == 0:
+        if settings.channels_last and not settings.compile and dist.get_global_rank() == 0:
             warnings.warn("--channels_last without --compile: eager GroupNorm returns contiguous tensors, so every "
                           "convolution after a norm converts its input back to channels-last; add --compile "
                           "(inductor keeps one layout), or measure before keeping the flag.", stacklevel=1)
         per_node_signal_files()
-        reproducibility.seed_all(args.seed)
-        weight_casts = resolve_weight_casts(args.weight_casts, on_gpu=on_gpu, precision=precision,
+        reproducibility.seed_all(settings.seed)
+        weight_casts = resolve_weight_casts(settings.weight_casts, on_gpu=on_gpu, precision=precision,
                                             world_size=world_size)
         return cls(world_size, on_gpu, precision, precision if on_gpu else "fp32", per_device, microbatch,
                    weight_casts)
 
-    def with_counted_microbatch(self, args: argparse.Namespace, family: ModelFamily,
-                                text_format: str | None) -> "Runtime":
+    def with_counted_microbatch(self, settings: Settings, text_format: str | None) -> Runtime:
         """This runtime with `auto` on several GPUs replaced by `safe_auto_microbatch`'s count; call it
         once the data is built (`text_format`: what precomputed shards carry, None online). Any
         other microbatch is returned as it is."""
         if self.microbatch != "auto" or self.world_size == 1 or not self.on_gpu:
             return self
-        microbatch = safe_auto_microbatch(family, args, torch.cuda.get_device_properties(0).total_memory,
+        microbatch = safe_auto_microbatch(settings.family, settings, torch.cuda.get_device_properties(0).total_memory,
                                           self.world_size, self.precision, text_format)
         if self.is_rank_zero:
             print(f"--device_train_microbatch_size auto with {self.world_size} ranks: using {microbatch} "
@@ -82,7 +80,7 @@ class Runtime:
         return replace(self, microbatch=microbatch)
 
 
-def safe_auto_microbatch(family: ModelFamily, args: argparse.Namespace, total_memory_bytes: int, world_size: int,
+def safe_auto_microbatch(family: ModelFamily, settings: Settings, total_memory_bytes: int, world_size: int,
                          precision: str, text_format: str | None) -> int:
     """`auto` for several ranks: the microbatch the memory model counts for this GPU and this run's
     settings (`t2ibench.memory.auto_microbatch`), not an OOM search.
@@ -97,11 +95,11 @@ def safe_auto_microbatch(family: ModelFamily, args: argparse.Namespace, total_me
     checkpointing; 1 when nothing fits (the run's own OOM then says so).
     """
     return memory.auto_microbatch(
-        args.model_config, args.image_size, total_memory_bytes, args.batch_size // world_size,
-        precision=precision, norm_precision=args.norm_precision, precomputed=args.precomputed,
-        precomputed_format=text_format if args.precomputed else None, use_ema=args.use_ema,
-        fsdp=resolve_mode(args.fsdp, family.parallelism, world_size), num_gpus=world_size,
-        activation_checkpointing=args.activation_checkpointing, fp8=args.fp8)  # several ranks: casts per microbatch
+        settings.model_config, settings.image_size, total_memory_bytes, settings.batch_size // world_size,
+        precision=precision, norm_precision=settings.norm_precision, precomputed=settings.precomputed,
+        precomputed_format=text_format if settings.precomputed else None, use_ema=settings.use_ema,
+        fsdp=resolve_mode(settings.fsdp, family.parallelism, world_size), num_gpus=world_size,
+        activation_checkpointing=settings.activation_checkpointing, fp8=settings.fp8)  # several ranks: casts per microbatch
 
 
 def per_node_signal_files() -> None:

@@ -1,16 +1,6 @@
-"""Where training data comes from: `--remote`/`--local` parsed once into a list of `Source`s.
-
-`--remote` takes one source or several (repeat the flag, or separate sources by commas), each
-optionally prefixed by its proportion of every epoch: `0.7=s3://a/mds,0.3=gs://b/mds`. A prefix,
-not a ":0.7" suffix: a suffix could be part of a URI or path (s3://b/year=2023, C:\\data), while no
-URI scheme and no Windows drive starts with "<number>=" (a relative path that does is written
-"./0.5=data"). Proportions are relative (Streaming normalises them); give them for every source or
-for none (then each source contributes all its samples once per epoch).
-
-Every source gets its cache folder here, by one rule: a single source streams into `--local` (or
-its default, one folder per remote); several each into their own subfolder of `--local`. A cache
-records the remote it holds (`remote.json`), because Streaming trusts any index.json in a cache:
-a cache filled from another remote is refused, not read.
+"""Where training data comes from: `--remote`/`--local` parsed once into `Source`s, each with its cache
+folder, and the record of the remote a cache holds. The syntax of several sources (`0.7=s3://a,0.3=s3://b`)
+and the cache rule: docs/design.md.
 """
 from __future__ import annotations
 

@@ -174,8 +174,8 @@ def test_uri_schemes(args, flag, expect):
 def test_file_uri_is_a_local_path(images, tmp_path):
     args = benchmark.parse_args(REAL + ["--remote", f"file://{images}", "--local", str(tmp_path / "cache"),
                                         "--results_json", f"file://{tmp_path}/r.json"])
-    benchmark.validate(args, 1)
-    assert args.sources[0].remote == str(images) and args.results_json == f"{tmp_path}/r.json"
+    settings = benchmark.validate(args, 1)
+    assert settings.sources[0].remote == str(images) and settings.results_json == f"{tmp_path}/r.json"
 
 
 @pytest.mark.parametrize("case", ["missing", "folder", "text", "zip"])
@@ -423,3 +423,17 @@ def test_wandb_offline_run_records_the_benchmark_metrics(tmp_path):
     for kind in ("history", "summary"):
         assert float(values[f"{kind}:benchmark/images_per_sec"]) == pytest.approx(measured["images_per_sec"])
     assert float(values["summary:benchmark/measured_batches"]) == measured["measured_batches"] == 1
+
+
+def test_validation_returns_frozen_settings_and_leaves_the_parsed_flags_as_parsed(tmp_path):
+    args = benchmark.parse_args(TINY + ["--device_train_microbatch_size", "2", "--results_json", f"file://{tmp_path}/r.json",
+                                        "--precomputed", "--model_config", "flux1-tiny"])
+    parsed = dict(vars(args))
+    settings = benchmark.validate(args, 1)
+    assert vars(args) == parsed  # nothing is written back into the parsed flags
+    # The resolved values live in the settings, under the flags' names.
+    assert (settings.device_train_microbatch_size, settings.fsdp, settings.sampler) == (2, "none", "euler")
+    assert settings.precomputed_format == "text_states" and settings.model_name == settings.family.default_model_name
+    assert settings.results_json == f"{tmp_path}/r.json" and settings.encoders_seed == settings.seed
+    with pytest.raises(AttributeError):  # frozen (dataclasses.FrozenInstanceError)
+        settings.batch_size = 8

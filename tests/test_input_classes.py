@@ -356,8 +356,7 @@ def test_precompute_record_is_compared_with_the_run(tmp_path):
     assert "precompute.json is not readable" in error_of(benchmark.main, base + ["--remote", str(broken)])
     seeded = write_latents(tmp_path / "seeded", tiny)
     args = benchmark.parse_args(base + ["--remote", str(seeded), "--seed", "17"])
-    benchmark.validate(args, 1)
-    assert args.encoders_seed == 5  # followed: the encoders aside are the ones that made the latents
+    assert benchmark.validate(args, 1).encoders_seed == 5  # followed: the encoders aside are the ones that made the latents
     second = write_latents(tmp_path / "seeded7", {**tiny, "seed": 7})
     message = error_of(benchmark.main, base + ["--remote", f"{seeded},{second}"])
     assert "different seeds (5 and 7" in message

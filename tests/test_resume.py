@@ -355,8 +355,7 @@ def test_mcloud_yaml_loads_with_mosaicml_cli(name, gpus):
         sys.path.insert(0, str(ROOT))
     import benchmark
 
-    args = benchmark.parse_args(argv[1:])
-    benchmark.validate(args, world_size=gpus)
+    args = benchmark.validate(benchmark.parse_args(argv[1:]), world_size=gpus)  # the run's settings
     assert args.use_ema and args.use_synth_data and args.device_train_microbatch_size == 4
     assert args.autoresume and args.run_name == "sd2-benchmark-a1b2c3"
     assert args.save_folder == final.env_variables["SAVE_FOLDER"] + "/sd2-benchmark-a1b2c3"
