@@ -2,6 +2,7 @@
 through Composer's launcher that a test kills and resumes, and small datasets written by MDSWriter."""
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 import numpy as np
@@ -71,14 +73,23 @@ def run_cli(args: list[str], launcher: list[str] | None = None, env: dict[str, s
     return subprocess.run(cmd, cwd=ROOT, env=env or offline_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def error_of(main: Callable, argv: list[str], prog: str | tuple[str, ...] = "benchmark.py") -> str:
-    """The one-line error a command's `main` stops with (the prog, or one of the progs, names the command)."""
+def error_of(main: Callable, argv: list[str], prog: str | None = None) -> str:
+    """The one-line error a command's `main` stops with; `prog` names the command (default: main's module)."""
+    prog = prog or f"{main.__module__}.py"
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     message = str(exit_info.value.code)
-    progs = (prog,) if isinstance(prog, str) else prog
-    assert message.startswith(tuple(f"{p}: error: " for p in progs)) and "\n" not in message, message
+    assert message.startswith(f"{prog}: error: ") and "\n" not in message, message
     return message
+
+
+def bench_script(name: str) -> ModuleType:
+    """bench/NAME.py imported by path, as bench_NAME (bench/memory.py is not t2ibench.memory)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
 
 
 # -----------------------------------------------------------------------------------------------

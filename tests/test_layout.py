@@ -5,7 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 ROOT_MODULES = {p.stem for p in ROOT.glob("*.py")}
 
 
