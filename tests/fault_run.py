@@ -1,6 +1,6 @@
 """benchmark.py with timing faults injected from outside: a slow checkpoint save, a slow rank.
 
-    composer -n 2 tests/fault_run.py --report DIR [--slow_save_s S] [--slow_rank R --slow_rank_s S]
+    PYTHONPATH=. composer -n 2 tests/fault_run.py --report DIR [--slow_save_s S] [--slow_rank R --slow_rank_s S]
         [--compile_backend NAME] <benchmark.py flags>
 
 `--slow_save_s S` makes every checkpoint save sleep S seconds on global rank 0 (the rank that writes
@@ -20,21 +20,17 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import checkpoint, dist
 
-from composer.core import Callback, State  # noqa: E402
-from composer.loggers import Logger  # noqa: E402
-from composer.utils import checkpoint, dist  # noqa: E402
-
-import benchmark  # noqa: E402
-from t2ibench.callbacks.throughput import Throughput  # noqa: E402
+import benchmark
+from t2ibench.callbacks.throughput import Throughput
 
 SAVE_STARTS: list[float] = []
 

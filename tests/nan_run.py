@@ -1,6 +1,6 @@
 """benchmark.py with a NaN put into the loss of one batch, to test that the run stops cleanly.
 
-    composer -n 2 tests/nan_run.py --nan_at_batch 3 [--nan_rank 1] [--report DIR] <benchmark.py flags>
+    PYTHONPATH=. composer -n 2 tests/nan_run.py --nan_at_batch 3 [--nan_rank 1] [--report DIR] <benchmark.py flags>
 
 `--nan_at_batch N` poisons the loss of the N-th training batch (1-based: Composer's `[batch=N/...]`,
 whose checkpoint would be `ep*-baN-rank0.pt`). `--nan_rank R` does it on global rank R only (default:
@@ -15,18 +15,14 @@ ranks once rank 0 has exited, so rank 0 waits for their reports first). All othe
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
 
-from composer.core import Callback, State  # noqa: E402
-from composer.loggers import Logger  # noqa: E402
-from composer.utils import dist  # noqa: E402
-
-import benchmark  # noqa: E402
+import benchmark
 
 
 class PoisonLoss(Callback):

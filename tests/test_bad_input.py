@@ -7,69 +7,19 @@ Trainer is built); a few run the command line to check exit codes and that no tr
 """
 from __future__ import annotations
 
-import io
 import json
 import shutil
 import os
-import socket
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import benchmark  # noqa: E402
-import data  # noqa: E402
-from t2ibench import precomputed  # noqa: E402
-from t2ibench.sources import Source, record_cache  # noqa: E402
-
-TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
-        "--max_duration", "2ba", "--num_workers", "0", "--warmup_batches", "1"]
-REAL = ["--model_config", "tiny", "--batch_size", "4", "--image_size", "32", "--max_duration", "2ba",
-        "--num_workers", "0"]
-
-
-def error_of(argv: list[str]) -> str:
-    """The one-line message benchmark.main stops with (it must stop before building anything)."""
-    with pytest.raises(SystemExit) as exit_info:
-        benchmark.main(argv)
-    message = str(exit_info.value.code)
-    assert message.startswith("benchmark.py: error: ") and "\n" not in message, message
-    return message
-
-
-def jpeg(seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (24, 24, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="JPEG")
-    return buffer.getvalue()
-
-
-def write_images(out: Path, count: int) -> Path:
-    """A real image-caption MDS dataset (the columns convert.py writes)."""
-    from streaming import MDSWriter
-    with MDSWriter(out=str(out), columns={"jpg": "bytes", "caption": "str", "key": "str"}) as writer:
-        for i in range(count):
-            writer.write({"jpg": jpeg(i), "caption": f"photo {i}", "key": str(i)})
-    return out
-
-
-def write_latents(out: Path, count: int) -> Path:
-    """A real precomputed-latents MDS dataset in the format data.py defines."""
-    from streaming import MDSWriter
-    columns = precomputed.mds_columns(latent_channels=4, latent_size=4, text_dim=8, text_states=True)
-    rng = np.random.default_rng(0)
-    with MDSWriter(out=str(out), columns=columns) as writer:
-        for i in range(count):
-            writer.write({"index": i, "latent_mean": rng.standard_normal((4, 4, 4)).astype(np.float16),
-                          "latent_logvar": rng.standard_normal((4, 4, 4)).astype(np.float16),
-                          "text_states": rng.standard_normal((77, 8)).astype(np.float16), "caption": "x"})
-    return out
+import benchmark
+import data
+from t2ibench import precomputed
+from t2ibench.sources import Source, record_cache
+from tests.helpers import REAL_2BA, TINY_2BA, error_of, free_port, offline_env, run_cli, write_images, write_latents
 
 
 @pytest.fixture(scope="module")
@@ -79,16 +29,7 @@ def images(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def latents(tmp_path_factory) -> Path:
-    return write_latents(tmp_path_factory.mktemp("latents") / "mds", 6)
-
-
-def offline_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", **extra}
-
-
-def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "benchmark.py"), *args], cwd=ROOT, env=env or offline_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return write_latents(tmp_path_factory.mktemp("latents") / "mds", 6, text_dim=8)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -126,18 +67,18 @@ def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: int = 1
     (["--remote", "/data/mds"], "--use_synth_data"),  # would be ignored silently
 ])
 def test_bad_numbers_and_units_fail_at_once(args, flag):
-    assert flag in error_of(TINY + args)
+    assert flag in error_of(benchmark.main, TINY_2BA + args)
 
 
 def test_saving_over_an_earlier_runs_checkpoints_is_refused(tmp_path):
     (tmp_path / "ep0-ba2-rank0.pt").write_bytes(b"an earlier run's checkpoint")
-    message = error_of(TINY + ["--save_folder", str(tmp_path)])
+    message = error_of(benchmark.main, TINY_2BA + ["--save_folder", str(tmp_path)])
     assert "--save_folder" in message and "--autoresume" in message
     assert (tmp_path / "ep0-ba2-rank0.pt").read_bytes() == b"an earlier run's checkpoint"
 
 
 def test_keeping_zero_local_checkpoints_is_refused(tmp_path):
-    message = error_of(TINY + ["--save_folder", str(tmp_path), "--save_num_checkpoints_to_keep", "0"])
+    message = error_of(benchmark.main, TINY_2BA + ["--save_folder", str(tmp_path), "--save_num_checkpoints_to_keep", "0"])
     assert "--save_num_checkpoints_to_keep" in message and "-1" in message
 
 
@@ -154,7 +95,7 @@ def test_unwritable_outputs_fail_before_training(tmp_path, flag, where):
     location = {"proc": "/proc/benchmark-out/x", "folder": str(tmp_path), "file": str(tmp_path / "file"),
                 "under_file": str(tmp_path / "file" / "r.json")}[where]
     extra = ["--use_ema"] if flag == "--ema_export_dir" else []
-    assert flag in error_of(TINY + extra + [flag, location])
+    assert flag in error_of(benchmark.main, TINY_2BA + extra + [flag, location])
     assert (tmp_path / "file").read_text() == "mine"
 
 
@@ -167,12 +108,12 @@ def test_unwritable_outputs_fail_before_training(tmp_path, flag, where):
     (["--remote", "file://otherhost/data"], "--remote", "file:///path"),
 ])
 def test_uri_schemes(args, flag, expect):
-    message = error_of(TINY + args)
+    message = error_of(benchmark.main, TINY_2BA + args)
     assert flag in message and expect in message
 
 
 def test_file_uri_is_a_local_path(images, tmp_path):
-    args = benchmark.parse_args(REAL + ["--remote", f"file://{images}", "--local", str(tmp_path / "cache"),
+    args = benchmark.parse_args(REAL_2BA + ["--remote", f"file://{images}", "--local", str(tmp_path / "cache"),
                                         "--results_json", f"file://{tmp_path}/r.json"])
     settings = benchmark.validate(args, 1)
     assert settings.sources[0].remote == str(images) and settings.results_json == f"{tmp_path}/r.json"
@@ -188,7 +129,7 @@ def test_load_path_must_be_a_checkpoint(tmp_path, case):
     elif case == "zip":
         with zipfile.ZipFile(path, "w") as archive:
             archive.writestr("notes.txt", "a zip, but not a torch checkpoint")
-    message = error_of(TINY + ["--load_path", str(path)])
+    message = error_of(benchmark.main, TINY_2BA + ["--load_path", str(path)])
     assert "--load_path" in message and str(path) in message
 
 
@@ -228,24 +169,24 @@ def test_bad_data_fails_at_once(images, latents, tmp_path, case, expect):
     }[case]
     if "--remote" in args:
         args += ["--local", str(tmp_path / "cache")]
-    assert expect in error_of(REAL + args)
+    assert expect in error_of(benchmark.main, REAL_2BA + args)
     assert not (tmp_path / "cache").exists()  # nothing was written or downloaded
 
 
 def test_a_cache_filled_from_another_remote_is_refused(images, latents, tmp_path):
     cache = tmp_path / "cache"
-    first = benchmark.parse_args(REAL + ["--remote", str(images), "--local", str(cache)])
+    first = benchmark.parse_args(REAL_2BA + ["--remote", str(images), "--local", str(cache)])
     benchmark.validate(first, 1)
     record_cache(Source(str(images), str(cache)))
     (cache / "index.json").write_bytes((images / "index.json").read_bytes())  # as Streaming leaves it
-    benchmark.validate(benchmark.parse_args(REAL + ["--remote", f"{images}/", "--local", str(cache)]), 1)  # same
-    message = error_of(REAL + ["--remote", str(latents), "--precomputed", "--local", str(cache)])
+    benchmark.validate(benchmark.parse_args(REAL_2BA + ["--remote", f"{images}/", "--local", str(cache)]), 1)  # same
+    message = error_of(benchmark.main, REAL_2BA + ["--remote", str(latents), "--precomputed", "--local", str(cache)])
     assert "--local" in message and str(images) in message
-    message = error_of(REAL + ["--local", str(cache)])  # the cache alone: Streaming would delete its shards
+    message = error_of(benchmark.main, REAL_2BA + ["--local", str(cache)])  # the cache alone: Streaming would delete its shards
     assert f"--remote {images}" in message
     # A folder holding some other dataset with no record: refused, not trusted.
     other = write_images(tmp_path / "other", 5)
-    message = error_of(REAL + ["--remote", str(images), "--local", str(other)])
+    message = error_of(benchmark.main, REAL_2BA + ["--remote", str(images), "--local", str(other)])
     assert "--local" in message and "remote.json" in message
 
 
@@ -274,23 +215,6 @@ def test_too_many_bad_images_is_one_line(tmp_path):
 # -----------------------------------------------------------------------------------------------
 # S3 on loopback (moto's server): no credentials, unreachable endpoint.
 # -----------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    pytest.importorskip("boto3")
-    from moto.server import ThreadedMotoServer
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
 
 def s3_env(monkeypatch, endpoint: str, credentials: bool) -> None:
     monkeypatch.setenv("S3_ENDPOINT_URL", endpoint)
@@ -325,7 +249,7 @@ def test_s3_problems_are_one_line_naming_remote(s3_endpoint, images, tmp_path, m
            credentials=case != "no_credentials")
     remote = "s3://laion/missing" if case == "missing_dataset" else "s3://laion/mds"
     extra = ["--image_key", "png"] if case == "image_key" else []
-    message = error_of(REAL + ["--remote", remote, "--local", str(tmp_path / "cache"), "--download_timeout", "20",
+    message = error_of(benchmark.main, REAL_2BA + ["--remote", remote, "--local", str(tmp_path / "cache"), "--download_timeout", "20",
                                *extra])
     assert expect in message and ("--remote" in message or "--image_key" in message)
 
@@ -334,7 +258,7 @@ def test_debug_shows_the_original_error(s3_endpoint, tmp_path, monkeypatch):
     from botocore.exceptions import NoCredentialsError
     s3_env(monkeypatch, s3_endpoint, credentials=False)
     with pytest.raises(NoCredentialsError):
-        benchmark.main(REAL + ["--remote", "s3://laion/mds", "--local", str(tmp_path / "cache"), "--debug"])
+        benchmark.main(REAL_2BA + ["--remote", "s3://laion/mds", "--local", str(tmp_path / "cache"), "--debug"])
 
 
 def test_wandb_login_error_is_one_line():
@@ -345,7 +269,7 @@ def test_wandb_login_error_is_one_line():
 
 def test_s3_without_credentials_on_the_command_line(s3_endpoint, tmp_path, monkeypatch):
     s3_env(monkeypatch, s3_endpoint, credentials=False)
-    result = run_cli(REAL + ["--remote", "s3://laion/mds", "--local", str(tmp_path / "cache")],
+    result = run_cli(REAL_2BA + ["--remote", "s3://laion/mds", "--local", str(tmp_path / "cache")],
                      env=offline_env(**{k: v for k, v in os.environ.items() if k.startswith(("AWS_", "S3_"))}),
                      timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -358,7 +282,7 @@ def test_s3_without_credentials_on_the_command_line(s3_endpoint, tmp_path, monke
 # -----------------------------------------------------------------------------------------------
 
 def test_rerun_of_a_finished_autoresume_job_exits_0_with_its_summary(tmp_path, capsys):
-    run = TINY + ["--save_folder", str(tmp_path / "ckpt"), "--run_name", "done", "--autoresume",
+    run = TINY_2BA + ["--save_folder", str(tmp_path / "ckpt"), "--run_name", "done", "--autoresume",
                   "--save_interval", "1ba", "--use_ema", "--ema_export_dir", str(tmp_path / "ema")]
     measured = benchmark.main(run + ["--results_json", str(tmp_path / "first.json")])  # the job that trained
     assert measured["images_per_sec"] > 0 and measured["measured_batches"] == 1
@@ -386,7 +310,7 @@ def test_rerun_of_a_finished_autoresume_job_exits_0_with_its_summary(tmp_path, c
 def test_rerun_of_a_finished_epoch_run_reports_it_too(tmp_path):
     # With an epoch duration the last checkpoint is taken before the epoch counter moves on, so
     # Composer's fit() runs and trains 0 batches: the same summary, not a crash on empty figures.
-    run = TINY + ["--max_duration", "1ep", "--num_synthetic_samples", "8", "--save_folder", str(tmp_path),
+    run = TINY_2BA + ["--max_duration", "1ep", "--num_synthetic_samples", "8", "--save_folder", str(tmp_path),
                   "--run_name", "epoch", "--autoresume", "--save_interval", "1ba"]
     assert benchmark.main(run)["measured_batches"] == 1
     again = benchmark.main(run)
@@ -414,7 +338,7 @@ def wandb_records(run_file: Path) -> dict[str, str]:
 def test_wandb_offline_run_records_the_benchmark_metrics(tmp_path):
     results = tmp_path / "results.json"
     env = offline_env(WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
-    result = run_cli(TINY + ["--wandb_project", "sd2-benchmark", "--wandb_name", "offline-test",
+    result = run_cli(TINY_2BA + ["--wandb_project", "sd2-benchmark", "--wandb_name", "offline-test",
                              "--results_json", str(results)], env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")

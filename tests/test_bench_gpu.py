@@ -12,15 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import bench_gpu  # noqa: E402
-
-sys.path.remove(str(ROOT / "bench"))  # bench/memory.py must not shadow anything imported later
-
-from t2ibench import memory  # noqa: E402
+import bench_gpu
+from t2ibench import memory
 
 SD2_ROWS = [name for name, setting in bench_gpu.MATRIX.items() if setting.model_config == "sd2-base"]
 

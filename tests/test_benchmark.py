@@ -2,41 +2,20 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from t2ibench.families import MODEL_CONFIGS  # noqa: E402
-from t2ibench.model import DiffusionModel, count_parameters  # noqa: E402
-from t2ibench.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize  # noqa: E402
+from t2ibench.families import MODEL_CONFIGS
+from t2ibench.model import DiffusionModel, count_parameters
+from t2ibench.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize
+from tests.helpers import ROOT, TINY_SYNTH, composer_launcher, offline_env, run_cli
 
 SD2 = MODEL_CONFIGS["sd2-base"]
 
-TINY_RUN = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
-            "--max_duration", "4ba", "--num_workers", "0", "--warmup_batches", "1"]
-
-
-def offline_env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
-
-
-def run_cli(args: list[str], launcher: list[str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = (launcher or [sys.executable]) + [str(ROOT / "benchmark.py"), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+TINY_RUN = [*TINY_SYNTH, "--max_duration", "4ba", "--warmup_batches", "1"]
 
 
 def test_sd2_base_parameter_counts():
@@ -74,10 +53,10 @@ def test_tiny_synthetic_run_writes_results(tmp_path, use_ema):
     assert "throughput" in result.stdout and "images/s" in result.stdout
 
 
+@pytest.mark.multirank
 def test_two_ranks_through_composer_launcher(tmp_path):
     out = tmp_path / "results.json"
-    launcher = ["composer", "-n", "2", "--master_port", str(free_port())]
-    result = run_cli(TINY_RUN + ["--results_json", str(out)], launcher=launcher)
+    result = run_cli(TINY_RUN + ["--results_json", str(out)], launcher=composer_launcher(2))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["world_size"] == 2 and r["global_batch_size"] == 4 and r["device_train_microbatch_size"] == 2

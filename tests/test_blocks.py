@@ -6,22 +6,14 @@ other settings before timing anything. The 25% band itself is a figure the scrip
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import benchmark  # noqa: E402
-import blocks  # noqa: E402
-
-sys.path.remove(str(ROOT / "bench"))  # bench/memory.py must not shadow anything imported later
-
-from t2ibench.families import family_of  # noqa: E402
-from t2ibench.memory import build_meta_model  # noqa: E402
+import benchmark
+import blocks
+from t2ibench.families import family_of
+from t2ibench.memory import build_meta_model
 
 SETTINGS = ["--model_config", "flux1-tiny", "--precomputed", "--image_size", "32"]
 TIMING = ["--warmup", "1", "--repeats", "3", "--harness_batches", "4", "--num_workers", "0"]

@@ -3,14 +3,9 @@ from __future__ import annotations
 
 import io
 import re
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import benchmark  # noqa: E402
-from t2ibench.callbacks.progress import ConsoleProgress, format_seconds  # noqa: E402
+import benchmark
+from t2ibench.callbacks.progress import ConsoleProgress, format_seconds
 
 LINE = re.compile(r"^batch (\d+)/(\d+) \(\s*\d+%\) \|\s+[\d.]+ images/s \| loss [\d.]+ \| elapsed \S+ \| left \S+$")
 

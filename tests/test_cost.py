@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import cost  # noqa: E402
-from t2ibench import cost_table  # noqa: E402
+import cost
+from t2ibench import cost_table
+from tests.helpers import ROOT
 
 # The 2023 table: GPUs -> (images/s, days, A100-hours, cost in $) as printed.
 TABLE_2023 = {

@@ -13,7 +13,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -24,13 +23,12 @@ import pytest
 import torch
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import convert  # noqa: E402
-import data  # noqa: E402
-from t2ibench import convert_inputs  # noqa: E402
-from t2ibench.model import scale_images  # noqa: E402
-from t2ibench.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize  # noqa: E402
+import convert
+import data
+from t2ibench import convert_inputs
+from t2ibench.model import scale_images
+from t2ibench.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize
+from tests.helpers import ROOT, free_port, offline_env
 
 SIZE = 64  # training resolution in these tests
 NUM_PHOTOS = 24  # samples in the `shards` dataset: 2 ranks x 3 batches x 4, or 6 batches of 4
@@ -131,12 +129,6 @@ def check_sample(sample: dict[str, torch.Tensor]) -> None:
     image, captions = sample["image"], sample["captions"]
     assert image.shape == (3, SIZE, SIZE) and image.dtype == torch.uint8  # bytes cross from the workers
     assert captions.shape == (MAX_LENGTH,) and captions.dtype == torch.int64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -----------------------------------------------------------------------------------------------
@@ -371,40 +363,33 @@ def test_stream_local_shards_without_remote(shards, tmp_path, tok):
     assert seen == list(range(NUM_PHOTOS))  # not shuffled: the converted order
 
 
-def test_stream_from_s3_on_loopback(raw_folder, tmp_path, tok, monkeypatch):
-    boto3 = pytest.importorskip("boto3")
-    from moto.server import ThreadedMotoServer
+def test_stream_from_s3_on_loopback(raw_folder, tmp_path, tok, monkeypatch, s3_endpoint):
+    import boto3
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        monkeypatch.setenv("S3_ENDPOINT_URL", f"http://{host}:{port}")
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        monkeypatch.delenv("AWS_PROFILE", raising=False)
-        s3 = boto3.client("s3", endpoint_url=f"http://{host}:{port}")
-        s3.create_bucket(Bucket="laion")
+    monkeypatch.setenv("S3_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    s3.create_bucket(Bucket="laion")
 
-        remote = "s3://laion/sd2/mds"
-        report = convert.convert([str(raw_folder)], remote, workers=1, progress=False)  # uploads
-        assert report.written == len(FOLDER_CAPTIONS)
-        objects = {o["Key"] for o in s3.list_objects_v2(Bucket="laion")["Contents"]}
-        assert "sd2/mds/index.json" in objects and "sd2/mds/shard.00000.mds.zstd" in objects
-        with pytest.raises(convert_inputs.ConvertError, match="already holds an MDS dataset"):
-            convert.convert([str(raw_folder)], remote, workers=1, progress=False)
+    remote = "s3://laion/sd2/mds"
+    report = convert.convert([str(raw_folder)], remote, workers=1, progress=False)  # uploads
+    assert report.written == len(FOLDER_CAPTIONS)
+    objects = {o["Key"] for o in s3.list_objects_v2(Bucket="laion")["Contents"]}
+    assert "sd2/mds/index.json" in objects and "sd2/mds/shard.00000.mds.zstd" in objects
+    with pytest.raises(convert_inputs.ConvertError, match="already holds an MDS dataset"):
+        convert.convert([str(raw_folder)], remote, workers=1, progress=False)
 
-        cache = tmp_path / "cache"
-        loader = data.laion_dataloader(remote=remote, local=str(cache), tokenizer=tok, image_size=SIZE,
-                                       batch_size_per_device=1, num_workers=0, shuffle=False)
-        expected = {captions_key(row) for row in tokenize(tok, list(FOLDER_CAPTIONS.values()))}
-        got = [captions_key(batch["captions"][0]) for batch in loader]
-        assert sorted(got) == sorted(expected)
-        assert (cache / "shard.00000.mds").is_file()
-        del loader
-    finally:
-        server.stop()
+    cache = tmp_path / "cache"
+    loader = data.laion_dataloader(remote=remote, local=str(cache), tokenizer=tok, image_size=SIZE,
+                                   batch_size_per_device=1, num_workers=0, shuffle=False)
+    expected = {captions_key(row) for row in tokenize(tok, list(FOLDER_CAPTIONS.values()))}
+    got = [captions_key(batch["captions"][0]) for batch in loader]
+    assert sorted(got) == sorted(expected)
+    assert (cache / "shard.00000.mds").is_file()
+    del loader
 
 
 # -----------------------------------------------------------------------------------------------
@@ -474,14 +459,14 @@ def rank_worker(shards_dir: str, cache: str, out: str) -> None:
     Path(out).write_text(json.dumps(seen))
 
 
+@pytest.mark.multirank
 def test_two_ranks_get_disjoint_samples_covering_the_epoch(shards, tmp_path, tok):
     port = free_port()
     cache = tmp_path / "cache"  # one node: both ranks share the cache, as on a real machine
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "HF_HUB_OFFLINE": "1"}
+        env = offline_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", NODE_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--rank-worker", str(shards), str(cache), str(tmp_path / f"rank{rank}.json")],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -513,7 +498,6 @@ def test_benchmark_trains_on_converted_shards(shards, tmp_path):
 
 
 def test_bench_data_times_the_loader_on_generated_photos(capsys):
-    sys.path.insert(0, str(ROOT / "bench"))
     import bench_data
     rows = bench_data.main(["--num_samples", "24", "--source_size", "160x120", "--image_size", str(SIZE),
                             "--batch_size", "4", "--num_workers", "0", "--image_dtype", "uint8,float32"])

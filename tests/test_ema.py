@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +22,9 @@ from composer.models import ComposerModel
 from composer.utils import dist
 from torch.utils.data import DataLoader, TensorDataset
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import ema as ema_module  # noqa: E402
-from ema import EMA  # noqa: E402
+import ema as ema_module
+from ema import EMA
+from tests.helpers import composer_launcher, rank_env
 
 EPS32 = 2.0 ** -24  # unit roundoff of fp32
 BATCHES_PER_EPOCH = 8
@@ -354,18 +352,11 @@ def test_export_dir_option_writes_at_fit_end(tmp_path):
 # driven directly, with the parameters moved by a deterministic step instead of an optimizer.
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = ["composer", "-n", "2", "--master_port", str(_free_port()),
-           "--stdout", str(out / "rank{rank}.out"), "--stderr", str(out / "rank{rank}.err"),
+    env = rank_env()
+    cmd = [*composer_launcher(2), "--stdout", str(out / "rank{rank}.out"), "--stderr", str(out / "rank{rank}.err"),
            str(Path(__file__).resolve()), "--dist-worker", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     logs = "".join(p.read_text() for p in out.glob("rank*.err"))
@@ -373,6 +364,7 @@ def two_ranks(tmp_path_factory):
     return out
 
 
+@pytest.mark.multirank
 def test_two_rank_ddp_ranks_hold_the_same_ema(two_ranks):
     results = [torch.load(two_ranks / f"ddp_rank{r}.pt") for r in range(2)]
     assert results[0]["world_size"] == results[1]["world_size"] == 2
@@ -386,6 +378,7 @@ def test_two_rank_ddp_ranks_hold_the_same_ema(two_ranks):
     assert_close_fp32(shadows[0], expected, updates)
 
 
+@pytest.mark.multirank
 def test_two_rank_fsdp_updates_local_shards_and_checkpoints(two_ranks):
     from diffusers import UNet2DConditionModel
     results = [torch.load(two_ranks / f"fsdp_rank{r}.pt") for r in range(2)]

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import benchmark  # noqa: E402
-from t2ibench.families import FAMILIES, MODEL_CONFIGS, family_of  # noqa: E402
-from t2ibench.families.sd2 import SD2, TINY  # noqa: E402
-from t2ibench.model import DiffusionModel  # noqa: E402
+import benchmark
+from t2ibench.families import FAMILIES, MODEL_CONFIGS, family_of
+from t2ibench.families.sd2 import SD2, TINY
+from t2ibench.model import DiffusionModel
 
 # The training model's state-dict keys and shapes as the release before the package layout wrote them
 # into checkpoints (model.StableDiffusion at d47ee91, built on the meta device): sorted "key (shape)"

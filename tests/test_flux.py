@@ -4,35 +4,24 @@ through Composer, and an exported folder that FluxPipeline loads offline and sam
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from composer import Trainer
 from diffusers import FluxPipeline
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from t2ibench.families import family_of  # noqa: E402
-from t2ibench.families import flux  # noqa: E402
-from t2ibench.model import DiffusionModel, count_parameters  # noqa: E402
-from t2ibench.objectives import RectifiedFlowObjective  # noqa: E402
-from t2ibench.sampling import make_sampler, sample_latents  # noqa: E402
-from t2ibench.scale import NVIDIA_FLUX_DECLARED_FLOP_PER_SAMPLE  # noqa: E402
-from t2ibench.validation import ValidationLoss, validation_noise  # noqa: E402
+from t2ibench.families import family_of
+from t2ibench.families import flux
+from t2ibench.model import DiffusionModel, count_parameters
+from t2ibench.objectives import RectifiedFlowObjective
+from t2ibench.sampling import make_sampler, sample_latents
+from t2ibench.scale import NVIDIA_FLUX_DECLARED_FLOP_PER_SAMPLE
+from t2ibench.validation import ValidationLoss, validation_noise
 
 FLUX = family_of("flux1-tiny")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: the tiny model's small matmuls gain nothing from a second one, and on a
-    shared, oversubscribed CPU OpenMP's waiting threads made a tiny step 10x slower (2.5 s vs 0.25 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 @pytest.fixture(scope="module")

@@ -9,24 +9,17 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
 from composer.core import Callback, State
 from composer.loggers import Logger
 from diffusers import FluxPipeline
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import benchmark  # noqa: E402
-from t2ibench.callbacks.throughput import Throughput  # noqa: E402
-from t2ibench.callbacks.validation import ValidationLog  # noqa: E402
-from test_resume import Launch, assert_tensors_equal, ema_state, latest, load, two_ranks  # noqa: E402
+import benchmark
+from t2ibench.callbacks.throughput import Throughput
+from t2ibench.callbacks.validation import ValidationLog
+from tests.helpers import Launch, assert_tensors_equal, ema_state, kill_at, load, supervise, two_ranks
 
 FLUX_TINY = ["--model_config", "flux1-tiny", "--precomputed", "--use_synth_data", "--image_size", "32",
              "--num_workers", "0", "--seed", "17", "--warmup_batches", "1", "--log_interval", "1ba"]
@@ -80,27 +73,20 @@ def runs(tmp_path_factory):
 
     def launch(folder: Path, name: str) -> Launch:
         args = RESUME_RUN + ["--save_folder", str(folder), "--results_json", str(tmp / f"{name}.json")]
-        return Launch(two_ranks("benchmark.py", *args), tmp / f"{name}.log").start()
+        return Launch(two_ranks("benchmark.py", *args), tmp / f"{name}.log")
 
     reference, killed = launch(tmp / "reference", "reference"), launch(tmp / "killed", "killed")
-    launches, resumed = [reference, killed], None
-    try:
-        while resumed is None or any(run.running() for run in launches):
-            if resumed is None and latest(tmp / "killed") == KILL_AFTER:
-                killed.kill()
-                resumed = launch(tmp / "killed", "resumed")
-                launches.append(resumed)
-            elif resumed is None and not killed.running():
-                pytest.fail(f"the run to kill exited before writing {KILL_AFTER}:\n{killed.tail()}")
-            for run in launches:
-                run.check_time()
-            time.sleep(0.2)
-    finally:
-        for run in launches:
-            run.kill()
-    return dict(tmp=tmp, reference=reference, killed=killed, resumed=resumed)
+    found: dict = {}
+
+    def resume() -> Launch:
+        found["resumed"] = launch(tmp / "killed", "resumed")  # a port of its own, picked now
+        return found["resumed"]
+
+    supervise([reference, killed], kill_at(killed, tmp / "killed", KILL_AFTER, resume))
+    return dict(tmp=tmp, reference=reference, killed=killed, **found)
 
 
+@pytest.mark.multirank
 def test_two_ranks_killed_and_resumed_reach_the_same_weights_and_validation_loss(runs):
     tmp, reference, killed, resumed = runs["tmp"], runs["reference"], runs["killed"], runs["resumed"]
     assert reference.proc.returncode == 0, reference.tail()
@@ -127,7 +113,6 @@ def test_latents_py_writes_mlperfs_format_and_training_reads_it_like_synthetic_d
     import convert
     import data
     import latents
-    sys.path.insert(0, str(ROOT / "bench"))
     from learns import write_shapes
     from t2ibench.families import family_of
     write_shapes(tmp_path / "pictures", ["a red square", "a blue circle"], 4, 32, seed=0)

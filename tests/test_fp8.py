@@ -3,18 +3,12 @@ runs too, a GPU without float8 tensor cores and fp16 are refused in one line bef
 and the memory model counts what float8 keeps for backward."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from composer.core import Callback
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import benchmark  # noqa: E402
-from t2ibench import fp8, memory  # noqa: E402
+import benchmark
+from t2ibench import fp8, memory
 
 FLUX_TINY = ["--model_config", "flux1-tiny", "--precomputed", "--use_synth_data", "--batch_size", "8",
              "--image_size", "64", "--num_workers", "0", "--warmup_batches", "2", "--precision", "amp_bf16",

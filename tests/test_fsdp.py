@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,19 +26,14 @@ import pytest
 import torch
 from PIL import Image
 
-from test_resume import Launch, assert_tensors_equal, ema_state, latest, load, two_ranks
+from tests.helpers import TINY_RANKS, Launch, assert_tensors_equal, ema_state, kill_at, load, supervise, two_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
-
-TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
-        "--num_workers", "0", "--num_synthetic_samples", "12", "--use_ema", "--seed", "17",
-        "--warmup_batches", "1", "--log_interval", "1ba"]
 # Sampling at batch 2 is followed by training, not by a checkpoint: a checkpoint's state_dict call
 # would reshard FSDP2's gathered weights itself and hide a sampler that leaves them gathered.
 SAMPLING = ["--sample_interval", "2ba", "--sample_steps", "2"]  # + --sample_prompts FILE (one prompt)
 # An epoch is 3 batches: the kill comes mid-epoch. Few saves: each gathers every tensor of the model,
 # AdamW and the EMA over gloo, seconds on this machine.
-RUN = TINY + ["--max_duration", "6ba", "--save_interval", "4ba", "--run_name", "fsdp-test"]
+RUN = TINY_RANKS + ["--max_duration", "6ba", "--save_interval", "4ba", "--run_name", "fsdp-test"]
 KILL_AFTER = "ep1-ba4-rank0.pt"
 FINAL = "ep1-ba6-rank0.pt"  # batch 6 ends epoch 2, but the batch checkpoint comes first
 # Relative loss difference allowed between FSDP and DDP after the first step. Both compute the same
@@ -65,35 +58,22 @@ def runs(tmp_path_factory):
         return fault_run(name, *RUN, "--fsdp", "shard_grad_op", "--save_folder", str(folder), "--autoresume",
                       "--ema_export_dir", str(tmp / f"{name}-export"), *extra)
 
-    ddp = fault_run("ddp", *TINY, "--max_duration", "4ba", *SAMPLING, "--sample_prompts", str(prompts),
+    ddp = fault_run("ddp", *TINY_RANKS, "--max_duration", "4ba", *SAMPLING, "--sample_prompts", str(prompts),
                     "--samples_dir", str(tmp / "ddp-samples"), "--save_folder", str(tmp / "ddp"), "--save_interval", "4ba")
     reference = fault_run("reference", *RUN, "--fsdp", "full_shard", "--save_folder", str(ref_dir),
                        "--ema_export_dir", str(tmp / "reference-export"), *SAMPLING, "--sample_prompts", str(prompts),
                        "--results_json", str(tmp / "reference.json"))
     killed = sharded_run("killed", killed_dir)
-    launches = [launch.start() for launch in (ddp, reference, killed)]
-    resumed = killed_at = None
-    try:
-        while True:
-            if resumed is None:
-                if latest(killed_dir) == KILL_AFTER:
-                    killed.kill()
-                    killed_at = sorted(p.name for p in killed_dir.iterdir())
-                    resumed = sharded_run("resumed", killed_dir, "--results_json", str(tmp / "resumed.json"))
-                    launches.append(resumed.start())
-                elif not killed.running():
-                    pytest.fail(f"the run to kill exited ({killed.proc.returncode}) before writing {KILL_AFTER}:\n"
-                                f"{killed.tail()}")
-            elif not any(launch.running() for launch in launches):
-                break
-            for launch in launches:
-                launch.check_time()
-            time.sleep(0.2)
-    finally:
-        for launch in launches:
-            launch.kill()
-    return dict(tmp=tmp, ddp=ddp, reference=reference, killed=killed, resumed=resumed, killed_at=killed_at,
-                ref_dir=ref_dir, killed_dir=killed_dir)
+    found: dict = {}
+
+    def resume() -> Launch:
+        found["killed_at"] = sorted(p.name for p in killed_dir.iterdir())
+        found["resumed"] = sharded_run("resumed", killed_dir, "--results_json", str(tmp / "resumed.json"))
+        return found["resumed"]
+
+    supervise([ddp, reference, killed], kill_at(killed, killed_dir, KILL_AFTER, resume))
+    return dict(tmp=tmp, ddp=ddp, reference=reference, killed=killed, ref_dir=ref_dir, killed_dir=killed_dir,
+                **found)
 
 
 def report(runs: dict, name: str, rank: int = 0) -> dict:
@@ -104,6 +84,7 @@ def losses(runs: dict, name: str) -> dict[int, float]:
     return {int(batch): loss for batch, loss in report(runs, name)["losses"].items()}
 
 
+@pytest.mark.multirank
 def test_full_shard_and_shard_grad_op_train_as_ddp_does(runs):
     for name in ("ddp", "reference"):
         assert runs[name].proc.returncode == 0, runs[name].tail()
@@ -133,6 +114,7 @@ def test_full_shard_and_shard_grad_op_train_as_ddp_does(runs):
             assert ours == pytest.approx(ddp_sum, rel=1e-3), (folder.name, name, ours / ddp_sum)
 
 
+@pytest.mark.multirank
 def test_ema_keeps_only_this_ranks_shard(runs):
     assert runs["reference"].proc.returncode == 0, runs["reference"].tail()
     shards = [report(runs, "reference", rank)["ema_shadow_bytes"] for rank in (0, 1)]
@@ -143,6 +125,7 @@ def test_ema_keeps_only_this_ranks_shard(runs):
     assert ddp == whole
 
 
+@pytest.mark.multirank
 def test_killed_fsdp_run_resumes_to_the_uninterrupted_runs_weights_ema_and_export(runs):
     reference, killed, resumed = runs["reference"], runs["killed"], runs["resumed"]
     assert reference.proc.returncode == 0, reference.tail()
@@ -180,8 +163,8 @@ def test_killed_fsdp_run_resumes_to_the_uninterrupted_runs_weights_ema_and_expor
     assert (runs["tmp"] / "reference-export" / "model_index.json").is_file()
 
 
+@pytest.mark.multirank
 def test_export_reads_an_fsdp_checkpoint(runs, tmp_path):
-    sys.path.insert(0, str(ROOT))
     import export
     from diffusers import UNet2DConditionModel
 
@@ -193,6 +176,7 @@ def test_export_reads_an_fsdp_checkpoint(runs, tmp_path):
             assert torch.equal(v, expected["unet." + k]), (ema, k)
 
 
+@pytest.mark.multirank
 def test_samples_under_fsdp_are_drawn_from_the_whole_weights(runs):
     assert runs["reference"].proc.returncode == 0, runs["reference"].tail()
     grids = runs["ref_dir"] / "samples"
@@ -208,16 +192,15 @@ def test_samples_under_fsdp_are_drawn_from_the_whole_weights(runs):
 
 
 def test_fsdp_on_one_rank_or_with_channels_last_is_refused_in_one_line():
-    sys.path.insert(0, str(ROOT))
     import benchmark
 
     with pytest.raises(SystemExit) as stop:
-        benchmark.main(TINY + ["--max_duration", "1ba", "--fsdp", "full_shard"])  # this process: one rank
+        benchmark.main(TINY_RANKS + ["--max_duration", "1ba", "--fsdp", "full_shard"])  # this process: one rank
     message = str(stop.value)
     assert message.startswith("benchmark.py: error: --fsdp full_shard shards") and "\n" not in message, message
-    args = benchmark.parse_args(TINY + ["--fsdp", "shard_grad_op", "--channels_last"])
+    args = benchmark.parse_args(TINY_RANKS + ["--fsdp", "shard_grad_op", "--channels_last"])
     with pytest.raises(SystemExit) as stop:
         benchmark.validate(args, world_size=2)
     message = str(stop.value)
     assert message.startswith("benchmark.py: error: --channels_last with --fsdp shard_grad_op") and "\n" not in message
-    benchmark.validate(benchmark.parse_args(TINY + ["--fsdp", "shard_grad_op"]), world_size=2)  # accepted
+    benchmark.validate(benchmark.parse_args(TINY_RANKS + ["--fsdp", "shard_grad_op"]), world_size=2)  # accepted

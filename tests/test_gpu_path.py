@@ -21,54 +21,30 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-sys.path.insert(0, str(ROOT / "bench"))
-
-import bench_gpu  # noqa: E402
-import benchmark  # noqa: E402
-import cost  # noqa: E402
-import data  # noqa: E402
-from t2ibench.families import MODEL_CONFIGS  # noqa: E402
-from t2ibench.model import scale_images  # noqa: E402
-from t2ibench.runtime import safe_auto_microbatch  # noqa: E402
+import bench_gpu
+import benchmark
+import cost
+import data
+from t2ibench.families import MODEL_CONFIGS
+from t2ibench.model import scale_images
+from tests.helpers import TINY_SYNTH, Launch, supervise, two_ranks
 
 SD2 = MODEL_CONFIGS["sd2-base"]
 
-TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
-        "--num_workers", "0", "--num_synthetic_samples", "64", "--log_interval", "1ba"]
+TINY = [*TINY_SYNTH, "--num_synthetic_samples", "64", "--log_interval", "1ba"]
 SLOW_SAVE_S = 1.5  # rank 0 sleeps this long in every checkpoint save
 SLOW_RANK_S = 0.4  # rank 1 sleeps this long after every batch's last collective
 TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def two_ranks(script: str, *args: str) -> list[str]:
-    return ["composer", "-n", "2", "--master_port", str(free_port()), str(ROOT / script), *args]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Start every launch at once (each spends most of its time importing), wait for all, return them."""
     tmp = tmp_path_factory.mktemp("gpu-path")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT),
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     speed = ["--use_ema", "--precision", "amp_bf16", "--channels_last", "--fused_adamw", "on"]
     short = ["--max_duration", "3ba", "--warmup_batches", "1"]
     commands = {
@@ -88,23 +64,10 @@ def runs(tmp_path_factory):
                              "--report", str(tmp / "compile-report"),
                              "--results_json", str(tmp / "compile.json")),
     }
-    procs, logs = {}, {}
-    for name, cmd in commands.items():
-        logs[name] = tmp / f"{name}.log"
-        with open(logs[name], "w") as out:
-            procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for name, proc in procs.items():
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-    return {"tmp": tmp, "rc": {n: p.returncode for n, p in procs.items()},
-            "log": {n: logs[n].read_text(errors="replace") for n in procs}}
+    launches = {name: Launch(cmd, tmp / f"{name}.log", timeout_s=TIMEOUT_S) for name, cmd in commands.items()}
+    supervise(list(launches.values()))
+    return {"tmp": tmp, "rc": {n: launch.proc.returncode for n, launch in launches.items()},
+            "log": {n: launch.output() for n, launch in launches.items()}}
 
 
 def results(runs, name: str) -> dict:
@@ -112,6 +75,7 @@ def results(runs, name: str) -> dict:
     return json.loads((runs["tmp"] / f"{name}.json").read_text())
 
 
+@pytest.mark.multirank
 def test_clock_stops_at_the_last_batch_and_saves_are_reported(runs):
     r = results(runs, "faults")
     report = json.loads((runs["tmp"] / "faults-report" / "rank0.json").read_text())
@@ -128,6 +92,7 @@ def test_clock_stops_at_the_last_batch_and_saves_are_reported(runs):
     assert "saving inside the measured" in runs["log"]["faults"]
 
 
+@pytest.mark.multirank
 def test_waiting_for_a_slow_rank_is_not_data_wait(runs):
     r = results(runs, "faults")
     # Rank 0 waited >= 0.4 s per batch for rank 1 in Composer's end-of-data all-reduce (inside the
@@ -136,6 +101,7 @@ def test_waiting_for_a_slow_rank_is_not_data_wait(runs):
     assert 0 <= r["data_wait_fraction_mean"] <= r["data_wait_fraction"]
 
 
+@pytest.mark.multirank
 def test_nan_in_an_earlier_microbatch_is_caught_at_its_batch(runs):
     assert runs["rc"]["nan"] not in (0, None), runs["log"]["nan"][-5000:]
     reports = {int(p.stem[4:]): p.read_text().splitlines() for p in (runs["tmp"] / "nan-report").glob("rank*.txt")}
@@ -149,6 +115,7 @@ def test_nan_in_an_earlier_microbatch_is_caught_at_its_batch(runs):
 
 
 @pytest.mark.parametrize("name", ["faults", "compile"])
+@pytest.mark.multirank
 def test_speed_settings_run_with_ema_on_two_ranks(runs, name):
     r = results(runs, name)
     assert r["world_size"] == 2 and r["use_ema"] and r["measured_batches"] >= 1

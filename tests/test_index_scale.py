@@ -3,15 +3,10 @@ measures is Streaming's own, in real DataLoader workers."""
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import index_scale  # noqa: E402
+import index_scale
 
 
 def test_written_index_opens_as_an_mds_dataset(tmp_path):

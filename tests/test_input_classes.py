@@ -11,84 +11,36 @@ twice; commands that caught nothing on a bad file; numbers that were a little of
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import benchmark  # noqa: E402
-import blocks  # noqa: E402
-import convert  # noqa: E402
-import cost  # noqa: E402
-import export  # noqa: E402
-from t2ibench import cli, flags, precomputed  # noqa: E402
-import index_scale  # noqa: E402
-import latents  # noqa: E402
-import learns  # noqa: E402
-import step_ops  # noqa: E402
-
-TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
-        "--max_duration", "2ba", "--num_workers", "0", "--warmup_batches", "1"]
-REAL = ["--model_config", "tiny", "--batch_size", "4", "--image_size", "32", "--max_duration", "2ba",
-        "--num_workers", "0"]
-
-
-def _bench_module(name: str):
-    """bench/NAME.py imported by path, under a name of its own (bench/memory.py is not t2ibench.memory)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it runs
-    spec.loader.exec_module(module)
-    return module
-
+import benchmark
+import blocks
+import convert
+import cost
+import export
+from t2ibench import cli, flags
+import index_scale
+import latents
+import learns
+import step_ops
+from tests.helpers import (REAL_2BA, ROOT, TINY_2BA, bench_script, error_of, free_port, jpeg, write_images,
+                           write_latents)
 
 COMMANDS = {"benchmark.py": benchmark, "convert.py": convert, "latents.py": latents, "export.py": export,
             "cost.py": cost, "learns.py": learns, "index_scale.py": index_scale, "blocks.py": blocks,
             "step_ops.py": step_ops,
-            "bench_gpu.py": _bench_module("bench_gpu"), "memory.py": _bench_module("memory")}
-
-
-def error_of(main, argv: list[str], prog: str = "benchmark.py") -> str:
-    """The one-line error a command's main stops with."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    message = str(exit_info.value.code)
-    assert message.startswith(f"{prog}: error: ") and "\n" not in message, message
-    return message
+            "bench_gpu.py": bench_script("bench_gpu"), "memory.py": bench_script("memory")}
 
 
 def parser_of(module) -> argparse.ArgumentParser:
     return module.build_parser()
-
-
-def jpeg(seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (24, 24, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="JPEG")
-    return buffer.getvalue()
-
-
-def write_images(out: Path, count: int, compression: str | None = None) -> Path:
-    from streaming import MDSWriter
-    with MDSWriter(out=str(out), columns={"jpg": "bytes", "caption": "str", "key": "str"}, compression=compression,
-                   hashes=["xxh64"]) as writer:
-        for i in range(count):
-            writer.write({"jpg": jpeg(i), "caption": f"photo {i}", "key": str(i)})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +140,7 @@ def test_numbers_out_of_range_nan_and_inf_are_one_line(command, flag, value):
 @pytest.mark.parametrize("command, flag, value, needs",
                          [(c, f, v, n) for c, f, values, n in NUMBER_STRINGS for v in values])
 def test_numbers_written_as_strings_are_checked_too(tmp_path, command, flag, value, needs):
-    argv = {"benchmark.py": TINY, "convert.py": [str(tmp_path / "in"), "--out", str(tmp_path / "out")],
+    argv = {"benchmark.py": TINY_2BA, "convert.py": [str(tmp_path / "in"), "--out", str(tmp_path / "out")],
             "latents.py": ["--local", str(write_images(tmp_path / "mds", 2)), "--out", str(tmp_path / "out"),
                            "--model_config", "tiny"]}[command]
     message = error_of(COMMANDS[command].main, argv + needs + [f"{flag}={value}"], prog=command)
@@ -206,20 +158,20 @@ def test_numbers_written_as_strings_are_checked_too(tmp_path, command, flag, val
     (["--num_workers", str(cli.max_workers() + 1)], "worker processes per CPU core"),
 ])
 def test_ranges_that_depend_on_the_run_or_the_machine(tmp_path, args, expect):
-    assert expect in error_of(benchmark.main, TINY + [a.format(tmp=tmp_path) for a in args])
+    assert expect in error_of(benchmark.main, TINY_2BA + [a.format(tmp=tmp_path) for a in args])
     assert not (tmp_path / "ema").exists()
 
 
 def test_values_at_the_edges_of_their_ranges_still_run(tmp_path):
     # The EMA may start at the run's last batch, the warm-up may take the whole constant-rate run.
-    results = benchmark.main(TINY + ["--use_ema", "--ema_start", "2ba", "--ema_export_dir", str(tmp_path / "ema"),
+    results = benchmark.main(TINY_2BA + ["--use_ema", "--ema_start", "2ba", "--ema_export_dir", str(tmp_path / "ema"),
                                      "--lr_warmup_batches", "2", "--loss_bins", "1000", "--offset_noise", "1"])
     assert results["measured_batches"] == 1 and (tmp_path / "ema" / "unet" / "config.json").is_file()
 
 
 def test_warm_up_of_a_run_counted_in_samples_runs():
     # Composer 0.32.1 refuses a warm-up in batches with a run in samples (a traceback at the first step).
-    results = benchmark.main(TINY + ["--max_duration", "8sp", "--lr_warmup_batches", "1", "--lr_schedule", "cosine"])
+    results = benchmark.main(TINY_2BA + ["--max_duration", "8sp", "--lr_warmup_batches", "1", "--lr_schedule", "cosine"])
     assert results["measured_batches"] == 1 and results["final_loss"] is not None
 
 
@@ -229,7 +181,7 @@ def test_warm_up_of_a_run_counted_in_samples_runs():
 
 @pytest.mark.parametrize("duration", ["2ba", "1ep"])
 def test_epoch_size_below_one_batch_is_refused_before_training(images, tmp_path, duration):
-    message = error_of(benchmark.main, REAL + ["--remote", str(images), "--local", str(tmp_path / "cache"),
+    message = error_of(benchmark.main, REAL_2BA + ["--remote", str(images), "--local", str(tmp_path / "cache"),
                                                "--epoch_size", "3", "--max_duration", duration])
     assert "--epoch_size 3 is less than one global batch" in message and not (tmp_path / "cache").exists()
 
@@ -245,7 +197,7 @@ class EmptyLoader(benchmark.Callback):
 @pytest.mark.parametrize("duration", ["1ep", "3ba"])
 def test_an_epoch_that_trains_nothing_stops_the_run(tmp_path, duration):
     with pytest.raises(benchmark.EmptyEpochError, match="trained no batch"):
-        benchmark.main(TINY + ["--max_duration", duration, "--results_json", str(tmp_path / "r.json")],
+        benchmark.main(TINY_2BA + ["--max_duration", duration, "--results_json", str(tmp_path / "r.json")],
                        extra_callbacks=[EmptyLoader()])
     assert not (tmp_path / "r.json").exists()
     assert "trained no batch" in benchmark.user_error(benchmark.EmptyEpochError("epoch 0 trained no batch"))
@@ -268,9 +220,9 @@ def test_benchmark_outputs_apart_from_inputs_and_each_other(images, tmp_path):
                                              f"{tmp_path}/a_file"],
     }
     for (flag, expect), args in cases.items():
-        message = error_of(benchmark.main, TINY + args)
+        message = error_of(benchmark.main, TINY_2BA + args)
         assert flag in message and expect in message, message
-    message = error_of(benchmark.main, REAL + ["--remote", str(images), "--save_folder", str(images / "ckpt")])
+    message = error_of(benchmark.main, REAL_2BA + ["--remote", str(images), "--save_folder", str(images / "ckpt")])
     assert "lies inside the input (--remote" in message
     assert (tmp_path / "a_file").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
@@ -311,7 +263,7 @@ def test_other_commands_probe_their_outputs(tmp_path):
 
 def test_export_follows_the_seed_recorded_in_the_checkpoint(tmp_path):
     save = tmp_path / "run"
-    benchmark.main(TINY + ["--max_duration", "1ba", "--seed", "5", "--save_folder", str(save)])
+    benchmark.main(TINY_2BA + ["--max_duration", "1ba", "--seed", "5", "--save_folder", str(save)])
     checkpoint = torch.load(save / "ep0-ba1-rank0.pt", map_location="cpu", weights_only=False)
     assert checkpoint["state"]["callbacks"]["RunRecord"]["encoders_seed"] == 5
     # As a run on precomputed latents saves it: no encoder weights in the model.
@@ -328,36 +280,30 @@ def test_export_follows_the_seed_recorded_in_the_checkpoint(tmp_path):
     assert all(torch.equal(exported[k], v) for k, v in expected.items())
 
 
-def write_latents(out: Path, record: dict | None) -> Path:
-    from streaming import MDSWriter
-    columns = precomputed.mds_columns(latent_channels=4, latent_size=4, text_dim=64, text_states=True)
-    rng = np.random.default_rng(0)
-    with MDSWriter(out=str(out), columns=columns) as writer:
-        for i in range(8):
-            writer.write({"index": i, "latent_mean": rng.standard_normal((4, 4, 4)).astype(np.float16),
-                          "latent_logvar": rng.standard_normal((4, 4, 4)).astype(np.float16),
-                          "text_states": rng.standard_normal((77, 64)).astype(np.float16), "caption": "x"})
+def write_recorded_latents(out: Path, record: dict | None) -> Path:
+    """Precomputed shards with `record` as their precompute.json (None: none)."""
+    write_latents(out)
     if record is not None:
         (out / "precompute.json").write_text(json.dumps(record))
     return out
 
 
 def test_precompute_record_is_compared_with_the_run(tmp_path):
-    base = REAL + ["--precomputed", "--local", str(tmp_path / "cache")]
+    base = REAL_2BA + ["--precomputed", "--local", str(tmp_path / "cache")]
     tiny = {"model_config": "tiny", "image_size": 32, "model_name": None, "random_encoders": ["vae", "text_encoder"],
             "seed": 5}
-    other = write_latents(tmp_path / "other", {**tiny, "image_size": 64})
+    other = write_recorded_latents(tmp_path / "other", {**tiny, "image_size": 64})
     assert "--image_size 32: the latents were computed with --image_size 64" in error_of(
         benchmark.main, base + ["--remote", str(other)])
-    sd2 = write_latents(tmp_path / "sd2", {**tiny, "model_config": "sd2-base"})
+    sd2 = write_recorded_latents(tmp_path / "sd2", {**tiny, "model_config": "sd2-base"})
     assert "--model_config sd2-base" in error_of(benchmark.main, base + ["--remote", str(sd2)])
-    broken = write_latents(tmp_path / "broken", None)
+    broken = write_recorded_latents(tmp_path / "broken", None)
     (broken / "precompute.json").write_text("{half")
     assert "precompute.json is not readable" in error_of(benchmark.main, base + ["--remote", str(broken)])
-    seeded = write_latents(tmp_path / "seeded", tiny)
+    seeded = write_recorded_latents(tmp_path / "seeded", tiny)
     args = benchmark.parse_args(base + ["--remote", str(seeded), "--seed", "17"])
     assert benchmark.validate(args, 1).encoders_seed == 5  # followed: the encoders aside are the ones that made the latents
-    second = write_latents(tmp_path / "seeded7", {**tiny, "seed": 7})
+    second = write_recorded_latents(tmp_path / "seeded7", {**tiny, "seed": 7})
     message = error_of(benchmark.main, base + ["--remote", f"{seeded},{second}"])
     assert "different seeds (5 and 7" in message
 
@@ -368,7 +314,7 @@ def test_precompute_record_is_compared_with_the_run(tmp_path):
 
 @pytest.mark.parametrize("remote", ["{d},{d}", "{d},{d}/", "{d},file://{d}", "0.5={d},0.5={d}//", "s3://b/x,S3://b/x/"])
 def test_a_source_named_twice_is_refused(images, tmp_path, remote):
-    message = error_of(benchmark.main, REAL + ["--remote", remote.format(d=images), "--local", str(tmp_path / "c")])
+    message = error_of(benchmark.main, REAL_2BA + ["--remote", remote.format(d=images), "--local", str(tmp_path / "c")])
     assert "is given" in message and "give each source once" in message
 
 
@@ -417,12 +363,12 @@ def test_a_damaged_local_shard_is_named_before_training(tmp_path, damage):
     content = bytearray(shard.read_bytes())
     if damage == "truncated":
         shard.write_bytes(bytes(content[: len(content) // 2]))
-        message = error_of(benchmark.main, REAL + ["--local", str(local)])
+        message = error_of(benchmark.main, REAL_2BA + ["--local", str(local)])
         assert shard.name in message and "truncated" in message
     else:  # same size, other bytes: only a hash tells; --validate_hash now checks local files too
         content[100:140] = bytes(40)
         shard.write_bytes(bytes(content))
-        message = error_of(benchmark.main, REAL + ["--local", str(local), "--validate_hash", "xxh64"])
+        message = error_of(benchmark.main, REAL_2BA + ["--local", str(local), "--validate_hash", "xxh64"])
         assert shard.name in message and "--validate_hash xxh64" in message
 
 
@@ -432,7 +378,7 @@ def test_a_shard_that_fails_while_training_is_named_in_one_line(tmp_path):
     content = bytearray(shard.read_bytes())
     content[20:60] = bytes(b ^ 0xFF for b in content[20:60])  # same size: passes the pre-check
     shard.write_bytes(bytes(content))
-    message = error_of(benchmark.cli, REAL + ["--local", str(local)])  # the command line's own error handling
+    message = error_of(benchmark.cli, REAL_2BA + ["--local", str(local)])  # the command line's own error handling
     assert shard.name in message and "truncated or corrupted" in message
 
 
@@ -451,7 +397,7 @@ def test_unwritable_home_still_builds_the_tokenizer(tmp_path):
 # -----------------------------------------------------------------------------------------------
 
 def test_loss_bin_labels_are_the_timesteps_each_bin_holds():
-    results = benchmark.main(TINY + ["--max_duration", "1ba", "--loss_bins", "3"])
+    results = benchmark.main(TINY_2BA + ["--max_duration", "1ba", "--loss_bins", "3"])
     labels = [tuple(b["timesteps"]) for b in results["loss_by_timestep_bin"]]
     timesteps = torch.arange(1000)
     bins = (timesteps * 3) // 1000  # what the model does with each timestep
@@ -470,15 +416,9 @@ def test_cost_does_not_fit_another_model_with_the_2023_figures(tmp_path):
 # Waits: an unreachable hub; sampling many prompts.
 # -----------------------------------------------------------------------------------------------
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_hub_without_hf_hub_offline_fails_in_one_line(images, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    env.update(PYTHONPATH=str(ROOT), HF_ENDPOINT=f"http://127.0.0.1:{closed_port()}", HF_HOME=str(tmp_path / "hf"))
+    env.update(PYTHONPATH=str(ROOT), HF_ENDPOINT=f"http://127.0.0.1:{free_port()}", HF_HOME=str(tmp_path / "hf"))
     argv = ["--model_config", "sd2-base", "--batch_size", "4", "--image_size", "64", "--max_duration", "1ba",
             "--num_workers", "0", "--remote", str(images), "--local", str(tmp_path / "cache")]
     result = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), *argv], cwd=ROOT, env=env,
@@ -502,7 +442,7 @@ def test_samples_go_through_the_unet_no_more_than_a_microbatch_at_a_time(tmp_pat
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(f"a red square number {i}" for i in range(7)))
     seen = UNetBatches()
-    benchmark.main(TINY + ["--max_duration", "1ba", "--device_train_microbatch_size", "2", "--sample_prompts",
+    benchmark.main(TINY_2BA + ["--max_duration", "1ba", "--device_train_microbatch_size", "2", "--sample_prompts",
                            str(prompts), "--samples_dir", str(tmp_path / "samples"), "--sample_steps", "2",
                            "--guidance_scale", "3"], extra_callbacks=[seen])
     assert max(seen.sizes) == 2 and len(seen.sizes) > 2 + 2  # 2 training microbatches, then sampling

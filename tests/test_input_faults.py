@@ -11,7 +11,6 @@ are skipped, saying why, where mounting is not allowed).
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -22,40 +21,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import benchmark  # noqa: E402
-import convert  # noqa: E402
-import cost  # noqa: E402
-import export  # noqa: E402
-import latents  # noqa: E402
-from t2ibench import convert_inputs  # noqa: E402
+import benchmark
+import convert
+import cost
+import export
+import latents
+from t2ibench import convert_inputs
+from tests.helpers import ROOT, TINY_MODEL, error_of, jpeg, write_images
 
 # A run that must end in one line within this many seconds, or it hangs (it hung until killed).
 COMMAND_TIMEOUT_SECONDS = 180
-TINY = ["--model_config", "tiny", "--batch_size", "4", "--image_size", "32", "--max_duration", "2ba",
-        "--warmup_batches", "1"]
-
-
-def jpeg(seed: int, size: int = 24) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="JPEG")
-    return buffer.getvalue()
-
-
-def write_images(out: Path, count: int, compression: str | None = "zstd", size_limit: int = 1 << 26) -> Path:
-    """Image-caption shards as convert.py writes them."""
-    from streaming import MDSWriter
-    with MDSWriter(out=str(out), columns={"jpg": "bytes", "caption": "str", "key": "str"}, compression=compression,
-                   hashes=["xxh64"], size_limit=size_limit) as writer:
-        for i in range(count):
-            writer.write({"jpg": jpeg(i), "caption": f"photo {i}", "key": str(i)})
-    return out
+TINY = [*TINY_MODEL, "--max_duration", "2ba", "--warmup_batches", "1"]
 
 
 def write_photos(folder: Path, count: int) -> Path:
@@ -69,15 +46,6 @@ def write_photos(folder: Path, count: int) -> Path:
 def corrupt(path: Path) -> None:
     """Random bytes of the same size: the index's size check passes, decoding does not."""
     path.write_bytes(np.random.default_rng(0).integers(0, 256, path.stat().st_size, dtype=np.uint8).tobytes())
-
-
-def error_of(main, argv: list[str], prog: str) -> str:
-    """The one-line error a command's main stops with."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    message = str(exit_info.value.code)
-    assert message.startswith(f"{prog}: error: ") and "\n" not in message, message
-    return message
 
 
 def run_command(*argv: str, timeout: float = COMMAND_TIMEOUT_SECONDS) -> subprocess.CompletedProcess:
@@ -149,7 +117,7 @@ def test_every_command_refuses_an_output_another_one_is_writing(tmp_path):
 
     checkpoint = tmp_path / "run.pt"
     checkpoint.write_bytes(b"not a checkpoint: never read, the output is refused first")
-    images = write_images(tmp_path / "images", 4)
+    images = write_images(tmp_path / "images", 4, compression="zstd")
     out = tmp_path / "out"
     commands = [
         (export.main, "export.py", "--out", [str(checkpoint), "--out", str(out)]),
@@ -178,7 +146,7 @@ SYNTH = [*TINY, "--use_synth_data", "--num_workers", "0"]
 @pytest.fixture(scope="module")
 def corrupt_shards(tmp_path_factory) -> Path:
     """Image shards (zstd, several) whose second shard is random bytes of its own size."""
-    out = write_images(tmp_path_factory.mktemp("corrupt") / "mds", 16, size_limit=4096)
+    out = write_images(tmp_path_factory.mktemp("corrupt") / "mds", 16, compression="zstd", size_limit=4096)
     corrupt(out / "shard.00001.mds.zstd")
     return out
 
@@ -312,32 +280,18 @@ def test_autoresume_from_a_truncated_latest_checkpoint_resumes_from_the_one_befo
 # 3. A dataset re-converted in place at its --remote: the old cached copy is refused, not trained on.
 # -----------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def s3(monkeypatch):
-    """A moto S3 server on loopback, with the environment Streaming and boto3 read; yields a boto3 client."""
-    boto3 = pytest.importorskip("boto3")
-    from moto.server import ThreadedMotoServer
+def s3(monkeypatch, s3_endpoint):
+    """The environment Streaming and boto3 read for the S3 server on loopback, and a client with a bucket "data"."""
+    import boto3
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        for name, value in (("S3_ENDPOINT_URL", f"http://{host}:{port}"), ("AWS_ACCESS_KEY_ID", "testing"),
-                            ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_DEFAULT_REGION", "us-east-1")):
-            monkeypatch.setenv(name, value)
-        monkeypatch.delenv("AWS_PROFILE", raising=False)
-        client = boto3.client("s3", endpoint_url=f"http://{host}:{port}")
-        client.create_bucket(Bucket="data")
-        yield client
-    finally:
-        server.stop()
+    for name, value in (("S3_ENDPOINT_URL", s3_endpoint), ("AWS_ACCESS_KEY_ID", "testing"),
+                        ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    client.create_bucket(Bucket="data")
+    return client
 
 
 def test_a_remote_converted_again_is_not_trained_from_its_old_cache(tmp_path, s3):

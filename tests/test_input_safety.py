@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import convert  # noqa: E402
-import latents  # noqa: E402
-from t2ibench import convert_inputs  # noqa: E402
-from t2ibench.precomputed import RECORD_FILE  # noqa: E402
+import convert
+import latents
+from t2ibench import convert_inputs
+from t2ibench.precomputed import RECORD_FILE
+from tests.helpers import ROOT, error_of, offline_env
 
 TINY = ["--model_config", "tiny", "--image_size", "64", "--batch_size", "2", "--chunk_size", "2",
         "--num_workers", "0", "--no_progress"]
@@ -55,15 +54,6 @@ def write_photos(folder: Path, count: int, start: int = 0) -> Path:
         (folder / f"p{i:02d}.jpg").write_bytes(jpeg(i))
         (folder / f"p{i:02d}.txt").write_text(f"photo {i}")
     return folder
-
-
-def error_of(main, argv: list[str]) -> str:
-    """The one-line error a script's main stops with."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    message = str(exit_info.value.code)
-    assert message.startswith(("convert.py: error: ", "latents.py: error: ")) and "\n" not in message, message
-    return message
 
 
 def convert_main(*argv: str) -> convert_inputs.Report:
@@ -441,9 +431,8 @@ def test_latents_wrong_column_is_one_line(source, tmp_path):
 ])
 def test_command_line_errors_exit_nonzero_without_traceback(tmp_path, script, argv, expected):
     write_photos(tmp_path, 1)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, str(ROOT / script), *[a.format(tmp=tmp_path) for a in argv]],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                            cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{script}: error: ") and expected in lines[0], result.stderr

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,25 +15,19 @@ import pytest
 import torch
 from composer.core import Callback
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import data  # noqa: E402
-from t2ibench import latent_encoding, latent_store, precomputed  # noqa: E402
-from t2ibench.locations import cache_folder  # noqa: E402
-from t2ibench.model import scale_images  # noqa: E402
-from t2ibench.sources import parse_sources  # noqa: E402
-import latents  # noqa: E402
+import data
+from t2ibench import latent_encoding, latent_store, precomputed
+from t2ibench.locations import cache_folder
+from t2ibench.model import scale_images
+from t2ibench.sources import parse_sources
+import latents
+from tests.helpers import ROOT, composer_launcher, offline_env
 
 NUM_SAMPLES, BAD_INDEX, IMAGE_SIZE, CHUNK, SEED = 20, 7, 64, 6, 17
 NUM_CHUNKS = -(-NUM_SAMPLES // CHUNK)  # 4: 6 + 6 + 6 + 2 samples
 GOOD = [i for i in range(NUM_SAMPLES) if i != BAD_INDEX]
 PRECOMPUTE = ["--model_config", "tiny", "--image_size", str(IMAGE_SIZE), "--batch_size", "4", "--chunk_size",
               str(CHUNK), "--num_workers", "0", "--seed", str(SEED), "--no_progress"]
-
-
-def offline_env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
 
 
 def run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -47,12 +39,6 @@ def run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 def precompute(source: Path, out: Path, *extra: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     return run((launcher or [sys.executable]) + [str(ROOT / "latents.py"), "--local", str(source), "--out", str(out),
                                                  *PRECOMPUTE, *extra])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_samples(out: Path) -> dict[int, dict]:
@@ -170,10 +156,10 @@ def test_precompute_stores_every_sample_once_as_the_encoders_compute_it(single, 
             torch.testing.assert_close(stored, value, rtol=1e-3, atol=1e-3)  # fp16 keeps 11 bits
 
 
+@pytest.mark.multirank
 def test_two_ranks_store_every_sample_exactly_once(source, single, tmp_path):
     out = tmp_path / "latents"
-    launcher = ["composer", "-n", "2", "--master_port", str(free_port())]
-    result = precompute(source, out, launcher=launcher)
+    result = precompute(source, out, launcher=composer_launcher(2))
     assert "over 2 rank(s)" in result.stdout
     samples, expected = read_samples(out), read_samples(single[0])
     assert sorted(samples) == GOOD
@@ -271,7 +257,9 @@ def test_synthetic_latents_are_deterministic_and_shaped_like_the_shards():
     assert batches[0]["text_states"].dtype == torch.float16
 
 
-@pytest.mark.parametrize("data_source, ranks", [("synthetic", 1), ("tokens", 1), ("tokens", 2), ("text_states", 1)])
+@pytest.mark.parametrize("data_source, ranks", [("synthetic", 1), ("tokens", 1),
+                                                 pytest.param("tokens", 2, marks=pytest.mark.multirank),
+                                                 ("text_states", 1)])
 def test_benchmark_trains_on_precomputed_latents(single, states, tmp_path, data_source, ranks):
     from t2ibench.families import MODEL_CONFIGS
 
@@ -283,7 +271,7 @@ def test_benchmark_trains_on_precomputed_latents(single, states, tmp_path, data_
     argv = ["--precomputed", "--model_config", "tiny", *where, "--image_size", str(IMAGE_SIZE), "--batch_size", "4",
             "--max_duration", "2ba", "--num_workers", "0", "--warmup_batches", "1", "--results_json", str(results)]
     if data_source == "tokens":  # the command line, end to end, on one and two ranks, with EMA
-        launcher = ["composer", "-n", str(ranks), "--master_port", str(free_port())] if ranks > 1 else [sys.executable]
+        launcher = composer_launcher(ranks) if ranks > 1 else [sys.executable]
         run([*launcher, str(ROOT / "benchmark.py"), *argv, "--use_ema"])
     else:  # in this process (saves a start-up)
         import benchmark

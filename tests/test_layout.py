@@ -1,11 +1,13 @@
-"""The layout, drawn from the imports: the package imports nothing from the root, and no module of the
-project imports another that (directly or not) imports it back. Read from the source, nothing run."""
+"""The layout, drawn from the imports: the package imports nothing from the root, no module of the
+project imports another that (directly or not) imports it back, and no test edits sys.path or imports
+another test file. Read from the source, nothing run."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 ROOT_MODULES = {p.stem for p in ROOT.glob("*.py")}
 
 
@@ -60,3 +62,16 @@ def test_commands_stay_thin_and_model_code_stays_in_its_family():
         if path.parent.name != "families":
             text = path.read_text()
             assert "UNet2DConditionModel(" not in text and "CLIPTextModel(" not in text, path
+
+
+def test_tests_share_setup_through_conftest_and_helpers_only():
+    # pytest.ini puts the root on the path; what several test files use is in conftest.py or helpers.py.
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys":
+                raise AssertionError(f"{path.name}:{node.lineno} uses sys.path")
+            names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{name}" for name in names]
+            imported_tests = [n for n in names if any(part.startswith("test_") for part in n.split("."))]
+            assert not imported_tests, f"{path.name}:{node.lineno} imports the test file {imported_tests}"

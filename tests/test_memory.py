@@ -10,37 +10,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from t2ibench import memory  # noqa: E402
-from t2ibench.memory import autocast, planning, saved, step  # noqa: E402
-from t2ibench.families import family_of  # noqa: E402
-from t2ibench.images import GEOMETRY_KEYS  # noqa: E402
-from t2ibench.model import DiffusionModel  # noqa: E402
-from t2ibench.norms import (AutocastGroupNorm, AutocastLayerNorm, Fp32GroupNorm,  # noqa: E402
+from t2ibench import memory
+from t2ibench.memory import autocast, planning, saved, step
+from t2ibench.families import family_of
+from t2ibench.images import GEOMETRY_KEYS
+from t2ibench.model import DiffusionModel
+from t2ibench.norms import (AutocastGroupNorm, AutocastLayerNorm, Fp32GroupNorm,
                             set_norm_precision)
-from t2ibench.runtime import safe_auto_microbatch  # noqa: E402
+from t2ibench.runtime import safe_auto_microbatch
+from tests.helpers import bench_script
 
 
-def _bench_memory():
-    """bench/memory.py, the command, imported by path."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "bench" / "memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = _bench_memory()
+BENCH = bench_script("memory")
 REQUIRED_KEYS = {"activation_bytes_per_image", "fixed_bytes", "microbatch", "train_flops_per_image"}
 
 

@@ -1,14 +1,9 @@
 """cost.py --precompute: the one-time latents.py pass added to every row, so a precomputed run costs one figure."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import cost  # noqa: E402
+import cost
 
 
 def test_precompute_pass_is_added_to_every_row(capsys):

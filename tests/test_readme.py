@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from flag_reference import COMMANDS, reference  # noqa: E402
+from flag_reference import COMMANDS, reference
+from tests.helpers import ROOT
 
 MARKER = "<!-- cpu-test -->"
 INSTALL = "pip install -r requirements.txt && "

@@ -13,26 +13,22 @@ from __future__ import annotations
 
 import dataclasses
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import benchmark  # noqa: E402
-from t2ibench.families import MODEL_CONFIGS  # noqa: E402
-from t2ibench.families.sd2 import TINY_SCALING_FACTOR  # noqa: E402
-from t2ibench.model import DiffusionModel  # noqa: E402
-from t2ibench.tokenizer import tokenize  # noqa: E402
+import benchmark
+from t2ibench.families import MODEL_CONFIGS
+from t2ibench.families.sd2 import TINY_SCALING_FACTOR
+from t2ibench.model import DiffusionModel
+from t2ibench.tokenizer import tokenize
+from tests.helpers import ROOT, TINY_SYNTH
 
 SD2 = MODEL_CONFIGS["tiny"]
 
-TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
-        "--num_workers", "0", "--num_synthetic_samples", "12", "--warmup_batches", "1", "--log_interval", "1ba"]
+TINY = [*TINY_SYNTH, "--num_synthetic_samples", "12", "--warmup_batches", "1", "--log_interval", "1ba"]
 RECIPE = ["--lr", "1e-3", "--lr_warmup_batches", "3", "--lr_schedule", "cosine", "--grad_clip_norm", "0.5",
           "--caption_drop_prob", "0.5", "--snr_gamma", "5", "--offset_noise", "0.1", "--use_ema", "--ema_start", "1ba"]
 
@@ -199,7 +195,6 @@ def test_learns_script_end_to_end_short(tmp_path, capsys):
     The >= 90% score needs minutes of training (bench/learns.py's defaults: 600 batches); here 40
     batches must only bring the loss well below a random UNet's (~1) and every stage must report.
     """
-    sys.path.insert(0, str(ROOT / "bench"))
     import learns
 
     with pytest.raises(SystemExit, match="--captions.*colour"):

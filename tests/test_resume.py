@@ -23,35 +23,27 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
-import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import (ROOT, TINY_RANKS, Launch, after_exit, assert_tensors_equal, ema_state, free_port,
+                           kill_at, latest, load, rank_env, supervise, two_ranks)
 
-# The tiny model on 32x32 synthetic images, 2 images per rank. --use_ema puts the EMA in the checkpoints.
-# 12 samples: an epoch is 3 batches, so runs cross epochs (the sampler reshuffles) and resume mid-epoch.
-TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32",
-        "--num_workers", "0", "--num_synthetic_samples", "12", "--use_ema", "--seed", "17",
-        "--warmup_batches", "1", "--log_interval", "1ba"]
-RESUME_RUN = TINY + ["--max_duration", "8ba", "--save_interval", "2ba", "--run_name", "resume-test", "--autoresume"]
+RESUME_RUN = TINY_RANKS + ["--max_duration", "8ba", "--save_interval", "2ba", "--run_name", "resume-test",
+                           "--autoresume"]
 KILL_AFTER = "ep1-ba4-rank0.pt"  # the checkpoint after which the run is killed (batch 1 of epoch 1)
 FINAL = "ep2-ba8-rank0.pt"
 NAN_BATCH = 3  # the loss of this (1-based) batch is poisoned, on rank 1 only
-NAN_RUN = TINY + ["--max_duration", "5ba", "--save_interval", "1ba", "--run_name", "nan-test", "--autoresume",
-                  "--nan_at_batch", str(NAN_BATCH), "--nan_rank", "1"]
+NAN_RUN = TINY_RANKS + ["--max_duration", "5ba", "--save_interval", "1ba", "--run_name", "nan-test", "--autoresume",
+                        "--nan_at_batch", str(NAN_BATCH), "--nan_rank", "1"]
 # The sbatch script adds --use_ema --device_train_microbatch_size 4 --run_name --autoresume --save_folder;
 # these come after and override (2 images per rank: microbatch 2, as the reference's automatic choice).
-SLURM_RUN = TINY + ["--max_duration", "2ba", "--save_interval", "2ba", "--device_train_microbatch_size", "2"]
+SLURM_RUN = TINY_RANKS + ["--max_duration", "2ba", "--save_interval", "2ba", "--device_train_microbatch_size", "2"]
 SLURM_RUN_NAME = "slurm-test"
-TIMEOUT = 420  # seconds for any one launch; a healthy one takes about a minute on two busy cores
 
 # Stand-ins for SLURM's commands, enough for scripts/slurm.sbatch on one machine.
 FAKE_SRUN = """#!/bin/bash
@@ -70,68 +62,6 @@ if [[ $1 == show && $2 == hostnames ]]; then printf '127.0.0.1\\nlocalhost\\n'; 
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_env(**extra: str) -> dict[str, str]:
-    # OMP_NUM_THREADS=1: two ranks on a two-core machine; with a thread per core each, a step is ~10x slower.
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
-
-
-def two_ranks(script: str, *args: str) -> list[str]:
-    """`composer -n 2` on this machine."""
-    return ["composer", "-n", "2", "--master_port", str(free_port()), str(ROOT / script), *args]
-
-
-@dataclass
-class Launch:
-    """A command (launcher and ranks) in its own session, so the whole process tree can be killed."""
-
-    cmd: list[str]
-    log: Path
-    env: dict[str, str] = field(default_factory=run_env)
-    proc: subprocess.Popen | None = None
-    started: float = 0.0
-
-    def start(self) -> "Launch":
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        self.started = time.monotonic()
-        return self
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def check_time(self) -> None:
-        if self.running() and time.monotonic() - self.started > TIMEOUT:
-            self.kill()
-            raise TimeoutError(f"{' '.join(self.cmd)} ran over {TIMEOUT}s\n{self.tail()}")
-
-    def kill(self) -> None:
-        if self.running():
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher and every rank, no chance to clean up
-            self.proc.wait()
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def tail(self, chars: int = 6000) -> str:
-        return self.output()[-chars:]
-
-
-def latest(folder: Path) -> str | None:
-    try:
-        return os.readlink(folder / "latest-rank0.pt")
-    except OSError:
-        return None
-
-
 def slurm_job(tmp: Path) -> Launch:
     """scripts/slurm.sbatch as job 4242 on 2 "nodes" of 1 process each, with fake srun/scontrol on PATH."""
     bin_dir = tmp / "fake-slurm-bin"
@@ -139,9 +69,9 @@ def slurm_job(tmp: Path) -> Launch:
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = run_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2",
-                  SLURM_JOB_NODELIST="node[1-2]", SLURM_CPUS_ON_NODE="1", GPUS_PER_NODE="1",
-                  MASTER_PORT=str(free_port()), RUN_NAME=SLURM_RUN_NAME, SAVE_FOLDER=str(tmp / "slurm"))
+    env = rank_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2",
+                   SLURM_JOB_NODELIST="node[1-2]", SLURM_CPUS_ON_NODE="1", GPUS_PER_NODE="1",
+                   MASTER_PORT=str(free_port()), RUN_NAME=SLURM_RUN_NAME, SAVE_FOLDER=str(tmp / "slurm"))
     args = SLURM_RUN + ["--results_json", str(tmp / "slurm.json")]
     return Launch(["bash", str(ROOT / "scripts" / "slurm.sbatch"), *args], tmp / "slurm.log", env=env)
 
@@ -162,52 +92,26 @@ def runs(tmp_path_factory):
 
     reference, killed = resume_run(ref_dir, "reference"), resume_run(killed_dir, "killed")
     nan_first, slurm = nan_run("nan-first"), slurm_job(tmp)
-    launches = [launch.start() for launch in (reference, killed, nan_first, slurm)]
-    resumed = nan_again = killed_at = nan_checkpoints = None
-    try:
-        while True:
-            if killed_at is None:
-                if latest(killed_dir) == KILL_AFTER:
-                    killed.kill()
-                    killed_at = sorted(p.name for p in killed_dir.iterdir())
-                    resumed = resume_run(killed_dir, "resumed")
-                    launches.append(resumed.start())
-                elif not killed.running():
-                    pytest.fail(f"the run to kill exited ({killed.proc.returncode}) before writing {KILL_AFTER}:\n"
-                                f"{killed.tail()}")
-            if nan_again is None and not nan_first.running():
-                # What the first run left, to tell a resume from a fresh start that rewrites it all.
-                nan_checkpoints = {p.name: p.stat().st_mtime_ns for p in nan_dir.glob("ep*.pt")}
-                nan_again = nan_run("nan-again")
-                launches.append(nan_again.start())
-            if killed_at is not None and nan_again is not None and not any(r.running() for r in launches):
-                break
-            for launch in launches:
-                launch.check_time()
-            time.sleep(0.2)
-    finally:
-        for launch in launches:
-            launch.kill()
-    return dict(tmp=tmp, reference=reference, killed=killed, resumed=resumed, killed_at=killed_at, ref_dir=ref_dir,
-                killed_dir=killed_dir, nan_first=nan_first, nan_again=nan_again, nan_checkpoints=nan_checkpoints,
-                nan_dir=nan_dir, slurm=slurm)
+    found: dict = {}
+
+    def resume() -> Launch:
+        found["killed_at"] = sorted(p.name for p in killed_dir.iterdir())
+        found["resumed"] = resume_run(killed_dir, "resumed")
+        return found["resumed"]
+
+    def nan_again() -> Launch:
+        # What the first run left, to tell a resume from a fresh start that rewrites it all.
+        found["nan_checkpoints"] = {p.name: p.stat().st_mtime_ns for p in nan_dir.glob("ep*.pt")}
+        found["nan_again"] = nan_run("nan-again")
+        return found["nan_again"]
+
+    supervise([reference, killed, nan_first, slurm], kill_at(killed, killed_dir, KILL_AFTER, resume),
+              after_exit(nan_first, nan_again))
+    return dict(tmp=tmp, reference=reference, killed=killed, ref_dir=ref_dir, killed_dir=killed_dir,
+                nan_first=nan_first, nan_dir=nan_dir, slurm=slurm, **found)
 
 
-def load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def ema_state(checkpoint: dict) -> dict:
-    algorithms = dict(checkpoint["state"]["algorithms"])  # [(class name, state dict), ...]
-    return algorithms["EMA"]
-
-
-def assert_tensors_equal(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), f"{what}: different keys"
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differ, f"{what}: {len(differ)} of {len(a)} tensors differ, e.g. {differ[:3]}"
-
-
+@pytest.mark.multirank
 def test_killed_run_resumes_to_the_same_weights_ema_and_loss(runs):
     reference, killed, resumed = runs["reference"], runs["killed"], runs["resumed"]
     assert reference.proc.returncode == 0, reference.tail()
@@ -280,6 +184,7 @@ def assert_stopped_at_nan_batch(launch: Launch, report: Path, good: Path) -> Non
     assert not list(good.parent.glob(f"*-ba{NAN_BATCH}-*")), sorted(p.name for p in good.parent.iterdir())
 
 
+@pytest.mark.multirank
 def test_nan_loss_stops_every_rank_naming_the_batch_and_last_good_checkpoint(runs):
     folder = runs["nan_dir"]
     good = folder / f"ep0-ba{NAN_BATCH - 1}-rank0.pt"
@@ -290,6 +195,7 @@ def test_nan_loss_stops_every_rank_naming_the_batch_and_last_good_checkpoint(run
     assert all(torch.isfinite(t).all() for t in ema_state(checkpoint)["shadow"].values())
 
 
+@pytest.mark.multirank
 def test_nan_after_autoresume_names_the_checkpoint_it_resumed_from(runs):
     folder, again = runs["nan_dir"], runs["nan_again"]
     good = folder / f"ep0-ba{NAN_BATCH - 1}-rank0.pt"
@@ -299,6 +205,7 @@ def test_nan_after_autoresume_names_the_checkpoint_it_resumed_from(runs):
     assert {p.name: p.stat().st_mtime_ns for p in folder.glob("ep*.pt")} == runs["nan_checkpoints"]
 
 
+@pytest.mark.multirank
 def test_slurm_script_launches_two_nodes_that_compute_what_one_node_does(runs):
     slurm = runs["slurm"]
     out = slurm.output()
@@ -351,8 +258,6 @@ def test_mcloud_yaml_loads_with_mosaicml_cli(name, gpus):
     assert shell.returncode == 0, shell.stderr
     argv = shell.stdout.split("\0")[:-1]
     assert argv[0] == "benchmark.py", argv
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     import benchmark
 
     args = benchmark.validate(benchmark.parse_args(argv[1:]), world_size=gpus)  # the run's settings

@@ -4,7 +4,6 @@ count, a pipeline folder that StableDiffusionXLPipeline loads offline and sample
 from __future__ import annotations
 
 import io
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,31 +11,20 @@ import pytest
 import torch
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import data  # noqa: E402
-import unet_flops  # noqa: E402
-from t2ibench import precomputed  # noqa: E402
-from t2ibench.families import MODEL_CONFIGS, Parts  # noqa: E402
-from t2ibench.families import sdxl  # noqa: E402
-from t2ibench.model import DiffusionModel  # noqa: E402
-from t2ibench.tokenizer import tokenize  # noqa: E402
+import data
+import unet_flops
+from t2ibench import precomputed
+from t2ibench.families import MODEL_CONFIGS, Parts
+from t2ibench.families import sdxl
+from t2ibench.model import DiffusionModel
+from t2ibench.tokenizer import tokenize
 
 FAMILY = MODEL_CONFIGS["sdxl-base"]
 
 CAPTIONS = ["a red square!", "", "a blue circle on a green field, oil painting"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's tensors are too small to share among threads: one is several times faster
-    than two on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 @pytest.fixture(scope="module")

@@ -10,44 +10,26 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import benchmark  # noqa: E402
-import data  # noqa: E402
-import export  # noqa: E402
-import latents  # noqa: E402
-from t2ibench.families import MODEL_CONFIGS  # noqa: E402
-from t2ibench.precomputed import mds_columns  # noqa: E402
+import benchmark
+import data
+import export
+import latents
+from t2ibench.families import MODEL_CONFIGS
+from t2ibench.precomputed import mds_columns
+from tests.helpers import Launch, kill_at, supervise, two_ranks
 
 FAMILY = MODEL_CONFIGS["sdxl-tiny"]
 SIZES = [(96, 64), (64, 96), (80, 80), (200, 120)]  # (width, height): landscape, portrait, square, wide
 NUM_SAMPLES = 16
 CAPTIONS = ["a red square", "a blue circle", "a green triangle", "a yellow star"]
 XL = ["--model_config", "sdxl-tiny", "--num_workers", "0", "--seed", "17", "--warmup_batches", "1"]
-TIMEOUT = 420  # seconds for one launch
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -83,29 +65,6 @@ RESUME = XL + ["--batch_size", "4", "--max_duration", "4ba", "--save_interval", 
 KILL_AFTER = "ep0-ba2-rank0.pt"
 
 
-class Launch:
-    """`composer -n 2 benchmark.py ...` in its own session (the whole tree can be SIGKILLed)."""
-
-    def __init__(self, args: list[str], log: Path):
-        self.cmd = ["composer", "-n", "2", "--master_port", str(free_port()), str(ROOT / "benchmark.py"), *args]
-        self.log = log
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env(), stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        self.started = time.monotonic()
-
-    def running(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.running():
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
 class TwoRankRuns:
     """A reference run and a run SIGKILLed after its batch-2 checkpoint, then relaunched with --autoresume.
 
@@ -129,28 +88,20 @@ class TwoRankRuns:
         # the run without them computes must not change (the resumed run's weights are compared).
         extra = ["--sample_prompts", "shapes", "--sample_steps", "2", "--sample_interval", "4ba",
                  "--ema_export_dir", str(self.tmp / "ema-pipeline")] if name == "reference" else []
-        return Launch(RESUME + extra + ["--local", str(data_dir), "--save_folder", str(self.tmp / folder),
-                                        "--results_json", str(self.tmp / f"{name}.json")], self.tmp / f"{name}.log")
+        args = RESUME + extra + ["--local", str(data_dir), "--save_folder", str(self.tmp / folder),
+                                 "--results_json", str(self.tmp / f"{name}.json")]
+        return Launch(two_ranks("benchmark.py", *args), self.tmp / f"{name}.log")
 
-    def launches(self) -> list[Launch]:
-        return [run for run in (self.reference, self.killed, self.resumed) if run is not None]
+    def resume(self) -> Launch:
+        self.resumed = self.launch("resumed", "killed")
+        return self.resumed
 
     def watch(self) -> None:
-        link = self.tmp / "killed" / "latest-rank0.pt"
-        while self.resumed is None or any(run.running() for run in self.launches()):
-            if self.resumed is None:
-                if link.is_symlink() and os.readlink(link) == KILL_AFTER:
-                    self.killed.kill()
-                    self.resumed = self.launch("resumed", "killed")
-                elif not self.killed.running():
-                    self.problem = f"the run to kill ended before {KILL_AFTER}:\n{self.killed.output()[-4000:]}"
-                    break
-            if any(time.monotonic() - run.started > TIMEOUT for run in self.launches() if run.running()):
-                self.problem = "a launch ran over its time:\n" + "\n".join(r.output()[-2000:] for r in self.launches())
-                break
-            time.sleep(0.2)
-        for run in self.launches():
-            run.kill()
+        try:
+            supervise([self.reference, self.killed],
+                      kill_at(self.killed, self.tmp / "killed", KILL_AFTER, self.resume))
+        except BaseException as problem:  # pytest.fail's exception too: wait() fails the test with it
+            self.problem = f"{problem}"
 
     def wait(self) -> "TwoRankRuns":
         self.thread.join()
@@ -163,8 +114,7 @@ class TwoRankRuns:
 def two_rank_runs(shards, tmp_path_factory):
     runs = TwoRankRuns(shards, tmp_path_factory.mktemp("xl-resume"))
     yield runs
-    for run in runs.launches():
-        run.kill()
+    runs.thread.join()  # supervise leaves nothing running when it returns
 
 
 # -----------------------------------------------------------------------------------------------
@@ -172,9 +122,11 @@ def two_rank_runs(shards, tmp_path_factory):
 # -----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def precomputed(shards, tmp_path_factory, two_rank_runs):
+def precomputed(shards, tmp_path_factory, request):
     """latents.py over the shards for sdxl-tiny, in the tokens and the text_states formats (the
-    two-rank runs are started first: they run meanwhile)."""
+    two-rank runs, where a selected test needs them, are started first: they run meanwhile)."""
+    if any("two_rank_runs" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("two_rank_runs")
     tmp = tmp_path_factory.mktemp("xl-latents")
     common = ["--model_config", "sdxl-tiny", "--batch_size", "4", "--chunk_size", "8", "--num_workers", "0",
               "--seed", "17", "--no_progress"]
@@ -237,6 +189,7 @@ def test_precomputed_sd2_latents_are_refused_for_sdxl(tmp_path):
 # The two-rank runs' results.
 # -----------------------------------------------------------------------------------------------
 
+@pytest.mark.multirank
 def test_two_ranks_resume_after_sigkill_to_the_uninterrupted_weights_ema_and_loss(two_rank_runs):
     runs = two_rank_runs.wait()
     reference, killed, resumed = runs.reference, runs.killed, runs.resumed
@@ -257,6 +210,7 @@ def test_two_ranks_resume_after_sigkill_to_the_uninterrupted_weights_ema_and_los
     assert {k.split(".")[0] for k in ref["model"]} == {"unet", "vae", "text_encoder", "text_encoder_2"}
 
 
+@pytest.mark.multirank
 def test_reference_run_samples_and_its_ema_loads_as_an_sdxl_pipeline(two_rank_runs, monkeypatch, tmp_path):
     from diffusers import StableDiffusionXLPipeline
     from PIL import Image

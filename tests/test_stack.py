@@ -11,10 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from t2ibench import stack  # noqa: E402
+from t2ibench import stack
+from tests.helpers import ROOT
 
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?==([^\s#]+)")
 

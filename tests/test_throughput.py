@@ -1,19 +1,15 @@
 """FLOPs per image and the Throughput callback: warm-up excluded, data wait measured."""
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from composer import Trainer
 from composer.models import ComposerClassifier
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from t2ibench.callbacks.throughput import Pauses, Throughput  # noqa: E402
-from t2ibench.families import MODEL_CONFIGS  # noqa: E402
+from t2ibench.callbacks.throughput import Pauses, Throughput
+from t2ibench.families import MODEL_CONFIGS
 
 
 def test_sd2_base_flops_per_512_image_match_the_reference():

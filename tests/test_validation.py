@@ -3,21 +3,16 @@ DDPM steps k x 1000 / 8, in the progress line and the results, and the flags ref
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import benchmark
+from t2ibench.families import family_of
+from t2ibench.objectives import DDPMObjective
+from tests.helpers import TINY_SYNTH
 
-import benchmark  # noqa: E402
-from t2ibench.families import family_of  # noqa: E402
-from t2ibench.objectives import DDPMObjective  # noqa: E402
-
-TINY = ["--model_config", "tiny", "--use_synth_data", "--batch_size", "4", "--image_size", "32", "--num_workers", "0",
-        "--warmup_batches", "1", "--log_interval", "1ba"]
+TINY = [*TINY_SYNTH, "--warmup_batches", "1", "--log_interval", "1ba"]
 
 
 def test_sd2_validation_loss_every_interval_in_the_progress_line_and_results(tmp_path, capsys):

@@ -7,7 +7,6 @@ must write a trace and report its table outside the throughput window.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,25 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import benchmark  # noqa: E402
-from t2ibench import kernels, memory  # noqa: E402
-from t2ibench.families import family_of  # noqa: E402
-from t2ibench.model import DiffusionModel  # noqa: E402
-from t2ibench.norms import set_norm_precision  # noqa: E402
-from t2ibench.weight_casts import CastWeightsOncePerStep  # noqa: E402
+import benchmark
+from t2ibench import kernels, memory
+from t2ibench.families import family_of
+from t2ibench.model import DiffusionModel
+from t2ibench.norms import set_norm_precision
+from t2ibench.weight_casts import CastWeightsOncePerStep
+from tests.helpers import ROOT, bench_script
 
 TINY = ["--model_config", "tiny", "--use_synth_data", "--image_size", "64", "--num_workers", "0",
         "--num_synthetic_samples", "64", "--precision", "amp_bf16", "--warmup_batches", "1"]
-
-
-def _bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run(tmp_path: Path, *flags: str) -> dict:
@@ -114,7 +104,7 @@ def test_weight_casts_step_refused_where_it_cannot_run(flags, expect):
 
 
 def test_memory_model_counts_the_copies_within_a_real_cpu_step():
-    bench_memory = _bench("memory")
+    bench_memory = bench_script("memory")
     counted = bench_memory.count_cpu_step("tiny", 64, 2, "amp_bf16", "autocast", weight_casts="step")
     measured = bench_memory.measure_cpu_step("tiny", 64, 2, "amp_bf16", "autocast", weight_casts="step")
     assert measured["peak_bytes"] == pytest.approx(counted.backward_peak_bytes, rel=0.05)

@@ -1,0 +1,29 @@
+"""Fixtures several test files use (plain helpers are in tests/helpers.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import free_port
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-model tests: their tensors are too small to share among
+    threads, and on a shared, oversubscribed CPU OpenMP's waiting threads made a tiny step 10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """The URL of an S3 server (moto) on loopback, one per test module; skips where boto3 is not installed."""
+    pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()

@@ -1,0 +1,238 @@
+"""What several test files use: the tiny runs' flags, commands run as subprocesses, launches of two ranks
+through Composer's launcher that a test kills and resumes, and small datasets written by MDSWriter."""
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The tiny SD2 model on 32x32 images, 4 a batch: the base of most runs here.
+TINY_MODEL = ["--model_config", "tiny", "--batch_size", "4", "--image_size", "32"]
+# ... on synthetic data, loaded in the training process (no loader workers to start).
+TINY_SYNTH = [*TINY_MODEL, "--use_synth_data", "--num_workers", "0"]
+# Two batches, the first left out of the throughput: the shortest run that measures something.
+TINY_2BA = [*TINY_SYNTH, "--max_duration", "2ba", "--warmup_batches", "1"]
+# Two batches of real data (add --local or --remote).
+REAL_2BA = [*TINY_MODEL, "--max_duration", "2ba", "--num_workers", "0"]
+# Two ranks of 2 images, compared across a kill and a resume: 12 samples make an epoch of 3 batches, so
+# runs cross epochs (the sampler reshuffles) and resume mid-epoch; --use_ema puts the EMA in the checkpoints.
+TINY_RANKS = [*TINY_SYNTH, "--num_synthetic_samples", "12", "--use_ema", "--seed", "17", "--warmup_batches", "1",
+              "--log_interval", "1ba"]
+
+LAUNCH_TIMEOUT_S = 420  # any one launch of two ranks; a healthy one takes about a minute on two busy cores
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on (for a launcher's rendezvous or a server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def offline_env(**extra: str) -> dict[str, str]:
+    """This environment for a command of the repository: offline, no W&B, the repository importable."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": path, **extra}
+
+
+def rank_env(**extra: str) -> dict[str, str]:
+    # OMP_NUM_THREADS=1: two ranks on a two-core machine; with a thread per core each, a step is ~10x slower.
+    return offline_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+
+
+def composer_launcher(ranks: int = 2) -> list[str]:
+    """Composer's launcher for `ranks` processes on this machine, on a port of their own."""
+    return ["composer", "-n", str(ranks), "--master_port", str(free_port())]
+
+
+def two_ranks(script: str, *args: str) -> list[str]:
+    """`composer -n 2 ROOT/script args...`."""
+    return [*composer_launcher(2), str(ROOT / script), *args]
+
+
+def run_cli(args: list[str], launcher: list[str] | None = None, env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    """benchmark.py's command line, in a subprocess (in this Python, or under `launcher`)."""
+    cmd = [*(launcher or [sys.executable]), str(ROOT / "benchmark.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env or offline_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def error_of(main: Callable, argv: list[str], prog: str | None = None) -> str:
+    """The one-line error a command's `main` stops with; `prog` names the command (default: main's module)."""
+    prog = prog or f"{main.__module__}.py"
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    message = str(exit_info.value.code)
+    assert message.startswith(f"{prog}: error: ") and "\n" not in message, message
+    return message
+
+
+def bench_script(name: str) -> ModuleType:
+    """bench/NAME.py imported by path, as bench_NAME (bench/memory.py is not t2ibench.memory)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
+# -----------------------------------------------------------------------------------------------
+# Launches that a test watches, kills and resumes.
+# -----------------------------------------------------------------------------------------------
+
+@dataclass
+class Launch:
+    """A command (launcher and ranks) in its own session, so the whole process tree can be killed."""
+
+    cmd: list[str]
+    log: Path
+    env: dict[str, str] = field(default_factory=rank_env)
+    timeout_s: float = LAUNCH_TIMEOUT_S
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+
+    def start(self) -> "Launch":
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.started = time.monotonic()
+        return self
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def check_time(self) -> None:
+        if self.running() and time.monotonic() - self.started > self.timeout_s:
+            self.kill()
+            raise TimeoutError(f"{' '.join(self.cmd)} ran over {self.timeout_s}s\n{self.tail()}")
+
+    def kill(self) -> None:
+        if self.running():
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher and every rank, no chance to clean up
+            self.proc.wait()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tail(self, chars: int = 6000) -> str:
+        return self.output()[-chars:]
+
+
+# A step of `supervise`: polled until it returns the next launch to start (then it is done).
+Step = Callable[[], "Launch | None"]
+
+
+def supervise(launches: list[Launch], *steps: Step, poll_s: float = 0.2) -> None:
+    """Start `launches`, poll the steps until each has started its launch, and wait until every launch has
+    exited; a launch over its time fails the test. Whatever happens, nothing is left running."""
+    pending = list(steps)
+    try:
+        for launch in launches:
+            launch.start()
+        while pending or any(launch.running() for launch in launches):
+            for step in list(pending):
+                started = step()
+                if started is not None:
+                    launches.append(started.start())
+                    pending.remove(step)
+            for launch in launches:
+                launch.check_time()
+            time.sleep(poll_s)
+    finally:
+        for launch in launches:
+            launch.kill()
+
+
+def latest(folder: Path) -> str | None:
+    """The checkpoint rank 0's `latest` link names, if any."""
+    try:
+        return os.readlink(folder / "latest-rank0.pt")
+    except OSError:
+        return None
+
+
+def kill_at(launch: Launch, folder: Path, checkpoint: str, then: Callable[[], Launch]) -> Step:
+    """A step: SIGKILL `launch` once `checkpoint` is the latest in `folder`, then start `then()`."""
+    def step() -> Launch | None:
+        if latest(folder) == checkpoint:
+            launch.kill()
+            return then()
+        if not launch.running():
+            pytest.fail(f"the run to kill exited ({launch.proc.returncode}) before writing {checkpoint}:\n"
+                        f"{launch.tail()}")
+        return None
+    return step
+
+
+def after_exit(launch: Launch, then: Callable[[], Launch]) -> Step:
+    """A step: start `then()` once `launch` has exited."""
+    return lambda: None if launch.running() else then()
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def ema_state(checkpoint: dict) -> dict:
+    algorithms = dict(checkpoint["state"]["algorithms"])  # [(class name, state dict), ...]
+    return algorithms["EMA"]
+
+
+def assert_tensors_equal(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), f"{what}: different keys"
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{what}: {len(differ)} of {len(a)} tensors differ, e.g. {differ[:3]}"
+
+
+# -----------------------------------------------------------------------------------------------
+# Small datasets.
+# -----------------------------------------------------------------------------------------------
+
+def jpeg(seed: int, size: int = 24) -> bytes:
+    """A JPEG of random pixels, size x size."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG")
+    return buffer.getvalue()
+
+
+def write_images(out: Path, count: int, compression: str | None = None, size_limit: int = 1 << 26) -> Path:
+    """Image-caption shards with the columns convert.py writes, "photo {i}" captioning jpeg(i)."""
+    from streaming import MDSWriter
+    with MDSWriter(out=str(out), columns={"jpg": "bytes", "caption": "str", "key": "str"}, compression=compression,
+                   hashes=["xxh64"], size_limit=size_limit) as writer:
+        for i in range(count):
+            writer.write({"jpg": jpeg(i), "caption": f"photo {i}", "key": str(i)})
+    return out
+
+
+def write_latents(out: Path, count: int = 8, text_dim: int = 64) -> Path:
+    """Precomputed shards of random 4x4x4 latents and text states, in the format t2ibench/precomputed.py defines."""
+    from streaming import MDSWriter
+
+    from t2ibench import precomputed
+    columns = precomputed.mds_columns(latent_channels=4, latent_size=4, text_dim=text_dim, text_states=True)
+    rng = np.random.default_rng(0)
+    with MDSWriter(out=str(out), columns=columns) as writer:
+        for i in range(count):
+            writer.write({"index": i, "latent_mean": rng.standard_normal((4, 4, 4)).astype(np.float16),
+                          "latent_logvar": rng.standard_normal((4, 4, 4)).astype(np.float16),
+                          "text_states": rng.standard_normal((77, text_dim)).astype(np.float16), "caption": "x"})
+    return out
