@@ -350,7 +350,7 @@ def test_wandb_offline_run_records_the_benchmark_metrics(tmp_path):
 
 
 def test_validation_returns_frozen_settings_and_leaves_the_parsed_flags_as_parsed(tmp_path):
-    args = benchmark.parse_args(TINY + ["--device_train_microbatch_size", "2", "--results_json", f"file://{tmp_path}/r.json",
+    args = benchmark.parse_args(TINY_2BA + ["--device_train_microbatch_size", "2", "--results_json", f"file://{tmp_path}/r.json",
                                         "--precomputed", "--model_config", "flux1-tiny"])
     parsed = dict(vars(args))
     settings = benchmark.validate(args, 1)
