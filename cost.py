@@ -371,27 +371,28 @@ def describe(measurements: list[Measurement]) -> tuple[str, str | None]:
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    args = build_parser().parse_intermixed_args(argv)  # files may come before or after the flags
+    parsed = build_parser().parse_intermixed_args(argv)  # files may come before or after the flags
     with errors.command("cost.py"):
-        return table(args)
+        return table(validate(parsed))
 
 
-def table(args: argparse.Namespace) -> list[Row]:
-    """Check the inputs (one line naming the flag or file), then print and write the table."""
-    if len(args.gpus) != len(args.images_per_sec):
-        fail(f"--gpus has {len(args.gpus)} value(s) but --images_per_sec has "
-             f"{len(args.images_per_sec)}; give one --images_per_sec per --gpus")
+def validate(parsed: argparse.Namespace) -> argparse.Namespace:
+    """Check the inputs (one line naming the flag or file) and read the results files. Returns the flags
+    with paths normalised and defaults resolved, plus what the table derives from them (measurements,
+    flux), in a new namespace: the parsed one is left as it was parsed."""
+    if len(parsed.gpus) != len(parsed.images_per_sec):
+        fail(f"--gpus has {len(parsed.gpus)} value(s) but --images_per_sec has "
+             f"{len(parsed.images_per_sec)}; give one --images_per_sec per --gpus")
     # file:///path is the path /path (locations.normalise); inputs and outputs are local files.
-    args.files, args.results = ([normalise("RESULTS", f, ()) for f in names] for names in (args.files, args.results))
-    for flag in ("plot", "csv", "markdown"):
-        if getattr(args, flag) is not None:
-            setattr(args, flag, normalise(f"--{flag}", getattr(args, flag), ()))
-    if args.plot is not None:
-        args.plot = plot_file(args.plot)
+    files, results = ([normalise("RESULTS", f, ()) for f in names] for names in (parsed.files, parsed.results))
+    paths = {flag: normalise(f"--{flag}", getattr(parsed, flag), ()) if getattr(parsed, flag) is not None else None
+             for flag in ("plot", "csv", "markdown")}
+    if paths["plot"] is not None:
+        paths["plot"] = plot_file(paths["plot"])
     # Every output probed before any work (the table is cheap, but a results file overwritten by
     # --csv is lost): an existing folder, writable, not a results file, and not another output.
-    outputs = [(f"--{flag}", getattr(args, flag), "file") for flag in ("plot", "csv", "markdown")]
-    inputs = [("RESULTS", f) for f in args.files + args.results]
+    outputs = [(f"--{flag}", path, "file") for flag, path in paths.items()]
+    inputs = [("RESULTS", f) for f in files + results]
     for flag, path, _ in outputs:
         if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             fail(f"{flag}: directory of {path} does not exist")
@@ -402,21 +403,21 @@ def table(args: argparse.Namespace) -> list[Row]:
     if problem:
         fail(problem)
     try:
-        measurements = [load_results(path) for path in args.files + args.results]
+        measurements = [load_results(path) for path in files + results]
         check_consistent(measurements)
     except ValueError as e:
         fail(str(e))
     configs = {m.model_config for m in measurements if m.model_config}
-    if args.model_config and configs and configs != {args.model_config}:
-        fail(f"--model_config {args.model_config}: the results files are for {sorted(configs)}")
+    if parsed.model_config and configs and configs != {parsed.model_config}:
+        fail(f"--model_config {parsed.model_config}: the results files are for {sorted(configs)}")
     # Figures given as flags are taken as --model_config's model at its training size (by default the
     # 2023 table's SD2 base at 512x512), so results of another model or size are refused rather than
     # fitted with them into one curve.
-    pairs_model = args.model_config or SD2_BASE[0]
+    pairs_model = parsed.model_config or SD2_BASE[0]
     pairs_name, pairs_size = PAIR_MODELS[pairs_model]
     flagged = [Measurement(n, x, f"--gpus/--images_per_sec (taken as {pairs_name} at {pairs_size}x{pairs_size})",
                            model_config=pairs_model, image_size=pairs_size)
-               for n, x in zip(args.gpus, args.images_per_sec)]
+               for n, x in zip(parsed.gpus, parsed.images_per_sec)]
     try:
         check_consistent(measurements + flagged)
     except ValueError as e:  # the pairs can only differ in model or size: say how to name theirs
@@ -425,19 +426,29 @@ def table(args: argparse.Namespace) -> list[Row]:
     if not measurements:
         fail("no measurements: give results JSON files or --gpus N --images_per_sec X")
     flux = measured_model(measurements)[0] == "flux1-schnell"  # the first result that names its model
-    if args.samples is None:
-        args.samples = MLPERF_FLUX_TRAIN_SAMPLES if flux else SAMPLES
-    if args.precompute_images is None:
-        args.precompute_images = MLPERF_FLUX_TRAIN_SAMPLES if flux else PRECOMPUTE_IMAGES
-    if args.precompute_images_per_sec is None and flux:
-        args.precompute_images_per_sec = FLUX_PRECOMPUTE_IMAGES_PER_SEC
-
-    what, warning = describe(measurements)
-    if args.precompute_images_per_sec is None:  # a priced model's VAE encoder at its size; else SD2's at 512
+    precompute_images_per_sec = parsed.precompute_images_per_sec
+    if precompute_images_per_sec is None and flux:
+        precompute_images_per_sec = FLUX_PRECOMPUTE_IMAGES_PER_SEC
+    if precompute_images_per_sec is None:  # a priced model's VAE encoder at its size; else SD2's at 512
         model, size = measured_model(measurements)
         priced = PRICED_MODELS.get(model)
         vae_flops = priced[2] if priced and priced[1] == size else VAE_ENCODER_FLOPS
-        args.precompute_images_per_sec = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / vae_flops
+        precompute_images_per_sec = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / vae_flops
+    resolved = {
+        "files": files, "results": results, **paths,
+        "samples": (MLPERF_FLUX_TRAIN_SAMPLES if flux else SAMPLES) if parsed.samples is None else parsed.samples,
+        "precompute_images": ((MLPERF_FLUX_TRAIN_SAMPLES if flux else PRECOMPUTE_IMAGES)
+                              if parsed.precompute_images is None else parsed.precompute_images),
+        "precompute_images_per_sec": precompute_images_per_sec,
+        "measurements": measurements, "flux": flux,
+    }
+    return argparse.Namespace(**{**vars(parsed), **resolved})
+
+
+def table(args: argparse.Namespace) -> list[Row]:
+    """Print the table of `validate`'s settings and write the files asked for."""
+    measurements, flux = args.measurements, args.flux
+    what, warning = describe(measurements)
     measured, notes = average_by_gpus(measurements)
     model = fit_scaling(measured)
     notes += model_notes(model)

@@ -14,6 +14,7 @@ fp16 and how chunks are written and resumed are in docs/data.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -36,7 +37,7 @@ from t2ibench import errors, flags
 from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_INT, SECONDS
 from t2ibench.errors import UserError, fail
 from t2ibench.families import ModelFamily, require_pretrained
-from t2ibench.files import acquire
+from t2ibench.files import hold_output
 from t2ibench.locations import is_remote, missing_upload_credentials, normalise, overlap, \
     unwritable, upload_schemes
 from t2ibench.images import GEOMETRY_KEYS, ImageGeometry
@@ -108,11 +109,10 @@ class _ByIndex(Dataset):
 # The output folder (t2ibench.latent_store): held, checked and recorded by rank 0.
 # -----------------------------------------------------------------------------------------------
 
-def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int) -> list[int]:
-    """Rank 0: hold --out (a second latents.py into it is refused; see main), check it, record the settings
-    there, and return the chunks still to do."""
-    if not is_remote(args.out) and getattr(args, "out_hold", None) is None:
-        args.out_hold = acquire("--out", args.out)
+def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int, held: contextlib.ExitStack) -> list[int]:
+    """Rank 0: hold --out until `held` closes (a second latents.py into it is refused; see main), check it,
+    record the settings there, and return the chunks still to do."""
+    held.enter_context(hold_output("--out", args.out))  # no hold for an object-store --out
     if args.overwrite and not is_remote(args.out):
         clear_output(args.out)
     existing = read_json(args.out, RECORD_FILE)
@@ -174,53 +174,56 @@ def build_parser() -> flags.Parser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    args.compression = None if args.compression.lower() in ("", "none") else args.compression
-    args.hashes = [h.strip() for h in args.hashes.split(",") if h.strip()]
-    return args
+    return build_parser().parse_args(argv)
 
 
-def validate(args: argparse.Namespace) -> tuple[ModelFamily, Source]:
-    """One line naming the flag for every value that would fail later; the family and the source."""
-    family = flags.check_shared(args)
-    if args.store_text_states and args.store_token_ids:
+def validate(parsed: argparse.Namespace) -> tuple[argparse.Namespace, ModelFamily, Source]:
+    """One line naming the flag for every value that would fail later. Returns the flags with every
+    default resolved, in a new namespace (the parsed one is left as it was parsed), the family and the source."""
+    family, model_name, image_size = flags.shared_values(parsed)
+    if parsed.store_text_states and parsed.store_token_ids:
         fail("--store_text_states and --store_token_ids: choose one")
-    args.store_text_states = args.store_text_states or (
-        family.default_precomputed_format == TEXT_STATES and not args.store_token_ids)
+    # The family's own format unless the user chose one (Flux.1 stores text states, as MLPerf does).
+    store_text_states = parsed.store_text_states or (
+        family.default_precomputed_format == TEXT_STATES and not parsed.store_token_ids)
     for flag in ("batch_size", "chunk_size"):
-        if getattr(args, flag) <= 0:
-            fail(f"--{flag} {getattr(args, flag)} must be positive")
-    too_many = flags.check_workers("--num_workers", args.num_workers, dist.get_local_world_size())
+        if getattr(parsed, flag) <= 0:
+            fail(f"--{flag} {getattr(parsed, flag)} must be positive")
+    too_many = flags.check_workers("--num_workers", parsed.num_workers, dist.get_local_world_size())
     if too_many:
         fail(too_many)
-    if not 0.0 < args.dist_timeout < math.inf:
-        fail(f"--dist_timeout {args.dist_timeout} must be a positive number of seconds")
-    problem = size_limit_problem(args.size_limit) or codec_problem(args.compression, args.hashes)
+    if not 0.0 < parsed.dist_timeout < math.inf:
+        fail(f"--dist_timeout {parsed.dist_timeout} must be a positive number of seconds")
+    compression = None if parsed.compression.lower() in ("", "none") else parsed.compression
+    hashes = [h.strip() for h in parsed.hashes.split(",") if h.strip()]
+    problem = size_limit_problem(parsed.size_limit) or codec_problem(compression, hashes)
     if problem:
         fail(problem)
-    sources = parse_sources(args.remote, args.local)
+    sources = parse_sources(parsed.remote, parsed.local)
     if not sources:
         fail("no input: pass --remote (with --local as cache) or --local with the image-caption MDS shards")
     if len(sources) > 1:
         fail(f"--remote: latents.py reads one source ({len(sources)} given); precompute each into its own --out "
              "and train on them together (benchmark.py --precomputed --remote 0.7=A,0.3=B)")
     source = sources[0]
-    args.out = normalise("--out", args.out, upload_schemes())
+    out = normalise("--out", parsed.out, upload_schemes())  # file:///path is the path /path
     if not source.remote and not Path(source.local).is_dir():
         fail(f"--local {source.local} is not a folder; give --remote to stream shards into it")
     if not source.remote and not Path(source.local, INDEX_FILE).is_file():
         fail(f"--local {source.local} holds no MDS dataset (no {INDEX_FILE}): point it at the image-caption shards "
              "that convert.py wrote, or give --remote to stream them into it")
-    problem = overlap("--out", args.out, [("--local", source.local), ("--remote", source.remote)]) \
-        or missing_upload_credentials("--out", args.out)
-    if not problem and not is_remote(args.out):
-        problem = unwritable("--out", args.out, folder=True)
+    problem = overlap("--out", out, [("--local", source.local), ("--remote", source.remote)]) \
+        or missing_upload_credentials("--out", out)
+    if not problem and not is_remote(out):
+        problem = unwritable("--out", out, folder=True)
     if not problem and source.remote:  # the cache Streaming downloads the source shards into
         problem = unwritable("--local", source.local, folder=True)
     if problem:
         fail(problem)
     check_cache_current(source)  # a cache of an older version of the remote: refused, not read
-    return family, source
+    resolved = {"model_name": model_name, "image_size": image_size, "store_text_states": store_text_states,
+                "compression": compression, "hashes": hashes, "out": out}
+    return argparse.Namespace(**{**vars(parsed), **resolved}), family, source
 
 
 def source_fingerprint(source: IndexedImageCaptions) -> str:
@@ -232,18 +235,15 @@ def source_fingerprint(source: IndexedImageCaptions) -> str:
 
 def main(argv: list[str] | None = None) -> dict | None:
     """Encode the source into --out; rank 0 returns the report (None on the other ranks)."""
-    args = parse_args(argv)
-    try:
-        with errors.command("latents.py", debug=args.debug, explain=bad_data):
-            return run(args)
-    finally:
-        if getattr(args, "out_hold", None) is not None:
-            args.out_hold.release()  # held by rank 0 from plan_work to the end
+    parsed = parse_args(argv)
+    # `held` keeps rank 0's hold on --out (taken in plan_work) to the end, past an error's message.
+    with contextlib.ExitStack() as held, errors.command("latents.py", debug=parsed.debug, explain=bad_data):
+        return run(parsed, held)
 
 
-def run(args: argparse.Namespace) -> dict | None:
+def run(parsed: argparse.Namespace, held: contextlib.ExitStack) -> dict | None:
     """main's body: validate, build, plan, encode, finish."""
-    family, source_location = validate(args)
+    args, family, source_location = validate(parsed)
     device = start(args)
     vae, text_encoders, tokenizers, random_encoders = build_encoders(args, family, device)
     source, fingerprint = open_source(args, family, source_location, tokenizers)
@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> dict | None:
         "random_encoders": random_encoders, "seed": args.seed if random_encoders else None,
         "columns": columns, "image_key": args.image_key, "caption_key": args.caption_key,
     }
-    mine = plan(args, settings, num_chunks)
+    mine = plan(args, settings, num_chunks, held)
     stats = Stats()
     started = time.perf_counter()
     if mine:
@@ -333,14 +333,14 @@ def build_encoders(args: argparse.Namespace, family: ModelFamily,
     return parts.vae, parts.text_encoders, parts.tokenizers, parts.random_encoders
 
 
-def plan(args: argparse.Namespace, settings: dict, num_chunks: int) -> list[int]:
+def plan(args: argparse.Namespace, settings: dict, num_chunks: int, held: contextlib.ExitStack) -> list[int]:
     """This rank's chunks: rank 0 decides what is left to do (plan_work) and every rank gets the same
     list, or the same error."""
     world, rank = dist.get_world_size(), dist.get_global_rank()
     box: list[Any] = [None]
     if rank == 0:
         try:
-            box[0] = plan_work(args, settings, num_chunks)
+            box[0] = plan_work(args, settings, num_chunks, held)
         except UserError as error:
             box[0] = error.message
         except Exception as error:  # noqa: BLE001  e.g. no access to a remote --out: fail on every rank

@@ -119,37 +119,39 @@ def build_parser() -> Parser:
 def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     """The flags with every default resolved and what the prediction derives from them (device,
     text_format, compared), in a new namespace: the parsed one is left as it was parsed."""
-    args = argparse.Namespace(**vars(parsed))
-    family = family_of(args.model_config)
-    args.image_size = args.image_size or family.default_image_size(args.model_config)
+    family = family_of(parsed.model_config)
+    image_size = parsed.image_size or family.default_image_size(parsed.model_config)
     multiple = family.latent_downsample * family.patch_size
-    if args.image_size % multiple:
-        fail(f"--image_size {args.image_size} must be a multiple of {multiple} for {args.model_config}")
+    if image_size % multiple:
+        fail(f"--image_size {image_size} must be a multiple of {multiple} for {parsed.model_config}")
     on_gpu = torch.cuda.is_available()
-    args.device = "cuda" if on_gpu else "cpu"
-    args.precision = resolve_precision(args.precision, on_gpu)
-    fp8.check(args.fp8, args.precision)
-    if args.precomputed_format and not args.precomputed:
+    precision = resolve_precision(parsed.precision, on_gpu)
+    fp8.check(parsed.fp8, precision)
+    if parsed.precomputed_format and not parsed.precomputed:
         fail("--precomputed_format needs --precomputed")
-    args.text_format = precomputed.batch_text_format(family, args.precomputed, args.precomputed_format)
-    args.global_batch = args.global_batch or (MLPERF_FLUX_GLOBAL_BATCH if family.name == "flux" else GLOBAL_BATCH)
-    if args.microbatch is None:
-        per_gpu = args.global_batch // max(args.gpus)  # a microbatch that divides every count's per-GPU batch
+    text_format = precomputed.batch_text_format(family, parsed.precomputed, parsed.precomputed_format)
+    global_batch = parsed.global_batch or (MLPERF_FLUX_GLOBAL_BATCH if family.name == "flux" else GLOBAL_BATCH)
+    microbatch = parsed.microbatch
+    if microbatch is None:
+        per_gpu = global_batch // max(parsed.gpus)  # a microbatch that divides every count's per-GPU batch
         if on_gpu:  # the largest that fits at every count (fewer GPUs shard less: more fixed bytes each)
-            args.microbatch = max(1, min(memory.plan(
-                args.model_config, args.image_size, torch.cuda.get_device_properties(0).total_memory,
-                precision=args.precision, norm_precision=args.norm_precision, precomputed=args.precomputed,
-                precomputed_format=args.text_format, use_ema=args.use_ema, fsdp=mode_for(args, gpus), num_gpus=gpus,
-                per_device_batch=per_gpu, activation_checkpointing=args.activation_checkpointing,
-                fp8=args.fp8)["microbatch"] for gpus in args.gpus))
+            microbatch = max(1, min(memory.plan(
+                parsed.model_config, image_size, torch.cuda.get_device_properties(0).total_memory,
+                precision=precision, norm_precision=parsed.norm_precision, precomputed=parsed.precomputed,
+                precomputed_format=text_format, use_ema=parsed.use_ema, fsdp=mode_for(parsed, gpus), num_gpus=gpus,
+                per_device_batch=per_gpu, activation_checkpointing=parsed.activation_checkpointing,
+                fp8=parsed.fp8)["microbatch"] for gpus in parsed.gpus))
         else:
-            args.microbatch = min(8, per_gpu)
-    for gpus in args.gpus:
-        if args.global_batch % gpus or (args.global_batch // gpus) % args.microbatch:
-            fail(f"--global_batch {args.global_batch} over --gpus {gpus} is {args.global_batch / gpus:g} per GPU, "
-                 f"which --microbatch {args.microbatch} does not divide; pick a batch all --gpus counts divide")
-    args.compared = compared_run(args) if args.compare_results_json else None
-    return args
+            microbatch = min(8, per_gpu)
+    for gpus in parsed.gpus:
+        if global_batch % gpus or (global_batch // gpus) % microbatch:
+            fail(f"--global_batch {global_batch} over --gpus {gpus} is {global_batch / gpus:g} per GPU, "
+                 f"which --microbatch {microbatch} does not divide; pick a batch all --gpus counts divide")
+    args = argparse.Namespace(**{**vars(parsed), "image_size": image_size, "device": "cuda" if on_gpu else "cpu",
+                                 "precision": precision, "text_format": text_format, "global_batch": global_batch,
+                                 "microbatch": microbatch})
+    # The compared run is checked against the resolved settings, so it is added to them last.
+    return argparse.Namespace(**{**vars(args), "compared": compared_run(args) if args.compare_results_json else None})
 
 
 def mode_for(args: argparse.Namespace, gpus: int) -> str:

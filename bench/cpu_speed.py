@@ -110,9 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
         child(args)
         return {}
     with errors.command("cpu_speed.py"):  # --json probed now, not after the runs
-        if args.json is not None:
-            args.json = normalise("--json", args.json, ())
-        problem = check_output("--json", args.json, folder=False)
+        json_file = None if args.json is None else normalise("--json", args.json, ())  # file:///path is /path
+        problem = check_output("--json", json_file, folder=False)
         if problem:
             fail(problem)
     work = Path(tempfile.mkdtemp(prefix="cpu-speed-"))
@@ -140,8 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = whole / report[first]["s_per_batch"]
         print(f"{setting:12s} {whole:.3f} s/batch (x{ratio:.2f} of {first}); per {args.window} batches: "
               + " ".join(f"{w:.3f}" for w in windows))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"runs": runs, "report": report}) + "\n")
+    if json_file:
+        Path(json_file).write_text(json.dumps({"runs": runs, "report": report}) + "\n")
     return report
 
 

@@ -243,12 +243,13 @@ def read_rows(path: str) -> dict:
         fail(f"--from_json {path} is not a --json file of this script ({type(error).__name__}: {error})")
 
 
-def validate(args: argparse.Namespace) -> dict | None:
-    """Locations and loader processes, before any index is written; the rows of --from_json, if given."""
+def validate(parsed: argparse.Namespace) -> tuple[argparse.Namespace, dict | None]:
+    """Locations and loader processes, before any index is written. Returns the flags with the locations
+    normalised, in a new namespace (the parsed one is left as it was parsed), and the rows of --from_json, if given."""
     # file:///path is the path /path (locations.normalise); everything here is local.
-    for flag in ("out", "json", "from_json"):
-        if getattr(args, flag) is not None:
-            setattr(args, flag, normalise(f"--{flag}", getattr(args, flag), ()))
+    paths = {flag: normalise(f"--{flag}", getattr(parsed, flag), ())
+             for flag in ("out", "json", "from_json") if getattr(parsed, flag) is not None}
+    args = argparse.Namespace(**{**vars(parsed), **paths})
     outputs = [("--out", args.out, "folder"), ("--json", args.json, "file")]
     for flag, location, kind in outputs:
         problem = check_output(flag, location, folder=kind == "folder", inputs=[("--from_json", args.from_json)])
@@ -258,23 +259,23 @@ def validate(args: argparse.Namespace) -> dict | None:
     if problem:
         fail(problem)
     if args.from_json:
-        return read_rows(args.from_json)
+        return args, read_rows(args.from_json)
     # Imported here, not at the top: t2ibench.flags loads the model families (diffusers), and every
     # measured --child process starts this script again, whose memory is what is measured.
     from t2ibench.cli import check_workers
     problem = check_workers("--workers", args.workers)  # the one measured rank's loader workers
     if problem:
         fail(problem)
-    return None
+    return args, None
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    if args.child:
-        print(json.dumps(child(args)), flush=True)
+    parsed = build_parser().parse_args(argv)
+    if parsed.child:
+        print(json.dumps(child(parsed)), flush=True)
         return {}
     with errors.command("index_scale.py"):
-        rows = validate(args)
+        args, rows = validate(parsed)
     if rows is not None:  # --from_json: projected again (e.g. for another budget), and --json written as well
         return report(rows, args)
 

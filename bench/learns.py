@@ -224,19 +224,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def validate(args: argparse.Namespace) -> None:
-    """Mistakes that would otherwise surface after minutes of drawing, converting or scoring."""
-    family = MODEL_CONFIGS[args.model_config]
+def validate(parsed: argparse.Namespace) -> argparse.Namespace:
+    """Mistakes that would otherwise surface after minutes of drawing, converting or scoring. Returns the
+    flags with the locations normalised, in a new namespace: the parsed one is left as it was parsed."""
+    family = MODEL_CONFIGS[parsed.model_config]
     multiple = family.latent_downsample * family.patch_size
-    if args.image_size % multiple:
-        fail(f"--image_size {args.image_size} must be a multiple of {multiple} (the VAE downsamples by "
+    if parsed.image_size % multiple:
+        fail(f"--image_size {parsed.image_size} must be a multiple of {multiple} (the VAE downsamples by "
              f"{family.latent_downsample})")
-    if args.batches is not None and args.lr_warmup_batches is not None and args.lr_warmup_batches >= args.batches:
-        fail(f"--lr_warmup_batches {args.lr_warmup_batches} does not end before the run (--batches {args.batches})")
+    if parsed.batches is not None and parsed.lr_warmup_batches is not None \
+            and parsed.lr_warmup_batches >= parsed.batches:
+        fail(f"--lr_warmup_batches {parsed.lr_warmup_batches} does not end before the run "
+             f"(--batches {parsed.batches})")
     # file:///path is the path /path (locations.normalise); everything here is local.
-    for flag in ("data", "workdir", "make_data", "results_json"):
-        if getattr(args, flag) is not None:
-            setattr(args, flag, normalise(f"--{flag}", getattr(args, flag), ()))
+    paths = {flag: normalise(f"--{flag}", getattr(parsed, flag), ())
+             for flag in ("data", "workdir", "make_data", "results_json") if getattr(parsed, flag) is not None}
+    args = argparse.Namespace(**{**vars(parsed), **paths})
     if args.data and not Path(args.data).is_dir():
         fail(f"--data {args.data} is not a folder")
     # Outputs probed before minutes of work: writable, of their kind, apart from --data and each other.
@@ -250,31 +253,33 @@ def validate(args: argparse.Namespace) -> None:
     problem = check_outputs_apart(outputs)
     if problem:
         fail(problem)
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    parsed = parse_args(argv)
     with errors.command("learns.py"):
-        validate(args)
-        return learn(args)
+        return learn(validate(parsed))
 
 
 def learn(args: argparse.Namespace) -> dict:
     """Draw or read the data, score the untrained model, train it with benchmark.py, score it again."""
     started = time.perf_counter()
+    # The captions to draw (two shapes when none are given and there is no --data) and to score.
+    wanted = args.captions
     if args.data is None:
-        args.captions = args.captions or ["a red square", "a blue circle"]
-        if len(set(args.captions)) < 2:
+        wanted = wanted or ["a red square", "a blue circle"]
+        if len(set(wanted)) < 2:
             fail("--captions needs at least two different captions")
         try:
-            [parse_caption(c) for c in args.captions]
+            [parse_caption(c) for c in wanted]
         except ValueError as e:
             fail(f"--captions: {e}")
     if args.make_data:
         if Path(args.make_data).exists() and any(Path(args.make_data).iterdir()):
             fail(f"--make_data {args.make_data} is not empty; give a new folder")
-        write_shapes(Path(args.make_data), args.captions, args.images_per_caption, args.image_size, args.seed)
-        print(f"wrote {len(args.captions) * args.images_per_caption} captioned pictures to {args.make_data}")
+        write_shapes(Path(args.make_data), wanted, args.images_per_caption, args.image_size, args.seed)
+        print(f"wrote {len(wanted) * args.images_per_caption} captioned pictures to {args.make_data}")
         return {"pictures": args.make_data}
     work = Path(args.workdir or tempfile.mkdtemp(prefix="learns-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -285,7 +290,7 @@ def learn(args: argparse.Namespace) -> dict:
     else:
         pictures = Path(args.data) if args.data else work / "pictures"
         if not args.data:
-            write_shapes(pictures, args.captions, args.images_per_caption, args.image_size, args.seed)
+            write_shapes(pictures, wanted, args.images_per_caption, args.image_size, args.seed)
         shards = work / "mds"
         import convert
         run(convert.main, [str(pictures), "--out", str(shards), "--workers", "1", "--no_progress", "--overwrite"],
@@ -296,7 +301,7 @@ def learn(args: argparse.Namespace) -> dict:
         first = (str(error).strip().splitlines() or [""])[0][:200]
         fail(f"--data {args.data or shards}: cannot read {shards} as convert.py's MDS image-caption shards "
              f"({type(error).__name__}: {first})")
-    classes = args.captions or sorted(set(captions))
+    classes = wanted or sorted(set(captions))
     keep = [i for i, c in enumerate(captions) if c in classes]
     missing = sorted(set(classes) - {captions[i] for i in keep})
     if missing or len(classes) < 2:
@@ -305,9 +310,11 @@ def learn(args: argparse.Namespace) -> dict:
     labels = torch.tensor([classes.index(captions[i]) for i in keep])
     images = images[keep]
     data_seconds = time.perf_counter() - started
-    args.batches = args.batches or 500 * len(classes)
-    if args.lr_warmup_batches is None:
-        args.lr_warmup_batches = min(DEFAULT_WARMUP_BATCHES, args.batches // 10)
+    # Defaults that depend on the data: 500 batches per class, a tenth of them warming up (at most the default).
+    batches = args.batches or 500 * len(classes)
+    lr_warmup_batches = args.lr_warmup_batches
+    if lr_warmup_batches is None:
+        lr_warmup_batches = min(DEFAULT_WARMUP_BATCHES, batches // 10)
 
     # 2. The model before training: benchmark.py's initialization under --seed.
     torch.manual_seed(args.seed)
@@ -338,9 +345,9 @@ def learn(args: argparse.Namespace) -> dict:
     trained = run(benchmark.main, ["--model_config", args.model_config, "--remote", str(source),
          *(["--precomputed"] if args.precomputed else []),
          "--local", str(work / "cache"), "--image_size", str(args.image_size), "--batch_size", str(args.batch_size),
-         "--max_duration", f"{args.batches}ba", "--lr", str(args.lr), "--lr_warmup_batches", str(args.lr_warmup_batches),
+         "--max_duration", f"{batches}ba", "--lr", str(args.lr), "--lr_warmup_batches", str(lr_warmup_batches),
          "--caption_drop_prob", str(args.caption_drop_prob), "--seed", str(args.seed), "--num_workers", "1",
-         "--save_folder", str(save), "--save_interval", f"{args.batches}ba", "--log_interval", "50ba", "--warmup_batches", "1"], "benchmark.py")
+         "--save_folder", str(save), "--save_interval", f"{batches}ba", "--log_interval", "50ba", "--warmup_batches", "1"], "benchmark.py")
     torch.set_num_threads(threads)  # benchmark.py sets its own
     train_seconds = time.perf_counter() - train_start
     checkpoint = sorted(save.glob("ep*-ba*-rank0.pt"), key=lambda p: int(p.name.split("-ba")[1].split("-")[0]))[-1]
@@ -351,7 +358,7 @@ def learn(args: argparse.Namespace) -> dict:
 
     result = {
         "model_config": args.model_config, "precomputed": args.precomputed,
-        "classes": classes, "images": len(keep), "image_size": args.image_size, "batches": args.batches,
+        "classes": classes, "images": len(keep), "image_size": args.image_size, "batches": batches,
         "batch_size": args.batch_size, "samples_per_caption": args.samples_per_caption,
         "score_before": before, "score_after": after, "chance": 1 / len(classes),
         "hits_before": before_hits, "hits_after": after_hits, "guidance_scale": args.guidance_scale,
@@ -361,7 +368,7 @@ def learn(args: argparse.Namespace) -> dict:
         "data_minutes": data_seconds / 60, "final_loss": trained["final_loss"],
         "loss_by_timestep_bin": trained["loss_by_timestep_bin"],
     }
-    print(f"{args.model_config}: classes {classes} ({len(keep)} pictures, {args.image_size}px), {args.batches} batches "
+    print(f"{args.model_config}: classes {classes} ({len(keep)} pictures, {args.image_size}px), {batches} batches "
           f"of {args.batch_size}")
     print(f"nearest-class score before training {before:.1%}  after {after:.1%}  chance {1 / len(classes):.1%} "
           f"(guidance {args.guidance_scale:g}; per caption after: {after_hits} of {args.samples_per_caption})")

@@ -43,7 +43,7 @@ from t2ibench.images import GEOMETRY_KEYS  # noqa: E402
 from t2ibench.model import DiffusionModel  # noqa: E402
 from t2ibench.norms import set_norm_precision  # noqa: E402
 from t2ibench.parallel import FSDP_CHOICES, resolve_mode  # noqa: E402
-from t2ibench.precomputed import TEXT_STATES, TOKENS  # noqa: E402
+from t2ibench.precomputed import LATENT_KEYS, TEXT_FORMATS, TEXT_STATES, TOKENS  # noqa: E402
 from t2ibench.weight_casts import (WEIGHT_CAST_CHOICES, CastWeightsOncePerStep, resolve_weight_casts,  # noqa: E402
                                   weight_casts_problem)
 
@@ -60,8 +60,8 @@ def fail(message: str) -> None:
 def real_batch(family: ModelFamily, model_config: str, image_size: int, microbatch: int,
                text_format: str | None = None) -> dict[str, torch.Tensor]:
     """A batch of random data as the loaders yield it for `family`: images and captions' token ids
-    online (`text_format` None); fp16 latent moments with token ids ("tokens") or with the stored
-    conditioning ("text_states") on precomputed latents."""
+    online (`text_format` None); fp16 latent moments with token ids (`TOKENS`) or with the stored
+    conditioning (`TEXT_STATES`) on precomputed latents."""
     generator = torch.Generator().manual_seed(0)
     if text_format is None:
         batch = {"image": torch.randint(0, 256, (microbatch, 3, image_size, image_size), dtype=torch.uint8,
@@ -70,8 +70,9 @@ def real_batch(family: ModelFamily, model_config: str, image_size: int, microbat
         latent = image_size // family.latent_downsample
         shape = (microbatch, family.latent_channels(model_config), latent, latent)
         # Log-variances around -10, as a trained VAE's posterior (data.py's synthetic latents).
-        batch = {"latent_mean": torch.randn(shape, generator=generator).half(),
-                 "latent_logvar": torch.full(shape, -10.0, dtype=torch.float16)}
+        mean_key, logvar_key = LATENT_KEYS
+        batch = {mean_key: torch.randn(shape, generator=generator).half(),
+                 logvar_key: torch.full(shape, -10.0, dtype=torch.float16)}
     if text_format == TEXT_STATES:
         batch.update({key: torch.randn(microbatch, *shape, generator=generator).half()
                       for key, shape in family.conditioning_shapes(model_config).items()})
@@ -241,7 +242,7 @@ def build_parser() -> Parser:
                    help="memory of one GPU in GiB, as torch.cuda.get_device_properties(0).total_memory / 2**30 "
                         "(an 80 GB A100 or H100 reports 79.1)")
     p.add_argument("--precomputed", action="store_true", help="train from precomputed latents (no VAE)")
-    p.add_argument("--precomputed_format", default=None, choices=memory.TEXT_FORMATS,
+    p.add_argument("--precomputed_format", default=None, choices=TEXT_FORMATS,
                    help="with --precomputed: token ids (the text encoders run) or text states (no encoder); "
                         "default: the family's (tokens for SD2 and SDXL, text states for Flux.1)")
     p.add_argument("--precision", default="amp_bf16", choices=memory.PRECISIONS)

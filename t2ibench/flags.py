@@ -134,13 +134,6 @@ def shared_values(args: argparse.Namespace) -> tuple[ModelFamily, str, int]:
     return family, model_name, image_size
 
 
-def check_shared(args: argparse.Namespace) -> ModelFamily:
-    """latents.py's check of the shared groups: `shared_values`, with the defaults written into `args`,
-    where latents.py reads them (benchmark.py keeps them in its `Settings` instead)."""
-    family, args.model_name, args.image_size = shared_values(args)
-    return family
-
-
 def benchmark_parser(description: str) -> Parser:
     """benchmark.py's flags; `description` heads its --help."""
     p = Parser("benchmark.py", description=description)
