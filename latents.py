@@ -45,7 +45,7 @@ from t2ibench.latent_encoding import Encoded, Stats, encode
 from t2ibench.latent_store import (check_settings, chunk_name, chunk_writer, clear_output, completed_chunks, join,
                                    read_json, write_json)
 from t2ibench.mds import INDEX_FILE, codec_problem, size_limit_problem
-from t2ibench.precomputed import (RECORD_FILE, STORAGE_DTYPES, TEXT_STATES, TOKEN_IDS_DTYPE, TOKENS, mds_columns,
+from t2ibench.precomputed import (RECORD_FILE, STORAGE_DTYPES, TEXT_STATES, default_format, TOKEN_IDS_DTYPE, TOKENS, mds_columns,
                                   token_column)
 from t2ibench.scale import SAMPLES as SAMPLES_AT_SCALE
 from t2ibench.sources import Source, check_cache_current, parse_sources
@@ -185,7 +185,7 @@ def validate(parsed: argparse.Namespace) -> tuple[argparse.Namespace, ModelFamil
         fail("--store_text_states and --store_token_ids: choose one")
     # The family's own format unless the user chose one (Flux.1 stores text states, as MLPerf does).
     store_text_states = parsed.store_text_states or (
-        family.default_precomputed_format == TEXT_STATES and not parsed.store_token_ids)
+        default_format(family) == TEXT_STATES and not parsed.store_token_ids)
     for flag in ("batch_size", "chunk_size"):
         if getattr(parsed, flag) <= 0:
             fail(f"--{flag} {getattr(parsed, flag)} must be positive")

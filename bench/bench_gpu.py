@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 from t2ibench.fp8 import FP8_MODES, MIN_CAPABILITY  # noqa: E402
 from t2ibench.cli import GPU_COUNT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser  # noqa: E402
 from t2ibench.locations import check_output  # noqa: E402
-from t2ibench.precomputed import TEXT_STATES  # noqa: E402
+from t2ibench.precomputed import TEXT_STATES, batch_text_format  # noqa: E402
 
 GLOBAL_BATCH = 2048  # cost.py's batch (the 2023 benchmark's and the SD2 recipe's)
 # MLPerf Training v5.1's Flux.1 global batch in NVIDIA's 16-GPU entries (its 512-GPU ones use 2048).
@@ -103,7 +103,7 @@ class Setting:
     @property
     def text_format(self) -> str | None:
         """What the batches carry for the text: None online, else the precomputed format."""
-        return (self.precomputed_format or self.family.default_precomputed_format) if self.precomputed else None
+        return batch_text_format(self.family, self.precomputed, self.precomputed_format)
 
     @property
     def needs_pretrained(self) -> bool:

@@ -43,7 +43,7 @@ from t2ibench.images import GEOMETRY_KEYS  # noqa: E402
 from t2ibench.model import DiffusionModel  # noqa: E402
 from t2ibench.norms import set_norm_precision  # noqa: E402
 from t2ibench.parallel import FSDP_CHOICES, resolve_mode  # noqa: E402
-from t2ibench.precomputed import LATENT_KEYS, TEXT_FORMATS, TEXT_STATES, TOKENS  # noqa: E402
+from t2ibench.precomputed import LATENT_KEYS, TEXT_FORMATS, TEXT_STATES, TOKENS, batch_text_format  # noqa: E402
 from t2ibench.weight_casts import (WEIGHT_CAST_CHOICES, CastWeightsOncePerStep, resolve_weight_casts,  # noqa: E402
                                   weight_casts_problem)
 
@@ -306,8 +306,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict | list | str:
     args = parse_args(argv)
     if args.check_cpu:
-        text_format = (args.precomputed_format or family_of(args.model_config).default_precomputed_format
-                       if args.precomputed else None)
+        text_format = batch_text_format(family_of(args.model_config), args.precomputed, args.precomputed_format)
         return check_cpu(args.model_config, args.image_size, args.microbatch, args.activation_checkpointing,
                          text_format, args.weight_casts)
     if args.table:

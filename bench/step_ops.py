@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from t2ibench import errors, kernels, memory  # noqa: E402
 from t2ibench.cli import Parser, Range  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
-from t2ibench.precomputed import TEXT_FORMATS  # noqa: E402
+from t2ibench.precomputed import TEXT_FORMATS, batch_text_format  # noqa: E402
 from t2ibench.weight_casts import WEIGHT_CAST_CHOICES, resolve_weight_casts, weight_casts_problem  # noqa: E402
 
 MAX_BATCH = 1 << 20
@@ -117,8 +117,8 @@ def print_row(args: argparse.Namespace, row: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     with errors.command("step_ops.py"):
         args = validate(build_parser().parse_args(argv))
-    data = f"precomputed {args.precomputed_format or family_of(args.model_config).default_precomputed_format}" \
-        if args.precomputed else "online"
+    text_format = batch_text_format(family_of(args.model_config), args.precomputed, args.precomputed_format)
+    data = f"precomputed {text_format}" if text_format else "online"
     print(f"{args.model_config} at {args.image_size}x{args.image_size}, {data}, {args.precision}, norms "
           f"{args.norm_precision}, {'EMA' if not args.no_ema else 'no EMA'}, one GPU of {args.gpu_memory_gib:g} GiB: "
           "CUDA kernels one training step launches (counted on the meta device)")

@@ -27,6 +27,7 @@ from t2ibench.flags import shared_values
 from t2ibench.locations import CHECKPOINT_SCHEMES, LOAD_SCHEMES, check_output, check_outputs_apart, is_remote, normalise
 from t2ibench.parallel import resolve_mode
 from t2ibench.precision import PRECISION_CHOICES, resolve_precision
+from t2ibench.precomputed import default_format
 from t2ibench.settings import Settings
 from t2ibench.sources import parse_sources
 from t2ibench.weight_casts import weight_casts_problem
@@ -326,7 +327,7 @@ def check_recipe(settings: Settings) -> tuple[str, str | None]:
              f"{' or '.join(family.samplers)}")
     precomputed_format = settings.precomputed_format
     if settings.precomputed and settings.use_synth_data and precomputed_format is None:
-        precomputed_format = family.default_precomputed_format
+        precomputed_format = default_format(family)
     if settings.lr_warmup_batches < 0:
         fail(f"--lr_warmup_batches {settings.lr_warmup_batches} must be >= 0")
     if settings.grad_clip_norm is not None and settings.grad_clip_norm <= 0:

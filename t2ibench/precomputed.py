@@ -102,12 +102,17 @@ def column_arrays(shard: Any) -> dict[str, tuple[str, tuple[int, ...] | None]]:
     return arrays
 
 
+def default_format(family: ModelFamily) -> str:
+    """The format a family's data is precomputed in unless the user chooses (Flux.1: TEXT_STATES)."""
+    return TEXT_STATES if family.precomputes_text_states else TOKENS
+
+
 def batch_text_format(family: ModelFamily, precomputed: bool, precomputed_format: str | None) -> str | None:
     """What a run's batches carry for the text: None online (captions' token ids, encoders in the
     step), else the precomputed format (the family's default when not given)."""
     if not precomputed:
         return None
-    text_format = precomputed_format or family.default_precomputed_format
+    text_format = precomputed_format or default_format(family)
     if text_format not in TEXT_FORMATS:
         raise ValueError(f"precomputed_format must be one of {TEXT_FORMATS}, not {text_format!r}")
     return text_format

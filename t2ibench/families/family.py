@@ -111,8 +111,9 @@ class ModelFamily(ABC):
     samplers: ClassVar[dict[str, type]]
     # benchmark.py flags the family does not take, with why: refused by name when given.
     refused_flags: ClassVar[dict[str, str]] = {}
-    # What --precomputed --use_synth_data imitates by default: "tokens" or "text_states".
-    default_precomputed_format: ClassVar[str] = "tokens"
+    # Precomputed data stores the text encoders' outputs by default (latents.py, and what --precomputed
+    # --use_synth_data imitates) rather than token ids: t2ibench.precomputed.default_format names it.
+    precomputes_text_states: ClassVar[bool] = False
     # MDS columns of token ids stored under another name than their batch key (SD2: captions -> token_ids).
     token_columns: ClassVar[dict[str, str]] = {}
 

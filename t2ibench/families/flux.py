@@ -215,7 +215,7 @@ class Flux(ModelFamily):
                      "trains with the plain MSE to the velocity, as MLPerf's reference does",
         "xformers": "xFormers' attention processor has no rotary embedding; the transformer uses PyTorch SDPA",
     }
-    default_precomputed_format = "text_states"  # MLPerf's set-up: T5 and CLIP outputs stored, no encoder in the step
+    precomputes_text_states = True  # MLPerf's set-up: T5 and CLIP outputs stored, no encoder in the step
 
     # -- building --------------------------------------------------------------------------------
     def default_image_size(self, config: str) -> int:

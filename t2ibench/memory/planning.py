@@ -227,7 +227,7 @@ def plan(model_config: str = "sd2-base", image_size: int | None = None, gpu_memo
     """The memory of a training step per GPU and the largest microbatch that fits, as a JSON-able dict.
 
     `image_size` None: the family's training resolution (`ModelFamily.default_image_size`);
-    `precomputed_format` None: the family's (`default_precomputed_format`)."""
+    `precomputed_format` None: the family's (`precomputed.default_format`)."""
     if fsdp not in FSDP_MODES:
         raise ValueError(f"fsdp must be one of {FSDP_MODES}, not {fsdp!r}")
     family = family_of(model_config)
