@@ -100,6 +100,7 @@ def test_every_row_runs_as_planned_and_smoke_runs_each_familys_tiny_model():
         smoke = _flags(["launcher", *setting.flags(), *bench_gpu.smoke_flags(setting, gpus=1)])
         assert smoke["--model_config"] == bench_gpu.SMOKE_CONFIGS[setting.model_config]
         assert smoke["--fsdp"] == "none"  # one CPU rank: nothing to shard over
+@pytest.mark.multirank
 def test_timeout_ends_the_launchers_whole_process_group(tmp_path):
     # A fake launcher that starts a rank, which starts a worker: all sleep and record their pids.
     pids, script = tmp_path / "pids", tmp_path / "spawn.py"

@@ -85,6 +85,7 @@ def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 1
         time.sleep(0.002)
 
 
+@pytest.mark.multirank
 def test_a_second_convert_into_the_same_out_is_refused_and_the_first_completes(tmp_path):
     photos = write_photos(tmp_path / "photos", 300)
     out = tmp_path / "out"

@@ -48,8 +48,20 @@ def test_readme_first_screen_is_a_door():
         assert f"(docs/{doc}.md)" in first_screen and (ROOT / "docs" / f"{doc}.md").is_file()
 
 
-@pytest.mark.parametrize("document, block", cpu_blocks(), ids=lambda x: x if x.endswith(".md") else
-                         x.replace(INSTALL, "").split()[1][:40])
+def commands_in(block: str) -> int:
+    """How many processes a block starts: its `python` and `composer` commands, comments left out."""
+    lines = [line.split("#", 1)[0] for line in block.splitlines()]
+    return sum(len(re.findall(r"(?:^|[\s|&;(])(?:python|composer)\s", line)) for line in lines)
+
+
+def cpu_block_params() -> list:
+    """Every CPU block as a test case; a block of several commands launches several processes: multirank."""
+    return [pytest.param(document, block, id=f"{document}-{block.replace(INSTALL, '').split()[1][:40]}",
+                         marks=[pytest.mark.multirank] if commands_in(block) > 1 else [])
+            for document, block in cpu_blocks()]
+
+
+@pytest.mark.parametrize("document, block", cpu_block_params())
 def test_documented_cpu_command_runs(document: str, block: str, tmp_path: Path):
     work = tmp_path / "repo"
     shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", "results",

@@ -164,6 +164,7 @@ def test_counted_kernels_are_what_real_cpu_autocast_dispatches():
     assert sum(counted.kernels.values()) == pytest.approx(sum(real.kernels.values()), rel=0.02)
 
 
+@pytest.mark.multirank
 def test_step_ops_json_and_the_sdxl_default_casts_once_per_step():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "step_ops.py"), "--model_config", "sdxl-base",
                           "--precomputed", "--precomputed_format", "text_states", "--json"],
