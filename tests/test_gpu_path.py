@@ -186,6 +186,7 @@ def test_bench_gpu_refuses_without_cuda(tmp_path):
     assert not (tmp_path / "matrix").exists()  # refused before writing anything
 
 
+@pytest.mark.multirank  # bench_gpu launches each setting through Composer's launcher: launcher and rank
 def test_bench_gpu_smoke_leaves_a_results_folder_that_cost_reads(tmp_path, capsys):
     out = tmp_path / "matrix"
     results_ = bench_gpu.main(["--smoke", "--out", str(out), "--only", "precomputed-bf16", "--batches", "2",

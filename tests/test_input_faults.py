@@ -152,6 +152,7 @@ def corrupt_shards(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.multirank  # the point is several loader processes sharing Streaming's shard state
 def test_corrupt_zstd_shard_with_two_loader_workers_ends_naming_it(corrupt_shards, tmp_path):
     # Streamed through a cache, as from a remote: it hung after the first batch until killed.
     result = run_command("benchmark.py", *TINY, "--max_duration", "4ba", "--num_workers", "2", "--remote",
@@ -168,6 +169,7 @@ def test_corrupt_zstd_shard_without_workers_is_not_blamed_on_the_batch_size(corr
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.multirank  # the point is several loader processes sharing Streaming's shard state
 def test_corrupt_zstd_shard_in_latents_with_two_workers_ends_naming_it(corrupt_shards, tmp_path):
     result = run_command("latents.py", "--local", str(corrupt_shards), "--out", str(tmp_path / "latents"),
                          "--model_config", "tiny", "--image_size", "32", "--batch_size", "2", "--chunk_size", "4",
