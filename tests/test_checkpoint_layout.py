@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import benchmark
+import checkpoint_layout
 from t2ibench.checkpoints import layout, layout_digests
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "checkpoint_layouts.json").read_text())
@@ -23,3 +24,6 @@ def test_saved_checkpoint_has_the_recorded_layout(config: str, tmp_path: Path) -
                     "--save_interval", "1ba", "--run_name", f"layout-{config}"])
     saved = layout_digests(layout(tmp_path / "ep0-ba1-rank0.pt"))
     assert saved == RECORDED[config]
+    # The script that recorded the file writes the same for this checkpoint.
+    checkpoint_layout.main(["--json", str(tmp_path / "layout.json"), f"{config}={tmp_path / 'ep0-ba1-rank0.pt'}"])
+    assert json.loads((tmp_path / "layout.json").read_text()) == {config: RECORDED[config]}
