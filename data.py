@@ -475,7 +475,7 @@ class StreamingLatents(NamedShardErrors, StreamingDataset):
         if found is None:
             raise ValueError(f"{where} holds no precomputed latents (its columns are {columns}): write them with "
                              "`python latents.py --out ...`, or train without --precomputed")
-        shapes = column_arrays(shard)
+        shapes = column_arrays(getattr(shard, "column_names", []), getattr(shard, "column_encodings", []))
         latent_shape = shapes.get("latent_mean", (None, None))[1]
         text_shape = shapes.get(TEXT_STATES_KEY, (None, None))[1]
         if image_size is not None and latent_shape is not None and latent_shape[1:] != (image_size // 8,) * 2:

@@ -16,7 +16,7 @@ from t2ibench.families import FAMILIES, ModelFamily
 from t2ibench.images import GEOMETRY_KEYS
 from t2ibench.locations import is_remote, same_source_key
 from t2ibench.mds import index_problem, shard_file
-from t2ibench.precomputed import LATENT_DTYPES, LATENT_KEYS, RECORD_FILE, TOKEN_DTYPES
+from t2ibench.precomputed import LATENT_DTYPES, LATENT_KEYS, RECORD_FILE, TOKEN_DTYPES, column_arrays
 from t2ibench.settings import Settings
 from t2ibench.sources import Source, check_cache
 
@@ -108,16 +108,9 @@ def precomputed_shard_problem(shard: dict, family: ModelFamily, config: str, ima
     index.json: no data read), or None: latents of another size or channel count, arrays without a
     fixed shape, float token ids, text columns of other shapes."""
     encodings = dict(zip(shard.get("column_names", []), shard.get("column_encodings", [])))
+    arrays = column_arrays(list(encodings), list(encodings.values()))
+    array = arrays.get  # (dtype, shape) of an ndarray column, None for any other or a missing one
     fixed = "latents.py stores every array with a fixed shape (ndarray:float16:4,64,64): write them with latents.py"
-
-    def array(key: str) -> tuple[str, tuple[int, ...] | None] | None:
-        parts = encodings.get(key, "").split(":")
-        if parts[0] != "ndarray" or len(parts) < 2:
-            return None
-        try:
-            return parts[1], tuple(int(x) for x in parts[2].split(",")) if len(parts) == 3 else None
-        except ValueError:
-            return parts[1], None
 
     channels, side = family.latent_channels(config), image_size // family.latent_downsample
     for key in LATENT_KEYS:

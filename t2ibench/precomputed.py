@@ -5,8 +5,6 @@ The layout of a sample, the byte counts and the choice of dtypes are described i
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from t2ibench.families import MODEL_CONFIGS, ModelFamily
@@ -90,14 +88,18 @@ def text_format(columns: list[str], family: ModelFamily | None = None) -> str | 
     return TOKENS if all(k in columns for k in family.stored_text_columns(text_states=False)) else None
 
 
-def column_arrays(shard: Any) -> dict[str, tuple[str, tuple[int, ...] | None]]:
-    """{column: (dtype, shape)} of the ndarray columns of an MDS shard reader, from their encodings
-    (`ndarray:float16:4,64,64`; the shape None when the column has none fixed)."""
+def column_arrays(names: list[str], encodings: list[str]) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+    """{column: (dtype, shape)} of the ndarray columns of an MDS shard, from its column names and
+    encodings (`ndarray:float16:4,64,64`; the shape None when the column has none fixed, or one
+    that is not numbers: a hand-edited index.json is reported, not a traceback)."""
     arrays = {}
-    for name, encoding in zip(getattr(shard, "column_names", []), getattr(shard, "column_encodings", [])):
-        parts = encoding.split(":")
+    for name, encoding in zip(names, encodings):
+        parts = str(encoding).split(":")
         if parts[0] == "ndarray" and len(parts) >= 2:
-            shape = tuple(int(x) for x in parts[2].split(",")) if len(parts) == 3 else None
+            try:
+                shape = tuple(int(x) for x in parts[2].split(",")) if len(parts) == 3 else None
+            except ValueError:
+                shape = None
             arrays[name] = (parts[1], shape)
     return arrays
 
