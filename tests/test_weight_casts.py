@@ -252,15 +252,18 @@ def test_memory_model_counts_the_copies_within_a_real_cpu_step():
                                  precomputed_format="text_states", fsdp="none", num_gpus=1)
     per_step = memory.plan("sdxl-base", 1024, 79.1 * memory.GIB, precomputed=True,
                            precomputed_format="text_states", fsdp="none", num_gpus=1, weight_casts="step")
-    # The copies replace autocast's cached casts; the step's gradient sum is fp32 in both, and
-    # the first backward's bf16 gradients exist beside it only while they are upcast (activations gone).
+    # The copies take the place of autocast's cached casts; the step's gradient sum is fp32 in both
+    # (the first backward's bf16 gradients exist beside it only while they are upcast, activations
+    # gone): without checkpointing the same peak at the same microbatch, to 0.01%.
     num_params = sum(p.numel() for p in family_of("sdxl-base").meta_parts("sdxl-base").denoiser.parameters())
     breakdown = per_step["fixed_bytes_breakdown"]
     assert breakdown["gradients"] == per_microbatch["fixed_bytes_breakdown"]["gradients"] == 4 * num_params
     assert breakdown["weight_casts_or_gathered"] == 2 * num_params
     assert per_step["step_end_bytes"] == per_step["fixed_tensor_bytes"] + 2 * num_params
     assert per_microbatch["step_end_bytes"] == per_microbatch["fixed_tensor_bytes"]
-    assert per_step["predicted_bytes_at_microbatch"] < per_microbatch["predicted_bytes_at_microbatch"]
+    assert per_step["microbatch"] == per_microbatch["microbatch"]
+    assert per_step["predicted_bytes_at_microbatch"] == pytest.approx(per_microbatch["predicted_bytes_at_microbatch"],
+                                                                      rel=1e-4)
 
 
 def test_multi_tensor_launches_follow_cudas_chunking():
