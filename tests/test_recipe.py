@@ -25,8 +25,8 @@ from PIL import Image
 
 import benchmark
 from t2ibench.families import MODEL_CONFIGS
-from t2ibench.grad_norm import GradientNorm
 from t2ibench.families.sd2 import TINY_SCALING_FACTOR
+from t2ibench.grad_norm import GradientNorm
 from t2ibench.model import DiffusionModel
 from t2ibench.tokenizer import tokenize
 from tests.helpers import ROOT, TINY_SYNTH
