@@ -118,11 +118,15 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
     if activation_checkpointing:
         model.denoiser.enable_gradient_checkpointing()
     model.train()
+    trained = [p for p in model.parameters() if p.requires_grad]
     if weight_casts == "step":  # the denoiser computes with its bf16 copies, as benchmark.py's step does
-        CastWeightsOncePerStep(model.denoiser).begin_step()
-    for p in model.parameters():  # gradient accumulation's steady state, as counted
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
+        casts = CastWeightsOncePerStep(model.denoiser)
+        casts.begin_step()
+        # From the second microbatch on the fp32 weights hold the step's gradient sum and each copy's
+        # bf16 gradient is added into it (and freed) as backward makes it.
+        trained = casts.masters  # the denoiser's, the only trained parameters
+    for p in trained:  # gradient accumulation's steady state, as counted
+        p.grad = torch.zeros_like(p)
     batch = real_batch(family, model_config, image_size, microbatch, text_format)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         loss = model.loss(model(batch), batch)

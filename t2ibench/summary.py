@@ -1,6 +1,6 @@
 """The summary benchmark.py prints at the end of a run, from its results (what --results_json holds):
-the set-up, throughput, MFU, data wait, checkpoints, memory, loss, validation loss, float8 (`--fp8`) and
-the profile (`--profile_batches`)."""
+the set-up, throughput, MFU, data wait, checkpoints, memory, loss, gradient norm, validation loss,
+float8 (`--fp8`) and the profile (`--profile_batches`)."""
 from __future__ import annotations
 
 from t2ibench import fp8
@@ -23,6 +23,7 @@ def print_summary(r: dict) -> None:
     reserved = (f", {r['peak_memory_reserved_bytes'] / 2**30:.2f} GiB reserved"
                 if r.get("peak_memory_reserved_bytes") else "")
     since = " after warm-up" if r["peak_memory_kind"].startswith("cuda") else ", whole run"
+    grad_norm = f"{r['grad_norm']:.6g}" if r.get("grad_norm") is not None else "n/a"
     mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_flops_per_device'] / 1e12:.0f} TFLOP/s peak per device" if r.get("mfu")
            else "n/a (unknown device peak; pass --peak_tflops)")
     trained = (f"; trained network alone (denoiser forward + backward, "
@@ -47,6 +48,7 @@ def print_summary(r: dict) -> None:
         f"{after} from the last batch to the end of fit\n"
         f"peak memory  {r['peak_memory_bytes'] / 2**30:.2f} GiB ({r['peak_memory_kind']}){reserved}{since}\n"
         f"final loss   {r['final_loss']}\n"
+        f"grad norm    {grad_norm} (the last step's gradients, global L2 norm before clipping)\n"
         + (f"float8       {fp8.describe(r['fp8_conversion'])}; "
            f"{r['flops_per_image_breakdown']['fp8_fwd_bwd'] / r['flops_per_image']:.0%} of the step's FLOPs\n"
            if r.get("fp8_conversion") else "")
