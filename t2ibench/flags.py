@@ -76,7 +76,7 @@ def add_fp8(group: argparse._ArgumentGroup) -> None:
                             "of compute capability 8.9 or more; emulated on a CPU (numerics, not speed)")
 
 
-def add_activation_checkpointing(group: argparse._ArgumentGroup, help: str) -> None:
+def add_activation_checkpointing(group: argparse._ActionsContainer, help: str) -> None:
     """--activation_checkpointing auto|on|off (default auto; the bare flag, as before it took a value,
     means on), for benchmark.py and the benchmarks that count its step (bench/memory.py, bench/step_ops.py)."""
     group.add_argument("--activation_checkpointing", type=str, nargs="?", const="on", default="auto",

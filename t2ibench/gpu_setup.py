@@ -85,7 +85,7 @@ def step_kernels(model_config: str, image_size: int, microbatch: int, per_device
                                       use_ema=use_ema)
 
 
-def choose_setup(model_config: str, image_size: int, gpu_memory_bytes: float, per_device_batch: int, *,
+def choose_setup(model_config: str, image_size: int, gpu_memory_bytes: float, per_device_batch: int | None, *,
                  activation_checkpointing: str = "auto", microbatch: int | None = None, precision: str = "amp_bf16",
                  norm_precision: str = "autocast", precomputed: bool = False, precomputed_format: str | None = None,
                  use_ema: bool = True, fsdp: str = "none", num_gpus: int = 1, weight_casts: str = "microbatch",
@@ -95,8 +95,8 @@ def choose_setup(model_config: str, image_size: int, gpu_memory_bytes: float, pe
     `activation_checkpointing` "on" or "off": as given, at `microbatch` or else the largest that fits.
     "auto" with a `microbatch`: on only when that microbatch does not fit without it. "auto" without
     one: the largest fitting microbatch without checkpointing and the largest with it (powers of two
-    dividing `per_device_batch`), the one with the lower predicted cost per image; checkpointing is
-    off when it fits no larger microbatch, on when nothing fits without it.
+    dividing `per_device_batch`; None: any), the one with the lower predicted cost per image;
+    checkpointing is off when it fits no larger microbatch, on when nothing fits without it.
     A microbatch of 1 when nothing fits at all (the run's own OOM then says so)."""
     text_format = batch_text_format(family_of(model_config), precomputed, precomputed_format)
     options = dict(precision=precision, norm_precision=norm_precision, precomputed=precomputed,
@@ -127,7 +127,9 @@ def choose_setup(model_config: str, image_size: int, gpu_memory_bytes: float, pe
                           f"{memory.gib(memory.predicted_bytes(plain, 1)):.1f} of {gib})")
     if with_it <= without:
         return done(False, f"auto: it fits no larger microbatch than {without}")
-    candidates = tuple(_weighed(model_config, image_size, per_device_batch, plan, checkpointing, options)
+    # Without a batch, the step's once-per-step launches are spread over the larger microbatch for both.
+    batch = per_device_batch or with_it
+    candidates = tuple(_weighed(model_config, image_size, batch, plan, checkpointing, options)
                        for plan, checkpointing in ((plain, False), (checkpointed, True)))
     slow, fast = sorted(candidates, key=lambda c: c.cost_flops_per_image, reverse=True)
     ratio = slow.cost_flops_per_image / fast.cost_flops_per_image
