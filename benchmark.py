@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None =
             held.enter_context(hold_output("--ema_export_dir", settings.ema_export_dir))
         run = Runtime.start(settings)
         training_data = build_data(settings, run)
-        run = run.with_counted_microbatch(settings, training_data.text_format)  # the shards' format counts
+        run = run.with_counted_setup(settings, training_data.text_format)  # the shards' format counts
         model = build_model(settings, run, training_data)
         trainer, measured = build_trainer(settings, run, model, training_data, extra_callbacks)
         try:
@@ -215,7 +215,7 @@ def apply_speed_settings(settings: Settings, run: Runtime, model: DiffusionModel
         model.cpu_autocast_dtype = torch.bfloat16
     if settings.xformers:
         model.denoiser.enable_xformers_memory_efficient_attention()
-    if settings.activation_checkpointing:
+    if run.activation_checkpointing:
         model.denoiser.enable_gradient_checkpointing()
     if settings.channels_last:
         model.denoiser.to(memory_format=torch.channels_last)
@@ -405,7 +405,8 @@ def train(settings: Settings, run: Runtime, trainer: Trainer, built: Model, meas
         "grad_norm": measured.grad_norm.last_norm(),
         "loss_by_timestep_bin": measured.loss_by_timestep.summary() if measured.loss_by_timestep else [],
         "timestep_sampling": settings.timestep_sampling,
-        "activation_checkpointing": settings.activation_checkpointing,
+        "activation_checkpointing": run.activation_checkpointing,
+        "activation_checkpointing_reason": run.activation_checkpointing_reason,
         "weight_casts": run.weight_casts,
         **(measured.profile.summary if measured.profile else {}),
         "fp8": settings.fp8,

@@ -8,12 +8,16 @@ any model family.
     python bench/memory.py --check_cpu                   # the count against a real CPU step
     python bench/memory.py --check_cpu --model_config flux1-tiny --precomputed --activation_checkpointing
     python bench/memory.py --model_config flux1-schnell --precomputed --no_ema --fp8 tensorwise   # float8's bytes
+    python bench/memory.py --model_config sdxl-base --precomputed --precomputed_format text_states --num_gpus 1 --json
 
 Prints the bytes saved for backward per image (with the other norm precision beside it: what
 low-precision GroupNorm/LayerNorm saves), the fixed bytes per GPU and what holds them, the largest
 power-of-two microbatch for `--gpu_memory_gib` and the FLOPs of the trained network per image.
+`--activation_checkpointing auto` (the default, as benchmark.py's) counts the set-up benchmark.py's
+defaults pick on such GPUs (t2ibench.gpu_setup: with or without checkpointing, and why).
 With `--json` the last line is one JSON object (`activation_bytes_per_image`, `fixed_bytes`,
-`microbatch`, `train_flops_per_image`, ...). The step is counted on the meta device: no GPU, no
+`microbatch`, `activation_checkpointing`, `activation_checkpointing_reason`, `weight_casts`,
+`train_flops_per_image`, ...). The step is counted on the meta device: no GPU, no
 memory, seconds to a minute per setting on a CPU. `--image_size` defaults to the family's training
 resolution, `--precomputed_format` to the family's (text states for Flux.1), `--fsdp auto` to
 full_shard for Flux.1 and DDP otherwise, as benchmark.py's flags do.
@@ -35,10 +39,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
-from t2ibench import memory  # noqa: E402
+from t2ibench import flags, memory  # noqa: E402
 from t2ibench.cli import GPU_COUNT, IMAGE_SIZE, POSITIVE_FLOAT, POSITIVE_INT, Parser  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of  # noqa: E402
 from t2ibench.fp8 import FP8_MODES  # noqa: E402
+from t2ibench.gpu_setup import choose_setup, from_flag  # noqa: E402
 from t2ibench.images import GEOMETRY_KEYS  # noqa: E402
 from t2ibench.model import DiffusionModel  # noqa: E402
 from t2ibench.norms import set_norm_precision  # noqa: E402
@@ -257,8 +262,9 @@ def build_parser() -> Parser:
                         "default (full_shard for Flux.1 on several GPUs, else none), as benchmark.py's")
     p.add_argument("--num_gpus", type=GPU_COUNT, default=8, help="ranks the model is replicated or sharded over")
     p.add_argument("--no_ema", action="store_true", help="without benchmark.py's --use_ema")
-    p.add_argument("--activation_checkpointing", action="store_true",
-                   help="the denoiser's blocks recomputed in backward (benchmark.py's --activation_checkpointing)")
+    flags.add_activation_checkpointing(
+        p, "the denoiser's blocks recomputed in backward (benchmark.py's flag); auto: the set-up benchmark.py's "
+           "defaults pick for these GPUs (--check_cpu and --table: off). The bare flag means on")
     p.add_argument("--weight_casts", default="auto", choices=WEIGHT_CAST_CHOICES,
                    help="weights cast per microbatch (autocast's) or bf16 copies once per step; auto: benchmark.py's "
                         "default (step on one GPU under amp_bf16 without FSDP)")
@@ -303,8 +309,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     problem = weight_casts_problem(weight_casts, precision=args.precision, world_size=args.num_gpus)
     if problem and not args.check_cpu:
         fail(problem)
-    # A new namespace with the defaults resolved: the parsed one is left as it was parsed.
-    return argparse.Namespace(**{**vars(args), "image_size": image_size, "fsdp": fsdp, "weight_casts": weight_casts})
+    # A new namespace with the defaults resolved: the parsed one is left as it was parsed. A CPU step
+    # and the table count one setting: `auto` is off there (`main` counts the GPU defaults' choice).
+    return argparse.Namespace(**{**vars(args), "image_size": image_size, "fsdp": fsdp, "weight_casts": weight_casts,
+                                 "checkpointing_flag": args.activation_checkpointing,
+                                 "activation_checkpointing": from_flag(args.activation_checkpointing)[0]})
 
 
 def main(argv: list[str] | None = None) -> dict | list | str:
@@ -324,12 +333,21 @@ def main(argv: list[str] | None = None) -> dict | list | str:
               "largest power-of-two microbatch per GPU")
         print(text)
         return text
+    setup = choose_setup(args.model_config, args.image_size, args.gpu_memory_gib * memory.GIB, args.per_device_batch,
+                         activation_checkpointing=args.checkpointing_flag, precision=args.precision,
+                         norm_precision=args.norm_precision, precomputed=args.precomputed,
+                         precomputed_format=args.precomputed_format, use_ema=not args.no_ema, fsdp=args.fsdp,
+                         num_gpus=args.num_gpus, weight_casts=args.weight_casts, fp8=args.fp8)
+    args = argparse.Namespace(**{**vars(args), "activation_checkpointing": setup.activation_checkpointing})
     options = dict(precision=args.precision, precomputed=args.precomputed, precomputed_format=args.precomputed_format,
                    use_ema=not args.no_ema, fsdp=args.fsdp, num_gpus=args.num_gpus,
                    per_device_batch=args.per_device_batch, activation_checkpointing=args.activation_checkpointing,
                    weight_casts=args.weight_casts, fp8=args.fp8)
     result = memory.plan(args.model_config, args.image_size, args.gpu_memory_gib * memory.GIB,
                          norm_precision=args.norm_precision, **options)
+    # The set-up benchmark.py's defaults pick (microbatch, checkpointing, weight casts: the plan's) and why.
+    result.update(activation_checkpointing_reason=setup.reason,
+                  setup_candidates=setup.summary()["setup_candidates"])
     if args.precision != "fp32":
         other = "fp32" if args.norm_precision == "autocast" else "autocast"
         result["activation_bytes_per_image_by_norm_precision"] = {
@@ -340,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict | list | str:
     data = "precomputed " + result["precomputed_format"] if args.precomputed else "online"
     print(f"{args.model_config} at {args.image_size}x{args.image_size}, {args.precision}, norms {args.norm_precision}, "
           f"{data}, {'EMA, ' if not args.no_ema else ''}"
-          f"{'activation checkpointing, ' if args.activation_checkpointing else ''}"
+          f"activation checkpointing {'on' if args.activation_checkpointing else 'off'} ({setup.reason}), "
           f"weight casts per {args.weight_casts}, "
           f"{'fp8 ' + args.fp8 + ', ' if args.fp8 != 'off' else ''}"
           f"{'DDP' if args.fsdp == 'none' else 'FSDP ' + args.fsdp} over {args.num_gpus} GPU(s) of "

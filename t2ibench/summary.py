@@ -19,6 +19,8 @@ def print_summary(r: dict) -> None:
         return f"{100 * value:.1f}%" if value is not None else "n/a"
 
     wait, wait_mean = percent(r["data_wait_fraction"]), percent(r["data_wait_fraction_mean"])
+    # Which rule chose checkpointing: the flag, or auto with its figures (results before it: none).
+    checkpointing_why = f" ({r['activation_checkpointing_reason']})" if r.get("activation_checkpointing_reason") else ""
     after = f"{r['seconds_after_window']:.1f} s" if r.get("seconds_after_window") is not None else "n/a"
     reserved = (f", {r['peak_memory_reserved_bytes'] / 2**30:.2f} GiB reserved"
                 if r.get("peak_memory_reserved_bytes") else "")
@@ -35,7 +37,7 @@ def print_summary(r: dict) -> None:
         f"{r['world_size']} x {r['device']}, global batch {r['global_batch_size']}, "
         f"microbatch {r['device_train_microbatch_size']}\n"
         f"set-up       weight casts per {r['weight_casts']}, activation checkpointing "
-        f"{'on' if r['activation_checkpointing'] else 'off'}, compile {'on' if r['compile'] else 'off'}, fused AdamW "
+        f"{'on' if r['activation_checkpointing'] else 'off'}{checkpointing_why}, compile {'on' if r['compile'] else 'off'}, fused AdamW "
         f"{'on' if r['fused_adamw'] else 'off'}, norms {r['norm_precision'] or 'fp32'}"
         f"{', fp8 ' + r['fp8'] if r.get('fp8', 'off') != 'off' else ''}"
         f"{', channels-last' if r['channels_last'] else ''}{', xFormers' if r['xformers'] else ''}\n"
