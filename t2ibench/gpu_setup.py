@@ -95,9 +95,10 @@ def choose_setup(model_config: str, image_size: int, gpu_memory_bytes: float, pe
     `activation_checkpointing` "on" or "off": as given, at `microbatch` or else the largest that fits.
     "auto" with a `microbatch`: on only when that microbatch does not fit without it. "auto" without
     one: the largest fitting microbatch without checkpointing and the largest with it (powers of two
-    dividing `per_device_batch`; None: any), the one with the lower predicted cost per image;
-    checkpointing is off when it fits no larger microbatch, on when nothing fits without it.
-    A microbatch of 1 when nothing fits at all (the run's own OOM then says so)."""
+    dividing `per_device_batch`; None: any), the one with the lower predicted cost per image. Off,
+    without counting the checkpointed step, when the plain step's launches cost less than the forward
+    checkpointing recomputes (it saves launches only), or when it fits no larger microbatch; on when
+    nothing fits without it. A microbatch of 1 when nothing fits at all (the run's own OOM then says so)."""
     text_format = batch_text_format(family_of(model_config), precomputed, precomputed_format)
     options = dict(precision=precision, norm_precision=norm_precision, precomputed=precomputed,
                    precomputed_format=text_format, use_ema=use_ema, fsdp=fsdp, num_gpus=num_gpus,
@@ -120,17 +121,24 @@ def choose_setup(model_config: str, image_size: int, gpu_memory_bytes: float, pe
         if plain["microbatch"] and need <= gpu_memory_bytes:
             return done(False, f"auto: microbatch {microbatch} fits without it ({memory.gib(need):.1f} of {gib})")
         return done(True, f"auto: microbatch {microbatch} does not fit without it ({memory.gib(need):.1f} of {gib})")
-    checkpointed = planned(True)
-    without, with_it = plain["microbatch"], checkpointed["microbatch"]
+    without = plain["microbatch"]
     if not without:
         return done(True, f"auto: no microbatch fits without it (1 image needs "
                           f"{memory.gib(memory.predicted_bytes(plain, 1)):.1f} of {gib})")
-    if with_it <= without:
-        return done(False, f"auto: it fits no larger microbatch than {without}")
-    # Without a batch, the step's once-per-step launches are spread over the larger microbatch for both.
-    batch = per_device_batch or with_it
-    candidates = tuple(_weighed(model_config, image_size, batch, plan, checkpointing, options)
-                       for plan, checkpointing in ((plain, False), (checkpointed, True)))
+    # Without a batch, the step's once-per-step launches are spread over the largest microbatch counted.
+    batch = per_device_batch or memory.MAX_MICROBATCH
+    plain_step = _weighed(model_config, image_size, batch, plain, False, options)
+    recomputed = _flops(model_config, image_size, precomputed, text_format)["denoiser_fwd"]
+    if plain_step.kernels_per_image * LAUNCH_COST_FLOPS <= recomputed:
+        # Checkpointing saves launches only; with all of them saved it would still recompute more.
+        return done(False, f"auto: microbatch {without} without it; its {plain_step.kernels_per_image:,.0f} launches "
+                           f"per image cost less than the forward it would recompute "
+                           f"({plain_step.kernels_per_image * LAUNCH_COST_FLOPS / 1e12:.2f} against "
+                           f"{recomputed / 1e12:.2f} TFLOP per image)", (plain_step,))
+    checkpointed = planned(True)
+    if checkpointed["microbatch"] <= without:
+        return done(False, f"auto: it fits no larger microbatch than {without}", (plain_step,))
+    candidates = (plain_step, _weighed(model_config, image_size, batch, checkpointed, True, options))
     slow, fast = sorted(candidates, key=lambda c: c.cost_flops_per_image, reverse=True)
     ratio = slow.cost_flops_per_image / fast.cost_flops_per_image
     reason = (f"auto: microbatch {fast.microbatch} {'with' if fast.activation_checkpointing else 'without'} it, "
