@@ -130,11 +130,15 @@ def _float8_linear_class() -> type:
         where there is one; torchao's backward flattens the same saved input, so the copy moves from
         the backward to the forward rather than adding one."""
 
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.rows_scaled_input = scales_input_by_row(self.config)  # read once, not per forward
+
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             device = input.device.type
             autocast = device in ("cuda", "cpu") and torch.is_autocast_enabled(device)
             dtype = torch.get_autocast_dtype(device) if autocast else input.dtype
-            if input.dim() > 2 and scales_input_by_row(self.config) and not flattens_without_copy(input):
+            if self.rows_scaled_input and input.dim() > 2 and not flattens_without_copy(input):
                 # One copy: `to` with the input's own dtype returns the input as it is, whatever the format.
                 input = (input.contiguous() if input.dtype == dtype
                          else input.to(dtype, memory_format=torch.contiguous_format))

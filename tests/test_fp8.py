@@ -99,6 +99,16 @@ def test_every_family_trains_in_every_fp8_mode(model_config, mode, precision, ca
     assert f"float8       {mode}: {len(inputs.converted)} of " in summary and "emulated on the CPU" in summary
 
 
+def test_blocks_py_times_sdxl_in_rowwise_float8():
+    # bench/blocks.py converts with the same t2ibench.fp8: its UNet blocks, proj_in included, run too.
+    import blocks  # bench/blocks.py
+
+    result = blocks.main(["--model_config", "sdxl-tiny", "--precomputed", "--image_size", "64", "--global_batch", "2",
+                          "--microbatch", "2", "--gpus", "1", "--num_workers", "0", "--fp8", "rowwise", "--repeats",
+                          "1", "--warmup", "0", "--harness_batches", "2"])
+    assert result["fp8"] == "rowwise" and result["predicted"][0]["samples_per_sec_per_gpu"] > 0
+
+
 def test_layers_float8_cannot_multiply_stay_in_the_runs_precision():
     rows = memory.linear_rows_per_sample("flux1-tiny", 64, "text_states")
     model = memory.build_meta_model("flux1-tiny", precomputed=True)
