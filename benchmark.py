@@ -290,7 +290,8 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
                         LossByTimestep(settings.log_interval) if settings.loss_bins else None, None,
                         GradientNorm(clip_norm=settings.grad_clip_norm))
     if settings.profile_batches:
-        measured.profile = ProfileBatches(settings.warmup_batches, settings.profile_batches, settings.profile_dir, pauses)
+        measured.profile = ProfileBatches(settings.warmup_batches, settings.profile_batches, settings.profile_dir,
+                                          settings.batch_size, pauses)
     algorithms = []
     if settings.use_ema:
         from ema import EMA

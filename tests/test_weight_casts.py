@@ -339,7 +339,7 @@ def test_profile_writes_a_trace_and_leaves_the_window(tmp_path):
     trace = json.loads(Path(result["profile_trace"]).read_text())
     assert trace["traceEvents"]
     assert result["profile_batches"] == 2 and len(result["profile_top_ops"]) == 15
-    assert 0 < result["device_busy_fraction"] <= 1.05
+    assert 0 < result["device_busy_fraction"] <= 1
     assert result["warmup_batches"] == 3 and result["measured_batches"] == 2  # 1 warm-up + 2 profiled left out
     with pytest.raises(SystemExit) as exit_info:
         _run(tmp_path, "--batch_size", "4", "--max_duration", "3ba", "--profile_batches", "2")
