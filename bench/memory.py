@@ -120,9 +120,8 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
     AVX-512, `torch.ops.mkldnn._is_mkldnn_bf16_supported()` false) a bf16 convolution runs ATen's
     im2col kernel (aten::_slow_conv2d_forward), which unfolds its input into a temporary of
     in_channels x kernel area x output pixels per image (an aten::empty inside the op; 144 KB at
-    sdxl-tiny's peak). With `torch.backends.mkldnn` off neither exists. The count sees ops' outputs,
-    not their insides, so the op-level peak is what it predicts on any machine; on a GPU cuBLAS's
-    workspace is allocated once and kept."""
+    sdxl-tiny's peak). The count sees ops' outputs, not their insides, so the op-level peak is what
+    it predicts on any machine; on a GPU cuBLAS's workspace is allocated once and kept."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     family = family_of(model_config)
