@@ -223,8 +223,9 @@ def check_cpu(model_config: str, image_size: int, microbatch: int, activation_ch
                      "measured_op_peak_bytes": measured["op_peak_bytes"]})
     print(f"{model_config} at {image_size}x{image_size}, microbatch {microbatch}, "
           f"{'precomputed ' + text_format if text_format else 'online'}"
-          f"{', activation checkpointing' if activation_checkpointing else ''}, on this CPU: count (meta device) vs "
-          "the CPU allocator")
+          f"{', activation checkpointing' if activation_checkpointing else ''}, on this CPU "
+          f"({torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 "
+          f"{'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no'}): count (meta device) vs the CPU allocator")
     print(f"{'precision':<10} {'norms':<9} {'after forward: counted':>23} {'measured':>12} {'ratio':>7} "
           f"{'peak: counted':>15} {'measured':>12} {'ratio':>7} {'without kernel scratch':>23} {'ratio':>7}")
     for r in rows:
