@@ -3,14 +3,14 @@ from the run's settings before anything is built, and read by the rest of the ru
 """
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass, replace
 
 import torch
 from composer.utils import dist, reproducibility
 
-from t2ibench import memory
+from t2ibench import cpu_threads, memory
+from t2ibench.cpu_threads import CpuThreads
 from t2ibench.families import ModelFamily
 from t2ibench.parallel import resolve_mode
 from t2ibench.precision import resolve_precision
@@ -27,6 +27,7 @@ class Runtime:
     batch_size_per_device: int
     microbatch: int | str  # images per device per forward/backward, or Composer's "auto" search
     weight_casts: str  # "step": bf16 weight copies once per optimizer step (t2ibench.weight_casts); "microbatch"
+    cpu_threads: CpuThreads | None = None  # a CPU run's intra-op threads and why (None on a GPU)
 
     @property
     def is_rank_zero(self) -> bool:
@@ -34,14 +35,14 @@ class Runtime:
 
     @classmethod
     def start(cls, settings: Settings) -> Runtime:
-        """Set the process up (CUDA device per rank, threads per CPU rank, Composer's node signal files,
+        """Set the process up (CUDA device per rank, intra-op threads per CPU rank, Composer's node signal files,
         seeds) and decide the precision and the microbatch (`auto` on several GPUs: see
         `with_counted_microbatch`)."""
         world_size = dist.get_world_size()
         on_gpu = torch.cuda.is_available()
-        if not on_gpu and "OMP_NUM_THREADS" not in os.environ:
-            # Composer's launcher leaves every CPU rank using all cores: N ranks oversubscribe N-fold.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_local_world_size()))
+        # Composer's launcher leaves every CPU rank using all cores, and torch's default ignores the
+        # loader workers and other programs' load: see cpu_threads.choose.
+        threads = None if on_gpu else cpu_threads.choose(settings.num_workers, dist.get_local_world_size())
         if on_gpu:
             # Before anything touches CUDA: otherwise every rank creates a context on GPU 0.
             torch.cuda.set_device(dist.get_local_rank())
@@ -63,7 +64,7 @@ class Runtime:
         weight_casts = resolve_weight_casts(settings.weight_casts, on_gpu=on_gpu, precision=precision,
                                             world_size=world_size)
         return cls(world_size, on_gpu, precision, precision if on_gpu else "fp32", per_device, microbatch,
-                   weight_casts)
+                   weight_casts, threads)
 
     def with_counted_microbatch(self, settings: Settings, text_format: str | None) -> Runtime:
         """This runtime with `auto` on several GPUs replaced by `safe_auto_microbatch`'s count; call it
