@@ -58,8 +58,8 @@ def busy_ticks(cpus: set[int]) -> tuple[int, int] | None:
     except OSError:
         return None
     for line in lines:
-        name, *fields = line.split()
-        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+        name, *fields = line.split() or [""]
+        if not name[3:].isdigit() or not name.startswith("cpu") or int(name[3:]) not in cpus:
             continue
         user, nice, system, idle, iowait, irq, softirq, steal = (int(f) for f in fields[:8])
         busy += user + nice + system + irq + softirq + steal
