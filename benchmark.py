@@ -409,6 +409,8 @@ def train(settings: Settings, run: Runtime, trainer: Trainer, built: Model, meas
         "activation_checkpointing": run.activation_checkpointing,
         "activation_checkpointing_reason": run.activation_checkpointing_reason,
         "weight_casts": run.weight_casts,
+        "cpu_threads": run.cpu_threads.threads if run.cpu_threads else None,
+        "cpu_threads_rule": run.cpu_threads.rule if run.cpu_threads else None,
         **(measured.profile.summary if measured.profile else {}),
         "fp8": settings.fp8,
         "fp8_conversion": built.float8.summary() if built.float8 else None,

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 import sys
 import time
@@ -57,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project root: run as python bench/NAME.py
 
 from bench_gpu import GLOBAL_BATCH, MLPERF_FLUX_GLOBAL_BATCH  # noqa: E402
-from t2ibench import checks, errors, flags, fp8, memory, precomputed  # noqa: E402
+from t2ibench import checks, cpu_threads, errors, flags, fp8, memory, precomputed  # noqa: E402
 from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED, Parser  # noqa: E402
 from t2ibench.errors import fail  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
@@ -550,8 +549,8 @@ def report(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     with errors.command("blocks.py"):
         args = validate(build_parser().parse_args(argv))
-        if args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(os.cpu_count() or 1)  # as benchmark.py's one CPU rank runs (runtime.Runtime)
+        if args.device == "cpu":
+            cpu_threads.choose(args.num_workers, 1)  # as benchmark.py's one CPU rank runs (runtime.Runtime)
         torch.manual_seed(args.seed)
         measured = {}
         for sharded in sorted({mode_for(args, gpus) != "none" for gpus in args.gpus}):

@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
@@ -89,6 +90,18 @@ def real_batch(family: ModelFamily, model_config: str, image_size: int, microbat
     return batch
 
 
+class CountedOps(TorchDispatchMode):
+    """Marks every op the memory count sees with a profiler scope (`SCOPE`): a dispatch mode, as the
+    count's `LiveBytes` is, so it sees the same ops (those reaching the tensors' backend, below
+    autograd and autocast); the ATen ops a kernel calls inside itself run within the scope."""
+
+    SCOPE = "counted op"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        with torch.profiler.record_function(self.SCOPE):
+            return func(*args, **(kwargs or {}))
+
+
 def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precision: str = "fp32",
                      norm_precision: str = "autocast", seed: int = 0, activation_checkpointing: bool = False,
                      text_format: str | None = None, weight_casts: str = "microbatch") -> dict[str, int]:
@@ -102,12 +115,18 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
     text states).
 
     Kernel scratch is memory an op allocates and frees itself, inside its kernel; `op_peak_bytes`
-    leaves it out. The largest here is oneDNN's bf16 GEMM under CPU autocast (aten::addmm), whose
-    scratchpad grows with the thread count and changed with the oneDNN release: at the peak of
-    flux1-tiny with checkpointing, 62 KB on 1 thread and 124 KB on 2 with torch 2.7.0, 112 KB and
-    223 KB with torch 2.14.1; with `torch.backends.mkldnn` off it is gone and the allocator's peak
-    equals the op-level one. The count sees ops' outputs, not their insides, so the op-level peak is
-    what it predicts on any machine; on a GPU cuBLAS's workspace is allocated once and kept."""
+    leaves it out. "An op" is one the count sees: every op dispatched to the tensors' backend, marked
+    here by `CountedOps` (a dispatch mode at the count's own level), so whatever a kernel allocates
+    and frees before it returns, directly or through the ATen ops it calls inside, is scratch.
+    Which kernel runs, and so its scratch, is the machine's: oneDNN's bf16 GEMM under CPU autocast
+    (aten::addmm) keeps a scratchpad that grows with the thread count and changed with the oneDNN
+    release (at the peak of flux1-tiny with checkpointing, 62 KB on 1 thread and 124 KB on 2 with
+    torch 2.7.0, 112 KB and 223 KB with torch 2.14.1); where oneDNN has no bf16 (a CPU without
+    AVX-512, `torch.ops.mkldnn._is_mkldnn_bf16_supported()` false) a bf16 convolution runs ATen's
+    im2col kernel (aten::_slow_conv2d_forward), which unfolds its input into a temporary of
+    in_channels x kernel area x output pixels per image (an aten::empty inside the op; 144 KB at
+    sdxl-tiny's peak). The count sees ops' outputs, not their insides, so the op-level peak is what
+    it predicts on any machine; on a GPU cuBLAS's workspace is allocated once and kept."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     family = family_of(model_config)
@@ -133,11 +152,12 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
     for p in trained:  # gradient accumulation's steady state, as counted
         p.grad = torch.zeros_like(p)
     batch = real_batch(family, model_config, image_size, microbatch, text_format)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, CountedOps():
         loss = model.loss(model(batch), batch)
         with record_function("backward starts"):
             loss.backward()
-    # (time, bytes: negative for a free, allocator's running total, address, the op it happened in)
+    # (time, bytes: negative for a free, allocator's running total, address, the counted op it
+    # happened in: 0 outside any)
     allocations: list[tuple[int, int, int, int, int]] = []
     backward_start, ops_seen = None, 0
 
@@ -149,10 +169,11 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
             return
         if node.name == "backward starts":
             backward_start = node.start_time_ns
-        ops_seen += 1
-        this_op = ops_seen
+        if node.name == CountedOps.SCOPE:
+            ops_seen += 1
+            op = ops_seen
         for child in node.children:
-            visit(child, this_op)
+            visit(child, op)
 
     for root in prof.profiler.kineto_results.experimental_event_tree():
         visit(root, 0)
@@ -160,7 +181,7 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
     before = allocations[0][2] - allocations[0][1]
     after_forward = [total for t, _, total, _, _ in allocations if t < backward_start][-1] - before
     peak = max(total for _, _, total, _, _ in allocations) - before
-    # Scratch: an allocation freed by the op that made it, both events directly inside that op.
+    # Scratch: an allocation freed inside the counted op that made it.
     allocated_in: dict[int, tuple[int, int]] = {}  # address -> (index, op)
     scratch: set[int] = set()
     for index, (_, nbytes, _, address, op) in enumerate(allocations):
@@ -211,8 +232,9 @@ def check_cpu(model_config: str, image_size: int, microbatch: int, activation_ch
                      "measured_op_peak_bytes": measured["op_peak_bytes"]})
     print(f"{model_config} at {image_size}x{image_size}, microbatch {microbatch}, "
           f"{'precomputed ' + text_format if text_format else 'online'}"
-          f"{', activation checkpointing' if activation_checkpointing else ''}, on this CPU: count (meta device) vs "
-          "the CPU allocator")
+          f"{', activation checkpointing' if activation_checkpointing else ''}, on this CPU "
+          f"({torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 "
+          f"{'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no'}): count (meta device) vs the CPU allocator")
     print(f"{'precision':<10} {'norms':<9} {'after forward: counted':>23} {'measured':>12} {'ratio':>7} "
           f"{'peak: counted':>15} {'measured':>12} {'ratio':>7} {'without kernel scratch':>23} {'ratio':>7}")
     for r in rows:

@@ -40,7 +40,8 @@ def print_summary(r: dict) -> None:
         f"{'on' if r['activation_checkpointing'] else 'off'}{checkpointing_why}, compile {'on' if r['compile'] else 'off'}, fused AdamW "
         f"{'on' if r['fused_adamw'] else 'off'}, norms {r['norm_precision'] or 'fp32'}"
         f"{', fp8 ' + r['fp8'] if r.get('fp8', 'off') != 'off' else ''}"
-        f"{', channels-last' if r['channels_last'] else ''}{', xFormers' if r['xformers'] else ''}\n"
+        f"{', channels-last' if r['channels_last'] else ''}{', xFormers' if r['xformers'] else ''}"
+        f"{cpu_threads(r)}\n"
         f"throughput   {r['images_per_sec']:.2f} images/s ({r['images_per_sec_per_device']:.2f} per device) "
         f"over {r['measured_batches']} batches after {r['warmup_batches']} warm-up\n"
         f"MFU          {mfu} at {r['flops_per_image'] / 1e9:.1f} GFLOP/image{trained}\n"
@@ -64,3 +65,9 @@ def print_summary(r: dict) -> None:
         + format_profile(r),
         flush=True,
     )
+
+
+def cpu_threads(r: dict) -> str:
+    """The set-up line's words on a CPU run's intra-op threads (t2ibench.cpu_threads); results written
+    before they were recorded have none."""
+    return f", CPU threads {r['cpu_threads']} ({r['cpu_threads_rule']})" if r.get("cpu_threads") else ""
