@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from t2ibench import errors  # noqa: E402
-from t2ibench.cli import POSITIVE_INT, Parser  # noqa: E402
+from t2ibench.cli import POSITIVE_INT, REPEATS, Parser  # noqa: E402
 from t2ibench.errors import fail  # noqa: E402
 from t2ibench.locations import check_output, normalise  # noqa: E402
 
@@ -97,7 +97,7 @@ def make_shards(work: Path) -> Path:
 def main(argv: list[str] | None = None) -> dict:
     p = Parser("cpu_speed.py", description=__doc__)
     p.add_argument("--batches", type=POSITIVE_INT, default=1500, help="training batches per run")
-    p.add_argument("--repeats", type=POSITIVE_INT, default=1, help="runs per setting, alternated")
+    p.add_argument("--repeats", type=REPEATS, default=1, help="runs per setting, alternated")
     p.add_argument("--window", type=POSITIVE_INT, default=100, help="batches per reported window")
     p.add_argument("--settings", nargs="+", default=["default"],
                    choices=[f"{o}{f}" for o in OPTIMIZERS for f in ("", "-ftz")], help="see above")
