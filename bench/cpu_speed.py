@@ -94,7 +94,7 @@ def make_shards(work: Path) -> Path:
     return work / "mds"
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> Parser:
     p = Parser("cpu_speed.py", description=__doc__)
     p.add_argument("--batches", type=POSITIVE_INT, default=1500, help="training batches per run")
     p.add_argument("--repeats", type=REPEATS, default=1, help="runs per setting, alternated")
@@ -105,7 +105,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shards", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cache", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
     if args.child:
         child(args)
         return {}
