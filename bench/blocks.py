@@ -58,7 +58,6 @@ import dataclasses
 import functools
 import gc
 import json
-import math
 import statistics
 import sys
 import time
@@ -179,6 +178,8 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     fp8.check(parsed.fp8, precision)
     if parsed.precomputed_format and not parsed.precomputed:
         fail("--precomputed_format needs --precomputed")
+    if parsed.count_memory and parsed.compare_results_json:
+        fail("--count_memory times nothing: compare with --compare_results_json in a run without it")
     text_format = precomputed.batch_text_format(family, parsed.precomputed, parsed.precomputed_format)
     global_batch = parsed.global_batch or (MLPERF_FLUX_GLOBAL_BATCH if family.name == "flux" else GLOBAL_BATCH)
     for gpus in parsed.gpus:
@@ -248,12 +249,12 @@ def compared_run(args: argparse.Namespace) -> dict[str, Any]:
     if not isinstance(measured, dict):
         fail(f"{where}: not a benchmark.py results JSON (a {type(measured).__name__}, not an object)")
     rate = measured.get("images_per_sec_per_device")
-    if not is_number(rate) or not math.isfinite(rate) or rate <= 0:
+    if POSITIVE_FLOAT.problem(rate):
         fail(f"{where}: images_per_sec_per_device is {json.dumps(rate)}, not a finite positive number "
              "(a run that measured nothing, or not a benchmark.py results JSON)")
     world_size = measured.get("world_size")
-    if not is_count(world_size):
-        fail(f"{where}: world_size is {json.dumps(world_size)}, not a positive integer")
+    if GPU_COUNT.problem(world_size) or not isinstance(world_size, int):
+        fail(f"{where}: world_size is {json.dumps(world_size)}, not a device count ({GPU_COUNT.describe()})")
     if world_size not in args.gpus:
         fail(f"{where}: the run had {world_size} device(s), which --gpus {' '.join(map(str, args.gpus))} "
              f"does not predict; add {world_size} to --gpus")
@@ -272,40 +273,35 @@ def compared_run(args: argparse.Namespace) -> dict[str, Any]:
     return measured
 
 
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 def run_setup(args: argparse.Namespace, gpus: int) -> dict[str, tuple[Any, str]]:
     """Every setting of a benchmark.py results JSON that changes the step, as a run on `gpus` GPUs of
     this prediction's set-up writes it, with what to do when the compared run's differs."""
-    setup = args.setups[gpus]
-    same = "predict with the run's settings"
-    fixed = "blocks.py times the eager step without it: compare with a run without the flag"
+    def same(flag: str) -> str:
+        return f"predict with the run's setting ({flag})"
+
+    def eager(flag: str) -> str:
+        return f"blocks.py times the eager step: compare with a run without {flag}"
+
     amp = args.precision in ("amp_bf16", "amp_fp16")
     return {
-        "model_config": (args.model_config, f"{same} (--model_config)"),
-        "image_size": (args.image_size, f"{same} (--image_size)"),
-        "global_batch_size": (args.global_batch, f"{same} (--global_batch)"),
-        "device_train_microbatch_size": (args.microbatch, f"{same} (--microbatch)"),
-        "precision": (args.precision, f"{same} (--precision)"),
-        "norm_precision": (args.norm_precision if amp else None, f"{same} (--norm_precision)"),
-        "precomputed": (args.precomputed, f"{same} (--precomputed)"),
-        "precomputed_format": (args.text_format, f"{same} (--precomputed_format)"),
-        "use_ema": (args.use_ema, f"{same} (--use_ema)"),
-        "activation_checkpointing": (args.activation_checkpointing, f"{same} (--activation_checkpointing)"),
-        "weight_casts": (setup.weight_casts, f"{same} (--weight_casts)"),
-        "fp8": (args.fp8, f"{same} (--fp8)"),
-        "fsdp": (mode_for(args, gpus), f"{same} (--fsdp)"),
-        "fused_adamw": (args.device == "cuda", "blocks.py times AdamW as benchmark.py's default runs it "
-                                                "(fused on a GPU): compare with a run of --fused_adamw auto"),
-        "compile": (False, fixed.replace("the flag", "--compile")),
-        "channels_last": (False, fixed.replace("the flag", "--channels_last")),
-        "xformers": (False, fixed.replace("the flag", "--xformers")),
+        "model_config": (args.model_config, same("--model_config")),
+        "image_size": (args.image_size, same("--image_size")),
+        "global_batch_size": (args.global_batch, same("--global_batch")),
+        "device_train_microbatch_size": (args.microbatch, same("--microbatch")),
+        "precision": (args.precision, same("--precision")),
+        "norm_precision": (args.norm_precision if amp else None, same("--norm_precision")),
+        "precomputed": (args.precomputed, same("--precomputed")),
+        "precomputed_format": (args.text_format, same("--precomputed_format")),
+        "use_ema": (args.use_ema, same("--use_ema")),
+        "activation_checkpointing": (args.activation_checkpointing, same("--activation_checkpointing")),
+        "weight_casts": (args.setups[gpus].weight_casts, same("--weight_casts")),
+        "fp8": (args.fp8, same("--fp8")),
+        "fsdp": (mode_for(args, gpus), same("--fsdp")),
+        "fused_adamw": (args.device == "cuda", "blocks.py times AdamW as benchmark.py's default runs it (fused on "
+                                               "a GPU): compare with a run of --fused_adamw auto"),
+        "compile": (False, eager("--compile")),
+        "channels_last": (False, eager("--channels_last")),
+        "xformers": (False, eager("--xformers")),
         # The harness loads synthetic batches: a run's own data adds its loader's cost.
         "data": ("synthetic", "blocks.py's harness loads synthetic batches: compare with a --use_synth_data run"),
     }

@@ -135,7 +135,7 @@ OTHER_SET_UPS = [
     ({"channels_last": True}, "--channels_last"), ({"xformers": True}, "--xformers"),
     ({"fused_adamw": True}, "fused_adamw"), ({"data": "/data/mds"}, "--use_synth_data"),
     ({"weight_casts": None}, "it has no weight_casts"),
-    ({"world_size": 4}, "add 4 to --gpus"), ({"world_size": "1"}, "world_size is \"1\", not a positive integer"),
+    ({"world_size": 4}, "add 4 to --gpus"), ({"world_size": "1"}, "world_size is \"1\", not a device count"),
     ({"world_size": True}, "world_size is true"), ({"world_size": 1.0}, "world_size is 1.0"),
     ({"device": "NVIDIA H100 80GB HBM3"}, "the run's device is \"NVIDIA H100 80GB HBM3\""),
     ({"images_per_sec_per_device": 0}, "images_per_sec_per_device is 0, not a finite positive number"),
@@ -179,6 +179,7 @@ def test_a_file_that_is_no_results_json_is_refused_in_one_line(tmp_path, content
     (["--repeats", "1000000000"], "--repeats 1000000000 must be an integer from 1 to 1000"),
     (["--gpus", "1", "8", "--weight_casts", "step", "--precision", "amp_bf16"], "--weight_casts step runs on a single"),
     (["--num_workers", "100000"], "worker processes per CPU core"),
+    (["--count_memory", "--compare_results_json", "run.json"], "--count_memory times nothing"),
 ])
 def test_numbers_it_cannot_run_are_refused_naming_the_flags_given(argv, expect):
     message = error_of(blocks.main, SETTINGS + argv, prog="blocks.py")
