@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the project root
 sys.path.insert(0, str(ROOT))
 
 from t2ibench.fp8 import FP8_MODES, MIN_CAPABILITY  # noqa: E402
-from t2ibench.cli import GPU_COUNT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser  # noqa: E402
+from t2ibench.cli import GPU_COUNT, GPU_MEMORY_GIB, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser  # noqa: E402
 from t2ibench.locations import check_output  # noqa: E402
 from t2ibench.precomputed import TEXT_STATES, batch_text_format  # noqa: E402
 
@@ -411,7 +411,7 @@ def build_parser() -> Parser:
     p = Parser("bench_gpu.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="results folder (JSON per setting, logs, table)")
     p.add_argument("--gpus", type=GPU_COUNT, default=None, help="GPUs per setting (default: all visible)")
-    p.add_argument("--gpu_memory_gib", type=POSITIVE_FLOAT, default=None,
+    p.add_argument("--gpu_memory_gib", type=GPU_MEMORY_GIB, default=None,
                    help="memory of one GPU in GiB for the microbatches (default: the visible GPU's, as torch "
                         "reports it; an 80 GB A100/H100 reports 79.1)")
     p.add_argument("--peak_tflops", type=POSITIVE_FLOAT, default=None,

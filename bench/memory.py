@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
 from t2ibench import flags, memory  # noqa: E402
-from t2ibench.cli import GPU_COUNT, IMAGE_SIZE, POSITIVE_FLOAT, POSITIVE_INT, Parser  # noqa: E402
+from t2ibench.cli import BATCH_SIZE, GPU_COUNT, GPU_MEMORY_GIB, IMAGE_SIZE, Parser  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of  # noqa: E402
 from t2ibench.fp8 import FP8_MODES  # noqa: E402
 from t2ibench.gpu_setup import choose_setup, from_flag  # noqa: E402
@@ -269,7 +269,7 @@ def build_parser() -> Parser:
     p.add_argument("--model_config", default="sd2-base", help=f"one of {sorted(MODEL_CONFIGS)}")
     p.add_argument("--image_size", type=IMAGE_SIZE, default=None,
                    help="training resolution in pixels (default: the family's, 512 for SD2, 1024 for SDXL)")
-    p.add_argument("--gpu_memory_gib", type=POSITIVE_FLOAT, default=memory.GPU_MEMORY_GIB["H100 80GB"],
+    p.add_argument("--gpu_memory_gib", type=GPU_MEMORY_GIB, default=memory.GPU_MEMORY_GIB["H100 80GB"],
                    help="memory of one GPU in GiB, as torch.cuda.get_device_properties(0).total_memory / 2**30 "
                         "(an 80 GB A100 or H100 reports 79.1)")
     p.add_argument("--precomputed", action="store_true", help="train from precomputed latents (no VAE)")
@@ -292,14 +292,14 @@ def build_parser() -> Parser:
                         "default (step on one GPU under amp_bf16 without FSDP)")
     p.add_argument("--fp8", default="off", choices=FP8_MODES,
                    help="the denoiser's Linear layers in float8 as benchmark.py's --fp8 converts them")
-    p.add_argument("--per_device_batch", type=POSITIVE_INT, default=None,
+    p.add_argument("--per_device_batch", type=BATCH_SIZE, default=None,
                    help="images per GPU per step: the microbatch must divide it (benchmark.py's auto)")
     p.add_argument("--json", action="store_true", help="end with the figures as one JSON object on one line")
     p.add_argument("--table", action="store_true", help="print the README's microbatch table instead")
     p.add_argument("--check_cpu", action="store_true",
                    help="compare the count with a real CPU step (--model_config, --image_size, --microbatch, "
                         "the data path and --activation_checkpointing)")
-    p.add_argument("--microbatch", type=POSITIVE_INT, default=2, help="with --check_cpu: images in the real CPU step")
+    p.add_argument("--microbatch", type=BATCH_SIZE, default=2, help="with --check_cpu: images in the real CPU step")
     return p
 
 
