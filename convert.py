@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Iterator
 
 from PIL import Image, ImageOps
-from streaming import MDSWriter
 from tqdm import tqdm
 
 from t2ibench import errors
@@ -41,7 +40,7 @@ from t2ibench.images import load_image, to_rgb
 from t2ibench.locations import (check_output, is_remote, missing_upload_credentials, normalise, scheme,
                                 upload_schemes)
 from t2ibench.files import Hold, acquire
-from t2ibench.mds import INDEX_FILE, SHARD_NAME, codec_problem, missing_shard_files, size_limit_problem
+from t2ibench.mds import INDEX_FILE, SHARD_NAME, MDSWriter, codec_problem, missing_shard_files, size_limit_problem
 
 COLUMNS = {"jpg": "bytes", "caption": "str", "key": "str"}  # the output's: what data.StreamingImageCaptions reads
 

@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 import torch
 from composer.utils import dist, reproducibility
-from streaming import MDSWriter
 from torch.utils.data import DataLoader, Dataset
 
 import data
@@ -44,7 +43,7 @@ from t2ibench.images import GEOMETRY_KEYS, ImageGeometry
 from t2ibench.latent_encoding import Encoded, Stats, encode
 from t2ibench.latent_store import (check_settings, chunk_name, chunk_writer, clear_output, completed_chunks, join,
                                    read_json, write_json)
-from t2ibench.mds import INDEX_FILE, codec_problem, size_limit_problem
+from t2ibench.mds import INDEX_FILE, MDSWriter, codec_problem, size_limit_problem
 from t2ibench.precomputed import (RECORD_FILE, STORAGE_DTYPES, TEXT_STATES, default_format, TOKEN_IDS_DTYPE, TOKENS, mds_columns,
                                   token_column)
 from t2ibench.scale import SAMPLES as SAMPLES_AT_SCALE

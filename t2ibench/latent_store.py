@@ -11,12 +11,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from streaming import MDSWriter
 
 from t2ibench.errors import fail
 from t2ibench.files import write_text
 from t2ibench.locations import is_remote
-from t2ibench.mds import INDEX_FILE, SHARD_NAME
+from t2ibench.mds import INDEX_FILE, SHARD_NAME, MDSWriter
 from t2ibench.precomputed import RECORD_FILE
 
 
