@@ -19,7 +19,7 @@ from composer.core import Time
 from composer.utils import dist
 
 from t2ibench import fp8
-from t2ibench.checkpoints import resume_from, resume_point
+from t2ibench.checkpoints import LATEST, gone_latest, resume_from, resume_point
 from t2ibench.cli import check_workers
 from t2ibench.data_checks import check_data, check_evaluation
 from t2ibench.errors import fail
@@ -112,10 +112,15 @@ def check_run(settings: Settings, world_size: int) -> int | str:
     if settings.autoresume and not (settings.save_folder and settings.run_name):
         fail("--autoresume needs --save_folder and --run_name (the same on every restart) to find the latest checkpoint")
     if settings.autoresume and not is_remote(settings.save_folder) and Path(settings.save_folder).is_dir():
+        gone = gone_latest(settings.save_folder)
+        if gone is not None:
+            fail(f"--autoresume: {Path(settings.save_folder, LATEST)} points at {gone}, which is gone (moved or "
+                 "deleted), and the run would start over from batch 0: put that checkpoint back, or delete the link "
+                 "to start over")
         # Composer replaces `latest` by delete-then-link: a kill in between leaves checkpoints but no
         # `latest`, and autoresume would silently start over and overwrite them.
         saved = sorted(Path(settings.save_folder).glob("ep*-ba*-rank0.pt"), key=lambda p: p.stat().st_mtime)
-        if saved and not (Path(settings.save_folder) / "latest-rank0.pt").exists():
+        if saved and not Path(settings.save_folder, LATEST).exists():
             fail(f"--autoresume: {settings.save_folder} holds checkpoints but no latest-rank0.pt; "
                  f"resume explicitly with --load_path {saved[-1]} (or move the old checkpoints away)")
         check_latest_checkpoint(settings.save_folder)

@@ -279,6 +279,27 @@ def test_autoresume_from_a_truncated_latest_checkpoint_resumes_from_the_one_befo
     assert (run / "latest-rank0.pt").resolve().name == "ep0-ba3-rank0.pt"
 
 
+def test_autoresume_with_latest_pointing_at_a_checkpoint_that_is_gone_stops_in_one_line(tmp_path):
+    """A latest-rank0.pt whose checkpoint was moved or deleted is not "no checkpoint yet": Composer would
+    train from batch 0 and replace the link. Refused before anything is built, the link left as it was."""
+    run = tmp_path / "run"
+    argv = [*SYNTH, "--save_folder", str(run), "--save_interval", "1ba", "--autoresume", "--run_name", "gone"]
+    benchmark.main(argv)
+    link = run / "latest-rank0.pt"
+    assert os.readlink(link) == "ep0-ba2-rank0.pt"
+    # Moved away, with an older checkpoint still beside the link.
+    (run / "ep0-ba2-rank0.pt").rename(tmp_path / "elsewhere.pt")
+    message = error_of(benchmark.main, [*argv, "--max_duration", "3ba"], "benchmark.py")
+    assert f"--autoresume: {link} points at ep0-ba2-rank0.pt, which is gone (moved or deleted)" in message
+    # Every checkpoint deleted, through the command line's entry: SystemExit with the line as its code
+    # (Python prints it and exits with status 1, as for every user error).
+    (run / "ep0-ba1-rank0.pt").unlink()
+    with pytest.raises(SystemExit) as stopped:
+        benchmark.cli([*argv, "--max_duration", "3ba"])
+    assert stopped.value.code == message
+    assert os.readlink(link) == "ep0-ba2-rank0.pt" and sorted(p.name for p in run.iterdir()) == ["latest-rank0.pt"]
+
+
 # -----------------------------------------------------------------------------------------------
 # 3. A dataset re-converted in place at its --remote: the old cached copy is refused, not trained on.
 # -----------------------------------------------------------------------------------------------
