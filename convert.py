@@ -160,10 +160,17 @@ def prepare_output(out: str, overwrite: bool, created: bool | None = None) -> Ou
         raise ConvertError(f"--out {out} is a file, not a folder")
     staging = path / STAGING
     if staging.is_dir():  # left by a conversion that was killed: ours, unless something else is in it
-        foreign = sorted(set(os.listdir(staging)) - _dataset_files(staging))
+        staged = _dataset_files(staging)
+        foreign = sorted(set(os.listdir(staging)) - staged)
         if foreign:
             raise ConvertError(f"--out {out}: {staging} holds files convert.py did not write ({foreign[0]}...): "
                                "move them away or choose another --out")
+        # Killed while publishing (publish moves index.json last, after removing the old one): the
+        # shards of its index already in --out are that conversion's too.
+        if (staging / INDEX_FILE).is_file() and not (path / INDEX_FILE).exists():
+            for name in sorted(staged & set(os.listdir(path)) - {INDEX_FILE}):
+                if (path / name).is_file():
+                    (path / name).unlink()
         shutil.rmtree(staging)
     created = not path.exists() if created is None else created  # the hold may have made the folder
     entries = set(os.listdir(path)) if path.is_dir() else set()

@@ -36,7 +36,7 @@ from t2ibench import errors, flags
 from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_INT, SECONDS
 from t2ibench.errors import UserError, fail
 from t2ibench.families import ModelFamily, require_pretrained
-from t2ibench.files import hold_output
+from t2ibench.files import hold_output, take_over
 from t2ibench.locations import is_remote, missing_upload_credentials, normalise, overlap, \
     unwritable, upload_schemes
 from t2ibench.images import GEOMETRY_KEYS, ImageGeometry
@@ -112,6 +112,8 @@ def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int, held: c
     """Rank 0: hold --out until `held` closes (a second latents.py into it is refused; see main), check it,
     record the settings there, and return the chunks still to do."""
     held.enter_context(hold_output("--out", args.out))  # no hold for an object-store --out
+    if not is_remote(args.out):
+        take_over(args.out, files=(RECORD_FILE,))  # the record's temporary, left by a latents.py that was killed
     if args.overwrite and not is_remote(args.out):
         clear_output(args.out)
     existing = read_json(args.out, RECORD_FILE)

@@ -23,6 +23,7 @@ from t2ibench.checkpoints import LATEST, gone_latest, resume_from, resume_point
 from t2ibench.cli import check_workers
 from t2ibench.data_checks import check_data, check_evaluation
 from t2ibench.errors import fail
+from t2ibench.files import killed_writer_leftovers
 from t2ibench.flags import shared_values
 from t2ibench.locations import CHECKPOINT_SCHEMES, LOAD_SCHEMES, check_output, check_outputs_apart, is_remote, normalise
 from t2ibench.parallel import resolve_mode
@@ -376,11 +377,13 @@ def check_recipe(settings: Settings) -> tuple[str, str | None]:
             fail(f"--sample_steps {settings.sample_steps} must be positive")
     if settings.samples_dir and not settings.sample_prompts:
         fail("--samples_dir needs --sample_prompts (a prompt file or a built-in set: default, shapes)")
-    if settings.ema_export_dir and Path(settings.ema_export_dir).is_dir() and any(Path(settings.ema_export_dir).iterdir()):
-        entries = {p.name for p in Path(settings.ema_export_dir).iterdir()}
+    export_dir = settings.ema_export_dir
+    if export_dir and Path(export_dir).is_dir():
+        # What a killed export left (a preempted job) is taken over when the pipeline is written (staged_folder).
+        entries = set(os.listdir(export_dir)) - killed_writer_leftovers(export_dir)
         # A resumed or retried job finds the pipeline it exported before: that one it may rewrite.
         own_export = entries <= {"model_index.json", *family.pipeline_parts} and (settings.autoresume or settings.load_path)
-        if not own_export:
+        if entries and not own_export:
             fail(f"--ema_export_dir {settings.ema_export_dir} is not empty; choose a new folder (nothing is overwritten)")
     return sampler, precomputed_format
 
