@@ -53,6 +53,18 @@ def is_complete(path: Path) -> bool:
         return False
 
 
+def gone_latest(save_folder: str | os.PathLike) -> str | None:
+    """Where `latest-rank0.pt` points when that is gone (the checkpoint was moved or deleted: the link
+    dangles), else None. Composer's autoresume tests the link with os.path.exists, which follows it,
+    so a dangling one reads as no checkpoint yet: the run starts at batch 0 and replaces the link. Only
+    a local folder has such links (an object store keeps `latest` as a `.symlink` object), and only
+    rank 0's is read, on every rank."""
+    latest = Path(save_folder, LATEST)
+    if latest.is_symlink() and not latest.exists():
+        return os.readlink(latest)
+    return None
+
+
 def resume_point(save_folder: str | os.PathLike) -> tuple[Path, Path] | None:
     """(the latest checkpoint, the newest complete one before it) when `latest-rank0.pt` points at an
     incomplete `.pt` checkpoint (the second is None when there is none); None when there is nothing to
