@@ -21,6 +21,10 @@ from t2ibench.precomputed import TEXT_STATES, batch_text_format
 # 6.9e9; this is their mean. About 17-21 us at the 350-430 TFLOP/s those steps reach when launches
 # are amortised: a fixed cost per microbatch that only a larger microbatch spreads.
 LAUNCH_COST_FLOPS = 7.2e9
+# Checkpointing is taken only when predicted at least this much faster: the two fits above differ
+# by 6% and each measured rate by up to 5%, so a smaller predicted gain is one the data cannot tell
+# from none, and the plain step (less compute, the usual set-up) stays.
+MIN_CHECKPOINTING_GAIN = 1.10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +99,11 @@ def choose_setup(model_config: str, image_size: int, gpu_memory_bytes: float, pe
     `activation_checkpointing` "on" or "off": as given, at `microbatch` or else the largest that fits.
     "auto" with a `microbatch`: on only when that microbatch does not fit without it. "auto" without
     one: the largest fitting microbatch without checkpointing and the largest with it (powers of two
-    dividing `per_device_batch`; None: any), the one with the lower predicted cost per image. Off,
-    without counting the checkpointed step, when the plain step's launches cost less than the forward
-    checkpointing recomputes (it saves launches only), or when it fits no larger microbatch; on when
-    nothing fits without it. A microbatch of 1 when nothing fits at all (the run's own OOM then says so)."""
+    dividing `per_device_batch`; None: any): checkpointing when its predicted cost per image is
+    MIN_CHECKPOINTING_GAIN times lower, else none. Off without counting the checkpointed step when
+    even its arithmetic alone would not be that much lower, or when it fits no larger microbatch; on
+    when nothing fits without it. A microbatch of 1 when nothing fits at all (the run's own OOM then
+    says so)."""
     text_format = batch_text_format(family_of(model_config), precomputed, precomputed_format)
     options = dict(precision=precision, norm_precision=norm_precision, precomputed=precomputed,
                    precomputed_format=text_format, use_ema=use_ema, fsdp=fsdp, num_gpus=num_gpus,
@@ -128,24 +133,32 @@ def choose_setup(model_config: str, image_size: int, gpu_memory_bytes: float, pe
     # Without a batch, the step's once-per-step launches are spread over the largest microbatch counted.
     batch = per_device_batch or memory.MAX_MICROBATCH
     plain_step = _weighed(model_config, image_size, batch, plain, False, options)
-    recomputed = _flops(model_config, image_size, precomputed, text_format)["denoiser_fwd"]
-    if plain_step.kernels_per_image * LAUNCH_COST_FLOPS <= recomputed:
-        # Checkpointing saves launches only; with all of them saved it would still recompute more.
-        return done(False, f"auto: microbatch {without} without it; its {plain_step.kernels_per_image:,.0f} launches "
-                           f"per image cost less than the forward it would recompute "
-                           f"({plain_step.kernels_per_image * LAUNCH_COST_FLOPS / 1e12:.2f} against "
-                           f"{recomputed / 1e12:.2f} TFLOP per image)", (plain_step,))
+    flops = _flops(model_config, image_size, precomputed, text_format)
+    # Checkpointing saves launches only: with none left, its arithmetic alone (the forward recomputed)
+    # must still be MIN_CHECKPOINTING_GAIN times cheaper than the plain step.
+    floor = flops["total"] + flops["denoiser_fwd"]
+    if plain_step.cost_flops_per_image < MIN_CHECKPOINTING_GAIN * floor:
+        return done(False, f"auto: microbatch {without} without it; with its {plain_step.kernels_per_image:,.0f} "
+                           f"launches per image it costs {plain_step.cost_flops_per_image / 1e12:.2f} TFLOP per image, "
+                           f"under {MIN_CHECKPOINTING_GAIN:.2f}x the {floor / 1e12:.2f} of checkpointing's arithmetic",
+                    (plain_step,))
     checkpointed = planned(True)
     if checkpointed["microbatch"] <= without:
         return done(False, f"auto: it fits no larger microbatch than {without}", (plain_step,))
     candidates = (plain_step, _weighed(model_config, image_size, batch, checkpointed, True, options))
-    slow, fast = sorted(candidates, key=lambda c: c.cost_flops_per_image, reverse=True)
-    ratio = slow.cost_flops_per_image / fast.cost_flops_per_image
-    reason = (f"auto: microbatch {fast.microbatch} {'with' if fast.activation_checkpointing else 'without'} it, "
-              f"{fast.kernels_per_image:,.0f} launches per image, is predicted {ratio:.2f}x the images/s of "
-              f"{slow.microbatch} {'with' if slow.activation_checkpointing else 'without'}, "
-              f"{slow.kernels_per_image:,.0f} launches per image")
-    return done(fast.activation_checkpointing, reason, candidates)
+    plain_step, checkpointed_step = candidates
+    gain = plain_step.cost_flops_per_image / checkpointed_step.cost_flops_per_image
+    launches = (f"{checkpointed_step.kernels_per_image:,.0f} against {plain_step.kernels_per_image:,.0f} launches "
+                "per image")
+    if gain >= MIN_CHECKPOINTING_GAIN:
+        return done(True, f"auto: microbatch {checkpointed_step.microbatch} with it is predicted {gain:.2f}x the "
+                          f"images/s of {without} without ({launches})", candidates)
+    if gain > 1:
+        return done(False, f"auto: microbatch {checkpointed_step.microbatch} with it is predicted only {gain:.2f}x the "
+                           f"images/s of {without} without ({launches}), under the "
+                           f"{MIN_CHECKPOINTING_GAIN:.2f}x it must gain", candidates)
+    return done(False, f"auto: microbatch {without} without it is predicted {1 / gain:.2f}x the images/s of "
+                       f"{checkpointed_step.microbatch} with ({launches})", candidates)
 
 
 def _weighed(model_config: str, image_size: int, per_device_batch: int, plan: dict[str, Any], checkpointing: bool,
