@@ -138,9 +138,9 @@ def choose_setup(model_config: str, image_size: int, gpu_memory_bytes: float, pe
     # must still be MIN_CHECKPOINTING_GAIN times cheaper than the plain step.
     floor = flops["total"] + flops["denoiser_fwd"]
     if plain_step.cost_flops_per_image < MIN_CHECKPOINTING_GAIN * floor:
-        return done(False, f"auto: microbatch {without} without it; with its {plain_step.kernels_per_image:,.0f} "
-                           f"launches per image it costs {plain_step.cost_flops_per_image / 1e12:.2f} TFLOP per image, "
-                           f"under {MIN_CHECKPOINTING_GAIN:.2f}x the {floor / 1e12:.2f} of checkpointing's arithmetic",
+        return done(False, f"auto: microbatch {without} without it: {plain_step.cost_flops_per_image / 1e12:.2f} "
+                           f"TFLOP per image with its {plain_step.kernels_per_image:,.0f} launches, under "
+                           f"{MIN_CHECKPOINTING_GAIN:.2f}x the {floor / 1e12:.2f} of checkpointing's arithmetic alone",
                     (plain_step,))
     checkpointed = planned(True)
     if checkpointed["microbatch"] <= without:

@@ -239,7 +239,7 @@ def test_auto_microbatch_divides_the_per_device_batch_and_grows_with_memory():
 def _run_args(**overrides) -> argparse.Namespace:
     """benchmark.py's flags as safe_auto_microbatch reads them (after t2ibench.checks resolved them)."""
     flags = dict(model_config="tiny", image_size=64, batch_size=8 * 1024, norm_precision="autocast",
-                 precomputed=False, use_ema=True, fsdp="none", activation_checkpointing=False, fp8="off")
+                 precomputed=False, use_ema=True, fsdp="none", activation_checkpointing="off", fp8="off")
     return argparse.Namespace(**{**flags, **overrides})
 
 
@@ -252,7 +252,7 @@ def test_safe_auto_microbatch_is_the_count_for_the_runs_settings():
     assert 1 < micro < 1024
     # Each setting the run has is one the count sees: without the EMA, on stored text states and
     # with checkpointing more fits; Flux.1's `auto` resolves to full_shard as benchmark.py's does.
-    assert safe_auto_microbatch(family, _run_args(use_ema=False, precomputed=True, activation_checkpointing=True),
+    assert safe_auto_microbatch(family, _run_args(use_ema=False, precomputed=True, activation_checkpointing="on"),
                                 memory_bytes, 8, "amp_bf16", "text_states") > micro
     flux = _run_args(model_config="flux1-tiny", precomputed=True, fsdp="auto")
     assert safe_auto_microbatch(family_of("flux1-tiny"), flux, memory_bytes, 8, "amp_bf16", "text_states") == \
