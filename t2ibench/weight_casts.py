@@ -44,13 +44,13 @@ class CastWeightsOncePerStep(Algorithm):
     the fp32 weights' `.grad` with one multi-tensor copy after that backward (`after_backward`); from
     then on a post-accumulate-grad hook on each copy adds the new bf16 gradient into the fp32 one
     (one kernel, fp32 += bf16) and drops it. Per step that is the launches a bf16 sum took (one add
-    per tensor from the second microbatch on, one upcast), with the sum exact to fp32: summed in the
-    copies' bf16 `.grad`, a gradient of N microbatches kept 8 significant bits (0.4% off at N = 16,
-    30-60% too small at N = 1024). One microbatch per step is autocast's upcast of the same bf16
-    gradient, bit for bit. The hook, not a `_foreach_add_` after each backward, because the hook
-    frees each bf16 gradient as soon as backward makes it: no bf16 gradients accumulate beside the
-    fp32 ones during a backward (4 bytes per parameter then, not 6), and the mixed-dtype foreach
-    add would launch one kernel per tensor all the same."""
+    per tensor from the second microbatch on, one upcast), with the sum exact to fp32 (summed in the
+    copies' bf16 `.grad`, as before, it kept 8 significant bits: percents off from a few hundred
+    microbatches on, docs/speed.md). It is autocast's own sum of the same bf16 gradients, bit for
+    bit, with one microbatch per step or many (where every weight feeds a bf16 op). The hook, not a `_foreach_add_` after each backward:
+    the hook frees each bf16 gradient as soon as backward makes it, so no bf16 gradients accumulate
+    beside the fp32 ones during a backward (4 bytes per parameter then, not 6), and a mixed-dtype
+    foreach add launches one kernel per tensor all the same."""
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16):
         self.module, self.dtype = module, dtype
@@ -120,7 +120,7 @@ class CastWeightsOncePerStep(Algorithm):
         """Put the fp32 weights back, holding the step's gradients in fp32."""
         if not self._swapped:
             return
-        self.after_backward()  # a caller without Composer's AFTER_BACKWARD (tests, bench/memory.py)
+        self.after_backward()  # for a caller without Composer's AFTER_BACKWARD (a test's own loop)
         self._put(self.masters)
         self._swapped = False
 
