@@ -151,12 +151,15 @@ def records_of(prof: profile) -> list[Record]:
     return records
 
 
-def batches_to_train(state: State, global_batch_size: int) -> int:
-    """Batches the fit about to start trains: the whole run, less what a resumed checkpoint had done."""
+def batches_to_train(state: State, global_batch_size: int) -> int | None:
+    """Batches the fit about to start trains: the whole run, less what a resumed checkpoint had done
+    (None: a run in epochs of a loader of unknown length)."""
     done, duration = int(state.timestamp.batch), state.max_duration
     if duration.unit == TimeUnit.BATCH:
         total = int(duration.value)
     elif duration.unit == TimeUnit.EPOCH:
+        if state.dataloader_len is None:
+            return None
         total = int(duration.value) * int(state.dataloader_len)
     else:  # samples, rounded up to whole batches as Composer stops
         total = math.ceil(int(duration.value) / global_batch_size)
@@ -204,7 +207,7 @@ class ProfileBatches(Callback):
 
     def fit_start(self, state: State, logger: Logger) -> None:
         left = batches_to_train(state, self.global_batch_size)
-        if left <= 0 or profile_fits(self.first_batch, self.num_batches, left):
+        if left is None or left <= 0 or profile_fits(self.first_batch, self.num_batches, left):
             return
         done = int(state.timestamp.batch)
         reason = (f"this run resumes at batch {done} and trains {left} more, fewer than --warmup_batches "
