@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 from t2ibench.fp8 import FP8_MODES, MIN_CAPABILITY  # noqa: E402
 from t2ibench.cli import GPU_COUNT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser  # noqa: E402
+from t2ibench.files import write_text  # noqa: E402
 from t2ibench.locations import check_output  # noqa: E402
 from t2ibench.precomputed import TEXT_STATES, batch_text_format  # noqa: E402
 
@@ -199,34 +200,47 @@ class Row:
     plan: dict = field(default_factory=dict)
 
 
-def smoke_flags(setting: Setting, gpus: int) -> list[str]:
-    """--smoke's overrides: the family's tiny model, small images, no loader workers; DDP on one rank
+def smoke_setting(setting: Setting, gpus: int) -> Setting:
+    """The row as --smoke runs it: the family's tiny model at small images; DDP on one rank
     (benchmark.py refuses to shard over a single rank)."""
-    flags = ["--model_config", SMOKE_CONFIGS[setting.model_config], "--image_size", str(SMOKE_IMAGE_SIZE),
-             "--num_workers", "0"]
-    if setting.fsdp != "none" and gpus == 1:
-        flags += ["--fsdp", "none"]
+    return dataclasses.replace(setting, model_config=SMOKE_CONFIGS[setting.model_config], image_size=SMOKE_IMAGE_SIZE,
+                               fsdp="none" if gpus == 1 else setting.fsdp)
+
+
+def smoke_flags(setting: Setting, gpus: int) -> list[str]:
+    """--smoke's overrides (smoke_setting's), and no loader workers."""
+    tiny = smoke_setting(setting, gpus)
+    flags = ["--model_config", tiny.model_config, "--image_size", str(tiny.resolution), "--num_workers", "0"]
+    if tiny.fsdp != setting.fsdp:
+        flags += ["--fsdp", tiny.fsdp]
     return flags
+
+
+def memory_plan(setting: Setting, gpus: int, gpu_memory_bytes: float, on_gpu: bool = True) -> dict:
+    """The memory model's count of a row's step (t2ibench.memory.plan) with the row's own settings."""
+    from t2ibench import memory
+    from t2ibench.weight_casts import resolve_weight_casts
+
+    return memory.plan(setting.model_config, setting.resolution, gpu_memory_bytes,
+                       norm_precision=setting.norm_precision, precomputed=setting.precomputed,
+                       precomputed_format=setting.text_format, fsdp=setting.fsdp, num_gpus=gpus,
+                       activation_checkpointing=setting.activation_checkpointing, use_ema=setting.use_ema,
+                       weight_casts=resolve_weight_casts(setting.weight_casts, on_gpu=on_gpu, precision="amp_bf16",
+                                                         world_size=gpus),
+                       fp8=setting.fp8)
 
 
 def plan_row(name: str, setting: Setting, gpus: int, gpu_memory_bytes: float, out: Path, batches: int,
              warmup: int, smoke: bool, model_name: str) -> Row:
     """The row's microbatch (the memory model's largest for its settings) and its full command."""
     from t2ibench import memory
-    from t2ibench.weight_casts import resolve_weight_casts
 
     per_device = setting.global_batch // gpus
     plan = {}
     if smoke:
         microbatch, batch_size = SMOKE_MICROBATCH, gpus * 2 * SMOKE_MICROBATCH
     else:
-        plan = memory.plan(setting.model_config, setting.resolution, gpu_memory_bytes,
-                           norm_precision=setting.norm_precision, precomputed=setting.precomputed,
-                           precomputed_format=setting.text_format, fsdp=setting.fsdp, num_gpus=gpus,
-                           activation_checkpointing=setting.activation_checkpointing, use_ema=setting.use_ema,
-                           weight_casts=resolve_weight_casts(setting.weight_casts, on_gpu=True, precision="amp_bf16",
-                                                             world_size=gpus),
-                           fp8=setting.fp8)
+        plan = memory_plan(setting, gpus, gpu_memory_bytes)
         microbatch = max(1, min(plan["microbatch"], per_device) // setting.microbatch_divisor)
         # The row's global batch when the GPU count divides it; else the largest per-device multiple of
         # the microbatch below it.
@@ -311,10 +325,19 @@ def _end_group(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def run_row(row: Row, out: Path, timeout_s: int, env: dict) -> dict:
+def launch_env(setting: Setting, pretrained: bool) -> dict:
+    """The environment of a row's launch: without the pretrained parts, or for a row whose step runs
+    none, HF_HUB_OFFLINE=1, so that no rank tries the hub (the run builds random parts instead)."""
+    env = {**os.environ}
+    if not pretrained or not setting.needs_pretrained:
+        env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def run_row(row: Row, out: Path, timeout_s: float, env: dict, announce: bool = True) -> dict:
     start = time.time()
     log_path = out / "logs" / f"{row.name}.log"
-    log_path.write_text(shlex.join(row.command) + "\n")
+    write_text(log_path, shlex.join(row.command) + "\n")
     code = run_command(row.command, log_path, timeout_s, env)
     # The model as launched: the command's last --model_config and --image_size (--smoke's override them).
     flags = {row.command[i]: row.command[i + 1] for i in range(len(row.command) - 1) if row.command[i].startswith("--")}
@@ -325,9 +348,10 @@ def run_row(row: Row, out: Path, timeout_s: int, env: dict) -> dict:
         result.update(json.loads((out / f"{row.name}.json").read_text()))
         if row.plan:  # the prediction beside the measurement, in the JSON cost.py reads
             result["memory_model"] = row.plan
-            (out / f"{row.name}.json").write_text(json.dumps({**json.loads((out / f"{row.name}.json").read_text()),
-                                                             "memory_model": row.plan}, indent=2) + "\n")
-    print(f"{row.name}: {result['status']} in {result['wall_s']:.0f}s", flush=True)
+            write_text(out / f"{row.name}.json", json.dumps({**json.loads((out / f"{row.name}.json").read_text()),
+                                                            "memory_model": row.plan}, indent=2) + "\n")
+    if announce:
+        print(f"{row.name}: {result['status']} in {result['wall_s']:.0f}s", flush=True)
     return result
 
 
@@ -508,13 +532,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     (out / "logs").mkdir(parents=True, exist_ok=True)
     info = environment(gpus, args.smoke, argv)
-    (out / "environment.json").write_text(json.dumps(info, indent=2) + "\n")
+    write_text(out / "environment.json", json.dumps(info, indent=2) + "\n")
     results = []
     for row in rows:
-        env = {**os.environ}
-        if not pretrained or not row.setting.needs_pretrained:
-            env["HF_HUB_OFFLINE"] = "1"  # random encoders, or none in the step: no rank tries the hub
-        results.append(run_row(row, out, args.timeout_s, env))
+        results.append(run_row(row, out, args.timeout_s, launch_env(row.setting, pretrained)))
 
     versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
     header = (f"{gpus} x {info['device']}, {versions}, Python {info['python']}, {info['date_utc']}; "
@@ -524,7 +545,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"encoders' forward passes, trained-network MFU the denoiser's forward and backward only. Cost: "
               f"python cost.py {out}/<setting>.json")
     text = header + "\n\n" + table(results) + "\n"
-    (out / "table.md").write_text(text)
+    write_text(out / "table.md", text)
     print("\n" + text)
     return results
 
