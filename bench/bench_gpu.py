@@ -201,10 +201,10 @@ class Row:
 
 
 def smoke_setting(setting: Setting, gpus: int) -> Setting:
-    """The row as --smoke runs it: the family's tiny model at small images; DDP on one rank
-    (benchmark.py refuses to shard over a single rank)."""
+    """The row as --smoke runs it: the family's tiny model at small images, two microbatches per rank; DDP
+    on one rank (benchmark.py refuses to shard over a single rank)."""
     return dataclasses.replace(setting, model_config=SMOKE_CONFIGS[setting.model_config], image_size=SMOKE_IMAGE_SIZE,
-                               fsdp="none" if gpus == 1 else setting.fsdp)
+                               fsdp="none" if gpus == 1 else setting.fsdp, global_batch=gpus * 2 * SMOKE_MICROBATCH)
 
 
 def smoke_flags(setting: Setting, gpus: int) -> list[str]:
@@ -238,7 +238,7 @@ def plan_row(name: str, setting: Setting, gpus: int, gpu_memory_bytes: float, ou
     per_device = setting.global_batch // gpus
     plan = {}
     if smoke:
-        microbatch, batch_size = SMOKE_MICROBATCH, gpus * 2 * SMOKE_MICROBATCH
+        microbatch, batch_size = SMOKE_MICROBATCH, smoke_setting(setting, gpus).global_batch
     else:
         plan = memory_plan(setting, gpus, gpu_memory_bytes)
         microbatch = max(1, min(plan["microbatch"], per_device) // setting.microbatch_divisor)

@@ -47,7 +47,6 @@ SD2_PRECOMPUTED_BATCH, SD2_ONLINE_BATCH, SDXL_BATCH = 512, 256, 64
 FLUX_ROW, FLUX_FP8 = "flux-precomputed-states-bf16-fsdp", "tensorwise"
 # --smoke: fewer and smaller batches, and blocks.py's timings cut to the least that runs every part.
 SMOKE_BATCHES, SMOKE_WARMUP_BATCHES = 3, 1
-SMOKE_BLOCKS_BATCH = 4
 SMOKE_BLOCKS_FLAGS = ["--num_workers", "0", "--warmup", "1", "--repeats", "2", "--harness_batches", "2"]
 SMOKE_GPU_MEMORY_BYTES = 80 * 2**30  # the count's nominal device (a CPU has none); its microbatch is --smoke's
 
@@ -57,7 +56,7 @@ SMOKE_GPU_MEMORY_BYTES = 80 * 2**30  # the count's nominal device (a CPU has non
 FIRST_STARTUP_SECONDS = bench_gpu.STARTUP_SECONDS  # a launch up to its first batch, planning included
 FIRST_COMPILE_SECONDS = 120.0  # regional compilation's targets on an H100: SD2 60 s, SDXL 90 s
 FIRST_BLOCKS_SECONDS = 180.0  # a blocks.py run: its blocks timed (and compiled), the harness's Trainer run
-CPU_FIRST_FLOPS_PER_SECOND = 1e9  # --smoke: a share of a loaded CPU core
+CPU_FIRST_FLOPS_PER_SECOND = 1e8  # --smoke: the tiny UNet ran at 0.26 GFLOP/s on a loaded 2-core machine
 # A row's own timeout: twice its estimate (at least a minute more), never past the budget; a row that
 # hangs is ended with its process group and recorded, and the report goes on.
 TIMEOUT_FACTOR, TIMEOUT_SLACK_SECONDS = 2.0, 60.0
@@ -222,8 +221,7 @@ def blocks_command(row: ReportRow, outcomes: dict[str, Outcome], out: Path, smok
         flags += ["--microbatch", str(measured["device_train_microbatch_size"]), "--gpus", str(measured["world_size"]),
                   "--compare_results_json", str(out / f"{row.compare_with}.json")]
     elif smoke:
-        tiny = dataclasses.replace(bench_gpu.smoke_setting(row.blocks_of, 1), global_batch=SMOKE_BLOCKS_BATCH)
-        flags, notes = blocks_flags(tiny)
+        flags, notes = blocks_flags(bench_gpu.smoke_setting(row.blocks_of, 1))
         flags += ["--microbatch", str(bench_gpu.SMOKE_MICROBATCH), "--gpus", "1"]
     else:
         flags, notes = blocks_flags(row.blocks_of)
@@ -596,8 +594,8 @@ def run_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:
     for outcome in outcomes:
         row = next(r for r in ROWS if r.name == outcome.name)
         r = outcome.result or {}
-        setup = outcome.what + (f"; microbatch {r['device_train_microbatch_size']}, global batch "
-                                f"{r['global_batch_size']}" if r else "")
+        setup = outcome.what + (f"; ran {r['model_config']} at {r['image_size']}, microbatch "
+                                f"{r['device_train_microbatch_size']}, global batch {r['global_batch_size']}" if r else "")
         if not outcome.ok:
             lines.append(f"| {outcome.name} | {setup} | {outcome.status} | | | | | | | | |")
             continue
@@ -619,7 +617,8 @@ def blocks_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:
     for outcome in outcomes:
         row = next(r for r in ROWS if r.name == outcome.name)
         r = outcome.result or {}
-        setup = outcome.what + (f"; microbatch {r['microbatch']}, global batch {r['global_batch']}" if r else "")
+        setup = outcome.what + (f"; ran {r['model_config']} at {r['image_size']}, microbatch {r['microbatch']}, "
+                                f"global batch {r['global_batch']}" if r else "")
         setup += "".join(f"; {note}" for note in outcome.notes)
         if not outcome.ok:
             lines.append(f"| {outcome.name} | {setup} | {outcome.status} | | | | | | |")
