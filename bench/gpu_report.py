@@ -102,7 +102,7 @@ RUN_SETUP = ("device", "model_config", "image_size", "precomputed", "precomputed
 BLOCKS_SETUP = ("device", "model_config", "image_size", "precision", "precomputed", "precomputed_format", "compile",
                 "activation_checkpointing", "fp8", "use_ema", "microbatch", "global_batch")
 ABSENT_MEANS = {"compile": False, "activation_checkpointing": False, "fp8": "off", "fsdp": "none"}
-# Differences the table names beside an earlier result of the same set-up.
+# Differences the table names beside an earlier result of the same set-up (where both record the key).
 SHOWN_DIFFERENCES = ("global_batch_size", "weight_casts", "norm_precision", "torch_version")
 EARLIER_SUFFIXES = (".json", ".jsonl", ".log")  # blocks.py's JSON line is in the log its run left
 EARLIER_MAX_BYTES = 16 * 2**20
@@ -580,8 +580,8 @@ def earlier_cells(outcome: Outcome, earlier: list[Earlier]) -> tuple[str, str]:
         return "-", "-"
     found, ratio = match
     gpus = outcome.result["predicted"][0]["gpus"] if outcome.kind == "blocks" else None
-    differs = [f"{key} {found.result.get(key)}" for key in SHOWN_DIFFERENCES
-               if key in outcome.result and found.result.get(key) != outcome.result.get(key)]
+    differs = [f"{key} {found.result[key]}" for key in SHOWN_DIFFERENCES
+               if key in outcome.result and key in found.result and found.result[key] != outcome.result[key]]
     return (f"{figure_of(found.result, outcome.kind, gpus):.2f} ({found.path}"
             + (f"; it had {', '.join(differs)}" if differs else "") + ")", f"{ratio:.2f}")
 
