@@ -36,7 +36,8 @@ from tests.helpers import (REAL_2BA, ROOT, TINY_2BA, bench_script, error_of, fre
 COMMANDS = {"benchmark.py": benchmark, "convert.py": convert, "latents.py": latents, "export.py": export,
             "cost.py": cost, "learns.py": learns, "index_scale.py": index_scale, "blocks.py": blocks,
             "step_ops.py": step_ops,
-            "bench_gpu.py": bench_script("bench_gpu"), "memory.py": bench_script("memory")}
+            "bench_gpu.py": bench_script("bench_gpu"), "memory.py": bench_script("memory"),
+            "gpu_report.py": bench_script("gpu_report")}
 
 
 def parser_of(module) -> argparse.ArgumentParser:
@@ -68,6 +69,7 @@ NOT_NUMBERS = {
     "step_ops.py": {"--model_config"},
     "blocks.py": {"--compare_results_json"},
     "bench_gpu.py": {"--out", "--only", "--model_name"},
+    "gpu_report.py": {"--out", "--rows", "--results_root", "--model_name"},
     "memory.py": {"--model_config"},
 }
 # Numbers written as strings (time strings, sizes, counts with units), checked by each command's
