@@ -24,7 +24,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]  # the project root
 sys.path.insert(0, str(ROOT))
@@ -370,13 +369,7 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
             print(f"{tag}: {outcome.status}", flush=True)
             continue
         left = deadline - time.monotonic()
-        if row.setting:
-            setting = run_setting(row, args.smoke)
-            # Start-up and compilation alone decide without counting the FLOPs, when they exceed the time left.
-            fixed = estimator.fixed_seconds(setting)
-            outcome.estimate_s = fixed if fixed > left else estimator.run_seconds(setting, batches)
-        else:
-            outcome.estimate_s = estimator.blocks_seconds()
+        outcome.estimate_s = estimate(row, estimator, args.smoke, left)
         if outcome.estimate_s > left:
             outcome.status = f"skipped: estimated {outcome.estimate_s:.0f} s, {max(0.0, left):.0f} s left"
             print(f"{tag}: {outcome.status}", flush=True)
@@ -393,16 +386,14 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
             outcome.wall_s = time.monotonic() - began
             if outcome.ok:
                 outcome.result = json.loads((out / f"{row.name}.json").read_text())
-                estimator.observe_run(setting, batches, outcome.wall_s, outcome.result)
+                estimator.observe_run(run_setting(row, args.smoke), batches, outcome.wall_s, outcome.result)
         else:
             command, outcome.notes = blocks_command(row, outcomes, out, args.smoke)
             outcome.status, outcome.result = run_blocks(row, command, out, outcome.timeout_s, env)
             outcome.wall_s = time.monotonic() - began
             if outcome.ok:
                 estimator.observe_blocks(outcome.wall_s)
-        compiled = (row.setting or row.blocks_of).compile if row.setting or row.blocks_of else bool(
-            outcomes[row.compare_with].result.get("compile"))
-        if args.smoke and compiled:
+        if args.smoke and compiles(row, outcomes):
             outcome.notes.append("--smoke: eager (TORCH_COMPILE_DISABLE=1)")
         figure = headline(outcome)
         print(f"{tag}: {outcome.status} in {outcome.wall_s:.0f} s{f', {figure}' if figure else ''}; "
@@ -411,6 +402,23 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
     text = write_readme(args, info, list(outcomes.values()), earlier, time.monotonic() - start)
     print("\n" + text, flush=True)
     return list(outcomes.values())
+
+
+def estimate(row: ReportRow, estimator: Estimator, smoke: bool, left_s: float) -> float:
+    """The row's seconds by the budget rule; a training row whose start-up and compilation alone exceed
+    the time left is refused without counting its FLOPs (seconds of meta-device work for a large model)."""
+    if not row.setting:
+        return estimator.blocks_seconds()
+    setting = run_setting(row, smoke)
+    fixed = estimator.fixed_seconds(setting)
+    return fixed if fixed > left_s else estimator.run_seconds(setting, SMOKE_BATCHES if smoke else BATCHES)
+
+
+def compiles(row: ReportRow, outcomes: dict[str, Outcome]) -> bool:
+    """Whether the row's set-up is compiled (a comparison row's: its measured run's)."""
+    if row.setting or row.blocks_of:
+        return (row.setting or row.blocks_of).compile
+    return bool(outcomes[row.compare_with].result.get("compile"))
 
 
 def headline(outcome: Outcome) -> str:
