@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import data
 from t2ibench import errors, flags
-from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_INT, SECONDS
+from t2ibench.cli import BATCH_SIZE, NON_NEGATIVE_INT, POSITIVE_INT, SECONDS
 from t2ibench.errors import UserError, fail
 from t2ibench.families import ModelFamily, require_pretrained
 from t2ibench.files import hold_output
@@ -144,7 +144,7 @@ def build_parser() -> flags.Parser:
     flags.add_model(p)
     flags.add_run(p, "seeds randomly initialized encoders (as benchmark.py --seed)")
     g = p.add_argument_group("encoding and output")
-    g.add_argument("--batch_size", type=POSITIVE_INT, default=32, help="images per encoder call on each device")
+    g.add_argument("--batch_size", type=BATCH_SIZE, default=32, help="images per encoder call on each device")
     g.add_argument("--dtype", type=str, default="bf16", choices=sorted(COMPUTE_DTYPES),
                    help="autocast dtype of the encoders on GPU (CPU: always fp32)")
     g.add_argument("--storage_dtype", type=str, default="fp16", choices=sorted(STORAGE_DTYPES),

@@ -16,8 +16,9 @@ settings) at its global batch (2048, the batch `cost.py` prices; Flux.1: MLPerf'
 accumulation: per-step costs
 (AdamW over the denoiser's parameters, the EMA, the gradient all-reduce or reduce-scatter) are
 spread over the same images as in a real run. Each row's microbatch is the largest the memory model
-(t2ibench.memory) fits in the GPU's memory with that row's model, resolution and settings; the
-printed commands say it. Before starting it prints the rows, their microbatches and an estimate of
+(t2ibench.memory) fits in the GPU's memory with that row's model, resolution and settings, and rows
+that do not set activation checkpointing take benchmark.py's default (`auto`: with or without it,
+as t2ibench.gpu_setup picks for the node); the printed commands say it. Before starting it prints the rows, their microbatches and an estimate of
 the time the matrix takes; `--dry_run` stops there.
 
 A launch that runs past `--timeout_s` is ended with its whole process group (Composer's launcher,
@@ -58,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the project root
 sys.path.insert(0, str(ROOT))
 
 from t2ibench.fp8 import FP8_MODES, MIN_CAPABILITY  # noqa: E402
-from t2ibench.cli import GPU_COUNT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser  # noqa: E402
+from t2ibench.cli import GPU_COUNT, GPU_MEMORY_GIB, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser  # noqa: E402
 from t2ibench.files import write_text  # noqa: E402
 from t2ibench.locations import check_output  # noqa: E402
 from t2ibench.precomputed import TEXT_STATES, batch_text_format  # noqa: E402
@@ -82,7 +83,7 @@ class Setting:
     precomputed_format: str | None = None  # with precomputed: TOKENS or TEXT_STATES (None: the family's)
     norm_precision: str = "autocast"
     fsdp: str = "none"  # passed as --fsdp: none (DDP), shard_grad_op or full_shard
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "auto"  # benchmark.py's --activation_checkpointing (auto: its default's choice)
     compile: bool = False
     channels_last: bool = False
     microbatch_divisor: int = 1  # 2: half the largest microbatch (is the largest the fastest?)
@@ -123,8 +124,9 @@ class Setting:
             flags += ["--weight_casts", self.weight_casts]
         if self.fp8 != "off":
             flags += ["--fp8", self.fp8]
-        flags += [flag for flag, on in (("--activation_checkpointing", self.activation_checkpointing),
-                                        ("--compile", self.compile), ("--channels_last", self.channels_last)) if on]
+        if self.activation_checkpointing != "auto":
+            flags += ["--activation_checkpointing", self.activation_checkpointing]
+        flags += [flag for flag, on in (("--compile", self.compile), ("--channels_last", self.channels_last)) if on]
         return flags
 
 
@@ -152,17 +154,23 @@ MATRIX: dict[str, Setting] = {
     # against once per step (the default on one GPU); then each block recomputed in backward, which
     # lets a microbatch of 32 fit (bench/step_ops.py: 265 kernels per image instead of 3,411).
     "sdxl-precomputed-states-bf16-castsmb": Setting("sdxl-base", **_TEXT_STATES, weight_casts="microbatch"),
-    "sdxl-precomputed-states-bf16-ckpt": Setting("sdxl-base", **_TEXT_STATES, activation_checkpointing=True),
-    "sdxl-precomputed-states-bf16-ckpt-compile": Setting("sdxl-base", **_TEXT_STATES, activation_checkpointing=True,
+    "sdxl-precomputed-states-bf16-ckpt": Setting("sdxl-base", **_TEXT_STATES, activation_checkpointing="on"),
+    "sdxl-precomputed-states-bf16-ckpt-compile": Setting("sdxl-base", **_TEXT_STATES, activation_checkpointing="on",
                                                          compile=True),
+    # Without checkpointing: what `auto` weighs against checkpointing (on one H100, 9.4 images/s at
+    # microbatch 2 against 14.8 with it at 32: docs/speed.md).
+    "sdxl-precomputed-states-bf16-nockpt": Setting("sdxl-base", **_TEXT_STATES, activation_checkpointing="off"),
     "precomputed-bf16-castsmb": Setting(precomputed=True, weight_casts="microbatch"),
     # Flux.1-schnell as MLPerf Training v5.1 trains it: 256x256, T5 and CLIP outputs precomputed, the
-    # 11.9B-parameter transformer sharded (its training state fits no single GPU); then with each
-    # block recomputed in backward, which trades a third more compute for a larger microbatch.
+    # 11.9B-parameter transformer sharded (its training state fits no single GPU), with benchmark.py's
+    # default checkpointing; then with each block recomputed in backward (a third more compute for a
+    # larger microbatch), and without.
     "flux-precomputed-states-bf16-fsdp": Setting("flux1-schnell", 256, **_TEXT_STATES, fsdp="full_shard",
                                                  **_MLPERF_FLUX),
     "flux-precomputed-states-bf16-fsdp-ckpt": Setting("flux1-schnell", 256, **_TEXT_STATES, fsdp="full_shard",
-                                                      activation_checkpointing=True, **_MLPERF_FLUX),
+                                                      activation_checkpointing="on", **_MLPERF_FLUX),
+    "flux-precomputed-states-bf16-fsdp-nockpt": Setting("flux1-schnell", 256, **_TEXT_STATES, fsdp="full_shard",
+                                                        activation_checkpointing="off", **_MLPERF_FLUX),
     # The same with T5-XXL, CLIP and the VAE in the step (online encoding; not MLPerf's set-up).
     "flux-online-bf16-fsdp": Setting("flux1-schnell", 256, fsdp="full_shard", **_MLPERF_FLUX),
 }
@@ -198,6 +206,7 @@ class Row:
     batch_size: int
     command: list[str]
     plan: dict = field(default_factory=dict)
+    activation_checkpointing: bool = False  # as the run resolves the row's flag on this node
 
 
 def smoke_setting(setting: Setting, gpus: int) -> Setting:
@@ -216,36 +225,44 @@ def smoke_flags(setting: Setting, gpus: int) -> list[str]:
     return flags
 
 
-def memory_plan(setting: Setting, gpus: int, gpu_memory_bytes: float, on_gpu: bool = True) -> dict:
-    """The memory model's count of a row's step (t2ibench.memory.plan) with the row's own settings."""
-    from t2ibench import memory
+def plan_options(setting: Setting, gpus: int, on_gpu: bool = True) -> dict:
+    """The memory model's options for a row's step (t2ibench.memory.plan, gpu_setup.choose_setup) but
+    checkpointing, which the node decides."""
     from t2ibench.weight_casts import resolve_weight_casts
 
-    return memory.plan(setting.model_config, setting.resolution, gpu_memory_bytes,
-                       norm_precision=setting.norm_precision, precomputed=setting.precomputed,
-                       precomputed_format=setting.text_format, fsdp=setting.fsdp, num_gpus=gpus,
-                       activation_checkpointing=setting.activation_checkpointing, use_ema=setting.use_ema,
-                       weight_casts=resolve_weight_casts(setting.weight_casts, on_gpu=on_gpu, precision="amp_bf16",
-                                                         world_size=gpus),
-                       fp8=setting.fp8)
+    return dict(norm_precision=setting.norm_precision, precomputed=setting.precomputed,
+                precomputed_format=setting.text_format, fsdp=setting.fsdp, num_gpus=gpus,
+                use_ema=setting.use_ema, fp8=setting.fp8,
+                weight_casts=resolve_weight_casts(setting.weight_casts, on_gpu=on_gpu, precision="amp_bf16",
+                                                  world_size=gpus))
 
 
 def plan_row(name: str, setting: Setting, gpus: int, gpu_memory_bytes: float, out: Path, batches: int,
              warmup: int, smoke: bool, model_name: str) -> Row:
-    """The row's microbatch (the memory model's largest for its settings) and its full command."""
+    """The row's set-up (checkpointing as benchmark.py's flag resolves it on this node, and the memory
+    model's largest microbatch for it) and its full command."""
     from t2ibench import memory
+    from t2ibench.gpu_setup import choose_setup, from_flag
 
     per_device = setting.global_batch // gpus
     plan = {}
+    checkpointing = from_flag(setting.activation_checkpointing)[0]  # --smoke runs on a CPU
     if smoke:
         microbatch, batch_size = SMOKE_MICROBATCH, smoke_setting(setting, gpus).global_batch
     else:
-        plan = memory_plan(setting, gpus, gpu_memory_bytes)
+        options = plan_options(setting, gpus)
+        # Microbatches are powers of two: the largest one at most the per-GPU batch caps them.
+        setup = choose_setup(setting.model_config, setting.resolution, gpu_memory_bytes,
+                             1 << (per_device.bit_length() - 1),
+                             activation_checkpointing=setting.activation_checkpointing, **options)
+        checkpointing = setup.activation_checkpointing
+        plan = memory.plan(setting.model_config, setting.resolution, gpu_memory_bytes,
+                           activation_checkpointing=checkpointing, **options)
         microbatch = max(1, min(plan["microbatch"], per_device) // setting.microbatch_divisor)
         # The row's global batch when the GPU count divides it; else the largest per-device multiple of
         # the microbatch below it.
         batch_size = gpus * max(microbatch, per_device // microbatch * microbatch)
-        plan = {**plan, "microbatch": microbatch,
+        plan = {**plan, "microbatch": microbatch, "activation_checkpointing_reason": setup.reason,
                 "predicted_bytes_at_microbatch": memory.predicted_bytes(plan, microbatch)}
     launcher = [sys.executable, "-m", "composer.cli.launcher", "-n", str(gpus)]
     # Only rows whose step runs a frozen part look it up (--model_name is SD2's); the others build none.
@@ -255,7 +272,7 @@ def plan_row(name: str, setting: Setting, gpus: int, gpu_memory_bytes: float, ou
                "--max_duration", f"{batches}ba", "--warmup_batches", str(warmup), "--num_workers", "8",
                "--log_interval", "5ba", *pretrained, "--results_json", str(out / f"{name}.json"), *setting.flags(),
                *(smoke_flags(setting, gpus) if smoke else [])]  # later flags win: --smoke's override
-    return Row(name, setting, microbatch, batch_size, command, plan)
+    return Row(name, setting, microbatch, batch_size, command, plan, checkpointing)
 
 
 @functools.lru_cache(maxsize=None)
@@ -277,7 +294,7 @@ def estimate_seconds(row: Row, gpus: int, batches: int, peak_flops: float) -> fl
     """Wall time of one row: start-up, compilation, and the batches at ASSUMED_MFU."""
     setting = row.setting
     flops = flops_per_image(setting.model_config, setting.resolution, setting.precomputed, setting.text_format,
-                            setting.activation_checkpointing)
+                            row.activation_checkpointing)
     images_per_sec = gpus * peak_flops * ASSUMED_MFU / flops
     return STARTUP_SECONDS + (COMPILE_SECONDS if row.setting.compile else 0) + batches * row.batch_size / images_per_sec
 
@@ -418,7 +435,7 @@ def build_parser() -> Parser:
     p = Parser("bench_gpu.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="results folder (JSON per setting, logs, table)")
     p.add_argument("--gpus", type=GPU_COUNT, default=None, help="GPUs per setting (default: all visible)")
-    p.add_argument("--gpu_memory_gib", type=POSITIVE_FLOAT, default=None,
+    p.add_argument("--gpu_memory_gib", type=GPU_MEMORY_GIB, default=None,
                    help="memory of one GPU in GiB for the microbatches (default: the visible GPU's, as torch "
                         "reports it; an 80 GB A100/H100 reports 79.1)")
     p.add_argument("--peak_tflops", type=POSITIVE_FLOAT, default=None,
@@ -515,10 +532,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         accumulation = row.batch_size // gpus // row.microbatch
         predicted = row.plan.get("predicted_bytes_at_microbatch")
         print(f"  {row.name} ({row.setting.model_config} {row.setting.resolution}): microbatch {row.microbatch} "
-              f"x {accumulation} per GPU per step, global batch {row.batch_size}"
+              f"x {accumulation} per GPU per step, global batch {row.batch_size}, activation checkpointing "
+              f"{'on' if row.activation_checkpointing else 'off'}"
               + (f", predicted {predicted / 2**30:.1f} GiB" if predicted else "")
               + (f", about {row_s / 60:.1f} min" if row_s else ""), flush=True)
         if args.dry_run:
+            if row.plan:
+                print(f"    checkpointing: {row.plan['activation_checkpointing_reason']}", flush=True)
             print(f"    {shlex.join(row.command)}", flush=True)
     if seconds:
         compiles = sum(row.setting.compile for row in rows)
@@ -527,7 +547,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"steps at an assumed {100 * ASSUMED_MFU:.0f}% MFU of {peak_tflops:.0f} TFLOP/s)", flush=True)
     if args.dry_run:
         return [{"name": row.name, "model_config": row.setting.model_config, "image_size": row.setting.resolution,
-                 "microbatch": row.microbatch, "batch_size": row.batch_size, "command": row.command, "plan": row.plan,
+                 "microbatch": row.microbatch, "activation_checkpointing": row.activation_checkpointing,
+                 "batch_size": row.batch_size, "command": row.command, "plan": row.plan,
                  "estimated_seconds": s} for row, s in zip(rows, seconds or [None] * len(rows))]
 
     (out / "logs").mkdir(parents=True, exist_ok=True)

@@ -42,8 +42,9 @@ MAX_BUDGET_SECONDS = 86_400.0  # a day: the report is for short windows (bench_g
 # images/s precomputed and 69.0 online, SDXL 14.8 with checkpointing).
 BATCHES, WARMUP_BATCHES = 5, 2
 SD2_PRECOMPUTED_BATCH, SD2_ONLINE_BATCH, SDXL_BATCH = 512, 256, 64
-# bench_gpu.py's Flux.1 set-up (MLPerf's), whose blocks blocks.py times; float8 in the recipe measured before.
-FLUX_ROW, FLUX_FP8 = "flux-precomputed-states-bf16-fsdp", "tensorwise"
+# bench_gpu.py's Flux.1 set-up (MLPerf's), whose blocks blocks.py times for a node of NODE_GPUS of this GPU;
+# float8 in the recipe measured before.
+FLUX_ROW, FLUX_FP8, NODE_GPUS = "flux-precomputed-states-bf16-fsdp", "tensorwise", 8
 # --smoke: fewer and smaller batches, and blocks.py's timings cut to the least that runs every part.
 SMOKE_BATCHES, SMOKE_WARMUP_BATCHES = 3, 1
 SMOKE_BLOCKS_FLAGS = ["--num_workers", "0", "--warmup", "1", "--repeats", "2", "--harness_batches", "2"]
@@ -54,7 +55,7 @@ SMOKE_GPU_MEMORY_BYTES = 80 * 2**30  # the count's nominal device (a CPU has non
 # and these first estimates before any row of the kind ran (each errs long on an H100).
 FIRST_STARTUP_SECONDS = bench_gpu.STARTUP_SECONDS  # a launch up to its first batch, planning included
 FIRST_COMPILE_SECONDS = 120.0  # regional compilation's targets on an H100: SD2 60 s, SDXL 90 s
-FIRST_BLOCKS_SECONDS = 180.0  # a blocks.py run: its blocks timed (and compiled), the harness's Trainer run
+FIRST_BLOCKS_SECONDS = 180.0  # a blocks row: the node's set-up planned, blocks timed (and compiled), the harness
 CPU_FIRST_FLOPS_PER_SECOND = 1e8  # --smoke: the tiny UNet ran at 0.26 GFLOP/s on a loaded 2-core machine
 # A row's own timeout: twice its estimate (at least a minute more), never past the budget; a row that
 # hangs is ended with its process group and recorded, and the report goes on.
@@ -80,9 +81,10 @@ ROWS = [
     ReportRow("sd2-512-precomputed-compile", "the same, --compile",
               setting=dataclasses.replace(MATRIX["precomputed-bf16-compile"], global_batch=SD2_PRECOMPUTED_BATCH),
               baseline="sd2-512-precomputed"),
-    ReportRow("sdxl-1024-compile", "SDXL base 1024, precomputed latents and text states, EMA, checkpointing, "
-              "--compile", setting=dataclasses.replace(MATRIX["sdxl-precomputed-states-bf16-ckpt-compile"],
-                                                       global_batch=SDXL_BATCH)),
+    ReportRow("sdxl-1024-compile", "SDXL base 1024, precomputed latents and text states, EMA, the defaults "
+              "(checkpointing as auto picks it), --compile",
+              setting=dataclasses.replace(MATRIX["sdxl-precomputed-states-bf16"], compile=True,
+                                          global_batch=SDXL_BATCH)),
     ReportRow("sd2-512-online", "SD2 base 512, VAE and text encoder in the step, EMA, eager",
               setting=dataclasses.replace(MATRIX["online-bf16"], global_batch=SD2_ONLINE_BATCH)),
     ReportRow("flux-blocks-bf16", "Flux.1-schnell 256 blocks, bf16, compiled",
@@ -181,8 +183,9 @@ def blocks_options() -> frozenset[str]:
     return frozenset(option for action in blocks.build_parser()._actions for option in action.option_strings)
 
 
-def blocks_flags(setting: Setting) -> tuple[list[str], list[str]]:
-    """blocks.py's flags for a benchmark.py set-up, and a note for each flag of it blocks.py lacks."""
+def blocks_flags(setting: Setting, checkpointing: bool) -> tuple[list[str], list[str]]:
+    """blocks.py's flags for a benchmark.py set-up (its checkpointing as the run resolves it), and a note for
+    each flag of it blocks.py lacks."""
     flags = ["--model_config", setting.model_config, "--image_size", str(setting.resolution),
              "--global_batch", str(setting.global_batch), "--precision", "amp_bf16", "--fsdp", setting.fsdp,
              "--norm_precision", setting.norm_precision]
@@ -190,8 +193,7 @@ def blocks_flags(setting: Setting) -> tuple[list[str], list[str]]:
         flags += ["--precomputed", "--precomputed_format", setting.text_format]
     if setting.fp8 != "off":
         flags += ["--fp8", setting.fp8]
-    wanted = {"--activation_checkpointing": setting.activation_checkpointing, "--use_ema": setting.use_ema,
-              "--compile": setting.compile}
+    wanted = {"--activation_checkpointing": checkpointing, "--use_ema": setting.use_ema, "--compile": setting.compile}
     flags += [flag for flag, on in wanted.items() if on and flag in blocks_options()]
     notes = [f"blocks.py has no {flag}: timed without it" for flag, on in wanted.items()
              if on and flag not in blocks_options()]
@@ -206,25 +208,32 @@ def setting_of(result: dict) -> Setting:
                    precomputed=bool(result.get("precomputed")),
                    precomputed_format=result.get("precomputed_format") if result.get("precomputed") else None,
                    norm_precision=result.get("norm_precision") or "autocast", fsdp=result.get("fsdp") or "none",
-                   activation_checkpointing=bool(result.get("activation_checkpointing")),
+                   activation_checkpointing="on" if result.get("activation_checkpointing") else "off",
                    compile=bool(result.get("compile")), global_batch=result["global_batch_size"],
                    use_ema=bool(result.get("use_ema")), weight_casts=result.get("weight_casts") or "auto",
                    fp8=result.get("fp8") or "off")
 
 
-def blocks_command(row: ReportRow, outcomes: dict[str, Outcome], out: Path, smoke: bool) -> tuple[list[str], list[str]]:
+def blocks_command(row: ReportRow, outcomes: dict[str, Outcome], args: argparse.Namespace,
+                   gpu_memory_bytes: float) -> tuple[list[str], list[str]]:
     """blocks.py's command for a blocks row, and its notes."""
+    from t2ibench.gpu_setup import from_flag
+
     if row.compare_with:  # the measured run's own set-up, at its microbatch and device count
         measured = outcomes[row.compare_with].result
-        flags, notes = blocks_flags(setting_of(measured))
+        flags, notes = blocks_flags(setting_of(measured), bool(measured.get("activation_checkpointing")))
         flags += ["--microbatch", str(measured["device_train_microbatch_size"]), "--gpus", str(measured["world_size"]),
-                  "--compare_results_json", str(out / f"{row.compare_with}.json")]
-    elif smoke:
-        flags, notes = blocks_flags(bench_gpu.smoke_setting(row.blocks_of, 1))
+                  "--compare_results_json", str(args.out / f"{row.compare_with}.json")]
+    elif args.smoke:  # one CPU rank, where checkpointing's `auto` is off
+        tiny = bench_gpu.smoke_setting(row.blocks_of, 1)
+        flags, notes = blocks_flags(tiny, from_flag(tiny.activation_checkpointing)[0])
         flags += ["--microbatch", str(bench_gpu.SMOKE_MICROBATCH), "--gpus", "1"]
-    else:
-        flags, notes = blocks_flags(row.blocks_of)
-    return [sys.executable, str(ROOT / "bench" / "blocks.py"), *flags, *(SMOKE_BLOCKS_FLAGS if smoke else []),
+    else:  # the run bench_gpu.py would launch on a node of these GPUs: its checkpointing and microbatch
+        node = bench_gpu.plan_row(row.name, row.blocks_of, NODE_GPUS, gpu_memory_bytes, args.out, 1, 0, False,
+                                  args.model_name)
+        flags, notes = blocks_flags(row.blocks_of, node.activation_checkpointing)
+        flags += ["--microbatch", str(node.microbatch), "--gpus", str(NODE_GPUS)]
+    return [sys.executable, str(ROOT / "bench" / "blocks.py"), *flags, *(SMOKE_BLOCKS_FLAGS if args.smoke else []),
             "--json"], notes
 
 
@@ -251,7 +260,8 @@ class Estimator:
         return startup + (max(self.compile_s, default=FIRST_COMPILE_SECONDS) if setting.compile else 0.0)
 
     def run_seconds(self, setting: Setting, batches: int) -> float:
-        flops = batches * setting.global_batch * flops_of(setting)
+        # Checkpointing left to `auto` is counted on: the longer estimate.
+        flops = batches * setting.global_batch * flops_of(setting, setting.activation_checkpointing != "off")
         return self.fixed_seconds(setting) + flops / min(self.flops_per_second, default=self.first_flops_per_second)
 
     def blocks_seconds(self) -> float:
@@ -262,7 +272,8 @@ class Estimator:
         (start-up, and compilation: `compile_seconds` where the run reports it)."""
         per_batch = result["measured_seconds"] / max(1, result["measured_batches"])
         overhead = max(0.0, wall_s - batches * per_batch)
-        self.flops_per_second.append(result["images_per_sec"] * flops_of(setting))
+        checkpointing = bool(result.get("activation_checkpointing"))  # as the run resolved it
+        self.flops_per_second.append(result["images_per_sec"] * flops_of(setting, checkpointing))
         if not setting.compile:
             self.startup_s.append(overhead)
         elif result.get("compile_seconds") is not None:
@@ -275,10 +286,10 @@ class Estimator:
         self.blocks_s.append(wall_s)
 
 
-def flops_of(setting: Setting) -> float:
+def flops_of(setting: Setting, checkpointing: bool) -> float:
     """FLOPs one training image of a set-up costs (bench_gpu.py's count, on the meta device)."""
     return bench_gpu.flops_per_image(setting.model_config, setting.resolution, setting.precomputed,
-                                     setting.text_format, setting.activation_checkpointing)
+                                     setting.text_format, checkpointing)
 
 
 def row_timeout(estimate_s: float, left_s: float) -> float:
@@ -298,7 +309,10 @@ def run_training(row: ReportRow, args: argparse.Namespace, ends_at: float, env: 
     if args.smoke:  # the count of the step as it runs here, so the table's counted column is filled
         from t2ibench import memory
 
-        plan = bench_gpu.memory_plan(run_setting(row, True), 1, SMOKE_GPU_MEMORY_BYTES, on_gpu=False)
+        tiny = run_setting(row, True)
+        plan = memory.plan(tiny.model_config, tiny.resolution, SMOKE_GPU_MEMORY_BYTES,
+                           activation_checkpointing=planned.activation_checkpointing,
+                           **bench_gpu.plan_options(tiny, 1, on_gpu=False))
         planned.plan = {**plan, "microbatch": planned.microbatch,
                         "predicted_bytes_at_microbatch": memory.predicted_bytes(plan, planned.microbatch)}
     # The planning counted on the meta device is part of the row's time.
@@ -363,9 +377,9 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
     for number, row in enumerate(args.report_rows, 1):
         outcome = outcomes[row.name] = Outcome(row.name, "run" if row.setting else "blocks", row.what)
         tag = f"[{number}/{len(args.report_rows)}] {row.name}"
-        needed = outcomes.get(row.compare_with) if row.compare_with else None
-        if row.compare_with and not needed.ok:
-            outcome.status = f"skipped: needs {row.compare_with}'s results ({needed.status.split(',')[0]})"
+        why_not = cannot_compare(row, outcomes)
+        if why_not:
+            outcome.status = f"skipped: {why_not}"
             print(f"{tag}: {outcome.status}", flush=True)
             continue
         left = deadline - time.monotonic()
@@ -388,8 +402,10 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
                 outcome.result = json.loads((out / f"{row.name}.json").read_text())
                 estimator.observe_run(run_setting(row, args.smoke), batches, outcome.wall_s, outcome.result)
         else:
-            command, outcome.notes = blocks_command(row, outcomes, out, args.smoke)
-            outcome.status, outcome.result = run_blocks(row, command, out, outcome.timeout_s, env)
+            command, outcome.notes = blocks_command(row, outcomes, args, gpu_memory_bytes)
+            # Planning the node's set-up on the meta device is part of the row's time.
+            left_of_row = max(1.0, began + outcome.timeout_s - time.monotonic())
+            outcome.status, outcome.result = run_blocks(row, command, out, left_of_row, env)
             outcome.wall_s = time.monotonic() - began
             if outcome.ok:
                 estimator.observe_blocks(outcome.wall_s)
@@ -402,6 +418,19 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
     text = write_readme(args, info, list(outcomes.values()), earlier, time.monotonic() - start)
     print("\n" + text, flush=True)
     return list(outcomes.values())
+
+
+def cannot_compare(row: ReportRow, outcomes: dict[str, Outcome]) -> str | None:
+    """Why a comparison row cannot run (its measured run failed or was skipped, or was compiled and
+    blocks.py cannot compile), or None."""
+    if not row.compare_with:
+        return None
+    needed = outcomes[row.compare_with]
+    if not needed.ok:
+        return f"needs {row.compare_with}'s results ({needed.status.split(',')[0]})"
+    if needed.result.get("compile") and "--compile" not in blocks_options():
+        return f"blocks.py has no --compile to predict the compiled run {row.compare_with}"
+    return None
 
 
 def estimate(row: ReportRow, estimator: Estimator, smoke: bool, left_s: float) -> float:
@@ -605,7 +634,8 @@ def run_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:
         row = next(r for r in ROWS if r.name == outcome.name)
         r = outcome.result or {}
         setup = outcome.what + (f"; ran {r['model_config']} at {r['image_size']}, microbatch "
-                                f"{r['device_train_microbatch_size']}, global batch {r['global_batch_size']}" if r else "")
+                                f"{r['device_train_microbatch_size']}, global batch {r['global_batch_size']}, "
+                                f"checkpointing {'on' if r.get('activation_checkpointing') else 'off'}" if r else "")
         if not outcome.ok:
             lines.append(f"| {outcome.name} | {setup} | {outcome.status} | | | | | | | | |")
             continue

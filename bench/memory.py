@@ -8,12 +8,16 @@ any model family.
     python bench/memory.py --check_cpu                   # the count against a real CPU step
     python bench/memory.py --check_cpu --model_config flux1-tiny --precomputed --activation_checkpointing
     python bench/memory.py --model_config flux1-schnell --precomputed --no_ema --fp8 tensorwise   # float8's bytes
+    python bench/memory.py --model_config sdxl-base --precomputed --precomputed_format text_states --num_gpus 1 --json
 
 Prints the bytes saved for backward per image (with the other norm precision beside it: what
 low-precision GroupNorm/LayerNorm saves), the fixed bytes per GPU and what holds them, the largest
 power-of-two microbatch for `--gpu_memory_gib` and the FLOPs of the trained network per image.
+`--activation_checkpointing auto` (the default, as benchmark.py's) counts the set-up benchmark.py's
+defaults pick on such GPUs (t2ibench.gpu_setup: with or without checkpointing, and why).
 With `--json` the last line is one JSON object (`activation_bytes_per_image`, `fixed_bytes`,
-`microbatch`, `train_flops_per_image`, ...). The step is counted on the meta device: no GPU, no
+`microbatch`, `activation_checkpointing`, `activation_checkpointing_reason`, `weight_casts`,
+`train_flops_per_image`, ...). The step is counted on the meta device: no GPU, no
 memory, seconds to a minute per setting on a CPU. `--image_size` defaults to the family's training
 resolution, `--precomputed_format` to the family's (text states for Flux.1), `--fsdp auto` to
 full_shard for Flux.1 and DDP otherwise, as benchmark.py's flags do.
@@ -32,13 +36,15 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
-from t2ibench import memory  # noqa: E402
-from t2ibench.cli import GPU_COUNT, IMAGE_SIZE, POSITIVE_FLOAT, POSITIVE_INT, Parser  # noqa: E402
+from t2ibench import flags, memory  # noqa: E402
+from t2ibench.cli import BATCH_SIZE, GPU_COUNT, GPU_MEMORY_GIB, IMAGE_SIZE, Parser  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of  # noqa: E402
 from t2ibench.fp8 import FP8_MODES  # noqa: E402
+from t2ibench.gpu_setup import choose_setup, from_flag  # noqa: E402
 from t2ibench.images import GEOMETRY_KEYS  # noqa: E402
 from t2ibench.model import DiffusionModel  # noqa: E402
 from t2ibench.norms import set_norm_precision  # noqa: E402
@@ -84,6 +90,18 @@ def real_batch(family: ModelFamily, model_config: str, image_size: int, microbat
     return batch
 
 
+class CountedOps(TorchDispatchMode):
+    """Marks every op the memory count sees with a profiler scope (`SCOPE`): a dispatch mode, as the
+    count's `LiveBytes` is, so it sees the same ops (those reaching the tensors' backend, below
+    autograd and autocast); the ATen ops a kernel calls inside itself run within the scope."""
+
+    SCOPE = "counted op"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        with torch.profiler.record_function(self.SCOPE):
+            return func(*args, **(kwargs or {}))
+
+
 def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precision: str = "fp32",
                      norm_precision: str = "autocast", seed: int = 0, activation_checkpointing: bool = False,
                      text_format: str | None = None, weight_casts: str = "microbatch") -> dict[str, int]:
@@ -97,12 +115,18 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
     text states).
 
     Kernel scratch is memory an op allocates and frees itself, inside its kernel; `op_peak_bytes`
-    leaves it out. The largest here is oneDNN's bf16 GEMM under CPU autocast (aten::addmm), whose
-    scratchpad grows with the thread count and changed with the oneDNN release: at the peak of
-    flux1-tiny with checkpointing, 62 KB on 1 thread and 124 KB on 2 with torch 2.7.0, 112 KB and
-    223 KB with torch 2.14.1; with `torch.backends.mkldnn` off it is gone and the allocator's peak
-    equals the op-level one. The count sees ops' outputs, not their insides, so the op-level peak is
-    what it predicts on any machine; on a GPU cuBLAS's workspace is allocated once and kept."""
+    leaves it out. "An op" is one the count sees: every op dispatched to the tensors' backend, marked
+    here by `CountedOps` (a dispatch mode at the count's own level), so whatever a kernel allocates
+    and frees before it returns, directly or through the ATen ops it calls inside, is scratch.
+    Which kernel runs, and so its scratch, is the machine's: oneDNN's bf16 GEMM under CPU autocast
+    (aten::addmm) keeps a scratchpad that grows with the thread count and changed with the oneDNN
+    release (at the peak of flux1-tiny with checkpointing, 62 KB on 1 thread and 124 KB on 2 with
+    torch 2.7.0, 112 KB and 223 KB with torch 2.14.1); where oneDNN has no bf16 (a CPU without
+    AVX-512, `torch.ops.mkldnn._is_mkldnn_bf16_supported()` false) a bf16 convolution runs ATen's
+    im2col kernel (aten::_slow_conv2d_forward), which unfolds its input into a temporary of
+    in_channels x kernel area x output pixels per image (an aten::empty inside the op; 144 KB at
+    sdxl-tiny's peak). The count sees ops' outputs, not their insides, so the op-level peak is what
+    it predicts on any machine; on a GPU cuBLAS's workspace is allocated once and kept."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     family = family_of(model_config)
@@ -118,17 +142,22 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
     if activation_checkpointing:
         model.denoiser.enable_gradient_checkpointing()
     model.train()
+    trained = [p for p in model.parameters() if p.requires_grad]
     if weight_casts == "step":  # the denoiser computes with its bf16 copies, as benchmark.py's step does
-        CastWeightsOncePerStep(model.denoiser).begin_step()
-    for p in model.parameters():  # gradient accumulation's steady state, as counted
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
+        casts = CastWeightsOncePerStep(model.denoiser)
+        casts.begin_step()
+        # From the second microbatch on the fp32 weights hold the step's gradient sum and each copy's
+        # bf16 gradient is added into it (and freed) as backward makes it.
+        trained = casts.masters  # the denoiser's, the only trained parameters
+    for p in trained:  # gradient accumulation's steady state, as counted
+        p.grad = torch.zeros_like(p)
     batch = real_batch(family, model_config, image_size, microbatch, text_format)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, CountedOps():
         loss = model.loss(model(batch), batch)
         with record_function("backward starts"):
             loss.backward()
-    # (time, bytes: negative for a free, allocator's running total, address, the op it happened in)
+    # (time, bytes: negative for a free, allocator's running total, address, the counted op it
+    # happened in: 0 outside any)
     allocations: list[tuple[int, int, int, int, int]] = []
     backward_start, ops_seen = None, 0
 
@@ -140,10 +169,11 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
             return
         if node.name == "backward starts":
             backward_start = node.start_time_ns
-        ops_seen += 1
-        this_op = ops_seen
+        if node.name == CountedOps.SCOPE:
+            ops_seen += 1
+            op = ops_seen
         for child in node.children:
-            visit(child, this_op)
+            visit(child, op)
 
     for root in prof.profiler.kineto_results.experimental_event_tree():
         visit(root, 0)
@@ -151,7 +181,7 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
     before = allocations[0][2] - allocations[0][1]
     after_forward = [total for t, _, total, _, _ in allocations if t < backward_start][-1] - before
     peak = max(total for _, _, total, _, _ in allocations) - before
-    # Scratch: an allocation freed by the op that made it, both events directly inside that op.
+    # Scratch: an allocation freed inside the counted op that made it.
     allocated_in: dict[int, tuple[int, int]] = {}  # address -> (index, op)
     scratch: set[int] = set()
     for index, (_, nbytes, _, address, op) in enumerate(allocations):
@@ -202,8 +232,9 @@ def check_cpu(model_config: str, image_size: int, microbatch: int, activation_ch
                      "measured_op_peak_bytes": measured["op_peak_bytes"]})
     print(f"{model_config} at {image_size}x{image_size}, microbatch {microbatch}, "
           f"{'precomputed ' + text_format if text_format else 'online'}"
-          f"{', activation checkpointing' if activation_checkpointing else ''}, on this CPU: count (meta device) vs "
-          "the CPU allocator")
+          f"{', activation checkpointing' if activation_checkpointing else ''}, on this CPU "
+          f"({torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 "
+          f"{'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no'}): count (meta device) vs the CPU allocator")
     print(f"{'precision':<10} {'norms':<9} {'after forward: counted':>23} {'measured':>12} {'ratio':>7} "
           f"{'peak: counted':>15} {'measured':>12} {'ratio':>7} {'without kernel scratch':>23} {'ratio':>7}")
     for r in rows:
@@ -238,7 +269,7 @@ def build_parser() -> Parser:
     p.add_argument("--model_config", default="sd2-base", help=f"one of {sorted(MODEL_CONFIGS)}")
     p.add_argument("--image_size", type=IMAGE_SIZE, default=None,
                    help="training resolution in pixels (default: the family's, 512 for SD2, 1024 for SDXL)")
-    p.add_argument("--gpu_memory_gib", type=POSITIVE_FLOAT, default=memory.GPU_MEMORY_GIB["H100 80GB"],
+    p.add_argument("--gpu_memory_gib", type=GPU_MEMORY_GIB, default=memory.GPU_MEMORY_GIB["H100 80GB"],
                    help="memory of one GPU in GiB, as torch.cuda.get_device_properties(0).total_memory / 2**30 "
                         "(an 80 GB A100 or H100 reports 79.1)")
     p.add_argument("--precomputed", action="store_true", help="train from precomputed latents (no VAE)")
@@ -253,21 +284,22 @@ def build_parser() -> Parser:
                         "default (full_shard for Flux.1 on several GPUs, else none), as benchmark.py's")
     p.add_argument("--num_gpus", type=GPU_COUNT, default=8, help="ranks the model is replicated or sharded over")
     p.add_argument("--no_ema", action="store_true", help="without benchmark.py's --use_ema")
-    p.add_argument("--activation_checkpointing", action="store_true",
-                   help="the denoiser's blocks recomputed in backward (benchmark.py's --activation_checkpointing)")
+    flags.add_activation_checkpointing(
+        p, "the denoiser's blocks recomputed in backward (benchmark.py's flag); auto: the set-up benchmark.py's "
+           "defaults pick for these GPUs (--check_cpu and --table: off). The bare flag means on")
     p.add_argument("--weight_casts", default="auto", choices=WEIGHT_CAST_CHOICES,
                    help="weights cast per microbatch (autocast's) or bf16 copies once per step; auto: benchmark.py's "
                         "default (step on one GPU under amp_bf16 without FSDP)")
     p.add_argument("--fp8", default="off", choices=FP8_MODES,
                    help="the denoiser's Linear layers in float8 as benchmark.py's --fp8 converts them")
-    p.add_argument("--per_device_batch", type=POSITIVE_INT, default=None,
+    p.add_argument("--per_device_batch", type=BATCH_SIZE, default=None,
                    help="images per GPU per step: the microbatch must divide it (benchmark.py's auto)")
     p.add_argument("--json", action="store_true", help="end with the figures as one JSON object on one line")
     p.add_argument("--table", action="store_true", help="print the README's microbatch table instead")
     p.add_argument("--check_cpu", action="store_true",
                    help="compare the count with a real CPU step (--model_config, --image_size, --microbatch, "
                         "the data path and --activation_checkpointing)")
-    p.add_argument("--microbatch", type=POSITIVE_INT, default=2, help="with --check_cpu: images in the real CPU step")
+    p.add_argument("--microbatch", type=BATCH_SIZE, default=2, help="with --check_cpu: images in the real CPU step")
     return p
 
 
@@ -299,8 +331,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     problem = weight_casts_problem(weight_casts, precision=args.precision, world_size=args.num_gpus)
     if problem and not args.check_cpu:
         fail(problem)
-    # A new namespace with the defaults resolved: the parsed one is left as it was parsed.
-    return argparse.Namespace(**{**vars(args), "image_size": image_size, "fsdp": fsdp, "weight_casts": weight_casts})
+    # A new namespace with the defaults resolved: the parsed one is left as it was parsed. A CPU step
+    # and the table count one setting: `auto` is off there (`main` counts the GPU defaults' choice).
+    return argparse.Namespace(**{**vars(args), "image_size": image_size, "fsdp": fsdp, "weight_casts": weight_casts,
+                                 "checkpointing_flag": args.activation_checkpointing,
+                                 "activation_checkpointing": from_flag(args.activation_checkpointing)[0]})
 
 
 def main(argv: list[str] | None = None) -> dict | list | str:
@@ -320,12 +355,21 @@ def main(argv: list[str] | None = None) -> dict | list | str:
               "largest power-of-two microbatch per GPU")
         print(text)
         return text
+    setup = choose_setup(args.model_config, args.image_size, args.gpu_memory_gib * memory.GIB, args.per_device_batch,
+                         activation_checkpointing=args.checkpointing_flag, precision=args.precision,
+                         norm_precision=args.norm_precision, precomputed=args.precomputed,
+                         precomputed_format=args.precomputed_format, use_ema=not args.no_ema, fsdp=args.fsdp,
+                         num_gpus=args.num_gpus, weight_casts=args.weight_casts, fp8=args.fp8)
+    args = argparse.Namespace(**{**vars(args), "activation_checkpointing": setup.activation_checkpointing})
     options = dict(precision=args.precision, precomputed=args.precomputed, precomputed_format=args.precomputed_format,
                    use_ema=not args.no_ema, fsdp=args.fsdp, num_gpus=args.num_gpus,
                    per_device_batch=args.per_device_batch, activation_checkpointing=args.activation_checkpointing,
                    weight_casts=args.weight_casts, fp8=args.fp8)
     result = memory.plan(args.model_config, args.image_size, args.gpu_memory_gib * memory.GIB,
                          norm_precision=args.norm_precision, **options)
+    # The set-up benchmark.py's defaults pick (microbatch, checkpointing, weight casts: the plan's) and why.
+    result.update(activation_checkpointing_reason=setup.reason,
+                  setup_candidates=setup.summary()["setup_candidates"])
     if args.precision != "fp32":
         other = "fp32" if args.norm_precision == "autocast" else "autocast"
         result["activation_bytes_per_image_by_norm_precision"] = {
@@ -336,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict | list | str:
     data = "precomputed " + result["precomputed_format"] if args.precomputed else "online"
     print(f"{args.model_config} at {args.image_size}x{args.image_size}, {args.precision}, norms {args.norm_precision}, "
           f"{data}, {'EMA, ' if not args.no_ema else ''}"
-          f"{'activation checkpointing, ' if args.activation_checkpointing else ''}"
+          f"activation checkpointing {'on' if args.activation_checkpointing else 'off'} ({setup.reason}), "
           f"weight casts per {args.weight_casts}, "
           f"{'fp8 ' + args.fp8 + ', ' if args.fp8 != 'off' else ''}"
           f"{'DDP' if args.fsdp == 'none' else 'FSDP ' + args.fsdp} over {args.num_gpus} GPU(s) of "

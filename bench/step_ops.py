@@ -8,7 +8,10 @@
 The step is benchmark.py's on one GPU, counted on the meta device under CUDA autocast's rules
 (t2ibench.kernels, with the memory model's machinery). Without `--microbatch` the microbatch is the
 one the memory model picks for `--gpu_memory_gib` with these settings. `--weight_casts auto` is
-benchmark.py's CUDA default on one GPU (step). What the figures mean: docs/speed.md.
+benchmark.py's CUDA default on one GPU (step), and `--activation_checkpointing auto` its choice
+(t2ibench.gpu_setup): `--json` reports the set-up benchmark.py's defaults pick (`microbatch`,
+`activation_checkpointing`, `weight_casts`, `activation_checkpointing_reason`). What the figures
+mean: docs/speed.md.
 """
 from __future__ import annotations
 
@@ -19,25 +22,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from t2ibench import errors, kernels, memory  # noqa: E402
-from t2ibench.cli import Parser, Range  # noqa: E402
+from t2ibench import errors, flags, kernels, memory  # noqa: E402
+from t2ibench.cli import BATCH_SIZE, GPU_MEMORY_GIB, IMAGE_SIZE, Parser  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
+from t2ibench.gpu_setup import choose_setup, step_kernels  # noqa: E402
 from t2ibench.precomputed import TEXT_FORMATS, batch_text_format  # noqa: E402
 from t2ibench.weight_casts import WEIGHT_CAST_CHOICES, resolve_weight_casts, weight_casts_problem  # noqa: E402
-
-MAX_BATCH = 1 << 20
 
 
 def build_parser() -> Parser:
     p = Parser("step_ops.py", description=__doc__)
     p.add_argument("--model_config", default="sd2-base", help=f"one of {sorted(MODEL_CONFIGS)}")
-    p.add_argument("--image_size", type=Range(int, 1, 8192), default=None,
+    p.add_argument("--image_size", type=IMAGE_SIZE, default=None,
                    help="training resolution in pixels (default: the family's: 512 SD2, 1024 SDXL, 256 Flux.1)")
     p.add_argument("--precomputed", action="store_true", help="precomputed latents (no VAE in the step)")
     p.add_argument("--precomputed_format", default=None, choices=TEXT_FORMATS,
                    help="with --precomputed: token ids (text encoders in the step) or text states (none)")
-    p.add_argument("--activation_checkpointing", action="store_true",
-                   help="the denoiser's blocks recomputed in backward (benchmark.py's flag)")
+    flags.add_activation_checkpointing(
+        p, "the denoiser's blocks recomputed in backward (benchmark.py's flag); auto: benchmark.py's choice on one "
+           "GPU of --gpu_memory_gib. The bare flag means on")
     p.add_argument("--weight_casts", default="auto", choices=WEIGHT_CAST_CHOICES,
                    help="weights cast per microbatch (autocast) or once per step (bf16 copies); auto: "
                         "benchmark.py's default on one GPU (step under amp_bf16)")
@@ -45,11 +48,11 @@ def build_parser() -> Parser:
     p.add_argument("--norm_precision", default="autocast", choices=memory.NORM_PRECISIONS,
                    help="GroupNorm/LayerNorm in the autocast dtype (benchmark.py's default) or fp32 "
                         "(plain CUDA autocast's)")
-    p.add_argument("--microbatch", type=Range(int, 1, MAX_BATCH), default=None,
+    p.add_argument("--microbatch", type=BATCH_SIZE, default=None,
                    help="images per forward/backward (default: the memory model's pick for --gpu_memory_gib)")
-    p.add_argument("--batch_size", type=Range(int, 1, MAX_BATCH), default=None,
+    p.add_argument("--batch_size", type=BATCH_SIZE, default=None,
                    help="images per optimizer step on the one GPU (default: benchmark.py's 2048)")
-    p.add_argument("--gpu_memory_gib", type=Range(float, 1, 4096), default=memory.GPU_MEMORY_GIB["H100 80GB"],
+    p.add_argument("--gpu_memory_gib", type=GPU_MEMORY_GIB, default=memory.GPU_MEMORY_GIB["H100 80GB"],
                    help="GPU memory as torch reports it, GiB (80 GB H100: 79.1)")
     p.add_argument("--no_ema", action="store_true", help="without --use_ema")
     p.add_argument("--compare", action="store_true",
@@ -94,8 +97,8 @@ def count(args: argparse.Namespace, weight_casts: str, activation_checkpointing:
         if not microbatch:
             return {"weight_casts": weight_casts, "activation_checkpointing": activation_checkpointing,
                     "microbatch": 0, "fits": False}
-    counted = kernels.count_step_kernels(args.model_config, args.image_size, microbatch, args.batch_size,
-                                         weight_casts=weight_casts, use_ema=not args.no_ema, **settings)
+    counted = step_kernels(args.model_config, args.image_size, microbatch, args.batch_size, weight_casts=weight_casts,
+                           use_ema=not args.no_ema, **settings)
     return {"weight_casts": weight_casts, "activation_checkpointing": activation_checkpointing, "fits": True,
             **kernels.summary(counted)}
 
@@ -122,15 +125,24 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{args.model_config} at {args.image_size}x{args.image_size}, {data}, {args.precision}, norms "
           f"{args.norm_precision}, {'EMA' if not args.no_ema else 'no EMA'}, one GPU of {args.gpu_memory_gib:g} GiB: "
           "CUDA kernels one training step launches (counted on the meta device)")
+    # The set-up benchmark.py's defaults pick on this GPU (or the flag's), and why.
+    setup = choose_setup(args.model_config, args.image_size, args.gpu_memory_gib * memory.GIB, args.batch_size,
+                         activation_checkpointing=args.activation_checkpointing, microbatch=args.microbatch,
+                         precision=args.precision, norm_precision=args.norm_precision, precomputed=args.precomputed,
+                         precomputed_format=args.precomputed_format, use_ema=not args.no_ema, num_gpus=1,
+                         weight_casts=args.weight_casts)
+    print(f"activation checkpointing {'on' if setup.activation_checkpointing else 'off'}: {setup.reason}")
     if args.compare:
         modes = ["microbatch", "step"] if args.precision == "amp_bf16" else ["microbatch"]
         rows = [count(args, mode, checkpointing) for mode in modes for checkpointing in (False, True)]
         for row in rows:
             print_row(args, row)
-        result = {"setups": rows, **next(r for r in rows if r["weight_casts"] == args.weight_casts)}
+        result = {"setups": rows, **next(r for r in rows if r["weight_casts"] == args.weight_casts
+                                         and r["activation_checkpointing"] == setup.activation_checkpointing)}
     else:
-        result = count(args, args.weight_casts, args.activation_checkpointing)
+        result = count(args, args.weight_casts, setup.activation_checkpointing)
         print_row(args, result)
+    result["activation_checkpointing_reason"] = setup.reason
     if args.json:
         print(json.dumps(result))
     return result

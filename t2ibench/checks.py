@@ -19,6 +19,7 @@ from composer.core import Time
 from composer.utils import dist
 
 from t2ibench import fp8
+from t2ibench.callbacks.profile import profile_fits
 from t2ibench.checkpoints import resume_from, resume_point
 from t2ibench.cli import check_workers
 from t2ibench.data_checks import check_data, check_evaluation
@@ -400,7 +401,7 @@ def check_run_length(settings: Settings, samples_per_epoch: int) -> None:
         fail(f"--lr_warmup_batches {settings.lr_warmup_batches} does not end before the run does ({length}): the "
              "learning rate would never reach --lr" + (" or decay" if settings.lr_schedule == "cosine" else "")
              + "; shorten the warm-up or lengthen the run")
-    if settings.profile_batches and settings.warmup_batches + settings.profile_batches >= total:
+    if settings.profile_batches and not profile_fits(settings.warmup_batches, settings.profile_batches, total):
         fail(f"--profile_batches {settings.profile_batches} after --warmup_batches {settings.warmup_batches} leaves no "
              f"batch to measure ({length}); profile fewer batches or lengthen the run")
     if settings.use_ema and settings.ema_export_dir:

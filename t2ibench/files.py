@@ -61,6 +61,30 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", **open_kwargs) -> Iter
         raise
 
 
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside `path` for a writer that takes a path, not a file (the torch profiler's
+    trace): when the block ends without an error the file is flushed to disk and renamed to `path`;
+    else it, and whatever the writer made from its name (its own `.tmp`), are removed."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    os.close(fd)
+    temporary = Path(name)
+    try:
+        yield temporary
+        with open(temporary, "rb+") as handle:
+            os.fsync(handle.fileno())  # the bytes are on disk before the name points at them
+        os.chmod(temporary, 0o666 & ~UMASK)
+        os.replace(temporary, target)
+    except BaseException:
+        for made in os.scandir(target.parent):
+            if made.name.startswith(temporary.name):
+                with contextlib.suppress(OSError):
+                    os.unlink(made.path)
+        raise
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

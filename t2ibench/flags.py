@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from t2ibench.cli import (FRACTION, IMAGE_SIZE, NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT,
+from t2ibench.cli import (BATCH_SIZE, FRACTION, IMAGE_SIZE, NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT,
                           SECONDS, SEED, Range)
 from t2ibench.cli import Parser, check_workers  # noqa: F401 - the commands' parser and its rules, with these groups
 from t2ibench.errors import fail
@@ -23,9 +23,15 @@ from t2ibench.sources import JoinSources
 from t2ibench.streaming import MAX_BAD_FRACTION, SHUFFLE_ALGOS, StreamingSettings
 from t2ibench.weight_casts import WEIGHT_CAST_CHOICES
 
+# --activation_checkpointing: auto (t2ibench.gpu_setup's rule on a GPU, off on a CPU), or as given.
+ACTIVATION_CHECKPOINTING_CHOICES = ("auto", "on", "off")
 # SD2's and SDXL's DDPM schedules have 1000 training timesteps (Flux's are continuous): more loss bins
 # than that would stay empty, and more sampler steps than that repeat timesteps.
 MAX_LOSS_BINS = MAX_SAMPLE_STEPS = 1000
+# Ranges of the recipe and sampling flags that bench/learns.py passes on to benchmark.py.
+CAPTION_DROP_PROB = Range(float, 0, 1, high_open=True)
+SAMPLE_STEPS = Range(int, 1, MAX_SAMPLE_STEPS)
+GUIDANCE_SCALE = Range(float, 0, MAX_GUIDANCE_SCALE)
 
 
 def add_source(p: argparse.ArgumentParser) -> None:
@@ -72,6 +78,13 @@ def add_fp8(group: argparse._ArgumentGroup) -> None:
                        help="float8 training of the denoiser's Linear layers whose shapes float8 supports (torchao): "
                             "tensorwise or rowwise scales; the other layers keep the run's precision. Needs a GPU "
                             "of compute capability 8.9 or more; emulated on a CPU (numerics, not speed)")
+
+
+def add_activation_checkpointing(group: argparse._ActionsContainer, help: str) -> None:
+    """--activation_checkpointing auto|on|off (default auto; the bare flag, as before it took a value,
+    means on), for benchmark.py and the benchmarks that count its step (bench/memory.py, bench/step_ops.py)."""
+    group.add_argument("--activation_checkpointing", type=str, nargs="?", const="on", default="auto",
+                       choices=ACTIVATION_CHECKPOINTING_CHOICES, help=help)
 
 
 def add_run(p: argparse.ArgumentParser, seed_help: str) -> None:
@@ -140,14 +153,15 @@ def benchmark_parser(description: str) -> Parser:
     # The flags of the 2023 benchmark keep their names and defaults (--remote, --local, --image_size
     # and --model_name among the shared groups below).
     g = p.add_argument_group("the 2023 benchmark's flags")
-    g.add_argument("--batch_size", type=POSITIVE_INT, default=2048, help="global batch size, images per step over all devices")
+    g.add_argument("--batch_size", type=BATCH_SIZE, default=2048, help="global batch size, images per step over all devices")
     g.add_argument("--use_synth_data", action="store_true", help="random images and captions (measures the model only)")
     g.add_argument("--use_ema", action="store_true",
                    help="keep an EMA of the denoiser's weights (half-life --ema_half_life, 1000 batches)")
     g.add_argument("--wandb_name", type=str, default=None, help="W&B run name (enables W&B logging)")
     g.add_argument("--wandb_project", type=str, default=None, help="W&B project (enables W&B logging)")
     g.add_argument("--device_train_microbatch_size", type=str, default="auto",
-                   help="images per device per forward/backward, or 'auto' (GPU: largest that fits; CPU: no accumulation)")
+                   help="images per device per forward/backward, or 'auto' (GPU: largest that fits, counted with "
+                        "--activation_checkpointing auto or on several GPUs; CPU: no accumulation)")
     add_source(p)
     add_model(p)
     add_run(p, "seeds model init, noise, timesteps, data order")
@@ -174,7 +188,8 @@ def benchmark_parser(description: str) -> Parser:
     g.add_argument("--autoresume", action="store_true",
                    help="resume from the latest checkpoint in --save_folder if there is one (needs --run_name)")
     g.add_argument("--run_name", type=str, default=None, help="run name; fixed names let --autoresume find the run")
-    g = p.add_argument_group("speed (defaults are the plain step until GPU measurements say otherwise)")
+    g = p.add_argument_group("speed (defaults: on a GPU the set-up measured fastest, docs/speed.md; on a CPU the "
+                             "plain step)")
     g.add_argument("--precomputed", action="store_true",
                    help="train from precomputed VAE latents (latents.py): no VAE; the text encoder runs on stored "
                         "token ids, or is skipped too for shards written with --store_text_states")
@@ -205,16 +220,19 @@ def benchmark_parser(description: str) -> Parser:
                         "the throughput window): a trace for Perfetto / chrome://tracing, the 15 most expensive "
                         "ops and the device-busy fraction in the summary and the results JSON")
     g.add_argument("--profile_dir", type=str, default="profile", help="where --profile_batches writes its trace")
-    g.add_argument("--activation_checkpointing", action="store_true",
-                   help="recompute each block of the denoiser in the backward pass instead of keeping its activations "
-                        "(diffusers' gradient checkpointing): less memory, about a third more compute")
+    add_activation_checkpointing(
+        g, "recompute each block of the denoiser in the backward pass instead of keeping its activations "
+           "(diffusers' gradient checkpointing): less memory, about a third more compute. auto: on a GPU, the "
+           "largest microbatch that fits without it or the largest with it, whichever is predicted faster "
+           "(docs/speed.md); with a given --device_train_microbatch_size, on only when that one does not fit "
+           "without it; off on a CPU. The bare flag means on")
     add_fp8(g)
     g = p.add_argument_group("training recipe (every default keeps the 2023 step)")
     g.add_argument("--lr_warmup_batches", type=NON_NEGATIVE_INT, default=0, help="linear learning-rate warm-up over this many batches")
     g.add_argument("--lr_schedule", type=str, default="constant", choices=("constant", "cosine"),
                    help="after the warm-up: constant, or cosine decay to 0 at --max_duration")
     g.add_argument("--grad_clip_norm", type=POSITIVE_FLOAT, default=None, help="clip the gradient's global L2 norm to this")
-    g.add_argument("--caption_drop_prob", type=Range(float, 0, 1, high_open=True), default=0.0,
+    g.add_argument("--caption_drop_prob", type=CAPTION_DROP_PROB, default=0.0,
                    help="replace each caption by the empty one with this probability (classifier-free guidance)")
     g.add_argument("--ema_start", type=str, default="0ba", help="with --use_ema: start averaging at this time (e.g. 1350000ba)")
     g.add_argument("--ema_half_life", type=str, default="1000ba",
@@ -250,8 +268,8 @@ def benchmark_parser(description: str) -> Parser:
     g.add_argument("--sampler", type=str, default=None, choices=("ddim", "euler"),
                    help="diffusers sampler for samples: ddim (SD2's default) or euler (for Flux: flow-matching Euler, "
                         "FluxPipeline's)")
-    g.add_argument("--sample_steps", type=Range(int, 1, MAX_SAMPLE_STEPS), default=50,
+    g.add_argument("--sample_steps", type=SAMPLE_STEPS, default=50,
                    help=f"sampler steps per sample (at most {MAX_SAMPLE_STEPS}, the training timesteps of SD2 and SDXL)")
-    g.add_argument("--guidance_scale", type=Range(float, 0, MAX_GUIDANCE_SCALE), default=7.5,
+    g.add_argument("--guidance_scale", type=GUIDANCE_SCALE, default=7.5,
                    help="classifier-free guidance scale of samples (<= 1: none, as in diffusers)")
     return p

@@ -3,15 +3,16 @@ from the run's settings before anything is built, and read by the rest of the ru
 """
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass, replace
 
 import torch
 from composer.utils import dist, reproducibility
 
-from t2ibench import memory
+from t2ibench import cpu_threads, memory
+from t2ibench.cpu_threads import CpuThreads
 from t2ibench.families import ModelFamily
+from t2ibench.gpu_setup import choose_setup, from_flag
 from t2ibench.parallel import resolve_mode
 from t2ibench.precision import resolve_precision
 from t2ibench.settings import Settings
@@ -27,6 +28,10 @@ class Runtime:
     batch_size_per_device: int
     microbatch: int | str  # images per device per forward/backward, or Composer's "auto" search
     weight_casts: str  # "step": bf16 weight copies once per optimizer step (t2ibench.weight_casts); "microbatch"
+    activation_checkpointing: bool  # the denoiser's blocks recomputed in backward (`auto` resolved on a GPU
+    # by `with_counted_setup`, once the data says what precomputed batches carry)
+    activation_checkpointing_reason: str  # which rule chose it: the flag, or `auto` and its figures
+    cpu_threads: CpuThreads | None = None  # a CPU run's intra-op threads and why (None on a GPU)
 
     @property
     def is_rank_zero(self) -> bool:
@@ -34,14 +39,14 @@ class Runtime:
 
     @classmethod
     def start(cls, settings: Settings) -> Runtime:
-        """Set the process up (CUDA device per rank, threads per CPU rank, Composer's node signal files,
-        seeds) and decide the precision and the microbatch (`auto` on several GPUs: see
-        `with_counted_microbatch`)."""
+        """Set the process up (CUDA device per rank, intra-op threads per CPU rank, Composer's node signal
+        files, seeds) and decide the precision and the microbatch (`auto` on several GPUs, and activation
+        checkpointing `auto` on a GPU: see `with_counted_setup`)."""
         world_size = dist.get_world_size()
         on_gpu = torch.cuda.is_available()
-        if not on_gpu and "OMP_NUM_THREADS" not in os.environ:
-            # Composer's launcher leaves every CPU rank using all cores: N ranks oversubscribe N-fold.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_local_world_size()))
+        # Composer's launcher leaves every CPU rank using all cores, and torch's default ignores the
+        # loader workers and other programs' load: see cpu_threads.choose.
+        threads = None if on_gpu else cpu_threads.choose(settings.num_workers, dist.get_local_world_size())
         if on_gpu:
             # Before anything touches CUDA: otherwise every rank creates a context on GPU 0.
             torch.cuda.set_device(dist.get_local_rank())
@@ -53,7 +58,7 @@ class Runtime:
         if microbatch == "auto" and not on_gpu:
             microbatch = per_device  # Composer's auto microbatching needs a GPU
         # "auto" on several GPUs stays until the data says what precomputed batches carry:
-        # `with_counted_microbatch` replaces it with the memory model's count.
+        # `with_counted_setup` replaces it with the memory model's count.
         if settings.channels_last and not settings.compile and dist.get_global_rank() == 0:
             warnings.warn("--channels_last without --compile: eager GroupNorm returns contiguous tensors, so every "
                           "convolution after a norm converts its input back to channels-last; add --compile "
@@ -62,22 +67,49 @@ class Runtime:
         reproducibility.seed_all(settings.seed)
         weight_casts = resolve_weight_casts(settings.weight_casts, on_gpu=on_gpu, precision=precision,
                                             world_size=world_size)
+        # On a GPU `auto` is decided with the microbatch (`with_counted_setup`); off until then.
+        checkpointing, reason = from_flag(settings.activation_checkpointing)
         return cls(world_size, on_gpu, precision, precision if on_gpu else "fp32", per_device, microbatch,
-                   weight_casts)
+                   weight_casts, checkpointing, reason, threads)
 
-    def with_counted_microbatch(self, settings: Settings, text_format: str | None) -> Runtime:
-        """This runtime with `auto` on several GPUs replaced by `safe_auto_microbatch`'s count; call it
-        once the data is built (`text_format`: what precomputed shards carry, None online). Any
-        other microbatch is returned as it is."""
-        if self.microbatch != "auto" or self.world_size == 1 or not self.on_gpu:
+    def with_counted_setup(self, settings: Settings, text_format: str | None) -> Runtime:
+        """This runtime with activation checkpointing `auto` on a GPU decided (`gpu_setup.choose_setup`,
+        with the microbatch it chose where the microbatch is `auto`), and the microbatch `auto` on
+        several GPUs replaced by `safe_auto_microbatch`'s count; call it once the data is built
+        (`text_format`: what precomputed shards carry, None online). Anything else is returned as it is.
+        With checkpointing on or off and one GPU, `auto` stays Composer's OOM search."""
+        if not self.on_gpu:
             return self
-        microbatch = safe_auto_microbatch(settings.family, settings, torch.cuda.get_device_properties(0).total_memory,
-                                          self.world_size, self.precision, text_format)
+        memory_bytes = torch.cuda.get_device_properties(0).total_memory
+        if settings.activation_checkpointing == "auto":
+            setup = choose_setup(
+                settings.model_config, settings.image_size, memory_bytes, self.batch_size_per_device,
+                microbatch=None if self.microbatch == "auto" else self.microbatch, **counted_settings(
+                    settings, self.world_size, self.precision, text_format, self.weight_casts))
+            if self.is_rank_zero:
+                print(f"--activation_checkpointing auto: {'on' if setup.activation_checkpointing else 'off'}, "
+                      f"microbatch {setup.microbatch} ({setup.reason}; counted by t2ibench.memory and "
+                      "t2ibench.kernels for this GPU's memory and these settings, docs/speed.md)", flush=True)
+            return replace(self, microbatch=setup.microbatch, activation_checkpointing=setup.activation_checkpointing,
+                           activation_checkpointing_reason=setup.reason)
+        if self.microbatch != "auto" or self.world_size == 1:
+            return self
+        microbatch = safe_auto_microbatch(settings.family, settings, memory_bytes, self.world_size, self.precision,
+                                          text_format)
         if self.is_rank_zero:
             print(f"--device_train_microbatch_size auto with {self.world_size} ranks: using {microbatch} "
                   "(counted by t2ibench.memory for this GPU's memory and these settings; see docs/gpu-runs.md), "
                   "not Composer's OOM search", flush=True)
         return replace(self, microbatch=microbatch)
+
+
+def counted_settings(settings: Settings, world_size: int, precision: str, text_format: str | None,
+                     weight_casts: str) -> dict:
+    """The run's settings the memory model and the kernel count take, as the run resolved them."""
+    return dict(precision=precision, norm_precision=settings.norm_precision, precomputed=settings.precomputed,
+                precomputed_format=text_format if settings.precomputed else None, use_ema=settings.use_ema,
+                fsdp=resolve_mode(settings.fsdp, settings.family.parallelism, world_size), num_gpus=world_size,
+                weight_casts=weight_casts, fp8=settings.fp8)
 
 
 def safe_auto_microbatch(family: ModelFamily, settings: Settings, total_memory_bytes: int, world_size: int,
@@ -99,7 +131,7 @@ def safe_auto_microbatch(family: ModelFamily, settings: Settings, total_memory_b
         precision=precision, norm_precision=settings.norm_precision, precomputed=settings.precomputed,
         precomputed_format=text_format if settings.precomputed else None, use_ema=settings.use_ema,
         fsdp=resolve_mode(settings.fsdp, family.parallelism, world_size), num_gpus=world_size,
-        activation_checkpointing=settings.activation_checkpointing, fp8=settings.fp8)  # several ranks: casts per microbatch
+        activation_checkpointing=settings.activation_checkpointing == "on", fp8=settings.fp8)  # several ranks: casts per microbatch
 
 
 def per_node_signal_files() -> None:

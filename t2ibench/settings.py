@@ -86,7 +86,7 @@ class Settings:
     weight_casts: str  # as given: "auto" is resolved by runtime.Runtime, which knows the device
     profile_batches: int  # batches profiled after the warm-up
     profile_dir: str  # local folder of the profiler's trace
-    activation_checkpointing: bool  # recompute each block in backward
+    activation_checkpointing: str  # as given: "auto" is resolved by runtime.Runtime, which knows the GPU
     fp8: str  # float8 Linear layers: "off" or a scaling (t2ibench.fp8.FP8_MODES)
 
     # -- training recipe

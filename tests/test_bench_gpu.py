@@ -14,6 +14,7 @@ import torch
 
 import bench_gpu
 from t2ibench import memory
+from t2ibench.gpu_setup import choose_setup
 
 SD2_ROWS = [name for name, setting in bench_gpu.MATRIX.items() if setting.model_config == "sd2-base"]
 
@@ -36,17 +37,28 @@ def _check_planned(rows: list[dict], printed: str) -> None:
         assert ("--use_ema" in flag) is setting.use_ema
         assert (flag["--model_config"], int(flag["--image_size"])) == (setting.model_config, setting.resolution)
         micro = int(flag["--device_train_microbatch_size"])
+        # Checkpointing as benchmark.py resolves the row's flag on this node (auto: the rule's choice).
+        options = dict(norm_precision=setting.norm_precision, precomputed=setting.precomputed,
+                       precomputed_format=setting.text_format, fsdp=setting.fsdp, num_gpus=8,
+                       use_ema=setting.use_ema)
+        setup = choose_setup(setting.model_config, setting.resolution, 79.1 * 2**30, setting.global_batch // 8,
+                             activation_checkpointing=setting.activation_checkpointing, **options)
+        assert row["activation_checkpointing"] is setup.activation_checkpointing is row["plan"]["activation_checkpointing"]
+        assert row["plan"]["activation_checkpointing_reason"] == setup.reason
         # The memory model's largest microbatch for the row's own settings (halved where the row says).
         plan = memory.plan(setting.model_config, setting.resolution, 79.1 * 2**30,
-                           norm_precision=setting.norm_precision, precomputed=setting.precomputed,
-                           precomputed_format=setting.text_format, fsdp=setting.fsdp, num_gpus=8,
-                           per_device_batch=setting.global_batch // 8, use_ema=setting.use_ema,
-                           activation_checkpointing=setting.activation_checkpointing)
+                           per_device_batch=setting.global_batch // 8,
+                           activation_checkpointing=setup.activation_checkpointing, **options)
         assert plan["microbatch"] >= 1, row["name"]  # every row fits the GPU
         assert micro == plan["microbatch"] // setting.microbatch_divisor and (setting.global_batch // 8) % micro == 0
         assert memory.predicted_bytes(plan, micro) <= 79.1 * 2**30
         assert flag["--fsdp"] == setting.fsdp  # the run shards as the plan counted
-        assert ("--activation_checkpointing" in flag) is setting.activation_checkpointing
+        # The row's flag as the row sets it; a row that leaves it out takes benchmark.py's auto, whose
+        # choice with this microbatch (on only when it does not fit without) is the planned one.
+        assert flag.get("--activation_checkpointing", "auto") == setting.activation_checkpointing
+        if setting.activation_checkpointing == "auto":
+            assert choose_setup(setting.model_config, setting.resolution, 79.1 * 2**30, setting.global_batch // 8,
+                                microbatch=micro, **options).activation_checkpointing is setup.activation_checkpointing
         assert ("--model_name" in flag) is setting.needs_pretrained
         assert shlex.join(command) in printed  # the full command, as a shell would run it
         assert row["estimated_seconds"] > bench_gpu.STARTUP_SECONDS
@@ -67,16 +79,19 @@ def test_dry_run_plans_every_sd2_row_of_an_8_x_80gb_node_at_batch_2048(tmp_path,
 
 def test_dry_run_plans_flux_sharded_from_the_memory_model(tmp_path, capsys):
     # Flux.1-schnell's 11.9B parameters only train sharded; checkpointing its blocks fits more images.
-    names = ["flux-precomputed-states-bf16-fsdp", "flux-precomputed-states-bf16-fsdp-ckpt"]
+    names = ["flux-precomputed-states-bf16-fsdp-nockpt", "flux-precomputed-states-bf16-fsdp-ckpt",
+             "flux-precomputed-states-bf16-fsdp"]
     rows = bench_gpu.main(["--dry_run", "--gpus", "8", "--gpu_memory_gib", "79.1", "--only", *names])
     _check_planned(rows, capsys.readouterr().out)
-    plain, checkpointed = (row["microbatch"] for row in rows)
-    assert checkpointed > plain
+    plain, checkpointed, default = rows
+    assert checkpointed["microbatch"] > plain["microbatch"]
+    # The default row runs what `auto` picks on 8 x 80 GB: checkpointing, at the per-GPU batch (512 / 8).
+    assert default["activation_checkpointing"] and default["microbatch"] == checkpointed["microbatch"] == 64
 
 
 def test_fp8_goes_to_every_row_and_into_its_memory_plan(capsys):
     # MLPerf's set-up with float8 on 8 x 80 GB: the command takes --fp8, the microbatch is counted with it.
-    name = "flux-precomputed-states-bf16-fsdp"
+    name = "flux-precomputed-states-bf16-fsdp-nockpt"
     (row,) = bench_gpu.main(["--dry_run", "--gpus", "8", "--gpu_memory_gib", "79.1", "--only", name,
                              "--fp8", "tensorwise"])
     assert _flags(row["command"])["--fp8"] == "tensorwise" and row["plan"]["fp8"] == "tensorwise"

@@ -83,7 +83,7 @@ def test_the_budget_rule_learns_from_the_rows_before():
     estimator = gpu_report.Estimator(first_flops_per_second=1e12)
     eager = gpu_report.run_setting(gpu_report.ROWS[0], smoke=True)
     compiled = gpu_report.run_setting(gpu_report.ROWS[1], smoke=True)
-    flops = gpu_report.flops_of(eager)
+    flops = gpu_report.flops_of(eager, True)  # SD2's `auto` checkpointing: counted on, the longer estimate
     batches = 3
     # Before any row: the first estimates, the batches at the first FLOP/s.
     assert estimator.run_seconds(eager, batches) == pytest.approx(
@@ -91,14 +91,18 @@ def test_the_budget_rule_learns_from_the_rows_before():
     assert estimator.fixed_seconds(compiled) == gpu_report.FIRST_STARTUP_SECONDS + gpu_report.FIRST_COMPILE_SECONDS
     assert estimator.blocks_seconds() == gpu_report.FIRST_BLOCKS_SECONDS
     # An eager row of 40 s whose measured batches took 2 s each at 8 images/s: 34 s of start-up.
-    estimator.observe_run(eager, batches, 40.0, {"measured_seconds": 4.0, "measured_batches": 2, "images_per_sec": 8.0})
-    assert estimator.run_seconds(eager, batches) == pytest.approx(34 + batches * eager.global_batch / 8.0)
+    # It ran without checkpointing: its FLOP/s are 8 images/s times the plain step's FLOPs.
+    estimator.observe_run(eager, batches, 40.0, {"measured_seconds": 4.0, "measured_batches": 2, "images_per_sec": 8.0,
+                                                 "activation_checkpointing": False})
+    seconds_per_batch = eager.global_batch * flops / (8 * gpu_report.flops_of(eager, False))
+    assert estimator.run_seconds(eager, batches) == pytest.approx(34 + batches * seconds_per_batch)
     # A compiled row that reports its compilation: the rest of its overhead is start-up (the largest is kept).
     estimator.observe_run(compiled, batches, 100.0, {"measured_seconds": 2.0, "measured_batches": 2,
-                                                    "images_per_sec": 16.0, "compile_seconds": 50.0})
+                                                    "images_per_sec": 16.0, "compile_seconds": 50.0,
+                                                    "activation_checkpointing": False})
     assert estimator.fixed_seconds(compiled) == pytest.approx(47 + 50)
     # The lowest FLOP/s seen is kept (8 images/s, not 16), and the longest blocks.py run.
-    assert estimator.run_seconds(eager, batches) == pytest.approx(47 + batches * eager.global_batch / 8.0)
+    assert estimator.run_seconds(eager, batches) == pytest.approx(47 + batches * seconds_per_batch)
     estimator.observe_blocks(70.0)
     estimator.observe_blocks(30.0)
     assert estimator.blocks_seconds() == 70.0
@@ -109,30 +113,52 @@ def test_the_budget_rule_learns_from_the_rows_before():
 
 @pytest.mark.parametrize("smoke", [False, True])
 def test_blocks_rows_are_commands_blocks_py_accepts(tmp_path, smoke):
-    import blocks
+    import argparse
+    import dataclasses
 
+    import blocks
+    import bench_gpu
+
+    args = argparse.Namespace(out=tmp_path, smoke=smoke, model_name=bench_gpu.DEFAULT_MODEL_NAME)
+    gpu_memory_bytes = 79.1 * 2**30  # an H100's, as torch reports it
     measured = {"sd2-512-precomputed": gpu_report.Outcome("sd2-512-precomputed", "run", "", status="ok", result={
         "model_config": "sd2-base", "image_size": 512, "precomputed": True, "precomputed_format": "tokens",
         "global_batch_size": 512, "device_train_microbatch_size": 32, "world_size": 1, "use_ema": True,
-        "compile": False, "fsdp": "none", "weight_casts": "step", "norm_precision": "autocast"})}
+        "compile": False, "fsdp": "none", "weight_casts": "step", "norm_precision": "autocast",
+        "activation_checkpointing": False})}
+    rows = [row for row in gpu_report.ROWS if row.blocks_of or row.compare_with in measured]
+    if not smoke:  # Flux.1-schnell's node planned on the meta device takes minutes here: its tiny model's
+        rows = [dataclasses.replace(row, blocks_of=dataclasses.replace(row.blocks_of, model_config="flux1-tiny",
+                                                                       image_size=32))
+                if row.blocks_of else row for row in rows]
     compiles = "--compile" in gpu_report.blocks_options()
-    for row in gpu_report.ROWS:
-        if row.setting or (row.compare_with and row.compare_with not in measured):
-            continue
-        command, notes = gpu_report.blocks_command(row, measured, tmp_path, smoke)
+    for row in rows:
+        command, notes = gpu_report.blocks_command(row, measured, args, gpu_memory_bytes)
         assert command[1] == str(ROOT / "bench" / "blocks.py") and command[-1] == "--json"
-        args = blocks.build_parser().parse_args(command[2:])  # blocks.py takes every flag as given
+        parsed = blocks.build_parser().parse_args(command[2:])  # blocks.py takes every flag as given
         if row.blocks_of:
-            assert args.model_config == ("flux1-tiny" if smoke else "flux1-schnell")
-            assert args.fp8 == row.blocks_of.fp8 and args.precomputed_format == "text_states"
-            assert args.fsdp == ("none" if smoke else "full_shard") and not args.use_ema
+            assert parsed.model_config == "flux1-tiny"
+            assert parsed.fp8 == row.blocks_of.fp8 and parsed.precomputed_format == "text_states"
+            assert parsed.fsdp == ("none" if smoke else "full_shard") and not parsed.use_ema
+            if not smoke:  # the run bench_gpu.py launches on 8 of these GPUs: its checkpointing and microbatch
+                node = bench_gpu.plan_row(row.name, row.blocks_of, 8, gpu_memory_bytes, tmp_path, 1, 0, False, "")
+                assert (parsed.activation_checkpointing, parsed.microbatch) == (node.activation_checkpointing,
+                                                                                node.microbatch)
+                assert parsed.gpus == [8] and parsed.global_batch == row.blocks_of.global_batch
             # Compiled where blocks.py can compile; else eager, and the row says so.
             assert ("--compile" in command) is compiles
             assert notes == ([] if compiles else ["blocks.py has no --compile: timed without it"])
         else:
-            assert args.compare_results_json == str(tmp_path / "sd2-512-precomputed.json")
-            assert (args.model_config, args.image_size, args.microbatch, args.gpus) == ("sd2-base", 512, 32, [1])
-            assert args.global_batch == 512 and args.use_ema and args.precomputed and "--compile" not in command
+            assert parsed.compare_results_json == str(tmp_path / "sd2-512-precomputed.json")
+            assert (parsed.model_config, parsed.image_size, parsed.microbatch) == ("sd2-base", 512, 32)
+            assert parsed.gpus == [1]
+            assert parsed.global_batch == 512 and parsed.use_ema and parsed.precomputed and "--compile" not in command
+            assert parsed.weight_casts == "step" and not parsed.activation_checkpointing
+    # A compiled run is predicted only where blocks.py compiles.
+    compiled = {"sdxl-1024-compile": gpu_report.Outcome("sdxl-1024-compile", "run", "", status="ok",
+                                                        result={"compile": True})}
+    why = gpu_report.cannot_compare(gpu_report.ROWS[-1], compiled)
+    assert why == (None if compiles else "blocks.py has no --compile to predict the compiled run sdxl-1024-compile")
 
 
 def _outcome(name: str, kind: str, result: dict) -> gpu_report.Outcome:

@@ -247,6 +247,23 @@ def test_checkpoint_on_a_full_disk_is_one_line_and_leaves_no_part(full_disk):
     assert not list((full_disk / "run").glob("*.pt")) and leftovers(full_disk) == []
 
 
+def test_profile_trace_on_a_full_disk_is_reported_unwritten_and_leaves_no_part(full_disk, tmp_path, capsys):
+    fill(full_disk)
+    results_json = tmp_path / "results.json"
+    results = benchmark.main([*SYNTH, "--max_duration", "3ba", "--profile_batches", "1", "--profile_dir",
+                              str(full_disk / "prof"), "--results_json", str(results_json)])
+    # The run goes on (its figures hold, the profile's too); the trace it could not write is named as such.
+    written = json.loads(results_json.read_text())
+    assert written["profile_trace"] is None and results["profile_trace"] is None
+    assert written["profile_trace_error"].startswith(f"--profile_dir {full_disk / 'prof'}: trace-rank0.json could not "
+                                                     "be written (No space left on device)")
+    assert 0 < written["device_busy_fraction"] <= 1 and written["profile_top_ops"] and written["images_per_sec"] > 0
+    captured = capsys.readouterr()
+    assert "warning: --profile_dir" in captured.err and "NO TRACE: --profile_dir" in captured.out
+    assert not list(full_disk.rglob("trace-rank0.json")) and leftovers(full_disk) == []
+    assert [p.name for p in full_disk.rglob("*") if p.is_file()] == ["filler"]
+
+
 @pytest.mark.parametrize("flag, name", [("--csv", "t.csv"), ("--markdown", "t.md"), ("--plot", "t.png")])
 def test_cost_outputs_on_a_full_disk_keep_the_old_file(full_disk, flag, name):
     old = full_disk / name
