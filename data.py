@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import warnings
 from collections import Counter
 from typing import Any, Iterator
 
@@ -120,14 +119,6 @@ def use_compact_spanner() -> None:
 
 use_compact_spanner()  # every dataset of this project, from the first one built
 
-# Streaming 0.13 plans an epoch by dividing the samples it takes from each shard by the shard's samples
-# (StreamingDataset.resample_streams), and numpy warns for a shard of 0 samples, where the quotient and
-# remainder it gets, 0, are the right plan: nothing from that shard. Streaming's MDSWriter wrote such a
-# shard before a first sample larger than --size_limit (convert.py did until t2ibench.mds.MDSWriter);
-# those datasets are read without two lines of "divide by zero" per epoch.
-warnings.filterwarnings("ignore", message=r"divide by zero encountered in scalar (floor_divide|remainder)",
-                        category=RuntimeWarning, module=r"streaming\.base\.dataset")
-
 
 _PREPARING = _ShardState.PREPARING  # Streaming's state of a shard being downloaded or decompressed
 
@@ -158,6 +149,15 @@ class NamedShardErrors:
             if self._shard_states[shard_id] == _PREPARING:
                 self._shard_states[shard_id] = before
             raise
+
+    def resample_streams(self, epoch: int, stream_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Streaming's plan of an epoch, without numpy's divide-by-zero warnings for a shard of 0 samples:
+        Streaming 0.13 divides the samples it takes from each shard by the shard's samples, and for such a
+        shard gets 0 and 0, the right plan (nothing from it). Streaming's MDSWriter wrote one before a
+        first sample larger than --size_limit (convert.py did until t2ibench.mds.MDSWriter); those
+        datasets are read without two lines of "divide by zero" per epoch."""
+        with np.errstate(divide="ignore"):
+            return super().resample_streams(epoch, stream_id)
 
     def on_exception(self, future: Any) -> None:
         """Streaming's callback on its download threads: a shard failure is raised by the yield loop

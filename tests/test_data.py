@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -524,10 +525,12 @@ TRAIN_2BA = ["--model_config", "tiny", "--batch_size", "4", "--image_size", "32"
              "--num_workers", "0", "--warmup_batches", "1"]
 
 
-@pytest.mark.parametrize("oversized", [{0}, {0, 1, 6, 11}], ids=["first", "several"])
-def test_samples_larger_than_size_limit_get_shards_of_their_own_and_the_dataset_trains(tmp_path, oversized):
+def test_samples_larger_than_size_limit_get_shards_of_their_own_and_the_dataset_trains(tmp_path):
+    """The first two photos, one inside and the last over --size_limit (the first one made Streaming's
+    writer close an empty shard before it)."""
     import benchmark
 
+    oversized = {0, 1, 6, 11}
     raw = oversized_folder(tmp_path / "raw", oversized)
     out = tmp_path / "mds"
     report = convert.main([str(raw), "--out", str(out), "--size_limit", "8kb", "--no_progress"])
@@ -563,7 +566,7 @@ def test_latents_of_oversized_samples_train_with_precomputed(tmp_path):
     assert results["measured_batches"] == 1 and np.isfinite(results["final_loss"])
 
 
-def test_a_dataset_with_an_empty_shard_as_streaming_writes_it_trains_and_feeds_latents(tmp_path, capfd):
+def test_a_dataset_with_an_empty_shard_as_streaming_writes_it_trains_and_feeds_latents(tmp_path):
     """Datasets convert.py wrote before its writer left out the empty shard: Streaming's own MDSWriter,
     given a first sample over size_limit, closes a shard of 0 samples. Nothing is lost, so every
     reader takes it, without numpy's divide-by-zero warnings from Streaming's epoch plan."""
@@ -578,13 +581,14 @@ def test_a_dataset_with_an_empty_shard_as_streaming_writes_it_trains_and_feeds_l
             writer.write({"jpg": image, "caption": caption_for(i), "key": str(i)})
     counts = shard_samples(out)
     assert counts[0] == 0 and sum(counts) == 12  # what Streaming 0.13 writes
-    results = benchmark.main([*TRAIN_2BA, "--num_workers", "2", "--local", str(out)])
+    with warnings.catch_warnings(record=True) as caught:  # what reaches the user (the filters as they are)
+        results = benchmark.main([*TRAIN_2BA, "--local", str(out)])
     assert results["measured_batches"] == 1 and np.isfinite(results["final_loss"])
+    assert not [w for w in caught if "divide by zero" in str(w.message)]
     stored = tmp_path / "latents"
     latents.main(["--local", str(out), "--out", str(stored), "--model_config", "tiny", "--image_size", "32",
                   "--batch_size", "4", "--num_workers", "0", "--no_progress"])
     assert sum(shard_samples(stored)) == 12
-    assert "divide by zero" not in capfd.readouterr().err
 
 
 def test_bench_data_times_the_loader_on_generated_photos(capsys):

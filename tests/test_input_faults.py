@@ -546,7 +546,7 @@ def copy_with(folder: Path, to: Path, name: str, content: str = "mine") -> Path:
 
 
 def test_what_a_killed_export_left_is_taken_over_and_a_users_file_is_not(checkpoint, tmp_path):
-    from t2ibench.files import STAGING_FOLDER
+    from t2ibench.files import STAGING_FOLDER, acquire
 
     out = tmp_path / "pipe"
     # Killed while moving the finished parts into place (the 1st replace writes the staging marker).
@@ -564,6 +564,14 @@ def test_what_a_killed_export_left_is_taken_over_and_a_users_file_is_not(checkpo
     (theirs / STAGING_FOLDER / "draft.txt").write_text("mine")
     assert "exists and is not an empty folder" in error_of(export.main, [str(checkpoint), "--out", str(theirs)])
     assert (theirs / STAGING_FOLDER / "draft.txt").read_text() == "mine"
+    # A staging folder of an export still running (it holds --out) is never taken over.
+    hold = acquire("--out", out)
+    try:
+        assert f"--out {out} is being written by another command" in error_of(export.main, [str(checkpoint), "--out",
+                                                                                                str(out)])
+    finally:
+        hold.release()
+    assert sorted(os.listdir(out)) == left
     # The rerun takes over: a whole pipeline, nothing of the killed one left.
     export.main([str(checkpoint), "--out", str(out)])
     assert STAGING_FOLDER not in os.listdir(out) and json.loads((out / "model_index.json").read_text())["unet"]
