@@ -47,10 +47,10 @@ class CastWeightsOncePerStep(Algorithm):
     per tensor from the second microbatch on, one upcast), with the sum exact to fp32 (summed in the
     copies' bf16 `.grad`, as before, it kept 8 significant bits: percents off from a few hundred
     microbatches on, docs/speed.md). It is autocast's own sum of the same bf16 gradients, bit for
-    bit, with one microbatch per step or many (where every weight feeds a bf16 op). The hook, not a `_foreach_add_` after each backward:
-    the hook frees each bf16 gradient as soon as backward makes it, so no bf16 gradients accumulate
-    beside the fp32 ones during a backward (4 bytes per parameter then, not 6), and a mixed-dtype
-    foreach add launches one kernel per tensor all the same."""
+    bit, with one microbatch per step or many (where every weight feeds a bf16 op). The hook, not a
+    `_foreach_add_` after each backward: the hook frees each bf16 gradient as soon as backward makes
+    it, so no bf16 gradients accumulate beside the fp32 ones during a backward (4 bytes per
+    parameter then, not 6), and a mixed-dtype foreach add launches one kernel per tensor all the same."""
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16):
         self.module, self.dtype = module, dtype

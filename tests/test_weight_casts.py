@@ -87,8 +87,11 @@ def test_hundreds_of_microbatches_sum_in_fp32():
         assert all(g.dtype == torch.bfloat16 for g in increments)
         for total, g in zip(exact, increments):
             total += g.double()
-        fp32_sum = [g.float() for g in increments] if not fp32_sum else [s.add_(g) for s, g in zip(fp32_sum, increments)]
-        bf16_sum = [g.clone() for g in increments] if not bf16_sum else [s.add_(g) for s, g in zip(bf16_sum, increments)]
+        if not fp32_sum:
+            fp32_sum, bf16_sum = [g.float() for g in increments], [g.clone() for g in increments]
+        else:
+            fp32_sum = [total.add_(g) for total, g in zip(fp32_sum, increments)]
+            bf16_sum = [total.add_(g) for total, g in zip(bf16_sum, increments)]
         loss.backward()
         casts.after_backward()
         assert all(copy.grad is None for copy in copies)  # no bf16 gradient outlives its backward
