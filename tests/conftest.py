@@ -1,8 +1,17 @@
 """Fixtures several test files use (plain helpers are in tests/helpers.py)."""
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# A CPU run picks its intra-op threads from the cores other programs leave free (t2ibench.cpu_threads),
+# and the thread count changes a step's float sums: runs a test compares bit for bit (resumed against
+# uninterrupted, one set-up against another) must not differ by the machine's load of the moment. The
+# user's count wins over that rule, so the suite, and every command it starts, sets one; the test of
+# the rule itself removes it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tests.helpers import free_port
 
