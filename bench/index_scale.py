@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from streaming.base.shuffle import algos  # noqa: E402
 
 from t2ibench import errors  # noqa: E402
-from t2ibench.cli import BATCH_SIZE, NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, SECONDS, Parser  # noqa: E402
+from t2ibench.cli import BATCH_SIZE, BUDGET_SECONDS, NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, SECONDS, Parser  # noqa: E402
 from t2ibench.errors import fail  # noqa: E402
 from t2ibench.locations import check_output, check_outputs_apart, normalise  # noqa: E402
 
@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_canonical_nodes", type=POSITIVE_INT, default=None, help="Streaming's canonical nodes (default: its own)")
     p.add_argument("--gpus_per_node", type=POSITIVE_INT, default=8, help="ranks per node, for the projection")
     p.add_argument("--budget_gib", type=POSITIVE_FLOAT, default=4.0, help="memory budget per rank (rank + its workers)")
-    p.add_argument("--budget_s", type=POSITIVE_FLOAT, default=60.0, help="start-up budget per rank (open + epoch start)")
+    p.add_argument("--budget_s", type=BUDGET_SECONDS, default=60.0, help="start-up budget per rank (open + epoch start)")
     p.add_argument("--projected_epoch_size", type=POSITIVE_INT, default=200_000_000,
                    help="--epoch_size of the projection's 'with epoch_size' rows")
     p.add_argument("--out", type=str, default=None, help="folder for the indexes (default: a temporary one, deleted)")

@@ -92,6 +92,9 @@ GPU_MEMORY_GIB = Range(float, 1, MAX_GPU_MEMORY_GIB)
 MAX_REPEATS = 1000
 REPEATS = Range(int, 1, MAX_REPEATS)
 WARMUP_REPEATS = Range(int, 0, MAX_REPEATS)
+# A bench script's time budget (--budget_s): above zero, at most a day; a longer one is a typo.
+MAX_BUDGET_SECONDS = 86_400.0
+BUDGET_SECONDS = Range(float, 0, MAX_BUDGET_SECONDS, low_open=True)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
