@@ -43,6 +43,7 @@ from t2ibench.checkpoints import write_whole
 from t2ibench.data_checks import SYNTHETIC_EVAL_SAMPLES
 from t2ibench.families import Parts, build_aside, require_pretrained
 from t2ibench.files import STAGING_FOLDER, no_room, hold_output, staged_folder, write_error, write_text
+from t2ibench.grad_norm import GradientNorm
 from t2ibench.model import DiffusionModel, vae_overflows_in
 from t2ibench.norms import set_norm_precision
 from t2ibench.precomputed import RECORD_FILE, TEXT_STATES
@@ -257,6 +258,7 @@ class Measured:
     throughput: Throughput
     loss_by_timestep: LossByTimestep | None
     ema: Callback | None  # ema.EMA (an Algorithm)
+    grad_norm: GradientNorm  # the last step's gradient norm before clipping (an Algorithm, which also clips)
     validation: ValidationLog | None = None
     profile: ProfileBatches | None = None
 
@@ -285,21 +287,22 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
     # Profiled batches (slowed by the profiler) come right after the warm-up, before the measured window.
     measured = Measured(Throughput(settings.warmup_batches + settings.profile_batches, flops["total"], peak_flops, pauses,
                                    trained_flops),
-                        LossByTimestep(settings.log_interval) if settings.loss_bins else None, None)
+                        LossByTimestep(settings.log_interval) if settings.loss_bins else None, None,
+                        GradientNorm(clip_norm=settings.grad_clip_norm))
     if settings.profile_batches:
-        measured.profile = ProfileBatches(settings.warmup_batches, settings.profile_batches, settings.profile_dir, pauses)
+        measured.profile = ProfileBatches(settings.warmup_batches, settings.profile_batches, settings.profile_dir,
+                                          settings.batch_size, pauses)
     algorithms = []
     if settings.use_ema:
         from ema import EMA
         # The averaged pipeline is exported after the results are written (export_average).
         measured.ema = EMA(half_life=settings.ema_half_life, ema_start=settings.ema_start)
         algorithms.append(measured.ema)
-    if settings.grad_clip_norm:
-        from composer.algorithms import GradientClipping
-        algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=settings.grad_clip_norm))
+    # The norm, and --grad_clip_norm's clipping with it, in every run.
+    algorithms.append(measured.grad_norm)
     if run.weight_casts == "step":
         # Last in the list: Composer runs AFTER_* events in reverse order, and the fp32 weights must
-        # have their gradients back before gradient clipping looks at them.
+        # have their gradients back before the norm and the clipping look at them.
         algorithms.append(CastWeightsOncePerStep(model.denoiser))
     evaluators = []
     if training_data.eval_loader is not None:
@@ -399,11 +402,15 @@ def train(settings: Settings, run: Runtime, trainer: Trainer, built: Model, meas
         "flops_per_image_breakdown": built.flops,
         # Mean over all ranks and all microbatches of the last batch (Composer's all-reduced total).
         "final_loss": trainer.state.total_loss_dict.get("loss/train/total"),
+        # Every rank reads it (under FSDP a collective reduces the shards' parts): the same on each.
+        "grad_norm": measured.grad_norm.last_norm(),
         "loss_by_timestep_bin": measured.loss_by_timestep.summary() if measured.loss_by_timestep else [],
         "timestep_sampling": settings.timestep_sampling,
         "activation_checkpointing": run.activation_checkpointing,
         "activation_checkpointing_reason": run.activation_checkpointing_reason,
         "weight_casts": run.weight_casts,
+        "cpu_threads": run.cpu_threads.threads if run.cpu_threads else None,
+        "cpu_threads_rule": run.cpu_threads.rule if run.cpu_threads else None,
         **(measured.profile.summary if measured.profile else {}),
         "fp8": settings.fp8,
         "fp8_conversion": built.float8.summary() if built.float8 else None,

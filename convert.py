@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Iterator
 
 from PIL import Image, ImageOps
-from streaming import MDSWriter
 from tqdm import tqdm
 
 from t2ibench import errors
@@ -41,7 +40,7 @@ from t2ibench.images import load_image, to_rgb
 from t2ibench.locations import (check_output, is_remote, missing_upload_credentials, normalise, scheme,
                                 upload_schemes)
 from t2ibench.files import Hold, acquire
-from t2ibench.mds import INDEX_FILE, SHARD_NAME, codec_problem, missing_shard_files, size_limit_problem
+from t2ibench.mds import INDEX_FILE, SHARD_NAME, MDSWriter, codec_problem, missing_shard_files, size_limit_problem
 
 COLUMNS = {"jpg": "bytes", "caption": "str", "key": "str"}  # the output's: what data.StreamingImageCaptions reads
 
@@ -161,10 +160,17 @@ def prepare_output(out: str, overwrite: bool, created: bool | None = None) -> Ou
         raise ConvertError(f"--out {out} is a file, not a folder")
     staging = path / STAGING
     if staging.is_dir():  # left by a conversion that was killed: ours, unless something else is in it
-        foreign = sorted(set(os.listdir(staging)) - _dataset_files(staging))
+        staged = _dataset_files(staging)
+        foreign = sorted(set(os.listdir(staging)) - staged)
         if foreign:
             raise ConvertError(f"--out {out}: {staging} holds files convert.py did not write ({foreign[0]}...): "
                                "move them away or choose another --out")
+        # Killed while publishing (publish moves index.json last, after removing the old one): the
+        # shards of its index already in --out are that conversion's too.
+        if (staging / INDEX_FILE).is_file() and not (path / INDEX_FILE).exists():
+            for name in sorted(staged & set(os.listdir(path)) - {INDEX_FILE}):
+                if (path / name).is_file():
+                    (path / name).unlink()
         shutil.rmtree(staging)
     created = not path.exists() if created is None else created  # the hold may have made the folder
     entries = set(os.listdir(path)) if path.is_dir() else set()

@@ -32,7 +32,7 @@ from t2ibench import errors
 from t2ibench.cli import SEED, Parser
 from t2ibench.errors import fail
 from t2ibench.families import FAMILIES, MODEL_CONFIGS, build_aside, detect_config
-from t2ibench.files import hold_output, staged_folder, write_error
+from t2ibench.files import hold_output, killed_writer_leftovers, staged_folder, write_error
 from t2ibench.locations import LOAD_SCHEMES, check_output, is_remote, normalise
 from t2ibench.sampling import SAMPLERS, write_pipeline
 
@@ -148,7 +148,9 @@ def load_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], name
 def export(args: argparse.Namespace) -> Path:
     checkpoint = normalise("CHECKPOINT", args.checkpoint, LOAD_SCHEMES)
     out = Path(normalise("--out", args.out, ()))
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    # What a killed export left (its staging folder, parts it was moving out) is taken over once --out
+    # is held (staged_folder); anything else in --out is the user's.
+    if out.exists() and (not out.is_dir() or set(os.listdir(out)) - killed_writer_leftovers(out)):
         fail(f"--out {out} exists and is not an empty folder; choose a new one (nothing is overwritten)")
     # Probed before the checkpoint is read (it may be gigabytes, or a download): the pipeline must be
     # writable, and may not be written into the checkpoint's folder or a local --model_name folder.

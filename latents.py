@@ -29,22 +29,21 @@ from typing import Any
 import numpy as np
 import torch
 from composer.utils import dist, reproducibility
-from streaming import MDSWriter
 from torch.utils.data import DataLoader, Dataset
 
 import data
 from t2ibench import errors, flags
-from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_INT, SECONDS
+from t2ibench.cli import BATCH_SIZE, NON_NEGATIVE_INT, POSITIVE_INT, SECONDS
 from t2ibench.errors import UserError, fail
 from t2ibench.families import ModelFamily, require_pretrained
-from t2ibench.files import hold_output
+from t2ibench.files import hold_output, take_over
 from t2ibench.locations import is_remote, missing_upload_credentials, normalise, overlap, \
     unwritable, upload_schemes
 from t2ibench.images import GEOMETRY_KEYS, ImageGeometry
 from t2ibench.latent_encoding import Encoded, Stats, encode
 from t2ibench.latent_store import (check_settings, chunk_name, chunk_writer, clear_output, completed_chunks, join,
                                    read_json, write_json)
-from t2ibench.mds import INDEX_FILE, codec_problem, size_limit_problem
+from t2ibench.mds import INDEX_FILE, MDSWriter, codec_problem, size_limit_problem
 from t2ibench.precomputed import (RECORD_FILE, STORAGE_DTYPES, TEXT_STATES, default_format, TOKEN_IDS_DTYPE, TOKENS, mds_columns,
                                   token_column)
 from t2ibench.scale import SAMPLES as SAMPLES_AT_SCALE
@@ -113,6 +112,8 @@ def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int, held: c
     """Rank 0: hold --out until `held` closes (a second latents.py into it is refused; see main), check it,
     record the settings there, and return the chunks still to do."""
     held.enter_context(hold_output("--out", args.out))  # no hold for an object-store --out
+    if not is_remote(args.out):
+        take_over(args.out, files=(RECORD_FILE,))  # the record's temporary, left by a latents.py that was killed
     if args.overwrite and not is_remote(args.out):
         clear_output(args.out)
     existing = read_json(args.out, RECORD_FILE)
@@ -144,7 +145,7 @@ def build_parser() -> flags.Parser:
     flags.add_model(p)
     flags.add_run(p, "seeds randomly initialized encoders (as benchmark.py --seed)")
     g = p.add_argument_group("encoding and output")
-    g.add_argument("--batch_size", type=POSITIVE_INT, default=32, help="images per encoder call on each device")
+    g.add_argument("--batch_size", type=BATCH_SIZE, default=32, help="images per encoder call on each device")
     g.add_argument("--dtype", type=str, default="bf16", choices=sorted(COMPUTE_DTYPES),
                    help="autocast dtype of the encoders on GPU (CPU: always fp32)")
     g.add_argument("--storage_dtype", type=str, default="fp16", choices=sorted(STORAGE_DTYPES),

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root
 
 import data
 from convert import COLUMNS
+from t2ibench.cli import BATCH_SIZE, IMAGE_SIZE, NON_NEGATIVE_INT, POSITIVE_INT, Parser
 from t2ibench.tokenizer import bundled_tokenizer
 
 A100_IMAGES_PER_SEC = 16.0  # the 2023 benchmark, per A100 at 512x512
@@ -118,26 +119,37 @@ def measure(remote: str | None, local: str, tokenizer, image_size: int, batch_si
     return images, seconds, cpu_seconds
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> Parser:
+    p = Parser("bench_data.py", description=__doc__)
     p.add_argument("--remote", default=None, help="MDS shards to stream (s3://..., a path); default: generate")
     p.add_argument("--local", default=None, help="cache folder (or the shards themselves without --remote)")
-    p.add_argument("--image_size", type=int, default=512, help="output side in pixels")
-    p.add_argument("--batch_size", type=int, default=16, help="per-device batch size")
+    p.add_argument("--image_size", type=IMAGE_SIZE, default=512, help="output side in pixels")
+    p.add_argument("--batch_size", type=BATCH_SIZE, default=16, help="per-device batch size")
     p.add_argument("--num_workers", default=None,
                    help="comma-separated worker counts to time; 0: in this process (default: 0, 1, all cores)")
-    p.add_argument("--max_batches", type=int, default=0, help="timed batches per setting (0: one whole epoch)")
-    p.add_argument("--num_samples", type=int, default=512, help="generated samples (without --remote/--local)")
+    p.add_argument("--max_batches", type=NON_NEGATIVE_INT, default=0, help="timed batches per setting (0: one whole epoch)")
+    p.add_argument("--num_samples", type=POSITIVE_INT, default=512, help="generated samples (without --remote/--local)")
     p.add_argument("--source_size", default="1024x768", help="generated image size WIDTHxHEIGHT")
     p.add_argument("--image_dtype", default="uint8",
                    help="comma-separated: uint8 (what training uses) and/or float32 (images scaled in the workers)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = build_parser()
     args = p.parse_args(argv)
     dtypes = args.image_dtype.split(",")
     if not dtypes or any(d not in ("uint8", "float32") for d in dtypes):
         p.error(f"--image_dtype {args.image_dtype}: give uint8, float32 or uint8,float32")
+    try:
+        workers = [NON_NEGATIVE_INT(w) for w in args.num_workers.split(",")] if args.num_workers else None
+        width, height = (IMAGE_SIZE(v) for v in args.source_size.lower().split("x"))
+    except (argparse.ArgumentTypeError, ValueError):
+        p.error(f"--num_workers {args.num_workers} / --source_size {args.source_size}: give worker counts such as "
+                "0,2,8 and a size such as 1024x768")
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = [int(w) for w in args.num_workers.split(",")] if args.num_workers else sorted({0, 1, cores})
+    workers = workers or sorted({0, 1, cores})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a DataLoader worker, so 0 workers measures one core
     tokenizer = bundled_tokenizer()
@@ -145,7 +157,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     try:
         remote, local, source = args.remote, args.local, args.remote or args.local
         if not source:
-            width, height = (int(v) for v in args.source_size.lower().split("x"))
             started = time.perf_counter()
             mean_bytes = write_photo_shards(scratch / "mds", args.num_samples, width, height)
             source = f"{args.num_samples} generated {width}x{height} JPEGs, {mean_bytes / 1024:.0f} KiB each on average"

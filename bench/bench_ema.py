@@ -42,6 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
+from t2ibench.cli import POSITIVE_INT, REPEATS, Parser  # noqa: E402
+
 VARIANTS = ("ours", "composer")
 
 
@@ -231,19 +233,24 @@ def print_table(rows: list[dict], both: dict | None) -> None:
         print(f"update speed-up (interleaved medians): {ratio:.1f}x")
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> Parser:
+    parser = Parser("bench_ema.py", description=__doc__.split("\n")[0])
     parser.add_argument("--model_config", default="sd2-base", choices=["sd2-base", "tiny"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--updates", type=int, default=None, help="updates timed (default 10, tiny 50)")
+    parser.add_argument("--updates", type=REPEATS, default=None, help="updates timed (default 10, tiny 50)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="dtype the UNet's parameters train in")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: ours,composer")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in the workers (CPU)")
+    parser.add_argument("--threads", type=POSITIVE_INT, default=None, help="torch.set_num_threads in the workers (CPU)")
     parser.add_argument("--no_interleaved", action="store_true",
                         help="skip the run that alternates both EMAs in one process (it holds both copies)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     updates = args.updates or (50 if args.model_config == "tiny" else 10)
     if args.device == "cuda" and not torch.cuda.is_available():

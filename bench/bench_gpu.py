@@ -59,7 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]  # the project root
 sys.path.insert(0, str(ROOT))
 
 from t2ibench.fp8 import FP8_MODES, MIN_CAPABILITY  # noqa: E402
-from t2ibench.cli import GPU_COUNT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser  # noqa: E402
+from t2ibench.cli import GPU_COUNT, GPU_MEMORY_GIB, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, Parser  # noqa: E402
+from t2ibench.files import write_text  # noqa: E402
 from t2ibench.locations import check_output  # noqa: E402
 from t2ibench.precomputed import TEXT_STATES, batch_text_format  # noqa: E402
 
@@ -208,14 +209,32 @@ class Row:
     activation_checkpointing: bool = False  # as the run resolves the row's flag on this node
 
 
+def smoke_setting(setting: Setting, gpus: int) -> Setting:
+    """The row as --smoke runs it: the family's tiny model at small images, two microbatches per rank; DDP
+    on one rank (benchmark.py refuses to shard over a single rank)."""
+    return dataclasses.replace(setting, model_config=SMOKE_CONFIGS[setting.model_config], image_size=SMOKE_IMAGE_SIZE,
+                               fsdp="none" if gpus == 1 else setting.fsdp, global_batch=gpus * 2 * SMOKE_MICROBATCH)
+
+
 def smoke_flags(setting: Setting, gpus: int) -> list[str]:
-    """--smoke's overrides: the family's tiny model, small images, no loader workers; DDP on one rank
-    (benchmark.py refuses to shard over a single rank)."""
-    flags = ["--model_config", SMOKE_CONFIGS[setting.model_config], "--image_size", str(SMOKE_IMAGE_SIZE),
-             "--num_workers", "0"]
-    if setting.fsdp != "none" and gpus == 1:
-        flags += ["--fsdp", "none"]
+    """--smoke's overrides (smoke_setting's), and no loader workers."""
+    tiny = smoke_setting(setting, gpus)
+    flags = ["--model_config", tiny.model_config, "--image_size", str(tiny.resolution), "--num_workers", "0"]
+    if tiny.fsdp != setting.fsdp:
+        flags += ["--fsdp", tiny.fsdp]
     return flags
+
+
+def plan_options(setting: Setting, gpus: int, on_gpu: bool = True) -> dict:
+    """The memory model's options for a row's step (t2ibench.memory.plan, gpu_setup.choose_setup) but
+    checkpointing, which the node decides."""
+    from t2ibench.weight_casts import resolve_weight_casts
+
+    return dict(norm_precision=setting.norm_precision, precomputed=setting.precomputed,
+                precomputed_format=setting.text_format, fsdp=setting.fsdp, num_gpus=gpus,
+                use_ema=setting.use_ema, fp8=setting.fp8,
+                weight_casts=resolve_weight_casts(setting.weight_casts, on_gpu=on_gpu, precision="amp_bf16",
+                                                  world_size=gpus))
 
 
 def plan_row(name: str, setting: Setting, gpus: int, gpu_memory_bytes: float, out: Path, batches: int,
@@ -224,19 +243,14 @@ def plan_row(name: str, setting: Setting, gpus: int, gpu_memory_bytes: float, ou
     model's largest microbatch for it) and its full command."""
     from t2ibench import memory
     from t2ibench.gpu_setup import choose_setup, from_flag
-    from t2ibench.weight_casts import resolve_weight_casts
 
     per_device = setting.global_batch // gpus
     plan = {}
     checkpointing = from_flag(setting.activation_checkpointing)[0]  # --smoke runs on a CPU
     if smoke:
-        microbatch, batch_size = SMOKE_MICROBATCH, gpus * 2 * SMOKE_MICROBATCH
+        microbatch, batch_size = SMOKE_MICROBATCH, smoke_setting(setting, gpus).global_batch
     else:
-        options = dict(norm_precision=setting.norm_precision, precomputed=setting.precomputed,
-                       precomputed_format=setting.text_format, fsdp=setting.fsdp, num_gpus=gpus,
-                       use_ema=setting.use_ema, fp8=setting.fp8,
-                       weight_casts=resolve_weight_casts(setting.weight_casts, on_gpu=True, precision="amp_bf16",
-                                                         world_size=gpus))
+        options = plan_options(setting, gpus)
         # Microbatches are powers of two: the largest one at most the per-GPU batch caps them.
         setup = choose_setup(setting.model_config, setting.resolution, gpu_memory_bytes,
                              1 << (per_device.bit_length() - 1),
@@ -328,10 +342,19 @@ def _end_group(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def run_row(row: Row, out: Path, timeout_s: int, env: dict) -> dict:
+def launch_env(setting: Setting, pretrained: bool) -> dict:
+    """The environment of a row's launch: without the pretrained parts, or for a row whose step runs
+    none, HF_HUB_OFFLINE=1, so that no rank tries the hub (the run builds random parts instead)."""
+    env = {**os.environ}
+    if not pretrained or not setting.needs_pretrained:
+        env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def run_row(row: Row, out: Path, timeout_s: float, env: dict, announce: bool = True) -> dict:
     start = time.time()
     log_path = out / "logs" / f"{row.name}.log"
-    log_path.write_text(shlex.join(row.command) + "\n")
+    write_text(log_path, shlex.join(row.command) + "\n")
     code = run_command(row.command, log_path, timeout_s, env)
     # The model as launched: the command's last --model_config and --image_size (--smoke's override them).
     flags = {row.command[i]: row.command[i + 1] for i in range(len(row.command) - 1) if row.command[i].startswith("--")}
@@ -342,9 +365,10 @@ def run_row(row: Row, out: Path, timeout_s: int, env: dict) -> dict:
         result.update(json.loads((out / f"{row.name}.json").read_text()))
         if row.plan:  # the prediction beside the measurement, in the JSON cost.py reads
             result["memory_model"] = row.plan
-            (out / f"{row.name}.json").write_text(json.dumps({**json.loads((out / f"{row.name}.json").read_text()),
-                                                             "memory_model": row.plan}, indent=2) + "\n")
-    print(f"{row.name}: {result['status']} in {result['wall_s']:.0f}s", flush=True)
+            write_text(out / f"{row.name}.json", json.dumps({**json.loads((out / f"{row.name}.json").read_text()),
+                                                            "memory_model": row.plan}, indent=2) + "\n")
+    if announce:
+        print(f"{row.name}: {result['status']} in {result['wall_s']:.0f}s", flush=True)
     return result
 
 
@@ -411,7 +435,7 @@ def build_parser() -> Parser:
     p = Parser("bench_gpu.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="results folder (JSON per setting, logs, table)")
     p.add_argument("--gpus", type=GPU_COUNT, default=None, help="GPUs per setting (default: all visible)")
-    p.add_argument("--gpu_memory_gib", type=POSITIVE_FLOAT, default=None,
+    p.add_argument("--gpu_memory_gib", type=GPU_MEMORY_GIB, default=None,
                    help="memory of one GPU in GiB for the microbatches (default: the visible GPU's, as torch "
                         "reports it; an 80 GB A100/H100 reports 79.1)")
     p.add_argument("--peak_tflops", type=POSITIVE_FLOAT, default=None,
@@ -529,13 +553,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     (out / "logs").mkdir(parents=True, exist_ok=True)
     info = environment(gpus, args.smoke, argv)
-    (out / "environment.json").write_text(json.dumps(info, indent=2) + "\n")
+    write_text(out / "environment.json", json.dumps(info, indent=2) + "\n")
     results = []
     for row in rows:
-        env = {**os.environ}
-        if not pretrained or not row.setting.needs_pretrained:
-            env["HF_HUB_OFFLINE"] = "1"  # random encoders, or none in the step: no rank tries the hub
-        results.append(run_row(row, out, args.timeout_s, env))
+        results.append(run_row(row, out, args.timeout_s, launch_env(row.setting, pretrained)))
 
     versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
     header = (f"{gpus} x {info['device']}, {versions}, Python {info['python']}, {info['date_utc']}; "
@@ -545,7 +566,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"encoders' forward passes, trained-network MFU the denoiser's forward and backward only. Cost: "
               f"python cost.py {out}/<setting>.json")
     text = header + "\n\n" + table(results) + "\n"
-    (out / "table.md").write_text(text)
+    write_text(out / "table.md", text)
     print("\n" + text)
     return results
 

@@ -2,27 +2,36 @@
 the sharded-training traffic added, samples/s per GPU predicted for a node.
 
     python bench/blocks.py --model_config flux1-schnell --precomputed --microbatch 8 --fp8 tensorwise   # one GPU
+    python benchmark.py --model_config flux1-tiny --precomputed --use_synth_data --batch_size 8 --image_size 64 \\
+        --max_duration 40ba --warmup_batches 10 --num_workers 0 --results_json run.json                # CPU check:
     python bench/blocks.py --model_config flux1-tiny --precomputed --image_size 64 --global_batch 8 --microbatch 8 \\
-        --gpus 1 --num_workers 0 --compare_results_json results/flux-tiny-cpu.json --json                 # CPU check
+        --gpus 1 --num_workers 0 --compare_results_json run.json --json                                # the run, predicted
+    python bench/blocks.py --model_config sdxl-base --precomputed --precomputed_format text_states --use_ema \\
+        --activation_checkpointing --global_batch 64 --microbatch 32 --gpus 1 --count_memory            # each part's memory
 
 A model that fits no single GPU (Flux.1-schnell: about 190 GB of training state) cannot be run on the
-one GPU a user has, but each of its blocks can. On the visible device (CUDA, else CPU) this times,
-after `--warmup` rounds, as the median of `--repeats` rounds (each part once per round, in turn: a
-busy spell of a shared machine falls on every part alike), the forward and backward of one microbatch
-through one of each distinct repeated block of the denoiser (the family's FSDP units,
-`ModelFamily.fsdp_blocks`: Flux.1's double-stream and single-stream blocks; one block per resolution
-level of SD2's and SDXL's UNets), with the inputs the full model hands it (shapes and dtypes read off
-the step on the meta device), under the run's precision, norms, `--fp8` (t2ibench.fp8) and
-`--activation_checkpointing` (the block recomputed in backward, as diffusers wraps it). "The rest" is
-the training model's step with every block replaced by a stand-in of zero cost (its outputs' shapes
-out, zeros back): embedders, final layer, noising, loss, and the frozen encoders where they run. The
-optimizer (AdamW as benchmark.py runs it) and the EMA update (`--use_ema`) are timed per parameter,
-and the harness (Composer's Trainer, the run's loader and the throughput callback, around a model of
-one parameter) per step at the run's per-device batch and microbatch.
+one GPU a user has, but each of its blocks can. On the visible device (CUDA, else CPU), set up as
+benchmark.py sets it up (t2ibench.runtime: cuDNN's autotuner on a GPU, threads on a CPU), this builds,
+times and frees one part at a time (so the device holds one part, never the model): the forward and
+backward of one microbatch through one of each distinct repeated block of the denoiser (the family's
+FSDP units, `ModelFamily.fsdp_blocks`: Flux.1's double-stream and single-stream blocks; one block per
+resolution level of SD2's and SDXL's UNets), with the inputs the full model hands it (shapes and
+dtypes read off the step on the meta device; fresh each time, as a block's input gradient is handed
+on, not summed), under the run's precision, norms, `--fp8` (t2ibench.fp8), weights (FSDP's gathered
+bf16 copy; one GPU's bf16 copies cast once per step, t2ibench.weight_casts) and
+`--activation_checkpointing` (diffusers' gradient checkpointing, as benchmark.py turns it on: each
+layer the model checkpoints, recomputed in backward). Each part's time is the median of `--repeats`
+after `--warmup` runs. "The rest" is the training model's step with every block replaced by a stand-in
+of zero cost (its outputs' shapes out, zeros back): embedders, final layer, noising, loss, and the
+frozen encoders where they run. The optimizer (AdamW as benchmark.py runs it), the EMA update
+(`--use_ema`) and one GPU's weight casts per step are timed per parameter, and the harness (Composer's
+Trainer, the run's loader and the throughput callback, around a model of one parameter) per step at
+the run's per-device batch and microbatch.
 
 The step of the full model, per GPU of `G`, per-GPU batch `B/G` in microbatches of `m`:
 
-    compute = (B/G / m) x (rest + sum over blocks of count x block) + params per GPU x (AdamW + EMA) + harness
+    compute = (B/G / m) x (rest + sum over blocks of count x block)
+              + params per GPU x (AdamW + EMA [+ weight casts, one GPU]) + harness
     traffic = the bytes the memory model's sharding implies per GPU per step (ring collectives, each GPU
               sending (G-1)/G of the buffer): DDP one fp32 all-reduce of the gradients (2x); FSDP
               full_shard per microbatch two all-gathers of the weights in the autocast dtype (forward,
@@ -34,16 +43,21 @@ The step of the full model, per GPU of `G`, per-GPU batch `B/G` in microbatches 
 `--link_gbps` is in gigabytes per second per direction per GPU (default: NVLink 4 on an H100, 450);
 a multi-node figure takes the slower inter-node rate. The prediction is labelled **predicted**: it
 assumes a node of the device it ran on and times nothing of a node (no collective, no straggler).
-`--compare_results_json` reads a benchmark.py run of the same settings and prints the ratio of the
-prediction for its device count to its measured images/s per device. `--json` ends with one line:
-the measured times, the composition and `predicted` (a list of {gpus, samples_per_sec_per_gpu}).
+`--compare_results_json` reads a benchmark.py run of the same set-up (refused, before any timing,
+when any setting that changes the step differs, or its device is not this one) and prints the ratio
+of the prediction for its device count to its measured images/s per device. `--count_memory` times
+nothing: it counts each part's memory on the meta device for a CUDA GPU (t2ibench.memory) beside a
+one-GPU run's fixed bytes. `--json` ends with one line: the measured times, the composition and
+`predicted` (a list of {gpus, samples_per_sec_per_gpu}).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import functools
+import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -58,7 +72,8 @@ sys.path.insert(0, str(ROOT))  # the project root: run as python bench/NAME.py
 
 from bench_gpu import GLOBAL_BATCH, MLPERF_FLUX_GLOBAL_BATCH  # noqa: E402
 from t2ibench import checks, errors, flags, fp8, memory, precomputed  # noqa: E402
-from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED, Parser  # noqa: E402
+from t2ibench.cli import (BATCH_SIZE, GPU_COUNT, IMAGE_SIZE, MAX_REPEATS, NON_NEGATIVE_INT, POSITIVE_FLOAT,  # noqa: E402
+                          REPEATS, SEED, WARMUP_REPEATS, Parser, Range, check_workers)
 from t2ibench.errors import fail  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
 from t2ibench.norms import NORM_PRECISIONS, set_norm_precision  # noqa: E402
@@ -66,16 +81,15 @@ from t2ibench.parallel import FSDP_CHOICES, resolve_mode  # noqa: E402
 from t2ibench.precision import PRECISION_CHOICES, resolve_precision  # noqa: E402
 from t2ibench.precomputed import TEXT_FORMATS  # noqa: E402
 from t2ibench.scale import MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU  # noqa: E402
+from t2ibench.weight_casts import (WEIGHT_CAST_CHOICES, CastWeightsOncePerStep, resolve_weight_casts,  # noqa: E402
+                                   weight_casts_problem)
 
 NVLINK4_GB_PER_SEC = 450.0  # H100 SXM NVLink 4: 900 GB/s both directions, 450 each way
-OPTIMIZER_PROBE_PARAMS = 2**22  # at least this many parameters per optimizer and EMA timing (4M)
+OPTIMIZER_PROBE_PARAMS = 2**22  # at least this many parameters per optimizer, EMA and weight-cast timing (4M)
 # fp16 is left out: fp8 refuses it and MLPerf's reference runs bf16.
 PRECISIONS = tuple(p for p in PRECISION_CHOICES if p != "amp_fp16")
-# The settings a benchmark.py results JSON must share with the prediction it is compared with.
-COMPARED = {"model_config": "model_config", "image_size": "image_size", "global_batch_size": "global_batch",
-            "device_train_microbatch_size": "microbatch", "precision": "precision", "fp8": "fp8",
-            "activation_checkpointing": "activation_checkpointing", "precomputed": "precomputed",
-            "use_ema": "use_ema"}
+# The harness needs one batch after its warm-up to time.
+HARNESS_BATCHES = Range(int, 2, MAX_REPEATS)
 
 
 def build_parser() -> Parser:
@@ -83,11 +97,11 @@ def build_parser() -> Parser:
     g = p.add_argument_group("the run predicted (benchmark.py's flags)")
     g.add_argument("--model_config", type=str, default="flux1-schnell", choices=sorted(MODEL_CONFIGS),
                    help="the model")
-    g.add_argument("--image_size", type=POSITIVE_INT, default=None, help="pixels (default: the family's: 256 for Flux.1)")
-    g.add_argument("--global_batch", type=POSITIVE_INT, default=None,
+    g.add_argument("--image_size", type=IMAGE_SIZE, default=None, help="pixels (default: the family's: 256 for Flux.1)")
+    g.add_argument("--global_batch", type=BATCH_SIZE, default=None,
                    help=f"images per step over all GPUs (default: MLPerf's {MLPERF_FLUX_GLOBAL_BATCH} for Flux.1, "
                         f"{GLOBAL_BATCH} otherwise)")
-    g.add_argument("--microbatch", type=POSITIVE_INT, default=None,
+    g.add_argument("--microbatch", type=BATCH_SIZE, default=None,
                    help="images per GPU per forward/backward (default: on a GPU the memory model's largest that "
                         "fits its memory at every --gpus count and divides the per-GPU batch of the largest; on a "
                         "CPU 8, or that batch when smaller)")
@@ -96,60 +110,113 @@ def build_parser() -> Parser:
     g.add_argument("--precomputed", action="store_true", help="precomputed latents (no VAE in the step)")
     g.add_argument("--precomputed_format", type=str, default=None, choices=TEXT_FORMATS,
                    help="with --precomputed: token ids or text states (default: the family's, text states for Flux.1)")
-    g.add_argument("--activation_checkpointing", action="store_true", help="each block recomputed in backward")
+    g.add_argument("--activation_checkpointing", action="store_true",
+                   help="recompute in backward what diffusers' gradient checkpointing recomputes (benchmark.py's flag)")
+    g.add_argument("--weight_casts", type=str, default="auto", choices=WEIGHT_CAST_CHOICES,
+                   help="as benchmark.py's, for the one-GPU prediction (several GPUs cast per microbatch); auto: "
+                        "step on a CUDA device under amp_bf16, else microbatch")
     flags.add_fp8(g)
     g.add_argument("--use_ema", action="store_true", help="add the EMA update per step (MLPerf's Flux.1 runs none)")
     g.add_argument("--fsdp", type=str, default="auto", choices=FSDP_CHOICES,
                    help="sharding on several GPUs, as benchmark.py's (auto: full_shard for Flux.1, else DDP)")
     g.add_argument("--num_workers", type=NON_NEGATIVE_INT, default=8, help="loader processes of the harness, as benchmark.py's")
     g = p.add_argument_group("the node and the measurement")
-    g.add_argument("--gpus", type=POSITIVE_INT, nargs="+", default=[8, 16], help="GPU counts to predict for")
+    g.add_argument("--gpus", type=GPU_COUNT, nargs="+", default=[8, 16], help="GPU counts to predict for")
     g.add_argument("--link_gbps", type=POSITIVE_FLOAT, default=NVLINK4_GB_PER_SEC,
                    help="gigabytes (not bits) per second per direction per GPU for the collectives")
-    g.add_argument("--warmup", type=NON_NEGATIVE_INT, default=3, help="untimed runs of each part first")
-    g.add_argument("--repeats", type=POSITIVE_INT, default=10, help="timed runs of each part (the median is taken)")
-    g.add_argument("--harness_batches", type=POSITIVE_INT, default=12, help="batches the harness is timed over")
+    g.add_argument("--warmup", type=WARMUP_REPEATS, default=3, help="untimed runs of each part first")
+    g.add_argument("--repeats", type=REPEATS, default=10, help="timed runs of each part (the median is taken)")
+    g.add_argument("--harness_batches", type=HARNESS_BATCHES, default=12, help="batches the harness is timed over")
     g.add_argument("--seed", type=SEED, default=17, help="seeds the random weights and inputs")
     g.add_argument("--compare_results_json", type=str, default=None,
-                   help="a benchmark.py --results_json of the same settings: print the prediction against it")
+                   help="a benchmark.py --results_json of the same set-up on this device: print the prediction "
+                        "against it (checked before any timing)")
+    g.add_argument("--count_memory", action="store_true",
+                   help="time nothing: count each part's memory on the meta device for a CUDA GPU, beside a "
+                        "one-GPU run's fixed bytes")
     g.add_argument("--json", action="store_true", help="end with one line of JSON")
     return p
 
 
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """How a run holds the weights its blocks compute with: replicated (DDP, or one GPU) or sharded
+    (FSDP: gathered in the autocast dtype), and cast by autocast in every microbatch or once per step
+    into bf16 copies (t2ibench.weight_casts)."""
+
+    sharded: bool
+    weight_casts: str  # "microbatch" or "step"
+
+    @property
+    def label(self) -> str:
+        return "sharded" if self.sharded else "replicated" if self.weight_casts == "microbatch" else "cast_per_step"
+
+    def describe(self) -> str:
+        return {"sharded": "sharded (FSDP: gathered in the autocast dtype)", "replicated": "replicated",
+                "cast_per_step": "replicated, cast once per step into bf16 copies"}[self.label]
+
+    def low_precision_weights(self, precision: str) -> bool:
+        """The forward computes with weights in the autocast dtype (FSDP's gathered copy, the bf16 copies)."""
+        return precision != "fp32" and (self.sharded or self.weight_casts == "step")
+
+
 def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     """The flags with every default resolved and what the prediction derives from them (device,
-    text_format, compared), in a new namespace: the parsed one is left as it was parsed."""
+    text_format, setups, compared), in a new namespace: the parsed one is left as it was parsed."""
     family = family_of(parsed.model_config)
     image_size = parsed.image_size or family.default_image_size(parsed.model_config)
     multiple = family.latent_downsample * family.patch_size
     if image_size % multiple:
         fail(f"--image_size {image_size} must be a multiple of {multiple} for {parsed.model_config}")
+    too_many = check_workers("--num_workers", parsed.num_workers)
+    if too_many:
+        fail(too_many)
     on_gpu = torch.cuda.is_available()
-    precision = resolve_precision(parsed.precision, on_gpu)
+    # --count_memory counts for a CUDA GPU (this one, or an H100's memory) whatever runs it.
+    gpu_step = on_gpu or parsed.count_memory
+    precision = resolve_precision(parsed.precision, gpu_step)
     fp8.check(parsed.fp8, precision)
     if parsed.precomputed_format and not parsed.precomputed:
         fail("--precomputed_format needs --precomputed")
+    if parsed.count_memory and parsed.compare_results_json:
+        fail("--count_memory times nothing: compare with --compare_results_json in a run without it")
     text_format = precomputed.batch_text_format(family, parsed.precomputed, parsed.precomputed_format)
     global_batch = parsed.global_batch or (MLPERF_FLUX_GLOBAL_BATCH if family.name == "flux" else GLOBAL_BATCH)
+    for gpus in parsed.gpus:
+        if global_batch % gpus:
+            fail(f"--global_batch {global_batch} is not a multiple of --gpus {gpus}: every GPU takes the same "
+                 "number of images; pick a batch all --gpus counts divide")
+    setups = {}
+    for gpus in parsed.gpus:
+        problem = weight_casts_problem(parsed.weight_casts, precision=precision, world_size=gpus)
+        if problem:
+            fail(f"{problem} (or predict for --gpus 1 alone)")
+        sharded = resolve_mode(parsed.fsdp, family.parallelism, gpus) != "none"
+        casts = resolve_weight_casts(parsed.weight_casts, on_gpu=gpu_step, precision=precision, world_size=gpus)
+        # FSDP gathers its own bf16 copy of each unit: t2ibench.weight_casts' copies are for one device.
+        setups[gpus] = Setup(sharded, "microbatch" if sharded else casts)
     microbatch = parsed.microbatch
     if microbatch is None:
         per_gpu = global_batch // max(parsed.gpus)  # a microbatch that divides every count's per-GPU batch
-        if on_gpu:  # the largest that fits at every count (fewer GPUs shard less: more fixed bytes each)
+        if gpu_step:  # the largest that fits at every count (fewer GPUs shard less: more fixed bytes each)
+            gpu_memory_bytes = (torch.cuda.get_device_properties(0).total_memory if on_gpu
+                                else memory.GPU_MEMORY_GIB["H100 80GB"] * memory.GIB)
             microbatch = max(1, min(memory.plan(
-                parsed.model_config, image_size, torch.cuda.get_device_properties(0).total_memory,
-                precision=precision, norm_precision=parsed.norm_precision, precomputed=parsed.precomputed,
-                precomputed_format=text_format, use_ema=parsed.use_ema, fsdp=mode_for(parsed, gpus), num_gpus=gpus,
+                parsed.model_config, image_size, gpu_memory_bytes, precision=precision,
+                norm_precision=parsed.norm_precision, precomputed=parsed.precomputed, precomputed_format=text_format,
+                use_ema=parsed.use_ema, fsdp=resolve_mode(parsed.fsdp, family.parallelism, gpus), num_gpus=gpus,
                 per_device_batch=per_gpu, activation_checkpointing=parsed.activation_checkpointing,
-                fp8=parsed.fp8)["microbatch"] for gpus in parsed.gpus))
+                weight_casts=setups[gpus].weight_casts, fp8=parsed.fp8)["microbatch"] for gpus in parsed.gpus))
         else:
             microbatch = min(8, per_gpu)
     for gpus in parsed.gpus:
-        if global_batch % gpus or (global_batch // gpus) % microbatch:
-            fail(f"--global_batch {global_batch} over --gpus {gpus} is {global_batch / gpus:g} per GPU, "
+        if (global_batch // gpus) % microbatch:
+            fail(f"--global_batch {global_batch} over --gpus {gpus} is {global_batch // gpus} per GPU, "
                  f"which --microbatch {microbatch} does not divide; pick a batch all --gpus counts divide")
     args = argparse.Namespace(**{**vars(parsed), "image_size": image_size, "device": "cuda" if on_gpu else "cpu",
-                                 "precision": precision, "text_format": text_format, "global_batch": global_batch,
-                                 "microbatch": microbatch})
+                                 "device_type": "cuda" if gpu_step else "cpu", "precision": precision,
+                                 "text_format": text_format, "global_batch": global_batch, "microbatch": microbatch,
+                                 "setups": setups})
     # The compared run is checked against the resolved settings, so it is added to them last.
     return argparse.Namespace(**{**vars(args), "compared": compared_run(args) if args.compare_results_json else None})
 
@@ -159,37 +226,140 @@ def mode_for(args: argparse.Namespace, gpus: int) -> str:
     return resolve_mode(args.fsdp, family_of(args.model_config).parallelism, gpus)
 
 
+def device_name(device: str) -> str:
+    """The device as benchmark.py's results JSON names it ("device")."""
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+# -- the run compared: its set-up must be this prediction's -----------------------------------------
+
+def compared_run(args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark.py results JSON of --compare_results_json, refused in one line (before any timing)
+    unless it holds a finite positive measured rate, ran on this device, on one of the --gpus counts,
+    and with the set-up this prediction times in every setting that changes the step."""
+    path = args.compare_results_json
+    where = f"--compare_results_json {path}"
+    try:
+        measured = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        fail(f"{where}: cannot be read ({getattr(error, 'strerror', None) or error}); give a benchmark.py "
+             "--results_json file")
+    except ValueError as error:
+        fail(f"{where}: not JSON ({error}); give a benchmark.py --results_json file")
+    if not isinstance(measured, dict):
+        fail(f"{where}: not a benchmark.py results JSON (a {type(measured).__name__}, not an object)")
+    rate = measured.get("images_per_sec_per_device")
+    if POSITIVE_FLOAT.problem(rate):
+        fail(f"{where}: images_per_sec_per_device is {json.dumps(rate)}, not a finite positive number "
+             "(a run that measured nothing, or not a benchmark.py results JSON)")
+    world_size = measured.get("world_size")
+    if GPU_COUNT.problem(world_size) or not isinstance(world_size, int):
+        fail(f"{where}: world_size is {json.dumps(world_size)}, not a device count ({GPU_COUNT.describe()})")
+    if world_size not in args.gpus:
+        fail(f"{where}: the run had {world_size} device(s), which --gpus {' '.join(map(str, args.gpus))} "
+             f"does not predict; add {world_size} to --gpus")
+    ours = device_name(args.device)
+    if measured.get("device") != ours:
+        fail(f"{where}: the run's device is {json.dumps(measured.get('device'))}, this prediction's is "
+             f"{json.dumps(ours)}; predict on the device the run measured")
+    for key, (wanted, how) in run_setup(args, world_size).items():
+        if key not in measured:
+            fail(f"{where}: it has no {key} (written by another version of benchmark.py?); rerun it with this one")
+        theirs = measured[key]
+        if key == "fsdp" and isinstance(theirs, str):  # written as given: compared as its run resolved it
+            theirs = resolve_mode(theirs, family_of(args.model_config).parallelism, world_size)
+        if type(theirs) is not type(wanted) or theirs != wanted:
+            fail(f"{where}: its {key} is {json.dumps(theirs)}, this prediction's is {json.dumps(wanted)}; {how}")
+    return measured
+
+
+def run_setup(args: argparse.Namespace, gpus: int) -> dict[str, tuple[Any, str]]:
+    """Every setting of a benchmark.py results JSON that changes the step, as a run on `gpus` GPUs of
+    this prediction's set-up writes it, with what to do when the compared run's differs."""
+    def same(flag: str) -> str:
+        return f"predict with the run's setting ({flag})"
+
+    def eager(flag: str) -> str:
+        return f"blocks.py times the eager step: compare with a run without {flag}"
+
+    amp = args.precision in ("amp_bf16", "amp_fp16")
+    return {
+        "model_config": (args.model_config, same("--model_config")),
+        "image_size": (args.image_size, same("--image_size")),
+        "global_batch_size": (args.global_batch, same("--global_batch")),
+        "device_train_microbatch_size": (args.microbatch, same("--microbatch")),
+        "precision": (args.precision, same("--precision")),
+        "norm_precision": (args.norm_precision if amp else None, same("--norm_precision")),
+        "precomputed": (args.precomputed, same("--precomputed")),
+        "precomputed_format": (args.text_format, same("--precomputed_format")),
+        "use_ema": (args.use_ema, same("--use_ema")),
+        "activation_checkpointing": (args.activation_checkpointing, same("--activation_checkpointing")),
+        "weight_casts": (args.setups[gpus].weight_casts, same("--weight_casts")),
+        "fp8": (args.fp8, same("--fp8")),
+        "fsdp": (mode_for(args, gpus), same("--fsdp")),
+        "fused_adamw": (args.device == "cuda", "blocks.py times AdamW as benchmark.py's default runs it (fused on "
+                                               "a GPU): compare with a run of --fused_adamw auto"),
+        "compile": (False, eager("--compile")),
+        "channels_last": (False, eager("--channels_last")),
+        "xformers": (False, eager("--xformers")),
+        # The harness loads synthetic batches: a run's own data adds its loader's cost.
+        "data": ("synthetic", "blocks.py's harness loads synthetic batches: compare with a --use_synth_data run"),
+    }
+
+
 # -- the step on the meta device: where the blocks are and what they see --------------------------
 
-def meta_model(args: argparse.Namespace, sharded: bool) -> Any:
+def meta_model(args: argparse.Namespace, low_precision: bool) -> Any:
+    """The training model on the meta device; `low_precision`: the denoiser's weights in the autocast
+    dtype, as the forward sees them under FSDP or weight copies."""
     dtype = memory.autocast_dtype(args.precision)
     return memory.build_meta_model(args.model_config, precomputed=args.precomputed,
                                    precomputed_format=args.text_format, frozen_dtype=dtype,
-                                   denoiser_dtype=dtype if sharded else None)
+                                   denoiser_dtype=dtype if low_precision else None)
 
 
-def block_calls(args: argparse.Namespace, sharded: bool) -> tuple[dict[str, tuple], dict[str, Any]]:
-    """Each block's inputs (args, kwargs) and outputs in one meta-device step at --microbatch, by the
-    block's name in the denoiser, under the device's autocast rules."""
-    model = meta_model(args, sharded)
+def autocast_policy(args: argparse.Namespace) -> memory.AutocastPolicy:
+    policy = memory.CUDA_AUTOCAST if args.device_type == "cuda" else memory.probe_cpu_autocast()
+    return policy.with_norms(args.norm_precision)
+
+
+@dataclasses.dataclass
+class BlockCalls:
+    """What one meta-device step shows of the blocks, by name: inputs (args, kwargs), outputs, and the
+    blocks the model's own gradient checkpointing wraps whole (Flux.1's; a UNet checkpoints the layers
+    inside its levels)."""
+
+    inputs: dict[str, tuple]
+    outputs: dict[str, Any]
+    wrapped: set[str]
+
+
+def block_calls(args: argparse.Namespace, setup: Setup) -> BlockCalls:
+    """Each block's inputs and outputs in one meta-device step at --microbatch, under the device's
+    autocast rules, and (with --activation_checkpointing) which blocks the denoiser checkpoints whole."""
+    model = meta_model(args, setup.low_precision_weights(args.precision))
     dtype = memory.autocast_dtype(args.precision)
     if args.fp8 != "off":
-        memory.use_float8(model, args.fp8, rows(args), dtype, args.device)
+        memory.use_float8(model, args.fp8, rows(args), dtype, args.device_type)
     names = block_names(model.denoiser, args.model_config)
+    checkpointed: set[int] = set()
+    if args.activation_checkpointing:
+        def record(module: Any, *call_args: Any) -> Any:  # what the model hands its checkpoint function
+            checkpointed.add(id(module))
+            return module(*call_args)
+        model.denoiser.enable_gradient_checkpointing(gradient_checkpointing_func=record)
     inputs, outputs = {}, {}
     handles = []
     for name, block in names.items():
         handles.append(block.register_forward_pre_hook(
             lambda module, a, k, name=name: inputs.__setitem__(name, (a, k)), with_kwargs=True))
         handles.append(block.register_forward_hook(lambda module, a, out, name=name: outputs.__setitem__(name, out)))
-    policy = (memory.CUDA_AUTOCAST if args.device == "cuda" else memory.probe_cpu_autocast()).with_norms(
-        args.norm_precision)
     # With autograd on: what requires grad at a block's inputs (its backward computes their gradients).
-    with memory.AutocastRules(policy, dtype, args.device), torch.random.fork_rng(devices=[]):
+    with memory.AutocastRules(autocast_policy(args), dtype, args.device_type), torch.random.fork_rng(devices=[]):
         model(memory.meta_batch(model, args.model_config, args.image_size, args.microbatch))
     for handle in handles:
         handle.remove()
-    return inputs, outputs
+    return BlockCalls(inputs, outputs, {name for name, block in names.items() if id(block) in checkpointed})
 
 
 def block_names(denoiser: torch.nn.Module, model_config: str) -> dict[str, torch.nn.Module]:
@@ -216,11 +386,29 @@ def groups(denoiser: torch.nn.Module, model_config: str) -> dict[str, list[str]]
     return labelled
 
 
-# -- timing on the device ---------------------------------------------------------------------------
+# -- the parts, each built on a device ("meta" to count its memory) -----------------------------------
+
+def checkpointing(args: argparse.Namespace, model: Any, device: str) -> Callable[..., Any] | None:
+    """Turn on the denoiser's gradient checkpointing as the run does (--activation_checkpointing) and
+    return the function the model wraps a checkpointed module with. On a device: diffusers' own, as
+    benchmark.py calls `enable_gradient_checkpointing()`; on the meta device the memory model's, which
+    recomputes under its autocast rules."""
+    if not args.activation_checkpointing:
+        return None
+    if device == "meta":
+        memory.use_checkpointing(model, autocast_policy(args), memory.autocast_dtype(args.precision),
+                                 args.device_type)
+    else:
+        model.denoiser.enable_gradient_checkpointing()
+    return next(m._gradient_checkpointing_func for m in model.denoiser.modules()
+                if getattr(m, "gradient_checkpointing", False))
+
 
 def materialize(module: torch.nn.Module, device: str, seed: int) -> torch.nn.Module:
     """A meta-device module on `device` with random weights (timing does not depend on their values)."""
     module = module.to_empty(device=device)
+    if device == "meta":
+        return module
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
@@ -230,9 +418,11 @@ def materialize(module: torch.nn.Module, device: str, seed: int) -> torch.nn.Mod
     return module
 
 
-def real_tensors(tree: Any, device: str, generator: torch.Generator) -> Any:
-    """Device tensors of the meta tensors' shapes and dtypes (floats random, the rest zeros);
+def real_tensors(tree: Any, device: str, seed: int) -> Any:
+    """Tensors of the meta tensors' shapes and dtypes on `device` (floats random, the rest zeros); the
     floats that required grad in the step require it here too."""
+    generator = None if device == "meta" else torch.Generator(device=device).manual_seed(seed)
+
     def make(t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point():
             x = torch.randn(t.shape, device=device, generator=generator).to(t.dtype)
@@ -241,67 +431,64 @@ def real_tensors(tree: Any, device: str, generator: torch.Generator) -> Any:
     return tree_map_only(torch.Tensor, make, tree)
 
 
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_seconds(calls: dict[str, Callable[[], None]], device: str, warmup: int, repeats: int) -> dict[str, float]:
-    """The median seconds of each call, timed in turns (one of each per round), so that a busy spell of
-    a shared machine falls on every part alike rather than on whichever was being timed."""
-    for _ in range(warmup):
-        for call in calls.values():
-            call()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            synchronize(device)
-            start = time.perf_counter()
-            call()
-            synchronize(device)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
-def autocast(args: argparse.Namespace) -> Any:
+def autocast(args: argparse.Namespace, device: str) -> Any:
+    """The run's autocast: torch's on a device, the memory model's rules on the meta device."""
     dtype = memory.autocast_dtype(args.precision)
-    return torch.autocast(args.device, dtype=dtype, enabled=dtype is not None)
+    if device == "meta":
+        return memory.AutocastRules(autocast_policy(args), dtype, args.device_type)
+    return torch.autocast(device, dtype=dtype, enabled=dtype is not None)
 
 
-def prepare(module: torch.nn.Module, args: argparse.Namespace, sharded: bool, prefix: str) -> None:
-    """The run's settings on a materialized part: FSDP's bf16 weights, the norms, float8 (names in the
-    denoiser under `prefix`)."""
-    if sharded and args.precision == "amp_bf16":
+def prepare(module: torch.nn.Module, args: argparse.Namespace, setup: Setup, prefix: str, device: str
+            ) -> CastWeightsOncePerStep | None:
+    """The run's settings on a materialized part (names in the denoiser under `prefix`): the norms and
+    float8 as benchmark.py sets them (on the meta device the autocast rules and the meta model carry
+    both), FSDP's bf16 weights, or the one GPU's bf16 copies (returned: begun, their step running)."""
+    if setup.sharded and args.precision == "amp_bf16":
         module.to(torch.bfloat16)
-    if args.precision == "amp_bf16":
-        set_norm_precision(module, args.norm_precision)
-    if args.fp8 != "off":
-        sub = {name[len(prefix):]: n for name, n in rows(args).items() if name.startswith(prefix)}
-        fp8.convert(module, args.fp8, sub)
+    if device != "meta":
+        if args.precision == "amp_bf16":
+            set_norm_precision(module, args.norm_precision)
+        if args.fp8 != "off":
+            sub = {name[len(prefix):]: n for name, n in rows(args).items() if name.startswith(prefix)}
+            fp8.convert(module, args.fp8, sub)
+    if setup.weight_casts == "step" and args.precision == "amp_bf16":
+        casts = CastWeightsOncePerStep(module)
+        casts.begin_step()  # the microbatches of a step compute with the copies; timed per step apart
+        return casts
+    return None
 
 
-def block_step(args: argparse.Namespace, name: str, call: tuple, output: Any, sharded: bool) -> Callable[[], None]:
-    """One forward and backward of the block `name` on its recorded inputs."""
-    denoiser = meta_model(args, sharded).denoiser
-    block = materialize(copy.deepcopy(dict(denoiser.named_modules())[name]), args.device, args.seed)
-    prepare(block, args, sharded, name + ".")
+def steady_gradients(module: torch.nn.Module) -> None:
+    """Gradient accumulation's steady state: the gradients exist and backward adds into them."""
+    for p in module.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+
+
+def block_step(args: argparse.Namespace, setup: Setup, name: str, calls: BlockCalls, part: torch.nn.Module,
+               wrap: Callable[..., Any] | None, device: str) -> Callable[[], None]:
+    """One forward and backward of the block `name` (built from the meta `part`) on its recorded inputs."""
+    block = materialize(part, device, args.seed)
+    casts = prepare(block, args, setup, name + ".", device)
     block.train()
-    generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    block_args, block_kwargs = real_tensors(call, args.device, generator)
-    out_leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    grads = [torch.randn(t.shape, device=args.device, generator=generator).to(t.dtype) for t in out_leaves]
-    for p in block.parameters():  # gradient accumulation's steady state: the gradients exist
-        p.grad = torch.zeros_like(p)
+    block_args, block_kwargs = real_tensors(calls.inputs[name], device, args.seed)
+    leaves = [t for t in tree_flatten((block_args, block_kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    outputs = [t for t in tree_flatten(calls.outputs[name])[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    grads = real_tensors([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in outputs], device, args.seed + 1)
+    steady_gradients(block)
+    # The model checkpoints this block whole (Flux.1): wrap it as the model's forward does.
+    call = functools.partial(wrap, block) if name in calls.wrapped and wrap is not None else block
 
     def step() -> None:
-        with autocast(args):
-            if args.activation_checkpointing:  # as diffusers' gradient checkpointing wraps each block
-                out = torch.utils.checkpoint.checkpoint(block, *block_args, use_reentrant=False, **block_kwargs)
-            else:
-                out = block(*block_args, **block_kwargs)
-        leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        torch.autograd.backward(leaves, grads)
+        for leaf in leaves:  # the gradient of a block's input is handed on in the run, not summed into
+            leaf.grad = None
+        with autocast(args, device):
+            out = call(*block_args, **block_kwargs)
+        torch.autograd.backward([t for t in tree_flatten(out)[0]
+                                 if isinstance(t, torch.Tensor) and t.is_floating_point()], grads)
 
+    step.casts = casts  # kept alive with the step
     return step
 
 
@@ -340,46 +527,225 @@ class StandInBlock(torch.nn.Module):
         return tree_unflatten(list(StandIn.apply(self.shapes, *inputs)), self.spec)
 
 
-def rest_step(args: argparse.Namespace, outputs: dict[str, Any], sharded: bool) -> Callable[[], None]:
-    """The training model's step with every block a stand-in: the parts not repeated."""
-    model = meta_model(args, sharded)
-    for name, block in block_names(model.denoiser, args.model_config).items():
+def meta_rest(model: Any, calls: BlockCalls, model_config: str) -> Any:
+    """A copy of the meta `model` with every block a stand-in."""
+    model = copy.deepcopy(model)
+    for name, block in block_names(model.denoiser, model_config).items():
         parent, _, attr = name.rpartition(".")
-        setattr(model.denoiser.get_submodule(parent), attr, StandInBlock(outputs[name], block))
-    model = materialize(model, args.device, args.seed)
-    prepare(model.denoiser, args, sharded, "")
-    if args.precision == "amp_bf16":
-        set_norm_precision(model, args.norm_precision)
+        setattr(model.denoiser.get_submodule(parent), attr, StandInBlock(calls.outputs[name], block))
+    return model
+
+
+def rest_step(args: argparse.Namespace, setup: Setup, model: Any, device: str) -> Callable[[], None]:
+    """The training model's step (built from the meta `model` of stand-ins): the parts not repeated."""
+    model = materialize(model, device, args.seed)
+    casts = prepare(model.denoiser, args, setup, "", device)
+    if args.precision == "amp_bf16" and device != "meta":
+        set_norm_precision(model, args.norm_precision)  # the frozen encoders' norms too, as benchmark.py's
     model.train()
-    batch = memory.meta_batch(model, args.model_config, args.image_size, args.microbatch, device=args.device)
-    for p in model.denoiser.parameters():
-        p.grad = torch.zeros_like(p)
+    batch = memory.meta_batch(model, args.model_config, args.image_size, args.microbatch, device=device)
+    steady_gradients(model.denoiser)
 
     def step() -> None:
-        with autocast(args):
+        with autocast(args, device):
             loss = model.loss(model(batch), batch)
         loss.backward()
 
+    step.casts = casts
     return step
 
 
-def update_steps(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
-    """AdamW's step (fused on a GPU, as benchmark.py's auto) and the EMA's lerp (ema.py's update) over
-    OPTIMIZER_PROBE_PARAMS fp32 parameters."""
-    params = [torch.zeros(OPTIMIZER_PROBE_PARAMS // 4, device=args.device, requires_grad=True) for _ in range(4)]
+def adamw_step(args: argparse.Namespace) -> Callable[[], None]:
+    """AdamW's step (fused on a GPU, as benchmark.py's auto) over OPTIMIZER_PROBE_PARAMS fp32 parameters."""
+    params = probe_params(args)
     for p in params:
         p.grad = torch.zeros_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=args.device == "cuda")
+    return torch.optim.AdamW(params, lr=1e-4, fused=args.device == "cuda").step
+
+
+def ema_step(args: argparse.Namespace) -> Callable[[], None]:
+    """The EMA's lerp (ema.py's update) over OPTIMIZER_PROBE_PARAMS fp32 parameters."""
+    params = probe_params(args)
     shadow = [torch.zeros_like(p) for p in params]
 
     def ema() -> None:
         with torch.no_grad():
             torch._foreach_lerp_(shadow, params, 1e-3)
+    return ema
 
-    return {"adamw": optimizer.step, **({"ema": ema} if args.use_ema else {})}
+
+def weight_casts_step(args: argparse.Namespace) -> Callable[[], None]:
+    """One step's weight casts as t2ibench.weight_casts runs them over OPTIMIZER_PROBE_PARAMS fp32
+    parameters: the bf16 copies refreshed, and the copies' gradients (the backward's, here a buffer
+    handed over without a kernel) made the fp32 weights' for the optimizer, whose zero_grad drops them."""
+    module = torch.nn.Module()
+    for i, p in enumerate(probe_params(args)):
+        module.register_parameter(f"p{i}", p)
+    casts = CastWeightsOncePerStep(module)
+    casts.begin_step()
+    backward_grads = [torch.zeros_like(copy) for copy in module.parameters()]
+    casts.end_step()
+
+    def step() -> None:
+        casts.begin_step()
+        for copy, grad in zip(module.parameters(), backward_grads):
+            copy.grad = grad
+        casts.end_step()
+        for master in module.parameters():
+            master.grad = None
+    return step
+
+
+def probe_params(args: argparse.Namespace) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.zeros(OPTIMIZER_PROBE_PARAMS // 4, device=args.device)) for _ in range(4)]
+
+
+# -- timing: one part at a time ----------------------------------------------------------------------
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@dataclasses.dataclass
+class Part:
+    """One part of the step: `make_meta` makes its meta-device pieces (no device memory), `build` its
+    step on the device from them."""
+
+    make_meta: Callable[[], Any]
+    build: Callable[[Any], Callable[[], None]]
+
+
+def time_part(part: Part, args: argparse.Namespace) -> dict[str, Any]:
+    """Build a part, run it --warmup times, time --repeats runs (the median), and free it, so that the
+    device holds one part at a time. On a GPU also its peak memory (the allocator's, from its build on)."""
+    device = args.device
+    pieces = part.make_meta()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    step = part.build(pieces)
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+    del step, pieces
+    if device == "cuda":
+        # What a reference cycle still holds of the part goes before the next part is built (a second
+        # here, minutes of GPU timing around it), and the allocator's cache with it.
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {"seconds": statistics.median(times), "peak_memory_bytes": peak}
+
+
+def count_part(part: Part) -> int:
+    """Bytes a part needs at its peak on the meta device, counted by t2ibench.memory: built (weights,
+    the gradients of accumulation's steady state, copies, inputs) and run once."""
+    pieces = part.make_meta()
+    with memory.LiveBytes() as live:
+        part.build(pieces)()
+        return live.peak_bytes
+
+
+def step_parts(args: argparse.Namespace, setup: Setup, device: str) -> tuple[dict[str, list[str]], dict[str, Part]]:
+    """The distinct blocks (label -> the names of the blocks like it), and the parts of the step on
+    `device` ("meta" to count them): the block of each label, and the rest (the model with every block a
+    stand-in), each taken from one meta model with the run's checkpointing on (the layers a block holds
+    that the model checkpoints carry it along; `wrap` is the model's function for a block it
+    checkpoints whole) and, to be counted, float8 as the memory model converts it."""
+    calls = block_calls(args, setup)
+    model = meta_model(args, False)
+    if args.fp8 != "off" and device == "meta":
+        memory.use_float8(model, args.fp8, rows(args), memory.autocast_dtype(args.precision), args.device_type)
+    wrap = checkpointing(args, model, device)
+    modules = dict(model.denoiser.named_modules())
+    members = groups(model.denoiser, args.model_config)
+    built = {label: Part(functools.partial(copy.deepcopy, modules[names[0]]),
+                         lambda part, name=names[0]: block_step(args, setup, name, calls, part, wrap, device))
+             for label, names in members.items()}
+    built["the rest"] = Part(functools.partial(meta_rest, model, calls, args.model_config),
+                             lambda rest: rest_step(args, setup, rest, device))
+    return members, built
+
+
+def update_parts(args: argparse.Namespace) -> dict[str, Part]:
+    """The per-step updates the run makes, each timed over OPTIMIZER_PROBE_PARAMS parameters."""
+    probes = {"adamw": adamw_step}
+    if args.use_ema:
+        probes["ema"] = ema_step
+    if any(setup.weight_casts == "step" for setup in args.setups.values()):
+        probes["weight_casts"] = weight_casts_step
+    return {name: Part(lambda: None, lambda _, make=make: make(args)) for name, make in probes.items()}
+
+
+def measure(args: argparse.Namespace, setup: Setup) -> dict[str, Any]:
+    """Every block and the rest timed on the device with the weights as `setup` holds them."""
+    members, built = step_parts(args, setup, args.device)
+    timed = {}
+    for label, part in built.items():
+        print(f"  {label}...", file=sys.stderr, flush=True)
+        timed[label] = time_part(part, args)
+    blocks = [{"name": label, "count": len(names), **timed[label]} for label, names in members.items()]
+    rest = timed["the rest"]["seconds"]
+    return {"blocks": blocks, "rest_seconds": rest, "rest_peak_memory_bytes": timed["the rest"]["peak_memory_bytes"],
+            "composed_microbatch_seconds": rest + sum(b["count"] * b["seconds"] for b in blocks)}
+
+
+def measure_updates(args: argparse.Namespace) -> dict[str, float]:
+    """Seconds per parameter of AdamW, the EMA and one GPU's weight casts (0 where the run has none)."""
+    timed = {name: time_part(part, args)["seconds"] / OPTIMIZER_PROBE_PARAMS
+             for name, part in update_parts(args).items()}
+    return {"adamw_seconds_per_param": timed["adamw"], "ema_seconds_per_param": timed.get("ema", 0.0),
+            "weight_casts_seconds_per_param": timed.get("weight_casts", 0.0)}
+
+
+def count_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """Each part's counted peak bytes on the meta device for a CUDA GPU, per set-up, beside the fixed
+    bytes of a one-GPU run of these settings (weights, gradients, AdamW, EMA, copies: what benchmark.py
+    holds before any activation)."""
+    one_gpu = Setup(False, resolve_weight_casts(args.weight_casts, on_gpu=True, precision=args.precision,
+                                                world_size=1))
+    run_fixed = memory.fixed_bytes(args.model_config, precision=args.precision, precomputed=args.precomputed,
+                                   precomputed_format=args.text_format, use_ema=args.use_ema, fsdp="none",
+                                   num_gpus=1, weight_casts=one_gpu.weight_casts)
+    counted = {}
+    for setup in unique_setups(args):
+        _, built = step_parts(args, setup, "meta")
+        counted[setup.label] = {label: count_part(part) for label, part in built.items()}
+    largest = max(n for per_part in counted.values() for n in per_part.values())
+    return {"parts_bytes": counted, "largest_part_bytes": largest,
+            "one_gpu_run_fixed_bytes": sum(run_fixed.values()), "one_gpu_run_fixed_breakdown": run_fixed}
+
+
+def unique_setups(args: argparse.Namespace) -> list[Setup]:
+    return sorted(set(args.setups.values()), key=lambda s: (s.sharded, s.weight_casts))
 
 
 # -- the harness, the composition, the report -------------------------------------------------------
+
+def run_settings(args: argparse.Namespace, per_device_batch: int) -> tuple[argparse.Namespace, Any]:
+    """benchmark.py's flags and settings for a one-device run of this prediction's set-up and batch (what
+    the harness runs, and what sets the process up as benchmark.py's runtime does). Only what the
+    loader and the runtime read is resolved: benchmark.py's full validation would refuse flux1-schnell
+    on one GPU, and no model is built from them."""
+    import benchmark
+
+    warmup = min(3, args.harness_batches - 1)
+    argv = ["--model_config", args.model_config, "--use_synth_data", "--batch_size", str(per_device_batch),
+            "--image_size", str(args.image_size), "--device_train_microbatch_size", str(args.microbatch),
+            "--num_workers", str(args.num_workers), "--precision", args.precision, "--seed", str(args.seed),
+            "--max_duration", f"{args.harness_batches}ba", "--warmup_batches", str(warmup),
+            "--weight_casts", args.setups[args.gpus[0]].weight_casts, "--norm_precision", args.norm_precision]
+    if args.precomputed:
+        argv += ["--precomputed", "--precomputed_format", args.text_format]
+    run_args = benchmark.parse_args(argv)
+    return run_args, checks.resolve(run_args)
+
 
 def harness_seconds_per_step(args: argparse.Namespace, per_device_batch: int) -> float:
     """Seconds per step of what benchmark.py runs around the model: Composer's Trainer (events,
@@ -404,21 +770,11 @@ def harness_seconds_per_step(args: argparse.Namespace, per_device_batch: int) ->
         def loss(self, outputs: torch.Tensor, batch: dict) -> torch.Tensor:
             return outputs
 
-    warmup = min(3, args.harness_batches - 1)
-    argv = ["--model_config", args.model_config, "--use_synth_data", "--batch_size", str(per_device_batch),
-            "--image_size", str(args.image_size), "--device_train_microbatch_size", str(args.microbatch),
-            "--num_workers", str(args.num_workers), "--precision", args.precision, "--seed", str(args.seed),
-            "--max_duration", f"{args.harness_batches}ba", "--warmup_batches", str(warmup)]
-    if args.precomputed:
-        argv += ["--precomputed", "--precomputed_format", args.text_format]
-    run_args = benchmark.parse_args(argv)
-    # Only what the loader reads: benchmark.py's full validation would refuse flux1-schnell on one GPU,
-    # and no model is built here.
-    settings = checks.resolve(run_args)
+    run_args, settings = run_settings(args, per_device_batch)
     run = Runtime.start(settings)
     loader = benchmark.build_data(settings, run).loader
     model = OneParameter()
-    throughput = Throughput(warmup, 0.0, None, Pauses(), 0.0)
+    throughput = Throughput(run_args.warmup_batches, 0.0, None, Pauses(), 0.0)
     trainer = Trainer(model=model, train_dataloader=loader, optimizers=torch.optim.AdamW(model.parameters()),
                       max_duration=run_args.max_duration, device_train_microbatch_size=args.microbatch,
                       callbacks=[throughput], precision=run.trainer_precision, progress_bar=False,
@@ -442,47 +798,29 @@ def traffic_bytes_per_gpu(mode: str, gpus: int, params: int, accumulation: int, 
     return accumulation * share * (gathers * weight_bytes * params + 4 * params)
 
 
-def compose(args: argparse.Namespace, measured: dict[bool, dict], harness_per_image: float, params: int
-            ) -> list[dict[str, Any]]:
+def compose(args: argparse.Namespace, measured: dict[str, dict], updates: dict[str, float],
+            harness_per_image: float, params: int) -> list[dict[str, Any]]:
     """The predicted step and samples/s per GPU for each --gpus."""
     rows = []
     for gpus in args.gpus:
-        mode = mode_for(args, gpus)
-        times = measured[mode != "none"]
+        mode, setup = mode_for(args, gpus), args.setups[gpus]
+        times = measured[setup.label]
         per_gpu = args.global_batch // gpus
         accumulation = per_gpu // args.microbatch
         params_per_gpu = params / gpus if mode != "none" else params
-        optimizer = params_per_gpu * (times["adamw_seconds_per_param"] + times["ema_seconds_per_param"])
+        optimizer = params_per_gpu * (updates["adamw_seconds_per_param"] + updates["ema_seconds_per_param"])
+        casts = params * updates["weight_casts_seconds_per_param"] if setup.weight_casts == "step" else 0.0
         harness = harness_per_image * per_gpu
-        compute = accumulation * times["composed_microbatch_seconds"] + optimizer + harness
+        compute = accumulation * times["composed_microbatch_seconds"] + optimizer + casts + harness
         traffic = traffic_bytes_per_gpu(mode, gpus, params, accumulation, args.precision)
         comm = traffic / (args.link_gbps * 1e9)
-        rows.append({"gpus": gpus, "fsdp": mode, "per_gpu_batch": per_gpu, "accumulation": accumulation,
-                     "optimizer_seconds": optimizer, "harness_seconds": harness, "compute_seconds": compute,
+        rows.append({"gpus": gpus, "fsdp": mode, "weights": setup.label, "weight_casts": setup.weight_casts,
+                     "per_gpu_batch": per_gpu, "accumulation": accumulation, "optimizer_seconds": optimizer,
+                     "weight_casts_seconds": casts, "harness_seconds": harness, "compute_seconds": compute,
                      "traffic_bytes_per_gpu": traffic, "comm_seconds": comm, "step_seconds": compute + comm,
                      "samples_per_sec_per_gpu": per_gpu / (compute + comm),
                      "samples_per_sec_per_gpu_overlapped": per_gpu / max(compute, comm)})
     return rows
-
-
-def compared_run(args: argparse.Namespace) -> dict[str, Any]:
-    """The benchmark.py results JSON of --compare_results_json, refused (before any timing) unless its
-    settings are this prediction's and its device count is among --gpus."""
-    path = args.compare_results_json
-    try:
-        measured = json.loads(Path(path).read_text())
-        measured["images_per_sec_per_device"] + 0
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        fail(f"--compare_results_json {path}: not a benchmark.py results JSON ({type(error).__name__}: {error})")
-    ours = {**vars(args), "precomputed_format": args.text_format}
-    for key, flag in {**COMPARED, **({"precomputed_format": "precomputed_format"} if args.precomputed else {})}.items():
-        theirs = measured.get(key, "off" if key == "fp8" else None)
-        if theirs != ours[flag]:
-            fail(f"--compare_results_json {path}: its {key} is {theirs!r}, this prediction's "
-                 f"{'--' + flag if flag in vars(args) else flag} is {ours[flag]!r}; predict with the run's settings")
-    if measured.get("world_size") not in args.gpus:
-        fail(f"--compare_results_json {path}: the run had {measured.get('world_size')} device(s); add it to --gpus")
-    return measured
 
 
 def compare(args: argparse.Namespace, predicted: list[dict]) -> dict[str, Any]:
@@ -490,43 +828,35 @@ def compare(args: argparse.Namespace, predicted: list[dict]) -> dict[str, Any]:
     measured = args.compared
     row = next(r for r in predicted if r["gpus"] == measured["world_size"])
     ratio = row["samples_per_sec_per_gpu"] / measured["images_per_sec_per_device"]
-    return {"results_json": args.compare_results_json, "gpus": row["gpus"], "device": measured.get("device"),
+    return {"results_json": args.compare_results_json, "gpus": row["gpus"], "device": measured["device"],
             "measured_images_per_sec_per_device": measured["images_per_sec_per_device"],
             "predicted_samples_per_sec_per_gpu": row["samples_per_sec_per_gpu"], "ratio": ratio,
             "within_25_percent": abs(ratio - 1) <= 0.25}
 
 
-def measure(args: argparse.Namespace, sharded: bool) -> dict[str, Any]:
-    """Every part timed on the device with the weights as the run holds them (`sharded`: FSDP's bf16)."""
-    calls, outputs = block_calls(args, sharded)
-    denoiser = meta_model(args, sharded).denoiser
-    members = groups(denoiser, args.model_config)
-    steps = {label: block_step(args, names[0], calls[names[0]], outputs[names[0]], sharded)
-             for label, names in members.items()}
-    steps["the rest"] = rest_step(args, outputs, sharded)
-    steps.update(update_steps(args))
-    seconds = median_seconds(steps, args.device, args.warmup, args.repeats)
-    blocks = [{"name": label, "count": len(names), "seconds": seconds[label]} for label, names in members.items()]
-    rest = seconds["the rest"]
-    return {"blocks": blocks, "rest_seconds": rest,
-            "composed_microbatch_seconds": rest + sum(b["count"] * b["seconds"] for b in blocks),
-            "adamw_seconds_per_param": seconds["adamw"] / OPTIMIZER_PROBE_PARAMS,
-            "ema_seconds_per_param": seconds.get("ema", 0.0) / OPTIMIZER_PROBE_PARAMS}
+def gib(n: float) -> str:
+    return f"{n / memory.GIB:.2f} GiB"
+
+
+def header(result: dict[str, Any]) -> str:
+    return (f"{result['model_config']} at {result['image_size']}x{result['image_size']}, {result['precision']}, "
+            f"fp8 {result['fp8']}{', activation checkpointing' if result['activation_checkpointing'] else ''}, "
+            f"microbatch {result['microbatch']}, global batch {result['global_batch']}")
 
 
 def report(result: dict[str, Any]) -> str:
-    lines = [f"{result['model_config']} at {result['image_size']}x{result['image_size']}, {result['precision']}, "
-             f"fp8 {result['fp8']}{', activation checkpointing' if result['activation_checkpointing'] else ''}, "
-             f"microbatch {result['microbatch']}, global batch {result['global_batch']}; measured on "
-             f"{result['device']} (median of {result['repeats']} after {result['warmup']} warm-up), per microbatch:"]
-    for kind, times in result["measured"].items():
-        lines.append(f"  weights {kind}:")
-        lines += [f"    {b['name']:<34} x{b['count']:<3} {1e3 * b['seconds']:10.2f} ms forward + backward"
-                  for b in times["blocks"]]
+    lines = [f"{header(result)}; measured on {result['device']} (median of {result['repeats']} after "
+             f"{result['warmup']} warm-up, one part at a time), per microbatch:"]
+    for label, times in result["measured"].items():
+        lines.append(f"  weights {label}:")
+        for b in times["blocks"]:
+            peak = f"  (peak {gib(b['peak_memory_bytes'])})" if b["peak_memory_bytes"] is not None else ""
+            lines.append(f"    {b['name']:<34} x{b['count']:<3} {1e3 * b['seconds']:10.2f} ms forward + backward{peak}")
         lines.append(f"    {'the rest (embedders, final layer, loss)':<38} {1e3 * times['rest_seconds']:10.2f} ms")
-        lines.append(f"    {'composed: the full model':<38} {1e3 * times['composed_microbatch_seconds']:10.2f} ms; "
-                     f"AdamW {1e9 * times['adamw_seconds_per_param']:.2f} ns, EMA "
-                     f"{1e9 * times['ema_seconds_per_param']:.2f} ns per parameter")
+        lines.append(f"    {'composed: the full model':<38} {1e3 * times['composed_microbatch_seconds']:10.2f} ms")
+    u = result["per_parameter"]
+    lines.append(f"  per parameter and step: AdamW {1e9 * u['adamw_seconds_per_param']:.2f} ns, EMA "
+                 f"{1e9 * u['ema_seconds_per_param']:.2f} ns, weight casts {1e9 * u['weight_casts_seconds_per_param']:.2f} ns")
     lines.append(f"  harness (Trainer, loader, callbacks): {1e3 * result['harness_seconds_per_step']:.1f} ms per step of "
                  f"{result['harness_per_device_batch']} images")
     lines.append(f"predicted (not measured) samples/s per GPU, links at {result['link_gbps']:g} GB/s per direction:")
@@ -547,37 +877,60 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def memory_report(result: dict[str, Any]) -> str:
+    counted = result["counted_memory"]
+    lines = [f"{header(result)}; each part's memory counted on the meta device for a CUDA GPU (not measured):"]
+    for label, per_part in counted["parts_bytes"].items():
+        lines.append(f"  weights {label}:")
+        lines += [f"    {name:<38} {gib(n):>12}" for name, n in per_part.items()]
+    ratio = counted["largest_part_bytes"] / counted["one_gpu_run_fixed_bytes"]
+    lines.append(f"largest part {gib(counted['largest_part_bytes'])}: {ratio:.2f} of the "
+                 f"{gib(counted['one_gpu_run_fixed_bytes'])} a one-GPU run of these settings holds before any "
+                 "activation (weights, gradients, AdamW, EMA, copies)")
+    return "\n".join(lines)
+
+
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    return {"model_config": args.model_config, "image_size": args.image_size, "precision": args.precision,
+            "norm_precision": args.norm_precision, "precomputed": args.precomputed,
+            "precomputed_format": args.text_format, "activation_checkpointing": args.activation_checkpointing,
+            "weight_casts": args.weight_casts, "fp8": args.fp8, "use_ema": args.use_ema, "microbatch": args.microbatch,
+            "global_batch": args.global_batch, "gpus": args.gpus}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     with errors.command("blocks.py"):
         args = validate(build_parser().parse_args(argv))
-        if args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(os.cpu_count() or 1)  # as benchmark.py's one CPU rank runs (runtime.Runtime)
-        torch.manual_seed(args.seed)
-        measured = {}
-        for sharded in sorted({mode_for(args, gpus) != "none" for gpus in args.gpus}):
-            print(f"timing the blocks of {args.model_config} on {args.device}, weights "
-                  f"{'sharded (FSDP: gathered in the autocast dtype)' if sharded else 'replicated'}...",
-                  file=sys.stderr, flush=True)
-            measured[sharded] = measure(args, sharded)
+        if args.count_memory:
+            result = {**settings_of(args), "counted_memory": count_memory(args)}
+            print(memory_report(result), flush=True)
+            if args.json:
+                print(json.dumps(result), flush=True)
+            return result
+        from t2ibench.runtime import Runtime
+
         per_device = args.global_batch // args.gpus[0]
+        # The process as benchmark.py sets it up before its first step (cuDNN's autotuner on a GPU, the
+        # threads of a CPU rank, the seeds), so every part is timed as the run computes it.
+        Runtime.start(run_settings(args, per_device)[1])
+        measured = {}
+        for setup in unique_setups(args):
+            print(f"timing the parts of {args.model_config} on {args.device}, one at a time, weights "
+                  f"{setup.describe()}:", file=sys.stderr, flush=True)
+            measured[setup.label] = measure(args, setup)
+        updates = measure_updates(args)
         harness = harness_seconds_per_step(args, per_device)
         params = sum(p.numel() for p in meta_model(args, False).denoiser.parameters())
-        predicted = compose(args, measured, harness / per_device, params)
+        predicted = compose(args, measured, updates, harness / per_device, params)
         result = {
-            "model_config": args.model_config, "image_size": args.image_size, "precision": args.precision,
-            "norm_precision": args.norm_precision, "precomputed": args.precomputed, "precomputed_format": args.text_format,
-            "activation_checkpointing": args.activation_checkpointing, "fp8": args.fp8, "use_ema": args.use_ema,
-            "microbatch": args.microbatch, "global_batch": args.global_batch, "link_gbps": args.link_gbps,
-            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            **settings_of(args), "link_gbps": args.link_gbps, "device": device_name(args.device),
             "warmup": args.warmup, "repeats": args.repeats, "denoiser_params": params,
-            "measured": {("sharded" if sharded else "replicated"): times for sharded, times in measured.items()},
+            "measured": measured, "per_parameter": updates,
             "harness_seconds_per_step": harness, "harness_per_device_batch": per_device,
             "predicted": predicted,
             "reference": MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU if family_of(args.model_config).name == "flux" else {},
-            "comparison": None,
+            "comparison": compare(args, predicted) if args.compared else None,
         }
-        if args.compared:
-            result["comparison"] = compare(args, predicted)
         print(report(result), flush=True)
         if args.json:
             print(json.dumps(result), flush=True)

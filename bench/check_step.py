@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
-from t2ibench.families import family_of
+from t2ibench.cli import BATCH_SIZE, IMAGE_SIZE, NON_NEGATIVE_FLOAT, SEED, Parser, Range
+from t2ibench.families import MODEL_CONFIGS, family_of
 from t2ibench.model import DiffusionModel
 from t2ibench.norms import set_norm_precision
 
@@ -71,19 +72,25 @@ def step(setting: str, args: argparse.Namespace, device: torch.device, batch: di
     return float(loss), grad
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model_config", default="tiny")
+def build_parser() -> Parser:
+    p = Parser("check_step.py", description=__doc__)
+    p.add_argument("--model_config", default="tiny", choices=sorted(MODEL_CONFIGS))
     p.add_argument("--model_name", default=None, help="pretrained VAE/text encoder (sd2-base only)")
-    p.add_argument("--image_size", type=int, default=64)
-    p.add_argument("--batch_size", type=int, default=4)
+    p.add_argument("--image_size", type=IMAGE_SIZE, default=64)
+    p.add_argument("--batch_size", type=BATCH_SIZE, default=4)
     p.add_argument("--settings", nargs="+", default=["fp32-cl"], help=f"compared with fp32, from {list(SETTINGS)}")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max_rel_loss_diff", type=float, default=0.02, help="allowed |loss - fp32 loss| / fp32 loss")
+    p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--max_rel_loss_diff", type=NON_NEGATIVE_FLOAT, default=0.02,
+                   help="allowed |loss - fp32 loss| / fp32 loss")
     # bf16 keeps 8 mantissa bits: on the random tiny model its UNet gradient has cosine 0.96 with fp32's
     # (loss within 0.1%); a broken step (wrong noise, dtype or layout) lands far lower (0.25 was seen).
-    p.add_argument("--min_grad_cosine", type=float, default=0.95, help="required cosine(grad, fp32 grad)")
-    args = p.parse_args()
+    p.add_argument("--min_grad_cosine", type=Range(float, -1, 1), default=0.95, help="required cosine(grad, fp32 grad)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
+    args = p.parse_args(argv)
     unknown = [s for s in args.settings if s not in SETTINGS]
     if unknown:
         p.error(f"--settings: unknown {unknown}; choose from {list(SETTINGS)}")

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from t2ibench import errors  # noqa: E402
-from t2ibench.cli import POSITIVE_INT, Parser  # noqa: E402
+from t2ibench.cli import POSITIVE_INT, REPEATS, Parser  # noqa: E402
 from t2ibench.errors import fail  # noqa: E402
 from t2ibench.locations import check_output, normalise  # noqa: E402
 
@@ -94,10 +94,10 @@ def make_shards(work: Path) -> Path:
     return work / "mds"
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> Parser:
     p = Parser("cpu_speed.py", description=__doc__)
     p.add_argument("--batches", type=POSITIVE_INT, default=1500, help="training batches per run")
-    p.add_argument("--repeats", type=POSITIVE_INT, default=1, help="runs per setting, alternated")
+    p.add_argument("--repeats", type=REPEATS, default=1, help="runs per setting, alternated")
     p.add_argument("--window", type=POSITIVE_INT, default=100, help="batches per reported window")
     p.add_argument("--settings", nargs="+", default=["default"],
                    choices=[f"{o}{f}" for o in OPTIMIZERS for f in ("", "-ftz")], help="see above")
@@ -105,7 +105,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shards", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cache", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
     if args.child:
         child(args)
         return {}

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from streaming.base.shuffle import algos  # noqa: E402
 
 from t2ibench import errors  # noqa: E402
-from t2ibench.cli import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, SECONDS, Parser  # noqa: E402
+from t2ibench.cli import BATCH_SIZE, NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, SECONDS, Parser  # noqa: E402
 from t2ibench.errors import fail  # noqa: E402
 from t2ibench.locations import check_output, check_outputs_apart, normalise  # noqa: E402
 
@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=POSITIVE_INT, default=8, help="DataLoader workers of the measured rank")
     p.add_argument("--shuffle_algo", type=str, default="py1e", choices=sorted(algos),
                    help="Streaming's shuffle algorithm")
-    p.add_argument("--batch_size", type=POSITIVE_INT, default=32, help="per-device batch size")
+    p.add_argument("--batch_size", type=BATCH_SIZE, default=32, help="per-device batch size")
     p.add_argument("--epoch_size", type=POSITIVE_INT, default=None, help="Streaming epoch_size (default: the dataset)")
     p.add_argument("--num_canonical_nodes", type=POSITIVE_INT, default=None, help="Streaming's canonical nodes (default: its own)")
     p.add_argument("--gpus_per_node", type=POSITIVE_INT, default=8, help="ranks per node, for the projection")

@@ -42,18 +42,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from t2ibench import errors  # noqa: E402
-from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED, Parser, Range  # noqa: E402
+from t2ibench.cli import BATCH_SIZE, IMAGE_SIZE, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED, Parser  # noqa: E402
 from t2ibench.errors import fail  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS  # noqa: E402
-from t2ibench.families.sd2 import SCHEDULER_CONFIG  # noqa: E402
 from t2ibench.locations import check_output, check_outputs_apart, normalise  # noqa: E402
 from t2ibench.model import DiffusionModel  # noqa: E402
-from t2ibench.sampling import MAX_GUIDANCE_SCALE, make_sampler, sample_latents  # noqa: E402
+from t2ibench.flags import CAPTION_DROP_PROB, GUIDANCE_SCALE, SAMPLE_STEPS  # noqa: E402
+from t2ibench.sampling import make_sampler, sample_latents  # noqa: E402
 
 # The miniatures: random encoders are all they have, so scoring is in latent space (see above).
 LEARNING_CONFIGS = ("tiny", "sdxl-tiny", "flux1-tiny")
 # Both miniatures train on SD2's DDPM schedule (SDXL's is the same): DDIM takes at most this many steps.
-NUM_TRAIN_TIMESTEPS = SCHEDULER_CONFIG["num_train_timesteps"]
 DEFAULT_WARMUP_BATCHES = 50  # of the default 1000-1500 batches; a short run warms up over a tenth of itself
 SHAPES = ("square", "rectangle", "circle", "ellipse", "triangle", "diamond", "star", "cross", "hexagon")
 
@@ -198,18 +197,18 @@ def build_parser() -> Parser:
     p.add_argument("--data", type=str, default=None,
                    help="your own data: an MDS dataset (index.json) or an images folder with same-named .txt captions")
     p.add_argument("--images_per_caption", type=POSITIVE_INT, default=48, help="generated pictures per caption")
-    p.add_argument("--image_size", type=POSITIVE_INT, default=64, help="picture side in pixels (multiple of 8)")
+    p.add_argument("--image_size", type=IMAGE_SIZE, default=64, help="picture side in pixels (multiple of 8)")
     p.add_argument("--batches", type=POSITIVE_INT, default=None,
                    help="training batches (default: 500 per caption: 2 captions 1000, 3 captions 1500)")
-    p.add_argument("--batch_size", type=POSITIVE_INT, default=16, help="global batch size of the training run")
+    p.add_argument("--batch_size", type=BATCH_SIZE, default=16, help="global batch size of the training run")
     p.add_argument("--lr", type=POSITIVE_FLOAT, default=2e-3, help="AdamW learning rate of the training run")
     p.add_argument("--lr_warmup_batches", type=NON_NEGATIVE_INT, default=None,
                    help="linear warm-up of the learning rate (default: 50 batches, at most a tenth of the run)")
-    p.add_argument("--caption_drop_prob", type=Range(float, 0, 1, high_open=True), default=0.1,
+    p.add_argument("--caption_drop_prob", type=CAPTION_DROP_PROB, default=0.1,
                    help="caption dropout while training (for classifier-free guidance)")
     p.add_argument("--samples_per_caption", type=POSITIVE_INT, default=16, help="latents sampled per caption to score")
-    p.add_argument("--sample_steps", type=Range(int, 1, NUM_TRAIN_TIMESTEPS), default=25, help="DDIM steps per sample")
-    p.add_argument("--guidance_scale", type=Range(float, 0, MAX_GUIDANCE_SCALE), default=4.0,
+    p.add_argument("--sample_steps", type=SAMPLE_STEPS, default=25, help="DDIM steps per sample")
+    p.add_argument("--guidance_scale", type=GUIDANCE_SCALE, default=4.0,
                    help="classifier-free guidance when scoring (the run trains with caption dropout for it); "
                         "the unguided score (1) is printed too")
     p.add_argument("--seed", type=SEED, default=17, help="seeds the pictures, the model and the samples")

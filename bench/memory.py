@@ -36,11 +36,12 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
 from t2ibench import flags, memory  # noqa: E402
-from t2ibench.cli import GPU_COUNT, IMAGE_SIZE, POSITIVE_FLOAT, POSITIVE_INT, Parser  # noqa: E402
+from t2ibench.cli import BATCH_SIZE, GPU_COUNT, GPU_MEMORY_GIB, IMAGE_SIZE, Parser  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of  # noqa: E402
 from t2ibench.fp8 import FP8_MODES  # noqa: E402
 from t2ibench.gpu_setup import choose_setup, from_flag  # noqa: E402
@@ -89,6 +90,18 @@ def real_batch(family: ModelFamily, model_config: str, image_size: int, microbat
     return batch
 
 
+class CountedOps(TorchDispatchMode):
+    """Marks every op the memory count sees with a profiler scope (`SCOPE`): a dispatch mode, as the
+    count's `LiveBytes` is, so it sees the same ops (those reaching the tensors' backend, below
+    autograd and autocast); the ATen ops a kernel calls inside itself run within the scope."""
+
+    SCOPE = "counted op"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        with torch.profiler.record_function(self.SCOPE):
+            return func(*args, **(kwargs or {}))
+
+
 def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precision: str = "fp32",
                      norm_precision: str = "autocast", seed: int = 0, activation_checkpointing: bool = False,
                      text_format: str | None = None, weight_casts: str = "microbatch") -> dict[str, int]:
@@ -102,12 +115,18 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
     text states).
 
     Kernel scratch is memory an op allocates and frees itself, inside its kernel; `op_peak_bytes`
-    leaves it out. The largest here is oneDNN's bf16 GEMM under CPU autocast (aten::addmm), whose
-    scratchpad grows with the thread count and changed with the oneDNN release: at the peak of
-    flux1-tiny with checkpointing, 62 KB on 1 thread and 124 KB on 2 with torch 2.7.0, 112 KB and
-    223 KB with torch 2.14.1; with `torch.backends.mkldnn` off it is gone and the allocator's peak
-    equals the op-level one. The count sees ops' outputs, not their insides, so the op-level peak is
-    what it predicts on any machine; on a GPU cuBLAS's workspace is allocated once and kept."""
+    leaves it out. "An op" is one the count sees: every op dispatched to the tensors' backend, marked
+    here by `CountedOps` (a dispatch mode at the count's own level), so whatever a kernel allocates
+    and frees before it returns, directly or through the ATen ops it calls inside, is scratch.
+    Which kernel runs, and so its scratch, is the machine's: oneDNN's bf16 GEMM under CPU autocast
+    (aten::addmm) keeps a scratchpad that grows with the thread count and changed with the oneDNN
+    release (at the peak of flux1-tiny with checkpointing, 62 KB on 1 thread and 124 KB on 2 with
+    torch 2.7.0, 112 KB and 223 KB with torch 2.14.1); where oneDNN has no bf16 (a CPU without
+    AVX-512, `torch.ops.mkldnn._is_mkldnn_bf16_supported()` false) a bf16 convolution runs ATen's
+    im2col kernel (aten::_slow_conv2d_forward), which unfolds its input into a temporary of
+    in_channels x kernel area x output pixels per image (an aten::empty inside the op; 144 KB at
+    sdxl-tiny's peak). The count sees ops' outputs, not their insides, so the op-level peak is what
+    it predicts on any machine; on a GPU cuBLAS's workspace is allocated once and kept."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     family = family_of(model_config)
@@ -123,17 +142,22 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
     if activation_checkpointing:
         model.denoiser.enable_gradient_checkpointing()
     model.train()
+    trained = [p for p in model.parameters() if p.requires_grad]
     if weight_casts == "step":  # the denoiser computes with its bf16 copies, as benchmark.py's step does
-        CastWeightsOncePerStep(model.denoiser).begin_step()
-    for p in model.parameters():  # gradient accumulation's steady state, as counted
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
+        casts = CastWeightsOncePerStep(model.denoiser)
+        casts.begin_step()
+        # From the second microbatch on the fp32 weights hold the step's gradient sum and each copy's
+        # bf16 gradient is added into it (and freed) as backward makes it.
+        trained = casts.masters  # the denoiser's, the only trained parameters
+    for p in trained:  # gradient accumulation's steady state, as counted
+        p.grad = torch.zeros_like(p)
     batch = real_batch(family, model_config, image_size, microbatch, text_format)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, CountedOps():
         loss = model.loss(model(batch), batch)
         with record_function("backward starts"):
             loss.backward()
-    # (time, bytes: negative for a free, allocator's running total, address, the op it happened in)
+    # (time, bytes: negative for a free, allocator's running total, address, the counted op it
+    # happened in: 0 outside any)
     allocations: list[tuple[int, int, int, int, int]] = []
     backward_start, ops_seen = None, 0
 
@@ -145,10 +169,11 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
             return
         if node.name == "backward starts":
             backward_start = node.start_time_ns
-        ops_seen += 1
-        this_op = ops_seen
+        if node.name == CountedOps.SCOPE:
+            ops_seen += 1
+            op = ops_seen
         for child in node.children:
-            visit(child, this_op)
+            visit(child, op)
 
     for root in prof.profiler.kineto_results.experimental_event_tree():
         visit(root, 0)
@@ -156,7 +181,7 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
     before = allocations[0][2] - allocations[0][1]
     after_forward = [total for t, _, total, _, _ in allocations if t < backward_start][-1] - before
     peak = max(total for _, _, total, _, _ in allocations) - before
-    # Scratch: an allocation freed by the op that made it, both events directly inside that op.
+    # Scratch: an allocation freed inside the counted op that made it.
     allocated_in: dict[int, tuple[int, int]] = {}  # address -> (index, op)
     scratch: set[int] = set()
     for index, (_, nbytes, _, address, op) in enumerate(allocations):
@@ -207,8 +232,9 @@ def check_cpu(model_config: str, image_size: int, microbatch: int, activation_ch
                      "measured_op_peak_bytes": measured["op_peak_bytes"]})
     print(f"{model_config} at {image_size}x{image_size}, microbatch {microbatch}, "
           f"{'precomputed ' + text_format if text_format else 'online'}"
-          f"{', activation checkpointing' if activation_checkpointing else ''}, on this CPU: count (meta device) vs "
-          "the CPU allocator")
+          f"{', activation checkpointing' if activation_checkpointing else ''}, on this CPU "
+          f"({torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 "
+          f"{'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no'}): count (meta device) vs the CPU allocator")
     print(f"{'precision':<10} {'norms':<9} {'after forward: counted':>23} {'measured':>12} {'ratio':>7} "
           f"{'peak: counted':>15} {'measured':>12} {'ratio':>7} {'without kernel scratch':>23} {'ratio':>7}")
     for r in rows:
@@ -243,7 +269,7 @@ def build_parser() -> Parser:
     p.add_argument("--model_config", default="sd2-base", help=f"one of {sorted(MODEL_CONFIGS)}")
     p.add_argument("--image_size", type=IMAGE_SIZE, default=None,
                    help="training resolution in pixels (default: the family's, 512 for SD2, 1024 for SDXL)")
-    p.add_argument("--gpu_memory_gib", type=POSITIVE_FLOAT, default=memory.GPU_MEMORY_GIB["H100 80GB"],
+    p.add_argument("--gpu_memory_gib", type=GPU_MEMORY_GIB, default=memory.GPU_MEMORY_GIB["H100 80GB"],
                    help="memory of one GPU in GiB, as torch.cuda.get_device_properties(0).total_memory / 2**30 "
                         "(an 80 GB A100 or H100 reports 79.1)")
     p.add_argument("--precomputed", action="store_true", help="train from precomputed latents (no VAE)")
@@ -266,14 +292,14 @@ def build_parser() -> Parser:
                         "default (step on one GPU under amp_bf16 without FSDP)")
     p.add_argument("--fp8", default="off", choices=FP8_MODES,
                    help="the denoiser's Linear layers in float8 as benchmark.py's --fp8 converts them")
-    p.add_argument("--per_device_batch", type=POSITIVE_INT, default=None,
+    p.add_argument("--per_device_batch", type=BATCH_SIZE, default=None,
                    help="images per GPU per step: the microbatch must divide it (benchmark.py's auto)")
     p.add_argument("--json", action="store_true", help="end with the figures as one JSON object on one line")
     p.add_argument("--table", action="store_true", help="print the README's microbatch table instead")
     p.add_argument("--check_cpu", action="store_true",
                    help="compare the count with a real CPU step (--model_config, --image_size, --microbatch, "
                         "the data path and --activation_checkpointing)")
-    p.add_argument("--microbatch", type=POSITIVE_INT, default=2, help="with --check_cpu: images in the real CPU step")
+    p.add_argument("--microbatch", type=BATCH_SIZE, default=2, help="with --check_cpu: images in the real CPU step")
     return p
 
 

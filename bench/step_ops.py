@@ -23,19 +23,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from t2ibench import errors, flags, kernels, memory  # noqa: E402
-from t2ibench.cli import Parser, Range  # noqa: E402
+from t2ibench.cli import BATCH_SIZE, GPU_MEMORY_GIB, IMAGE_SIZE, Parser  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
 from t2ibench.gpu_setup import choose_setup, step_kernels  # noqa: E402
 from t2ibench.precomputed import TEXT_FORMATS, batch_text_format  # noqa: E402
 from t2ibench.weight_casts import WEIGHT_CAST_CHOICES, resolve_weight_casts, weight_casts_problem  # noqa: E402
 
-MAX_BATCH = 1 << 20
-
 
 def build_parser() -> Parser:
     p = Parser("step_ops.py", description=__doc__)
     p.add_argument("--model_config", default="sd2-base", help=f"one of {sorted(MODEL_CONFIGS)}")
-    p.add_argument("--image_size", type=Range(int, 1, 8192), default=None,
+    p.add_argument("--image_size", type=IMAGE_SIZE, default=None,
                    help="training resolution in pixels (default: the family's: 512 SD2, 1024 SDXL, 256 Flux.1)")
     p.add_argument("--precomputed", action="store_true", help="precomputed latents (no VAE in the step)")
     p.add_argument("--precomputed_format", default=None, choices=TEXT_FORMATS,
@@ -50,11 +48,11 @@ def build_parser() -> Parser:
     p.add_argument("--norm_precision", default="autocast", choices=memory.NORM_PRECISIONS,
                    help="GroupNorm/LayerNorm in the autocast dtype (benchmark.py's default) or fp32 "
                         "(plain CUDA autocast's)")
-    p.add_argument("--microbatch", type=Range(int, 1, MAX_BATCH), default=None,
+    p.add_argument("--microbatch", type=BATCH_SIZE, default=None,
                    help="images per forward/backward (default: the memory model's pick for --gpu_memory_gib)")
-    p.add_argument("--batch_size", type=Range(int, 1, MAX_BATCH), default=None,
+    p.add_argument("--batch_size", type=BATCH_SIZE, default=None,
                    help="images per optimizer step on the one GPU (default: benchmark.py's 2048)")
-    p.add_argument("--gpu_memory_gib", type=Range(float, 1, 4096), default=memory.GPU_MEMORY_GIB["H100 80GB"],
+    p.add_argument("--gpu_memory_gib", type=GPU_MEMORY_GIB, default=memory.GPU_MEMORY_GIB["H100 80GB"],
                    help="GPU memory as torch reports it, GiB (80 GB H100: 79.1)")
     p.add_argument("--no_ema", action="store_true", help="without --use_ema")
     p.add_argument("--compare", action="store_true",

@@ -7,11 +7,12 @@ the independent check of what torch.utils.flop_counter reports (`ModelFamily.flo
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
+
+from t2ibench.cli import IMAGE_SIZE, Parser  # noqa: E402
 
 TEXT_TOKENS = 77
 
@@ -143,14 +144,18 @@ def unet_flops(config: dict, latent_side: int, text_tokens: int = TEXT_TOKENS) -
     return t.forward, t.forward + t.backward
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> Parser:
+    p = Parser("unet_flops.py", description=__doc__)
     p.add_argument("--model_config", nargs="+", default=["sdxl-base", "sd2-base"],
                    help="configs to count (any --model_config whose denoiser is a UNet2DConditionModel)")
-    p.add_argument("--image_size", type=int, nargs="+", default=None,
+    p.add_argument("--image_size", type=IMAGE_SIZE, nargs="+", default=None,
                    help="pixels (default: each config's training size, 512 for SD2, 1024 for SDXL)")
     p.add_argument("--no_flop_counter", action="store_true", help="print the hand count only (fast)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
     from t2ibench.families import family_of
 
     rows = []

@@ -22,14 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root
 
 import data  # noqa: E402
 from t2ibench import precomputed  # noqa: E402
-from t2ibench.cli import POSITIVE_INT, Parser  # noqa: E402
+from t2ibench.cli import POSITIVE_INT, REPEATS, Parser  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS  # noqa: E402
 
 
 def build_parser() -> Parser:
     p = Parser("value_check.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=POSITIVE_INT, default=512, help="samples written and read per repeat")
-    p.add_argument("--repeats", type=POSITIVE_INT, default=7, help="alternated readings of each kind")
+    p.add_argument("--repeats", type=REPEATS, default=7, help="alternated readings of each kind")
     p.add_argument("--workdir", default=None, help="where the shards go (default: a temporary folder)")
     return p
 

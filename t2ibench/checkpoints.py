@@ -53,6 +53,18 @@ def is_complete(path: Path) -> bool:
         return False
 
 
+def gone_latest(save_folder: str | os.PathLike) -> str | None:
+    """Where `latest-rank0.pt` points when that is gone (the checkpoint was moved or deleted: the link
+    dangles), else None. Composer's autoresume tests the link with os.path.exists, which follows it,
+    so a dangling one reads as no checkpoint yet: the run starts at batch 0 and replaces the link. Only
+    a local folder has such links (an object store keeps `latest` as a `.symlink` object), and only
+    rank 0's is read, on every rank."""
+    latest = Path(save_folder, LATEST)
+    if latest.is_symlink() and not latest.exists():
+        return os.readlink(latest)
+    return None
+
+
 def resume_point(save_folder: str | os.PathLike) -> tuple[Path, Path] | None:
     """(the latest checkpoint, the newest complete one before it) when `latest-rank0.pt` points at an
     incomplete `.pt` checkpoint (the second is None when there is none); None when there is nothing to
@@ -80,8 +92,8 @@ def resume_from(latest: Path, previous: Path) -> Path:
 
 def layout(path: str | os.PathLike) -> dict:
     """What a checkpoint must hold for this code to load it: every model tensor's name and shape,
-    the parameters the optimizer keeps state for, the algorithms' and callbacks' state keys (the
-    EMA's averaged tensors by name). Two releases whose layouts are equal read each other's
+    the parameters the optimizer keeps state for, the state keys of the algorithms that have state
+    (the EMA's averaged tensors by name) and of the callbacks. Two releases whose layouts are equal read each other's
     checkpoints; `scripts/checkpoint_layout.py` writes one, tests/test_checkpoint_layout.py compares."""
     import torch
 
@@ -92,6 +104,11 @@ def layout(path: str | os.PathLike) -> dict:
 
     algorithms = {}
     for name, algorithm_state in state["algorithms"]:
+        if set(algorithm_state) <= {"repr"}:
+            # Stateless (Composer's default state_dict holds the repr alone): nothing to restore.
+            # Composer ignores such an entry it has no algorithm for, and warns, but loads, where a
+            # checkpoint lacks one (grad_norm.GradientNorm, in every run since issue 36).
+            continue
         algorithms[name] = {key: shapes(value) if key == "shadow" else type(value).__name__
                             for key, value in sorted(algorithm_state.items())}
     return {"model": shapes(state["model"]),

@@ -19,10 +19,12 @@ from composer.core import Time
 from composer.utils import dist
 
 from t2ibench import fp8
-from t2ibench.checkpoints import resume_from, resume_point
+from t2ibench.callbacks.profile import profile_fits
+from t2ibench.checkpoints import LATEST, gone_latest, resume_from, resume_point
 from t2ibench.cli import check_workers
 from t2ibench.data_checks import check_data, check_evaluation
 from t2ibench.errors import fail
+from t2ibench.files import killed_writer_leftovers
 from t2ibench.flags import shared_values
 from t2ibench.locations import CHECKPOINT_SCHEMES, LOAD_SCHEMES, check_output, check_outputs_apart, is_remote, normalise
 from t2ibench.parallel import resolve_mode
@@ -112,10 +114,15 @@ def check_run(settings: Settings, world_size: int) -> int | str:
     if settings.autoresume and not (settings.save_folder and settings.run_name):
         fail("--autoresume needs --save_folder and --run_name (the same on every restart) to find the latest checkpoint")
     if settings.autoresume and not is_remote(settings.save_folder) and Path(settings.save_folder).is_dir():
+        gone = gone_latest(settings.save_folder)
+        if gone is not None:
+            fail(f"--autoresume: {Path(settings.save_folder, LATEST)} points at {gone}, which is gone (moved or "
+                 "deleted), and the run would start over from batch 0: put that checkpoint back, or delete the link "
+                 "to start over")
         # Composer replaces `latest` by delete-then-link: a kill in between leaves checkpoints but no
         # `latest`, and autoresume would silently start over and overwrite them.
         saved = sorted(Path(settings.save_folder).glob("ep*-ba*-rank0.pt"), key=lambda p: p.stat().st_mtime)
-        if saved and not (Path(settings.save_folder) / "latest-rank0.pt").exists():
+        if saved and not Path(settings.save_folder, LATEST).exists():
             fail(f"--autoresume: {settings.save_folder} holds checkpoints but no latest-rank0.pt; "
                  f"resume explicitly with --load_path {saved[-1]} (or move the old checkpoints away)")
         check_latest_checkpoint(settings.save_folder)
@@ -371,11 +378,13 @@ def check_recipe(settings: Settings) -> tuple[str, str | None]:
             fail(f"--sample_steps {settings.sample_steps} must be positive")
     if settings.samples_dir and not settings.sample_prompts:
         fail("--samples_dir needs --sample_prompts (a prompt file or a built-in set: default, shapes)")
-    if settings.ema_export_dir and Path(settings.ema_export_dir).is_dir() and any(Path(settings.ema_export_dir).iterdir()):
-        entries = {p.name for p in Path(settings.ema_export_dir).iterdir()}
+    export_dir = settings.ema_export_dir
+    if export_dir and Path(export_dir).is_dir():
+        # What a killed export left (a preempted job) is taken over when the pipeline is written (staged_folder).
+        entries = set(os.listdir(export_dir)) - killed_writer_leftovers(export_dir)
         # A resumed or retried job finds the pipeline it exported before: that one it may rewrite.
         own_export = entries <= {"model_index.json", *family.pipeline_parts} and (settings.autoresume or settings.load_path)
-        if not own_export:
+        if entries and not own_export:
             fail(f"--ema_export_dir {settings.ema_export_dir} is not empty; choose a new folder (nothing is overwritten)")
     return sampler, precomputed_format
 
@@ -400,7 +409,7 @@ def check_run_length(settings: Settings, samples_per_epoch: int) -> None:
         fail(f"--lr_warmup_batches {settings.lr_warmup_batches} does not end before the run does ({length}): the "
              "learning rate would never reach --lr" + (" or decay" if settings.lr_schedule == "cosine" else "")
              + "; shorten the warm-up or lengthen the run")
-    if settings.profile_batches and settings.warmup_batches + settings.profile_batches >= total:
+    if settings.profile_batches and not profile_fits(settings.warmup_batches, settings.profile_batches, total):
         fail(f"--profile_batches {settings.profile_batches} after --warmup_batches {settings.warmup_batches} leaves no "
              f"batch to measure ({length}); profile fewer batches or lengthen the run")
     if settings.use_ema and settings.ema_export_dir:

@@ -79,6 +79,19 @@ IMAGE_SIZE = Range(int, 1, MAX_IMAGE_SIZE)
 # GPUs in one run or one row of cost.py's table (a results file's world_size of 10**400 overflowed a float).
 MAX_GPUS = 1_000_000
 GPU_COUNT = Range(int, 1, MAX_GPUS)
+# Images in one batch of any kind: a global batch, a per-device batch, a microbatch, an encoder call.
+# 2**20 images is 512 on each of 2,048 GPUs, far above any published run's batch; beyond it a number
+# means no run, and tensors of its size overflow deep in torch.
+MAX_BATCH_SIZE = 2**20
+BATCH_SIZE = Range(int, 1, MAX_BATCH_SIZE)
+# GPU memory in GiB as torch reports it (the largest GPUs today hold under 300).
+MAX_GPU_MEMORY_GIB = 4096
+GPU_MEMORY_GIB = Range(float, 1, MAX_GPU_MEMORY_GIB)
+# Timed runs of one measurement (a benchmark's repeats, warm-up runs): a median of 1,000 is as good as
+# any more, and a larger count only runs until it is killed.
+MAX_REPEATS = 1000
+REPEATS = Range(int, 1, MAX_REPEATS)
+WARMUP_REPEATS = Range(int, 0, MAX_REPEATS)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -15,7 +15,7 @@ from t2ibench.errors import fail, storage_error
 from t2ibench.families import FAMILIES, ModelFamily
 from t2ibench.images import GEOMETRY_KEYS
 from t2ibench.locations import is_remote, same_source_key
-from t2ibench.mds import index_problem, shard_file
+from t2ibench.mds import holds_samples_it_does_not_list, index_problem, shard_file
 from t2ibench.precomputed import LATENT_DTYPES, LATENT_KEYS, RECORD_FILE, TOKEN_DTYPES, column_arrays
 from t2ibench.settings import Settings
 from t2ibench.sources import Source, check_cache
@@ -42,9 +42,13 @@ def check_index(index: dict, label: str, settings: Settings) -> int:
     columns = list(shards[0].get("column_names", [])) if shards else []
     if num_samples == 0:
         fail(f"{label} holds no samples; convert some data into it with convert.py")
-    empty = [shard_file(shard) for shard in shards if shard["samples"] == 0]
-    if empty:  # MDSWriter never writes one; Streaming would train around it, then blame the batch size
-        fail(f"{label}: shard {empty[0]} holds no samples (index.json lists 0): the dataset is damaged; re-convert it")
+    # A shard listed with 0 samples whose file holds some: Streaming would train around those samples
+    # without a word. One that holds none (Streaming's MDSWriter wrote one before a first sample larger
+    # than size_limit) loses nothing and is read as nothing.
+    uncounted = [shard_file(shard) for shard in shards if holds_samples_it_does_not_list(shard)]
+    if uncounted:
+        fail(f"{label}: shard {uncounted[0]} holds no samples (index.json lists 0) but its file is larger than an "
+             "empty shard: the dataset is damaged; re-convert it")
     latents = LATENT_KEYS[0] in columns  # the posterior's mean: in every precomputed sample
     if settings.precomputed and not latents:
         fail(f"--precomputed: {label} holds image shards (columns {columns}), not precomputed latents; "

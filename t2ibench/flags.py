@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from t2ibench.cli import (FRACTION, IMAGE_SIZE, NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT,
+from t2ibench.cli import (BATCH_SIZE, FRACTION, IMAGE_SIZE, NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT,
                           SECONDS, SEED, Range)
 from t2ibench.cli import Parser, check_workers  # noqa: F401 - the commands' parser and its rules, with these groups
 from t2ibench.errors import fail
@@ -28,6 +28,10 @@ ACTIVATION_CHECKPOINTING_CHOICES = ("auto", "on", "off")
 # SD2's and SDXL's DDPM schedules have 1000 training timesteps (Flux's are continuous): more loss bins
 # than that would stay empty, and more sampler steps than that repeat timesteps.
 MAX_LOSS_BINS = MAX_SAMPLE_STEPS = 1000
+# Ranges of the recipe and sampling flags that bench/learns.py passes on to benchmark.py.
+CAPTION_DROP_PROB = Range(float, 0, 1, high_open=True)
+SAMPLE_STEPS = Range(int, 1, MAX_SAMPLE_STEPS)
+GUIDANCE_SCALE = Range(float, 0, MAX_GUIDANCE_SCALE)
 
 
 def add_source(p: argparse.ArgumentParser) -> None:
@@ -149,7 +153,7 @@ def benchmark_parser(description: str) -> Parser:
     # The flags of the 2023 benchmark keep their names and defaults (--remote, --local, --image_size
     # and --model_name among the shared groups below).
     g = p.add_argument_group("the 2023 benchmark's flags")
-    g.add_argument("--batch_size", type=POSITIVE_INT, default=2048, help="global batch size, images per step over all devices")
+    g.add_argument("--batch_size", type=BATCH_SIZE, default=2048, help="global batch size, images per step over all devices")
     g.add_argument("--use_synth_data", action="store_true", help="random images and captions (measures the model only)")
     g.add_argument("--use_ema", action="store_true",
                    help="keep an EMA of the denoiser's weights (half-life --ema_half_life, 1000 batches)")
@@ -228,7 +232,7 @@ def benchmark_parser(description: str) -> Parser:
     g.add_argument("--lr_schedule", type=str, default="constant", choices=("constant", "cosine"),
                    help="after the warm-up: constant, or cosine decay to 0 at --max_duration")
     g.add_argument("--grad_clip_norm", type=POSITIVE_FLOAT, default=None, help="clip the gradient's global L2 norm to this")
-    g.add_argument("--caption_drop_prob", type=Range(float, 0, 1, high_open=True), default=0.0,
+    g.add_argument("--caption_drop_prob", type=CAPTION_DROP_PROB, default=0.0,
                    help="replace each caption by the empty one with this probability (classifier-free guidance)")
     g.add_argument("--ema_start", type=str, default="0ba", help="with --use_ema: start averaging at this time (e.g. 1350000ba)")
     g.add_argument("--ema_half_life", type=str, default="1000ba",
@@ -264,8 +268,8 @@ def benchmark_parser(description: str) -> Parser:
     g.add_argument("--sampler", type=str, default=None, choices=("ddim", "euler"),
                    help="diffusers sampler for samples: ddim (SD2's default) or euler (for Flux: flow-matching Euler, "
                         "FluxPipeline's)")
-    g.add_argument("--sample_steps", type=Range(int, 1, MAX_SAMPLE_STEPS), default=50,
+    g.add_argument("--sample_steps", type=SAMPLE_STEPS, default=50,
                    help=f"sampler steps per sample (at most {MAX_SAMPLE_STEPS}, the training timesteps of SD2 and SDXL)")
-    g.add_argument("--guidance_scale", type=Range(float, 0, MAX_GUIDANCE_SCALE), default=7.5,
+    g.add_argument("--guidance_scale", type=GUIDANCE_SCALE, default=7.5,
                    help="classifier-free guidance scale of samples (<= 1: none, as in diffusers)")
     return p

@@ -86,26 +86,81 @@ def config_of(mode: str, emulate: bool) -> Any:
     return dataclasses.replace(Float8LinearConfig.from_recipe_name(mode), emulate=emulate)
 
 
+def flattens_without_copy(tensor: torch.Tensor) -> bool:
+    """Whether `tensor.reshape(-1, last dimension)` is a view: its leading dimensions merge into rows."""
+    merged_stride = None
+    for size, stride in reversed(list(zip(tensor.shape[:-1], tensor.stride()[:-1]))):
+        if size == 1:
+            continue
+        if merged_stride is not None and stride != merged_stride:
+            return False
+        merged_stride = stride * size
+    return True
+
+
+def dense(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` fills its span of memory with no gaps: a contiguous tensor with its dimensions
+    permuted (a slice is not). An elementwise op's output keeps such a layout, else it is contiguous."""
+    expected = 1
+    for size, stride in sorted(((size, stride) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1),
+                               key=lambda pair: pair[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def scales_input_by_row(config: Any) -> bool:
+    """Whether the recipe scales a layer's input per row (rowwise) rather than by one number (tensorwise)."""
+    from torchao.float8.config import ScalingGranularity
+
+    return config.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE
+
+
 @functools.cache  # one class: isinstance checks hold across conversions
 def _float8_linear_class() -> type:
     from torchao.float8.float8_linear import Float8Linear
 
     class Float8LinearUnderAutocast(Float8Linear):
-        """torchao 0.11's Float8Linear, run outside autocast on its input cast to the autocast dtype.
+        """torchao 0.11's Float8Linear, run outside autocast on its input cast to the autocast dtype,
+        and on an input it can flatten into rows without a copy under rowwise scales.
 
-        Its own forward casts the input for CUDA autocast only (`torch.is_autocast_enabled()` is
-        CUDA's) and leaves the float8 product to autocast, which then casts the fp32 master weight's
+        Autocast: its own forward casts the input for CUDA autocast only (`torch.is_autocast_enabled()`
+        is CUDA's) and leaves the float8 product to autocast, which then casts the fp32 master weight's
         float8 tensor to bf16: fine for tensorwise scales, refused for rowwise ("aten._to_copy.default
         with axiswise scaling is not supported yet"), measured on the CPU and on the same path under
         CUDA autocast with DDP's fp32 weights. Casting the input here, for the autocast of its own
         device, and running the product outside autocast gives every recipe, on every device, what
-        torchao's bf16-weight path computes (FSDP2 hands it bf16 weights already)."""
+        torchao's bf16-weight path computes (FSDP2 hands it bf16 weights already).
+
+        Layout: torchao flattens the float8 input to rows (`reshape(-1, in_features)`); where that
+        needs a copy, a rowwise float8 tensor cannot be copied ("aten.clone.default with axiswise
+        scaling is not supported yet"). That happens where the input is a dense permuted layout, which
+        the float8 cast keeps (a slice, such as Flux's joint-attention outputs, comes out of the cast
+        contiguous): SD2's and SDXL's transformers feed `proj_in` the GroupNorm's output permuted to
+        channels-last (diffusers' Transformer2DModel with linear projections), and every such layer
+        failed at the first step. Under rowwise scales such an input is made contiguous here, in the
+        cast to the autocast dtype where there is one; torchao's backward flattens the same saved
+        input, so the copy moves from the backward to the forward rather than adding one."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.rows_scaled_input = scales_input_by_row(self.config)  # read once, not per forward
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             device = input.device.type
-            if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
+            autocast = device in ("cuda", "cpu") and torch.is_autocast_enabled(device)
+            dtype = torch.get_autocast_dtype(device) if autocast else input.dtype
+            # is_contiguous first: one C++ call settles almost every layer (measured 14 us for the
+            # layout checks in Python, per layer and forward, on this 2-core VM).
+            if (self.rows_scaled_input and not input.is_contiguous() and input.dim() > 2 and dense(input)
+                    and not flattens_without_copy(input)):
+                # One copy: `to` with the input's own dtype returns the input as it is, whatever the format.
+                input = (input.contiguous() if input.dtype == dtype
+                         else input.to(dtype, memory_format=torch.contiguous_format))
+            if autocast:
                 with torch.autocast(device, enabled=False):
-                    return super().forward(input.to(torch.get_autocast_dtype(device)))
+                    return super().forward(input.to(dtype))
             return super().forward(input)
 
     return Float8LinearUnderAutocast

@@ -18,15 +18,18 @@ from t2ibench.families import family_of
 from t2ibench.memory.step import build_meta_step
 from t2ibench.precomputed import batch_text_format
 
-KINDS = ("casts", "normalization", "elementwise", "matmul_conv", "attention", "optimizer", "ema")
+KINDS = ("casts", "normalization", "elementwise", "matmul_conv", "attention", "grad_norm", "optimizer", "ema")
 KIND_LABELS = {"casts": "weight, gradient and activation casts", "normalization": "normalization",
                "elementwise": "elementwise, reductions, copies, random", "matmul_conv": "matmul and convolution",
-               "attention": "attention", "optimizer": "optimizer (fused AdamW)", "ema": "EMA update"}
+               "attention": "attention", "grad_norm": "gradient norm (grad_norm)",
+               "optimizer": "optimizer (fused AdamW)", "ema": "EMA update"}
 # ATen/native/cuda/MultiTensorApply.cuh (torch 2.7): per launch at most this many tensors by the
 # number of tensor lists (depth 1..5), at most 320 blocks, each block one chunk of 65,536 elements.
 MULTI_TENSOR_MAX_TENSORS = (110, 64, 48, 36, 30)
 MULTI_TENSOR_MAX_BLOCKS = 320
 MULTI_TENSOR_CHUNK_ELEMENTS = 65536
+# ATen/native/cuda/Shape.cu (torch 2.7): torch.cat (and stack) copies at most this many inputs a launch.
+CAT_INPUTS_PER_LAUNCH = 128
 NO_KERNEL = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "alias",
                        "lift_fresh", "_unsafe_view", "set_", "resize_", "_reshape_alias", "_local_scalar_dense",
                        "is_same_size", "_has_compatible_shallow_copy_type", "sym_size", "sym_stride"})
@@ -158,10 +161,18 @@ def count_step_kernels(model_config: str, image_size: int, microbatch: int, batc
     numels = [p.numel() for p in trained]
     step: Counter[str] = Counter()
     microbatches = batch_size_per_device // microbatch
-    # From the second microbatch on, AccumulateGrad adds each new gradient into the existing one.
+    # From the second microbatch on, each tensor's new gradient is added into the step's sum, one add
+    # a tensor: by AccumulateGrad into autocast's fp32 gradients, or under weight casts per step by
+    # the bf16 copy's hook into the fp32 sum (t2ibench.weight_casts).
     step["elementwise"] += (microbatches - 1) * len(trained) + COMPOSER_KERNELS_PER_STEP
     if copies:
-        step["casts"] += 2 * multi_tensor_launches(numels, 2)  # refresh the copies; upcast the gradients
+        # The copies refreshed from the fp32 weights; the first microbatch's bf16 gradients upcast
+        # into the fp32 sum (after its backward, one multi-tensor copy, whatever the microbatches).
+        step["casts"] += 2 * multi_tensor_launches(numels, 2)
+    # t2ibench.grad_norm (torch's get_total_norm on CUDA): the multi-tensor norm of every gradient
+    # (its partial sums, then one launch that finishes them), those norms stacked, their norm.
+    # --grad_clip_norm would add a few scalar ops and a multi-tensor multiply (off by default).
+    step["grad_norm"] += multi_tensor_launches(numels, 1) + 1 + -(-len(numels) // CAT_INPUTS_PER_LAUNCH) + 1
     step["optimizer"] += multi_tensor_launches(numels, 4)  # fused AdamW: params, grads, two moments
     if use_ema:
         step["ema"] += multi_tensor_launches(numels, 2)  # ema.py: _foreach_lerp_(shadow, params, w)

@@ -11,12 +11,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from streaming import MDSWriter
 
 from t2ibench.errors import fail
-from t2ibench.files import write_text
+from t2ibench.files import partial_file_name, write_text
 from t2ibench.locations import is_remote
-from t2ibench.mds import INDEX_FILE, SHARD_NAME
+from t2ibench.mds import INDEX_FILE, SHARD_NAME, MDSWriter
 from t2ibench.precomputed import RECORD_FILE
 
 
@@ -120,7 +119,7 @@ def clear_output(out: str) -> None:
              "it; choose a new or empty folder")
     ours = {RECORD_FILE, f".{RECORD_FILE}.tmp", INDEX_FILE}
     chunk = re.compile(r"chunk\d{6}")
-    partial = re.compile(rf"\.{re.escape(RECORD_FILE)}\.\w+\.partial")  # files.atomic_file's, left by a kill
+    partial = partial_file_name(RECORD_FILE)  # files.atomic_file's, left by a kill
     foreign = []
     for entry in sorted(path.iterdir()):
         if entry.is_dir() and not entry.is_symlink() and chunk.fullmatch(entry.name):

@@ -1,19 +1,55 @@
 """What an MDS dataset consists of on disk, for the commands that write one (convert.py, latents.py)
 and may delete only what they wrote (--overwrite), and for every reader of an index.json: the one
 check of its fields' types (`index_problem`) and of the files it names (`missing_shard_files`); the
-writers' options are checked once (`size_limit_problem`, `codec_problem`)."""
+writers' options are checked once (`size_limit_problem`, `codec_problem`), and both write through
+one `MDSWriter` (Streaming's, without the empty shard it can write)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any
 
+from streaming import MDSWriter as StreamingMDSWriter
 from streaming.base.compression import get_compressions
 from streaming.base.hashing import get_hashes
 from streaming.base.util import bytes_to_int
 
 INDEX_FILE = "index.json"  # written last by MDSWriter: a folder with it holds a complete dataset
 SHARD_NAME = re.compile(r"shard\.\d{5,}\.mds(\.[a-z0-9:]+)?")  # how MDSWriter names shard files
+
+
+# The fields MDSWriter adds to each shard of index.json besides its shard's own configuration.
+SHARD_ENTRY_KEYS = ("samples", "raw_data", "zip_data")
+MDS_HEADER_BYTES = 4 + 4  # a shard file starts with its sample count and the first of its offsets (uint32)
+
+
+class MDSWriter(StreamingMDSWriter):
+    """Streaming's MDSWriter, which every dataset convert.py and latents.py write goes through, less its
+    empty shard: Streaming 0.13's Writer.write flushes the samples it holds before a sample that would
+    take them past size_limit, also when it holds none, so a first sample larger than --size_limit
+    closed a shard of 0 samples (shard.00000) before its own. Holding it instead puts it alone in a
+    shard larger than size_limit (as every other oversized sample already was); size_limit is a
+    target, and MDS offsets stay 32-bit (size_limit_problem)."""
+
+    def flush_shard(self) -> None:
+        if self.new_samples:
+            super().flush_shard()
+
+
+def empty_shard_bytes(shard: dict) -> int:
+    """The size of an MDS shard file of 0 samples with the configuration `shard` lists in index.json: its
+    header, then the configuration as MDSWriter encodes it (the entry's fields other than SHARD_ENTRY_KEYS)."""
+    config = {key: value for key, value in shard.items() if key not in SHARD_ENTRY_KEYS}
+    return MDS_HEADER_BYTES + len(json.dumps(config, sort_keys=True).encode("utf-8"))
+
+
+def holds_samples_it_does_not_list(shard: dict) -> bool:
+    """Whether a shard that index.json lists with 0 samples has a shard file larger than an empty one:
+    samples the index does not count (damage, or an index edited by hand). The empty shard Streaming
+    0.13's MDSWriter wrote before a first sample larger than size_limit (convert.py and latents.py did
+    before this release) holds nothing and is read as nothing."""
+    return shard["samples"] == 0 and shard["raw_data"].get("bytes") != empty_shard_bytes(shard)
 
 
 def _file_problem(info: Any, which: str) -> str | None:

@@ -3,14 +3,14 @@ from the run's settings before anything is built, and read by the rest of the ru
 """
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass, replace
 
 import torch
 from composer.utils import dist, reproducibility
 
-from t2ibench import memory
+from t2ibench import cpu_threads, memory
+from t2ibench.cpu_threads import CpuThreads
 from t2ibench.families import ModelFamily
 from t2ibench.gpu_setup import choose_setup, from_flag
 from t2ibench.parallel import resolve_mode
@@ -31,6 +31,7 @@ class Runtime:
     activation_checkpointing: bool  # the denoiser's blocks recomputed in backward (`auto` resolved on a GPU
     # by `with_counted_setup`, once the data says what precomputed batches carry)
     activation_checkpointing_reason: str  # which rule chose it: the flag, or `auto` and its figures
+    cpu_threads: CpuThreads | None = None  # a CPU run's intra-op threads and why (None on a GPU)
 
     @property
     def is_rank_zero(self) -> bool:
@@ -38,14 +39,14 @@ class Runtime:
 
     @classmethod
     def start(cls, settings: Settings) -> Runtime:
-        """Set the process up (CUDA device per rank, threads per CPU rank, Composer's node signal files,
-        seeds) and decide the precision and the microbatch (`auto` on several GPUs, and activation
+        """Set the process up (CUDA device per rank, intra-op threads per CPU rank, Composer's node signal
+        files, seeds) and decide the precision and the microbatch (`auto` on several GPUs, and activation
         checkpointing `auto` on a GPU: see `with_counted_setup`)."""
         world_size = dist.get_world_size()
         on_gpu = torch.cuda.is_available()
-        if not on_gpu and "OMP_NUM_THREADS" not in os.environ:
-            # Composer's launcher leaves every CPU rank using all cores: N ranks oversubscribe N-fold.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_local_world_size()))
+        # Composer's launcher leaves every CPU rank using all cores, and torch's default ignores the
+        # loader workers and other programs' load: see cpu_threads.choose.
+        threads = None if on_gpu else cpu_threads.choose(settings.num_workers, dist.get_local_world_size())
         if on_gpu:
             # Before anything touches CUDA: otherwise every rank creates a context on GPU 0.
             torch.cuda.set_device(dist.get_local_rank())
@@ -69,7 +70,7 @@ class Runtime:
         # On a GPU `auto` is decided with the microbatch (`with_counted_setup`); off until then.
         checkpointing, reason = from_flag(settings.activation_checkpointing)
         return cls(world_size, on_gpu, precision, precision if on_gpu else "fp32", per_device, microbatch,
-                   weight_casts, checkpointing, reason)
+                   weight_casts, checkpointing, reason, threads)
 
     def with_counted_setup(self, settings: Settings, text_format: str | None) -> Runtime:
         """This runtime with activation checkpointing `auto` on a GPU decided (`gpu_setup.choose_setup`,

@@ -1,6 +1,6 @@
 """The summary benchmark.py prints at the end of a run, from its results (what --results_json holds):
-the set-up, throughput, MFU, data wait, checkpoints, memory, loss, validation loss, float8 (`--fp8`) and
-the profile (`--profile_batches`)."""
+the set-up, throughput, MFU, data wait, checkpoints, memory, loss, gradient norm, validation loss,
+float8 (`--fp8`) and the profile (`--profile_batches`)."""
 from __future__ import annotations
 
 from t2ibench import fp8
@@ -25,6 +25,7 @@ def print_summary(r: dict) -> None:
     reserved = (f", {r['peak_memory_reserved_bytes'] / 2**30:.2f} GiB reserved"
                 if r.get("peak_memory_reserved_bytes") else "")
     since = " after warm-up" if r["peak_memory_kind"].startswith("cuda") else ", whole run"
+    grad_norm = f"{r['grad_norm']:.6g}" if r.get("grad_norm") is not None else "n/a"
     mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_flops_per_device'] / 1e12:.0f} TFLOP/s peak per device" if r.get("mfu")
            else "n/a (unknown device peak; pass --peak_tflops)")
     trained = (f"; trained network alone (denoiser forward + backward, "
@@ -39,7 +40,8 @@ def print_summary(r: dict) -> None:
         f"{'on' if r['activation_checkpointing'] else 'off'}{checkpointing_why}, compile {'on' if r['compile'] else 'off'}, fused AdamW "
         f"{'on' if r['fused_adamw'] else 'off'}, norms {r['norm_precision'] or 'fp32'}"
         f"{', fp8 ' + r['fp8'] if r.get('fp8', 'off') != 'off' else ''}"
-        f"{', channels-last' if r['channels_last'] else ''}{', xFormers' if r['xformers'] else ''}\n"
+        f"{', channels-last' if r['channels_last'] else ''}{', xFormers' if r['xformers'] else ''}"
+        f"{cpu_threads(r)}\n"
         f"throughput   {r['images_per_sec']:.2f} images/s ({r['images_per_sec_per_device']:.2f} per device) "
         f"over {r['measured_batches']} batches after {r['warmup_batches']} warm-up\n"
         f"MFU          {mfu} at {r['flops_per_image'] / 1e9:.1f} GFLOP/image{trained}\n"
@@ -49,6 +51,7 @@ def print_summary(r: dict) -> None:
         f"{after} from the last batch to the end of fit\n"
         f"peak memory  {r['peak_memory_bytes'] / 2**30:.2f} GiB ({r['peak_memory_kind']}){reserved}{since}\n"
         f"final loss   {r['final_loss']}\n"
+        f"grad norm    {grad_norm} (the last step's gradients, global L2 norm before clipping)\n"
         + (f"float8       {fp8.describe(r['fp8_conversion'])}; "
            f"{r['flops_per_image_breakdown']['fp8_fwd_bwd'] / r['flops_per_image']:.0%} of the step's FLOPs\n"
            if r.get("fp8_conversion") else "")
@@ -62,3 +65,9 @@ def print_summary(r: dict) -> None:
         + format_profile(r),
         flush=True,
     )
+
+
+def cpu_threads(r: dict) -> str:
+    """The set-up line's words on a CPU run's intra-op threads (t2ibench.cpu_threads); results written
+    before they were recorded have none."""
+    return f", CPU threads {r['cpu_threads']} ({r['cpu_threads_rule']})" if r.get("cpu_threads") else ""

@@ -1,8 +1,11 @@
 """Cast the denoiser's weights to bf16 once per optimizer step instead of in every microbatch
 (`--weight_casts`): fewer kernel launches in launch-bound steps, the same numbers as autocast with
-one microbatch per step. How and when it applies: docs/speed.md, "Launch-bound steps".
+one microbatch per step, the step's gradients summed in fp32 with any number. How and when it
+applies: docs/speed.md, "Launch-bound steps".
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from composer.core import Algorithm, Event, State
@@ -33,7 +36,21 @@ def weight_casts_problem(mode: str, *, precision: str, world_size: int) -> str |
 
 
 class CastWeightsOncePerStep(Algorithm):
-    """The denoiser computes with bf16 copies of its weights, refreshed once per optimizer step."""
+    """The denoiser computes with bf16 copies of its weights, refreshed once per optimizer step; the
+    step's gradients are summed in fp32 whatever the number of microbatches.
+
+    How the sum stays fp32 at the fewest kernels: the first microbatch's gradients land in the
+    copies' bf16 `.grad` (AccumulateGrad takes the backward's output as it is) and are upcast into
+    the fp32 weights' `.grad` with one multi-tensor copy after that backward (`after_backward`); from
+    then on a post-accumulate-grad hook on each copy adds the new bf16 gradient into the fp32 one
+    (one kernel, fp32 += bf16) and drops it. Per step that is the launches a bf16 sum took (one add
+    per tensor from the second microbatch on, one upcast), with the sum exact to fp32 (summed in the
+    copies' bf16 `.grad`, as before, it kept 8 significant bits: percents off from a few hundred
+    microbatches on, docs/speed.md). It is autocast's own sum of the same bf16 gradients, bit for
+    bit, with one microbatch per step or many (where every weight feeds a bf16 op). The hook, not a
+    `_foreach_add_` after each backward: the hook frees each bf16 gradient as soon as backward makes
+    it, so no bf16 gradients accumulate beside the fp32 ones during a backward (4 bytes per
+    parameter then, not 6), and a mixed-dtype foreach add launches one kernel per tensor all the same."""
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16):
         self.module, self.dtype = module, dtype
@@ -46,12 +63,15 @@ class CastWeightsOncePerStep(Algorithm):
 
     def match(self, event: Event, state: State) -> bool:
         # Composer runs gradient clipping and the optimizer step after AFTER_TRAIN_BATCH: by then the
-        # fp32 weights are back in place and hold the step's gradients.
-        return event in (Event.BEFORE_TRAIN_BATCH, Event.AFTER_TRAIN_BATCH)
+        # fp32 weights are back in place and hold the step's gradients. AFTER_BACKWARD follows every
+        # microbatch's backward.
+        return event in (Event.BEFORE_TRAIN_BATCH, Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.BEFORE_TRAIN_BATCH:
             self.begin_step()
+        elif event == Event.AFTER_BACKWARD:
+            self.after_backward()
         else:
             self.end_step()
 
@@ -59,15 +79,22 @@ class CastWeightsOncePerStep(Algorithm):
     def num_tensors(self) -> int:
         return len(self._slots)
 
+    @property
+    def masters(self) -> list[torch.nn.Parameter]:
+        """The fp32 weights: the optimizer's parameters, which receive the step's gradients."""
+        return [param for _, _, param in self._slots]
+
     def begin_step(self) -> None:
         """Refresh the copies from the fp32 weights and compute with them until `end_step`."""
-        masters = [param for _, _, param in self._slots]
+        masters = self.masters
         if self._swapped:  # a retried batch (Composer's OOM search): the copies are still in place
             self._put(masters)
         if not self._copies or self._copies[0].device != masters[0].device:
             # Allocated once (the parameters may have moved to the GPU since __init__) and refreshed in
             # place: stable addresses for CUDA graphs and no allocation per step.
             self._copies = [torch.nn.Parameter(torch.empty_like(p, dtype=self.dtype)) for p in masters]
+            for master, copy in zip(masters, self._copies):
+                copy.register_post_accumulate_grad_hook(_add_into(master))
         with torch.no_grad():
             torch._foreach_copy_(self._copies, masters)
         for copy in self._copies:
@@ -75,21 +102,27 @@ class CastWeightsOncePerStep(Algorithm):
         self._put(self._copies)
         self._swapped = True
 
+    def after_backward(self) -> None:
+        """Upcast the gradients still in bf16 (the step's first backward's) into the fp32 weights'
+        `.grad`, where the later microbatches' hooks add theirs."""
+        pending = [(master, copy) for master, copy in zip(self.masters, self._copies) if copy.grad is not None]
+        if not pending:
+            return
+        grads = [torch.empty_like(master) for master, _ in pending]
+        torch._foreach_copy_(grads, [copy.grad for _, copy in pending])
+        for (master, copy), grad in zip(pending, grads):
+            # A master with a gradient already (none under Composer, which zeroes them after
+            # BEFORE_TRAIN_BATCH) keeps it and adds this one, as autocast's AccumulateGrad would.
+            master.grad = grad if master.grad is None else master.grad.add_(grad)
+            copy.grad = None
+
     def end_step(self) -> None:
-        """Put the fp32 weights back with the step's gradients (upcast), free the bf16 gradients."""
+        """Put the fp32 weights back, holding the step's gradients in fp32."""
         if not self._swapped:
             return
-        masters = [param for _, _, param in self._slots]
-        self._put(masters)
+        self.after_backward()  # for a caller without Composer's AFTER_BACKWARD (a test's own loop)
+        self._put(self.masters)
         self._swapped = False
-        pairs = [(master, copy.grad) for master, copy in zip(masters, self._copies) if copy.grad is not None]
-        if pairs:
-            grads = [torch.empty_like(master) for master, _ in pairs]
-            torch._foreach_copy_(grads, [low for _, low in pairs])
-            for (master, _), grad in zip(pairs, grads):
-                master.grad = grad if master.grad is None else master.grad.add_(grad)
-        for copy in self._copies:
-            copy.grad = None
 
     def _put(self, params: list[torch.nn.Parameter]) -> None:
         # Plain attribute replacement in `_parameters`: what torch.func.functional_call does, kept for
@@ -97,3 +130,16 @@ class CastWeightsOncePerStep(Algorithm):
         # forward has returned) also finds the bf16 copies.
         for (owner, name, _), param in zip(self._slots, params):
             owner._parameters[name] = param
+
+
+def _add_into(master: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
+    """The post-accumulate-grad hook of `master`'s bf16 copy: once `master` holds an fp32 gradient
+    (from the step's second microbatch on), add the copy's new gradient into it and free it."""
+
+    def hook(copy: torch.Tensor) -> None:
+        if master.grad is None:  # the step's first backward: upcast all at once by after_backward
+            return
+        master.grad.add_(copy.grad)
+        copy.grad = None
+
+    return hook

@@ -10,7 +10,8 @@ the batch's last collective, so the other ranks wait for it in the next batch's 
 (Composer's end-of-data all-reduce, between BEFORE_ and AFTER_DATALOADER). Every rank writes
 `DIR/rank<R>.json`: the perf_counter times at which saves started, and the Throughput callback's
 `window_end`, so a test can check which saves fell inside the measured window, and `losses`: each
-batch's loss as Composer all-reduced it, at full precision (the progress line rounds). Other flags go to
+batch's loss as Composer all-reduced it, at full precision (the progress line rounds), and
+`grad_norms`: each step's gradient norm as this rank's run reads it (t2ibench.grad_norm). Other flags go to
 `benchmark.main` unchanged. `--compile_backend aot_eager` makes `--compile` trace with dynamo and AOT
 autograd (graphs, DDP, parameter names) but skip inductor's code generation, which on CPU compiles
 C++ with gcc for minutes on a busy two-core machine (and on a GPU generates Triton instead).
@@ -31,6 +32,7 @@ from composer.utils import checkpoint, dist
 
 import benchmark
 from t2ibench.callbacks.throughput import Throughput
+from t2ibench.grad_norm import GradientNorm
 
 SAVE_STARTS: list[float] = []
 
@@ -65,16 +67,21 @@ class Report(Callback):
     def __init__(self, report: Path):
         self.report = report
         self.losses: dict[int, float] = {}
+        self.grad_norms: dict[int, float | None] = {}
 
     def batch_end(self, state: State, logger: Logger) -> None:
         # Written every batch, so a run killed from outside leaves the losses of the batches it trained.
         self.losses[int(state.timestamp.batch)] = state.total_loss_dict.get("loss/train/total")
-        self.write({"losses": self.losses})
+        # Every rank reads it here, as benchmark.py does at the end (a collective under FSDP).
+        norm = next(a for a in state.algorithms if isinstance(a, GradientNorm))
+        self.grad_norms[int(state.timestamp.batch)] = norm.last_norm()
+        self.write({"losses": self.losses, "grad_norms": self.grad_norms})
 
     def fit_end(self, state: State, logger: Logger) -> None:
         throughput = next(cb for cb in state.callbacks if isinstance(cb, Throughput))
         ema = next((a for a in state.algorithms if hasattr(a, "shadow_nbytes")), None)
         self.write({"window_end": throughput.window_end, "save_starts": SAVE_STARTS, "losses": self.losses,
+                    "grad_norms": self.grad_norms,
                     "ema_shadow_bytes": ema.shadow_nbytes if ema is not None else None})
 
     def write(self, report: dict) -> None:

@@ -186,6 +186,41 @@ def after_exit(launch: Launch, then: Callable[[], Launch]) -> Step:
     return lambda: None if launch.running() else then()
 
 
+# -----------------------------------------------------------------------------------------------
+# Writers killed with SIGKILL at a chosen point (a preempted job): nothing of theirs runs after it.
+# -----------------------------------------------------------------------------------------------
+
+def kill_at_call(on: str, match: str, nth: int = 1) -> None:
+    """Make this process SIGKILL itself at the `nth` call of os.`on` (makedirs or replace) whose first
+    argument contains `match`, before the call does anything: a kill -9 at that point of the real code."""
+    original = getattr(os, on)
+    calls = 0
+
+    def wrapper(*args, **kwargs):
+        nonlocal calls
+        if match in os.fspath(args[0]):
+            calls += 1
+            if calls == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    setattr(os, on, wrapper)
+
+
+def killed_in_child(write: Callable[[], object], on: str, match: str, nth: int = 1) -> None:
+    """Run `write` (file work only: no torch computation after a fork) in a forked child of this process
+    that SIGKILLs itself as kill_at_call says; fails the test if the child was not killed there."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            kill_at_call(on, match, nth)
+            write()
+        finally:
+            os._exit(3)  # not killed: the point was never reached
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"the writer was not killed ({status})"
+
+
 def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 

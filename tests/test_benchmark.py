@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from t2ibench import cpu_threads
 from t2ibench.families import MODEL_CONFIGS
 from t2ibench.model import DiffusionModel, count_parameters
 from t2ibench.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize
-from tests.helpers import ROOT, TINY_SYNTH, composer_launcher, offline_env, run_cli
+from tests.helpers import ROOT, TINY_2BA, TINY_SYNTH, composer_launcher, offline_env, run_cli
 
 SD2 = MODEL_CONFIGS["sd2-base"]
 
@@ -51,6 +53,39 @@ def test_tiny_synthetic_run_writes_results(tmp_path, use_ema):
     assert r["model_config"] == "tiny" and r["use_ema"] is use_ema
     assert r["measured_batches"] == 3 and r["flops_per_image"] > 0
     assert "throughput" in result.stdout and "images/s" in result.stdout
+
+
+def test_cpu_threads_leave_a_core_per_loader_worker_and_keep_the_users_count(tmp_path, monkeypatch, capsys):
+    import benchmark
+
+    def setup_line() -> str:
+        return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("set-up"))
+
+    for variable in cpu_threads.USER_THREADS_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    before = torch.get_num_threads()
+    try:
+        r = benchmark.main([*TINY_2BA, "--num_workers", "1"])
+        cores, busy = map(int, re.fullmatch(r"(\d+) cores, (\d+) busy elsewhere, 1 loader workers",
+                                            r["cpu_threads_rule"]).groups())
+        assert cores == cpu_threads.usable_cores() and busy <= cores
+        assert r["cpu_threads"] == max(1, cores - busy - 1) == torch.get_num_threads()
+        assert f"CPU threads {r['cpu_threads']} ({r['cpu_threads_rule']})" in setup_line()
+        # A count the caller set in-process is theirs.
+        mine = max(r["cpu_threads"], cpu_threads.THREADS_AT_IMPORT) + 1
+        torch.set_num_threads(mine)
+        r = benchmark.main(TINY_2BA)
+        assert (r["cpu_threads"], torch.get_num_threads()) == (mine, mine)
+        assert f"CPU threads {mine} (torch.set_num_threads before the run, the user's)" in setup_line()
+    finally:
+        torch.set_num_threads(before)
+    # OMP_NUM_THREADS wins, in a process of its own as a user starts it.
+    out = tmp_path / "results.json"
+    result = run_cli([*TINY_2BA, "--num_workers", "1", "--results_json", str(out)], env=offline_env(OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert (r["cpu_threads"], r["cpu_threads_rule"]) == (1, "OMP_NUM_THREADS=1, the user's")
+    assert "CPU threads 1 (OMP_NUM_THREADS=1, the user's)" in result.stdout
 
 
 @pytest.mark.multirank

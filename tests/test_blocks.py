@@ -1,22 +1,30 @@
 """bench/blocks.py on the CPU against a real benchmark.py run of the same settings: its report and its JSON
 are consistent (the composed step is the sum of its timed parts, the prediction follows from the step
-and the traffic the sharding implies), it compares with the run it is given, and it refuses a run of
-other settings before timing anything. The 25% band itself is a figure the script prints
+and the traffic the sharding implies), it times what the run runs (diffusers' checkpointing as the run
+turns it on, one part at a time, fresh block inputs, one device's weight casts per step), its parts'
+counted memory stays far below what a one-GPU run holds, and it refuses a results file it cannot
+compare with, or bad numbers, before timing anything. The 25% band itself is a figure the script prints
 (docs/flux.md), not an assertion here: wall-clock times on a shared CPU are not a test."""
 from __future__ import annotations
 
+import collections
 import json
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
 
 import benchmark
 import blocks
+from t2ibench import memory
 from t2ibench.families import family_of
 from t2ibench.memory import build_meta_model
+from tests.helpers import error_of
 
 SETTINGS = ["--model_config", "flux1-tiny", "--precomputed", "--image_size", "32"]
 TIMING = ["--warmup", "1", "--repeats", "3", "--harness_batches", "4", "--num_workers", "0"]
+SHORT = ["--warmup", "1", "--repeats", "1", "--harness_batches", "2", "--num_workers", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +34,37 @@ def measured_run(tmp_path_factory) -> Path:
                                "--max_duration", "6ba", "--warmup_batches", "2", "--num_workers", "0",
                                "--results_json", str(path)])
     return path
+
+
+class ModuleCalls:
+    """From outside the script: every forward of a module that holds real (not meta) weights, by module,
+    and whether a block's floating inputs arrived with a gradient already summed into them."""
+
+    def __init__(self, classes: tuple[str, ...]):
+        self.classes, self.calls, self.inputs_with_grad = classes, collections.Counter(), 0
+        self.kinds: dict[int, str] = {}
+        # A module freed after its part was timed may leave its id() to the next part's: keyed apart.
+        self.keys: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+    def __enter__(self) -> "ModuleCalls":
+        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self.hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def hook(self, module: torch.nn.Module, args: tuple) -> None:
+        weight = next(module.parameters(), None)
+        if type(module).__name__ not in self.classes or weight is None or weight.device.type == "meta":
+            return
+        key = self.keys.setdefault(module, len(self.kinds))
+        self.calls[key] += 1
+        self.kinds[key] = type(module).__name__
+        self.inputs_with_grad += sum(1 for a in args if isinstance(a, torch.Tensor) and a.is_leaf and a.grad is not None)
+
+    def counts(self, kind: str) -> set[int]:
+        """How many times each module of this class ran forward (one value when all ran alike)."""
+        return {n for key, n in self.calls.items() if self.kinds[key] == kind}
 
 
 def test_prediction_is_the_sum_of_its_timed_parts_and_compares_with_the_run(measured_run, capsys):
@@ -38,24 +77,29 @@ def test_prediction_is_the_sum_of_its_timed_parts_and_compares_with_the_run(meas
     denoiser = build_meta_model("flux1-tiny", precomputed=True).denoiser
     params = sum(p.numel() for p in denoiser.parameters())
     assert result["denoiser_params"] == params
-    # One GPU replicates the weights; two shard them (--fsdp auto: full_shard for Flux.1): both timed.
+    # One GPU replicates the weights (fp32 on a CPU: no weight copies); two shard them (--fsdp auto:
+    # full_shard for Flux.1): both timed.
     assert set(result["measured"]) == {"replicated", "sharded"}
     for times in result["measured"].values():
         counts = {b["name"]: b["count"] for b in times["blocks"]}
         assert counts == {"transformer_blocks.*": 2, "single_transformer_blocks.*": 4}
         assert sum(counts.values()) == len(family.fsdp_blocks(denoiser))
-        assert all(b["seconds"] > 0 for b in times["blocks"]) and times["rest_seconds"] > 0
+        assert all(b["seconds"] > 0 and b["peak_memory_bytes"] is None for b in times["blocks"])  # CPU: no peak
+        assert times["rest_seconds"] > 0
         assert times["composed_microbatch_seconds"] == pytest.approx(
             times["rest_seconds"] + sum(b["count"] * b["seconds"] for b in times["blocks"]))
+    updates = result["per_parameter"]
+    assert updates["adamw_seconds_per_param"] > 0
+    assert updates["ema_seconds_per_param"] == 0 and updates["weight_casts_seconds_per_param"] == 0  # neither runs
     harness_per_image = result["harness_seconds_per_step"] / result["harness_per_device_batch"]
     rows = {row["gpus"]: row for row in result["predicted"]}
     assert set(rows) == {1, 2} and {rows[1]["fsdp"], rows[2]["fsdp"]} == {"none", "full_shard"}
     for gpus, row in rows.items():
-        times = result["measured"]["replicated" if gpus == 1 else "sharded"]
-        per_param = times["adamw_seconds_per_param"] + times["ema_seconds_per_param"]
-        assert times["ema_seconds_per_param"] == 0  # no --use_ema
+        times = result["measured"][row["weights"]]
+        assert row["weights"] == ("replicated" if gpus == 1 else "sharded") and row["weight_casts"] == "microbatch"
         assert row["per_gpu_batch"] == 8 // gpus and row["accumulation"] == 8 // gpus // 4
-        assert row["optimizer_seconds"] == pytest.approx(per_param * params / gpus)
+        assert row["optimizer_seconds"] == pytest.approx(updates["adamw_seconds_per_param"] * params / gpus)
+        assert row["weight_casts_seconds"] == 0
         assert row["harness_seconds"] == pytest.approx(harness_per_image * row["per_gpu_batch"])
         assert row["compute_seconds"] == pytest.approx(
             row["accumulation"] * times["composed_microbatch_seconds"] + row["optimizer_seconds"] + row["harness_seconds"])
@@ -76,33 +120,149 @@ def test_prediction_is_the_sum_of_its_timed_parts_and_compares_with_the_run(meas
     assert result["reference"]["B200"] == 51.0  # MLPerf v5.1's published rows, for a Flux.1 model
 
 
-@pytest.mark.parametrize("change, flag", [({"device_train_microbatch_size": 2}, "microbatch"),
-                                          ({"fp8": "tensorwise"}, "fp8"), ({"world_size": 4}, "device(s)")])
-def test_a_run_of_other_settings_is_refused_before_timing(measured_run, tmp_path, change, flag):
+# Every setting of the results JSON that changes the step, changed one at a time, and the counts and
+# devices the prediction cannot stand for.
+OTHER_SET_UPS = [
+    ({"device_train_microbatch_size": 2}, "device_train_microbatch_size is 2"),
+    ({"global_batch_size": 16}, "global_batch_size is 16"),
+    ({"image_size": 64}, "image_size is 64"), ({"model_config": "tiny"}, "model_config"),
+    ({"precision": "amp_bf16"}, "precision"), ({"norm_precision": "fp32"}, "norm_precision"),
+    ({"precomputed_format": "tokens"}, "precomputed_format"), ({"use_ema": True}, "use_ema"),
+    ({"use_ema": 1}, "use_ema is 1"),  # 1 == True in Python: compared with its type
+    ({"activation_checkpointing": True}, "activation_checkpointing"),
+    ({"weight_casts": "step"}, "weight_casts"), ({"fp8": "tensorwise"}, "fp8"),
+    ({"fsdp": "full_shard"}, "fsdp is \"full_shard\""), ({"compile": True}, "--compile"),
+    ({"channels_last": True}, "--channels_last"), ({"xformers": True}, "--xformers"),
+    ({"fused_adamw": True}, "fused_adamw"), ({"data": "/data/mds"}, "--use_synth_data"),
+    ({"weight_casts": None}, "it has no weight_casts"),
+    ({"world_size": 4}, "add 4 to --gpus"), ({"world_size": "1"}, "world_size is \"1\", not a device count"),
+    ({"world_size": True}, "world_size is true"), ({"world_size": 1.0}, "world_size is 1.0"),
+    ({"device": "NVIDIA H100 80GB HBM3"}, "the run's device is \"NVIDIA H100 80GB HBM3\""),
+    ({"images_per_sec_per_device": 0}, "images_per_sec_per_device is 0, not a finite positive number"),
+    ({"images_per_sec_per_device": -5}, "images_per_sec_per_device is -5"),
+    ({"images_per_sec_per_device": float("nan")}, "images_per_sec_per_device is NaN"),
+    ({"images_per_sec_per_device": float("inf")}, "images_per_sec_per_device is Infinity"),
+    ({"images_per_sec_per_device": True}, "images_per_sec_per_device is true"),
+    ({"images_per_sec_per_device": None}, "images_per_sec_per_device is null"),
+]
+
+
+@pytest.mark.parametrize("change, expect", OTHER_SET_UPS, ids=[f"{next(iter(c))}={next(iter(c.values()))!r}"
+                                                               for c, _ in OTHER_SET_UPS])
+def test_a_run_it_cannot_stand_for_is_refused_in_one_line_before_timing(measured_run, tmp_path, change, expect):
+    run = {**json.loads(measured_run.read_text()), **change}
     other = tmp_path / "other.json"
-    other.write_text(json.dumps({**json.loads(measured_run.read_text()), **change}))
-    with pytest.raises(SystemExit) as exit_info:
-        blocks.main(SETTINGS + TIMING + ["--global_batch", "8", "--microbatch", "4", "--gpus", "1",
-                                         "--compare_results_json", str(other)])
-    message = str(exit_info.value.code)
-    assert message.startswith("blocks.py: error: --compare_results_json") and flag in message and "\n" not in message
+    other.write_text(json.dumps({k: v for k, v in run.items() if v is not None or k not in change}))
+    with ModuleCalls(("FluxTransformerBlock", "FluxSingleTransformerBlock")) as calls:
+        message = error_of(blocks.main, SETTINGS + TIMING + ["--global_batch", "8", "--microbatch", "4", "--gpus", "1",
+                                                             "--compare_results_json", str(other)], prog="blocks.py")
+    assert message.startswith("blocks.py: error: --compare_results_json") and expect in message
+    assert not calls.calls  # nothing was built or timed
 
 
-def test_a_batch_the_gpu_counts_do_not_divide_is_refused():
-    with pytest.raises(SystemExit) as exit_info:
-        blocks.main(SETTINGS + ["--global_batch", "12", "--microbatch", "4", "--gpus", "8"])
-    assert "--global_batch 12 over --gpus 8" in str(exit_info.value.code)
+@pytest.mark.parametrize("content, expect", [(b"{", "not JSON"), (b"[1, 2]", "a list, not an object"),
+                                             (b"\xff\xfe", "cannot be read"), (None, "cannot be read")])
+def test_a_file_that_is_no_results_json_is_refused_in_one_line(tmp_path, content, expect):
+    path = tmp_path / "r.json"
+    if content is not None:
+        path.write_bytes(content)
+    message = error_of(blocks.main, SETTINGS + ["--global_batch", "8", "--microbatch", "4", "--gpus", "1",
+                                                "--compare_results_json", str(path)], prog="blocks.py")
+    assert expect in message and str(path) in message
 
 
-@pytest.mark.parametrize("model_config", ["tiny", "sdxl-tiny"])
+@pytest.mark.parametrize("argv, expect", [
+    (["--global_batch", "12", "--microbatch", "4", "--gpus", "8"], "--global_batch 12 is not a multiple of --gpus 8"),
+    (["--global_batch", "8", "--gpus", "16"], "--global_batch 8 is not a multiple of --gpus 16"),
+    (["--global_batch", "16", "--microbatch", "4", "--gpus", "8"], "which --microbatch 4 does not divide"),
+    (["--image_size", "1048576"], "--image_size 1048576 must be an integer from 1 to 16384"),
+    (["--repeats", "1000000000"], "--repeats 1000000000 must be an integer from 1 to 1000"),
+    (["--gpus", "1", "8", "--weight_casts", "step", "--precision", "amp_bf16"], "--weight_casts step runs on a single"),
+    (["--num_workers", "100000"], "worker processes per CPU core"),
+    (["--count_memory", "--compare_results_json", "run.json"], "--count_memory times nothing"),
+])
+def test_numbers_it_cannot_run_are_refused_naming_the_flags_given(argv, expect):
+    message = error_of(blocks.main, SETTINGS + argv, prog="blocks.py")
+    assert expect in message and "--microbatch 0" not in message
+
+
+@pytest.mark.parametrize("model_config", ["tiny"])  # sdxl-tiny: in the test of checkpointing below
 def test_a_unets_blocks_are_timed_one_per_level_and_the_rest_runs_around_stand_ins(model_config):
     # Each down block, the mid block and each up block (the UNet's FSDP units) once; the up blocks read
     # their own `resnets` in the UNet's forward, which the stand-ins of the rest's step must answer.
     result = blocks.main(["--model_config", model_config, "--image_size", "32", "--precomputed", "--global_batch", "4",
-                          "--microbatch", "2", "--gpus", "1", "--warmup", "0", "--repeats", "1",
-                          "--harness_batches", "2", "--num_workers", "0"])
+                          "--microbatch", "2", "--gpus", "1", *SHORT])
     denoiser = build_meta_model(model_config, precomputed=True).denoiser
     times = result["measured"]["replicated"]
     assert sum(b["count"] for b in times["blocks"]) == len(family_of(model_config).fsdp_blocks(denoiser))
     assert {b["name"] for b in times["blocks"]} >= {"mid_block", "down_blocks.0", "up_blocks.0"}
     assert times["rest_seconds"] > 0 and result["predicted"][0]["samples_per_sec_per_gpu"] > 0
+
+
+@pytest.mark.parametrize("model_config, classes", [
+    # SDXL's UNet checkpoints resnets and transformer layers inside a level (not its mid block's first
+    # resnet), never a level whole; Flux.1's transformer checkpoints each block whole.
+    ("sdxl-tiny", ("CrossAttnUpBlock2D", "UNetMidBlock2DCrossAttn", "ResnetBlock2D", "BasicTransformerBlock")),
+    ("flux1-tiny", ("FluxTransformerBlock", "FluxSingleTransformerBlock", "FluxAttention")),
+])
+def test_each_layer_runs_as_often_as_in_the_run_and_inputs_carry_no_summed_gradient(model_config, classes):
+    checkpointing = True  # without it every layer runs once per step in both (the other tests' runs)
+    flags = ["--model_config", model_config, "--image_size", "32", "--precomputed", "--precision", "amp_bf16",
+             "--num_workers", "0", "--activation_checkpointing"]
+    with ModuleCalls(classes) as run:  # two steps of one microbatch
+        benchmark.main(flags + ["--use_synth_data", "--batch_size", "2", "--device_train_microbatch_size", "2",
+                                "--max_duration", "2ba", "--warmup_batches", "1"])
+    with ModuleCalls(classes) as timed:  # two runs of each part
+        result = blocks.main(flags + ["--global_batch", "2", "--microbatch", "2", "--gpus", "1", "--warmup", "1",
+                             "--repeats", "1", "--harness_batches", "2"])
+    for kind in classes:
+        # Forwards per step of each module of the kind (its recomputations in backward included).
+        in_run = {n / 2 for n in run.counts(kind)}
+        assert in_run and {n / 2 for n in timed.counts(kind)} == in_run, kind
+        assert in_run == ({1, 2} if checkpointing and kind == "ResnetBlock2D" else
+                          {2} if checkpointing and kind not in ("CrossAttnUpBlock2D", "UNetMidBlock2DCrossAttn")
+                          else {1}), kind
+    # A block's input gradient is handed on in the run; a repeat that summed it would arrive with one.
+    assert timed.inputs_with_grad == 0
+    assert result["predicted"][0]["samples_per_sec_per_gpu"] > 0
+    denoiser = build_meta_model(model_config, precomputed=True).denoiser
+    assert sum(b["count"] for b in result["measured"]["replicated"]["blocks"]) == len(
+        family_of(model_config).fsdp_blocks(denoiser))
+
+
+def test_one_device_casts_weights_once_per_step_as_the_run_does():
+    # --weight_casts step on one device (the run's default on one CUDA GPU under amp_bf16; on a CPU asked
+    # for): the blocks compute with t2ibench.weight_casts' bf16 copies, and the step adds their refresh
+    # and the gradients' upcast, per parameter, once.
+    result = blocks.main(["--model_config", "flux1-tiny", "--image_size", "32", "--precomputed", "--global_batch", "4",
+                          "--microbatch", "2", "--gpus", "1", "--precision", "amp_bf16", "--weight_casts", "step",
+                          *SHORT])
+    assert set(result["measured"]) == {"cast_per_step"}
+    (row,) = result["predicted"]
+    per_param = result["per_parameter"]["weight_casts_seconds_per_param"]
+    assert row["weight_casts"] == "step" and per_param > 0
+    assert row["weight_casts_seconds"] == pytest.approx(per_param * result["denoiser_params"])
+    assert row["compute_seconds"] == pytest.approx(
+        row["accumulation"] * result["measured"]["cast_per_step"]["composed_microbatch_seconds"]
+        + row["optimizer_seconds"] + row["weight_casts_seconds"] + row["harness_seconds"])
+    auto = blocks.validate(blocks.build_parser().parse_args(["--model_config", "flux1-tiny", "--gpus", "1",
+                                                             "--precision", "amp_bf16"]))
+    assert auto.setups[1].weight_casts == "microbatch"  # auto on a CPU: as benchmark.py resolves it
+
+
+def test_each_part_fits_far_inside_what_the_run_holds_sdxl_checkpointed_at_microbatch_32():
+    # The case that ran out of memory on an H100 where benchmark.py peaked at 70 GiB: every part of
+    # SDXL's step, counted on the meta device for CUDA, needs well under the bytes a one-GPU run holds
+    # before its first activation, so blocks.py fits wherever benchmark.py does.
+    result = blocks.main(["--model_config", "sdxl-base", "--precomputed", "--precomputed_format", "text_states",
+                          "--use_ema", "--activation_checkpointing", "--global_batch", "64", "--microbatch", "32",
+                          "--gpus", "1", "--count_memory"])
+    counted = result["counted_memory"]
+    parts = counted["parts_bytes"]["cast_per_step"]  # one CUDA GPU under amp_bf16: weights cast per step
+    assert set(parts) == {"down_blocks.0", "down_blocks.1", "down_blocks.2", "mid_block", "up_blocks.0",
+                          "up_blocks.1", "up_blocks.2", "the rest"}
+    assert counted["largest_part_bytes"] == max(parts.values())
+    assert counted["one_gpu_run_fixed_bytes"] == sum(memory.fixed_bytes(
+        "sdxl-base", precomputed=True, precomputed_format="text_states", use_ema=True, fsdp="none", num_gpus=1,
+        weight_casts="step").values())
+    assert counted["largest_part_bytes"] < 0.5 * counted["one_gpu_run_fixed_bytes"]

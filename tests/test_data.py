@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -495,6 +496,99 @@ def test_benchmark_trains_on_converted_shards(shards, tmp_path):
     summary = json.loads(results.read_text())
     assert summary["images_per_sec"] > 0 and summary["data"] == str(shards)
     assert np.isfinite(summary["final_loss"])
+
+
+# -----------------------------------------------------------------------------------------------
+# Samples larger than --size_limit: every dataset convert.py and latents.py write trains.
+# -----------------------------------------------------------------------------------------------
+
+def noisy_jpeg(seed: int, side: int = 96) -> bytes:
+    """A JPEG of random pixels, which compresses badly: 96x96 is about 11 kB, over an 8kb --size_limit."""
+    return encoded(Image.fromarray(np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)),
+                   "JPEG", quality=95)
+
+
+def oversized_folder(root: Path, oversized: set[int], count: int = 12) -> Path:
+    """`count` captioned photos in name order; those in `oversized` larger than 8kb, the others about 1.3 kB."""
+    root.mkdir(parents=True)
+    for i in range(count):
+        (root / f"p{i:02d}.jpg").write_bytes(noisy_jpeg(i) if i in oversized else encoded(smooth_rgb(i), "JPEG"))
+        (root / f"p{i:02d}.txt").write_text(caption_for(i))
+    return root
+
+
+def shard_samples(folder: Path) -> list[int]:
+    return [shard["samples"] for shard in json.loads((folder / "index.json").read_text())["shards"]]
+
+
+TRAIN_2BA = ["--model_config", "tiny", "--batch_size", "4", "--image_size", "32", "--max_duration", "2ba",
+             "--num_workers", "0", "--warmup_batches", "1"]
+
+
+def test_samples_larger_than_size_limit_get_shards_of_their_own_and_the_dataset_trains(tmp_path):
+    """The first two photos, one inside and the last over --size_limit (the first one made Streaming's
+    writer close an empty shard before it)."""
+    import benchmark
+
+    oversized = {0, 1, 6, 11}
+    raw = oversized_folder(tmp_path / "raw", oversized)
+    out = tmp_path / "mds"
+    report = convert.main([str(raw), "--out", str(out), "--size_limit", "8kb", "--no_progress"])
+    counts = shard_samples(out)
+    # No shard of 0 samples (Streaming's MDSWriter closed one before a first sample over the limit).
+    assert 0 not in counts and sum(counts) == report.written == 12 and len(counts) == report.shards
+    # Each sample over the limit is alone in its shard, in input order.
+    dataset = data.StreamingDataset(local=str(out), batch_size=1, shuffle=False)
+    captions = [dataset[i]["caption"] for i in range(dataset.num_samples)]
+    assert captions == [caption_for(i) for i in range(12)]
+    bounds = np.cumsum([0, *counts])
+    alone = {int(bounds[k]) for k, n in enumerate(counts) if n == 1}
+    assert oversized <= alone
+    results = benchmark.main([*TRAIN_2BA, "--local", str(out)])
+    assert results["measured_batches"] == 1 and np.isfinite(results["final_loss"])
+
+
+def test_latents_of_oversized_samples_train_with_precomputed(tmp_path):
+    """latents.py with a --size_limit below one sample's size (every sample over it), from a convert.py
+    dataset with an oversized first photo, then benchmark.py --precomputed on what it wrote."""
+    import benchmark
+    import latents
+
+    out = tmp_path / "mds"
+    convert.main([str(oversized_folder(tmp_path / "raw", {0})), "--out", str(out), "--size_limit", "8kb",
+                  "--no_progress"])
+    stored = tmp_path / "latents"
+    latents.main(["--local", str(out), "--out", str(stored), "--model_config", "tiny", "--image_size", "32",
+                  "--batch_size", "4", "--num_workers", "0", "--size_limit", "100b", "--no_progress"])
+    counts = shard_samples(stored)
+    assert counts == [1] * 12  # one sample per shard, none empty
+    results = benchmark.main([*TRAIN_2BA, "--precomputed", "--local", str(stored)])
+    assert results["measured_batches"] == 1 and np.isfinite(results["final_loss"])
+
+
+def test_a_dataset_with_an_empty_shard_as_streaming_writes_it_trains_and_feeds_latents(tmp_path):
+    """Datasets convert.py wrote before its writer left out the empty shard: Streaming's own MDSWriter,
+    given a first sample over size_limit, closes a shard of 0 samples. Nothing is lost, so every
+    reader takes it, without numpy's divide-by-zero warnings from Streaming's epoch plan."""
+    import benchmark
+    import latents
+    from streaming import MDSWriter as StreamingMDSWriter
+
+    out = tmp_path / "mds"
+    with StreamingMDSWriter(out=str(out), columns=convert.COLUMNS, compression="zstd", size_limit="8kb") as writer:
+        for i in range(12):
+            image = noisy_jpeg(i) if i == 0 else encoded(smooth_rgb(i), "JPEG")
+            writer.write({"jpg": image, "caption": caption_for(i), "key": str(i)})
+    counts = shard_samples(out)
+    assert counts[0] == 0 and sum(counts) == 12  # what Streaming 0.13 writes
+    with warnings.catch_warnings(record=True) as caught:  # what reaches the user (the filters as they are)
+        results = benchmark.main([*TRAIN_2BA, "--local", str(out)])
+    assert results["measured_batches"] == 1 and np.isfinite(results["final_loss"])
+    assert not [w for w in caught if "divide by zero" in str(w.message)]
+    stored = tmp_path / "latents"
+    latents.main(["--local", str(out), "--out", str(stored), "--model_config", "tiny", "--image_size", "32",
+                  "--batch_size", "4", "--num_workers", "0", "--no_progress"])
+    assert sum(shard_samples(stored)) == 12
 
 
 def test_bench_data_times_the_loader_on_generated_photos(capsys):

@@ -1,6 +1,7 @@
-"""--fp8 (t2ibench.fp8): flux1-tiny trains in emulated float8 to the loss of the same run without it, rowwise
-runs too, a GPU without float8 tensor cores and fp16 are refused in one line before anything is built,
-and the memory model counts what float8 keeps for backward."""
+"""--fp8 (t2ibench.fp8): flux1-tiny trains in emulated float8 to the loss of the same run without it, every
+family trains in every mode and precision (SD2's and SDXL's transformers feed proj_in a permuted input),
+a GPU without float8 tensor cores and fp16 are refused in one line before anything is built, and the
+memory model counts what float8 keeps for backward."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,7 @@ from composer.core import Callback
 
 import benchmark
 from t2ibench import fp8, memory
+from t2ibench.families import FAMILIES
 
 FLUX_TINY = ["--model_config", "flux1-tiny", "--precomputed", "--use_synth_data", "--batch_size", "8",
              "--image_size", "64", "--num_workers", "0", "--warmup_batches", "2", "--precision", "amp_bf16",
@@ -47,11 +49,64 @@ def test_fp8_tensorwise_trains_flux_tiny_to_the_loss_of_the_same_run_without_it(
     assert plain["fp8"] == "off" and plain["fp8_conversion"] is None
 
 
-def test_fp8_rowwise_runs_and_the_summary_says_it_is_emulated(capsys):
-    results, losses = run(["--max_duration", "3ba", "--fp8", "rowwise"])
-    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
-    assert results["fp8_conversion"]["mode"] == "rowwise"
-    assert "float8       rowwise: 47 of 60 Linear layers" in capsys.readouterr().out
+class Float8Inputs(Callback):
+    """From outside: the float8 layers the run trains, and those that received an input that flattens
+    into rows only by a copy (as SD2's and SDXL's proj_in do)."""
+
+    def __init__(self) -> None:
+        self.converted: set[str] = set()
+        self.copied_inputs: set[str] = set()
+        self.plain_linears = 0
+
+    def fit_start(self, state, logger) -> None:
+        for name, module in state.model.denoiser.named_modules():
+            if isinstance(module, torch.nn.Linear) and type(module) is not torch.nn.Linear:
+                self.converted.add(name)
+                module.register_forward_pre_hook(self._recorder(name))
+            elif type(module) is torch.nn.Linear:
+                self.plain_linears += 1
+
+    def _recorder(self, name: str):
+        def record(module, args) -> None:
+            if not fp8.flattens_without_copy(args[0]):
+                self.copied_inputs.add(name)
+        return record
+
+
+# Each family's tiny config (the first is the full-size one) in each float8 mode under bf16 autocast, and
+# rowwise (the mode that copies an input) in fp32 too: a family added to the registry is trained here too.
+TINY_CONFIGS = [family.configs[-1] for family in FAMILIES]
+FLOAT8_MODES = [mode for mode in fp8.FP8_MODES if mode != "off"]
+
+
+@pytest.mark.parametrize("model_config, mode, precision",
+                         [(config, mode, "amp_bf16") for config in TINY_CONFIGS for mode in FLOAT8_MODES]
+                         + [(config, "rowwise", "fp32") for config in TINY_CONFIGS])
+def test_every_family_trains_in_every_fp8_mode(model_config, mode, precision, capsys, one_thread):
+    inputs, losses = Float8Inputs(), Losses()
+    results = benchmark.main(["--model_config", model_config, "--precomputed", "--use_synth_data",
+                              "--batch_size", "2", "--image_size", "64", "--num_workers", "0",
+                              "--max_duration", "2ba", "--warmup_batches", "1", "--precision", precision,
+                              "--fp8", mode], extra_callbacks=[inputs, losses])
+    assert len(losses.values) == 2 and all(torch.isfinite(torch.tensor(losses.values)))
+    conversion = results["fp8_conversion"]
+    assert conversion["mode"] == mode and conversion["converted_linears"] == len(inputs.converted) > 0
+    assert conversion["kept_linears"] == inputs.plain_linears
+    if model_config != "flux1-tiny":
+        # The layers that failed in rowwise: each transformer's proj_in, fed a permuted input, trains in float8.
+        assert inputs.copied_inputs and all(name.endswith("proj_in") for name in inputs.copied_inputs)
+    summary = capsys.readouterr().out
+    assert f"float8       {mode}: {len(inputs.converted)} of " in summary and "emulated on the CPU" in summary
+
+
+def test_blocks_py_times_sdxl_in_rowwise_float8():
+    # bench/blocks.py converts with the same t2ibench.fp8: its UNet blocks, proj_in included, run too.
+    import blocks  # bench/blocks.py
+
+    result = blocks.main(["--model_config", "sdxl-tiny", "--precomputed", "--image_size", "64", "--global_batch", "2",
+                          "--microbatch", "2", "--gpus", "1", "--num_workers", "0", "--fp8", "rowwise", "--repeats",
+                          "1", "--warmup", "0", "--harness_batches", "2"])
+    assert result["fp8"] == "rowwise" and result["predicted"][0]["samples_per_sec_per_gpu"] > 0
 
 
 def test_layers_float8_cannot_multiply_stay_in_the_runs_precision():

@@ -101,6 +101,17 @@ def test_full_shard_and_shard_grad_op_train_as_ddp_does(runs):
     result = json.loads((runs["tmp"] / "reference.json").read_text())
     assert result["fsdp"] == "full_shard" and result["world_size"] == 2
 
+    # The gradient norm each rank reads (grad_norm) is the whole gradient's: the same on both ranks,
+    # and DDP's (a rank's own shard would give about 1/sqrt(2) of it, different on each rank).
+    ddp_norms = [report(runs, "ddp", rank)["grad_norms"] for rank in (0, 1)]
+    assert ddp_norms[0] == ddp_norms[1] and sorted(ddp_norms[0]) == ["1", "2", "3", "4"]
+    for name in ("reference", "killed"):
+        norms = [report(runs, name, rank)["grad_norms"] for rank in (0, 1)]
+        assert norms[0] == norms[1], (name, norms)
+        for batch in ("1", "2", "3", "4"):
+            assert norms[0][batch] == pytest.approx(ddp_norms[0][batch], rel=LOSS_RTOL), (name, batch, norms, ddp_norms)
+    assert result["grad_norm"] == report(runs, "reference")["grad_norms"]["6"]
+
     # The gradients themselves, through AdamW's moments after 4 steps: averaged over the ranks as DDP
     # averages them (AdamW's step hardly changes if they are summed instead: the loss cannot tell).
     # Sums over the whole UNet, so that tensors whose gradients are rounding noise (self-attention

@@ -35,8 +35,9 @@ from tests.helpers import (REAL_2BA, ROOT, TINY_2BA, bench_script, error_of, fre
 
 COMMANDS = {"benchmark.py": benchmark, "convert.py": convert, "latents.py": latents, "export.py": export,
             "cost.py": cost, "learns.py": learns, "index_scale.py": index_scale, "blocks.py": blocks,
-            "step_ops.py": step_ops,
-            "bench_gpu.py": bench_script("bench_gpu"), "memory.py": bench_script("memory")}
+            "step_ops.py": step_ops, **{f"{name}.py": bench_script(name) for name in (
+                "bench_gpu", "memory", "value_check", "cpu_speed", "bench_data", "bench_ema", "check_step",
+                "unet_flops", "gpu_report")}}
 
 
 def parser_of(module) -> argparse.ArgumentParser:
@@ -68,7 +69,18 @@ NOT_NUMBERS = {
     "step_ops.py": {"--model_config"},
     "blocks.py": {"--compare_results_json"},
     "bench_gpu.py": {"--out", "--only", "--model_name"},
+    "gpu_report.py": {"--out", "--rows", "--results_root", "--model_name"},
     "memory.py": {"--model_config"},
+    "value_check.py": {"--workdir"},
+    "cpu_speed.py": {"--json", "--child", "--shards", "--cache"},
+    "bench_data.py": {"--remote", "--local", "--num_workers", "--source_size", "--image_dtype"},  # lists, a size
+    "bench_ema.py": {"--variants", "--json", "--_worker"},
+    "check_step.py": {"--model_name", "--settings"},
+    "unet_flops.py": {"--model_config"},
+}
+# Same-named flags that mean different things in different commands (and so have their own ranges).
+DIFFERENT_MEANINGS = {
+    "--samples": "cost.py: training samples of a run (a float, 3e7); value_check.py: samples written per repeat",
 }
 # Numbers written as strings (time strings, sizes, counts with units), checked by each command's
 # validation: (command, flag, bad values, flags the check needs).
@@ -109,6 +121,24 @@ def test_every_flag_has_a_range_or_is_not_a_number(command):
         kind_known = (numeric or action.choices is not None or action.nargs == 0 or flag in NOT_NUMBERS[command]
                       or flag in checked_strings)
         assert kind_known, f"{command} {flag}: give it a cli.Range type, or list it in NOT_NUMBERS / NUMBER_STRINGS"
+
+
+def test_same_named_numeric_flags_share_one_range_everywhere():
+    # One set of bounds: a flag that several commands take (--image_size, --batch_size, --microbatch,
+    # --gpus, --repeats, --seed ...) is typed with the same cli.Range object in each, so no command
+    # accepts what another refuses (blocks.py once took --image_size 1048576, which benchmark.py refuses).
+    ranges: dict[str, dict[str, cli.Range]] = {}
+    for command, module in COMMANDS.items():
+        for flag, action in flags_of(parser_of(module)).items():
+            if isinstance(action.type, cli.Range):
+                ranges.setdefault(flag, {})[command] = action.type
+    shared = {flag: by_command for flag, by_command in ranges.items() if len(by_command) > 1}
+    assert {"--image_size", "--batch_size", "--microbatch", "--gpus", "--repeats", "--seed"} <= set(shared)
+    for flag, by_command in shared.items():
+        if flag in DIFFERENT_MEANINGS:
+            continue
+        kinds = {id(kind) for kind in by_command.values()}
+        assert len(kinds) == 1, f"{flag}: {', '.join(f'{c} {k!r}' for c, k in by_command.items())}; use one cli range"
 
 
 def out_of_range(kind: cli.Range) -> list[str]:

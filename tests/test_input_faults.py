@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ import cost
 import export
 import latents
 from t2ibench import convert_inputs
-from tests.helpers import ROOT, TINY_MODEL, error_of, jpeg, write_images
+from tests.helpers import ROOT, TINY_MODEL, error_of, jpeg, killed_in_child, write_images
 
 # A run that must end in one line within this many seconds, or it hangs (it hung until killed).
 COMMAND_TIMEOUT_SECONDS = 180
@@ -48,10 +49,11 @@ def corrupt(path: Path) -> None:
     path.write_bytes(np.random.default_rng(0).integers(0, 256, path.stat().st_size, dtype=np.uint8).tobytes())
 
 
-def run_command(*argv: str, timeout: float = COMMAND_TIMEOUT_SECONDS) -> subprocess.CompletedProcess:
+def run_command(*argv: str, timeout: float = COMMAND_TIMEOUT_SECONDS,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """A command line of this repository, killed (and the test failed) if it outlives `timeout`."""
     return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
 
 
 def one_line_error(result: subprocess.CompletedProcess, prog: str) -> str:
@@ -247,6 +249,23 @@ def test_checkpoint_on_a_full_disk_is_one_line_and_leaves_no_part(full_disk):
     assert not list((full_disk / "run").glob("*.pt")) and leftovers(full_disk) == []
 
 
+def test_profile_trace_on_a_full_disk_is_reported_unwritten_and_leaves_no_part(full_disk, tmp_path, capsys):
+    fill(full_disk)
+    results_json = tmp_path / "results.json"
+    results = benchmark.main([*SYNTH, "--max_duration", "3ba", "--profile_batches", "1", "--profile_dir",
+                              str(full_disk / "prof"), "--results_json", str(results_json)])
+    # The run goes on (its figures hold, the profile's too); the trace it could not write is named as such.
+    written = json.loads(results_json.read_text())
+    assert written["profile_trace"] is None and results["profile_trace"] is None
+    assert written["profile_trace_error"].startswith(f"--profile_dir {full_disk / 'prof'}: trace-rank0.json could not "
+                                                     "be written (No space left on device)")
+    assert 0 < written["device_busy_fraction"] <= 1 and written["profile_top_ops"] and written["images_per_sec"] > 0
+    captured = capsys.readouterr()
+    assert "warning: --profile_dir" in captured.err and "NO TRACE: --profile_dir" in captured.out
+    assert not list(full_disk.rglob("trace-rank0.json")) and leftovers(full_disk) == []
+    assert [p.name for p in full_disk.rglob("*") if p.is_file()] == ["filler"]
+
+
 @pytest.mark.parametrize("flag, name", [("--csv", "t.csv"), ("--markdown", "t.md"), ("--plot", "t.png")])
 def test_cost_outputs_on_a_full_disk_keep_the_old_file(full_disk, flag, name):
     old = full_disk / name
@@ -277,6 +296,27 @@ def test_autoresume_from_a_truncated_latest_checkpoint_resumes_from_the_one_befo
     assert (run / "ep0-ba2-rank0.pt.truncated").stat().st_size == len(whole) // 2  # the user's bytes, kept
     assert results["measured_batches"] + results["warmup_batches"] == 2  # batches 2 and 3, from batch 1
     assert (run / "latest-rank0.pt").resolve().name == "ep0-ba3-rank0.pt"
+
+
+def test_autoresume_with_latest_pointing_at_a_checkpoint_that_is_gone_stops_in_one_line(tmp_path):
+    """A latest-rank0.pt whose checkpoint was moved or deleted is not "no checkpoint yet": Composer would
+    train from batch 0 and replace the link. Refused before anything is built, the link left as it was."""
+    run = tmp_path / "run"
+    argv = [*SYNTH, "--save_folder", str(run), "--save_interval", "1ba", "--autoresume", "--run_name", "gone"]
+    benchmark.main(argv)
+    link = run / "latest-rank0.pt"
+    assert os.readlink(link) == "ep0-ba2-rank0.pt"
+    # Moved away, with an older checkpoint still beside the link.
+    (run / "ep0-ba2-rank0.pt").rename(tmp_path / "elsewhere.pt")
+    message = error_of(benchmark.main, [*argv, "--max_duration", "3ba"], "benchmark.py")
+    assert f"--autoresume: {link} points at ep0-ba2-rank0.pt, which is gone (moved or deleted)" in message
+    # Every checkpoint deleted, through the command line's entry: SystemExit with the line as its code
+    # (Python prints it and exits with status 1, as for every user error).
+    (run / "ep0-ba1-rank0.pt").unlink()
+    with pytest.raises(SystemExit) as stopped:
+        benchmark.cli([*argv, "--max_duration", "3ba"])
+    assert stopped.value.code == message
+    assert os.readlink(link) == "ep0-ba2-rank0.pt" and sorted(p.name for p in run.iterdir()) == ["latest-rank0.pt"]
 
 
 # -----------------------------------------------------------------------------------------------
@@ -479,3 +519,130 @@ def test_a_damaged_parquet_page_names_the_file(tmp_path):
                        "convert.py")
     assert f"{path} cannot be read after row" in message and "the file is damaged" in message
     assert not (tmp_path / "out").exists()
+
+
+# -----------------------------------------------------------------------------------------------
+# 9. A writer killed mid-write (a preempted job): what it left is taken over by the rerun; what the
+#    user put in the folder still stops it. Leftovers made by the real code, killed at a set point.
+# -----------------------------------------------------------------------------------------------
+
+def staged_pipeline(folder: Path) -> None:
+    """What export.py and --ema_export_dir write, through the same staged folder: parts, model_index.json last."""
+    from t2ibench.files import staged_folder
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with staged_folder(folder, last="model_index.json") as staging:
+        for part in ("unet", "vae"):
+            os.makedirs(staging / part)
+            (staging / part / "config.json").write_text("{}")
+        (staging / "model_index.json").write_text("{}")
+
+
+def copy_with(folder: Path, to: Path, name: str, content: str = "mine") -> Path:
+    """A copy of `folder` with the user's file `name` added."""
+    shutil.copytree(folder, to, symlinks=True)
+    (to / name).write_text(content)
+    return to
+
+
+def test_what_a_killed_export_left_is_taken_over_and_a_users_file_is_not(checkpoint, tmp_path):
+    from t2ibench.files import STAGING_FOLDER, acquire
+
+    out = tmp_path / "pipe"
+    # Killed while moving the finished parts into place (the 1st replace writes the staging marker).
+    killed_in_child(lambda: staged_pipeline(out), on="replace", match=f"{STAGING_FOLDER}/", nth=3)
+    left = sorted(os.listdir(out))
+    assert len(left) == 2 and STAGING_FOLDER in left  # one part moved, the rest still staged
+    # Anything the user put there: refused, and nothing of it touched.
+    other = copy_with(out, tmp_path / "other", "notes.txt")
+    message = error_of(export.main, [str(checkpoint), "--out", str(other)], "export.py")
+    assert f"--out {other} exists and is not an empty folder" in message
+    assert (other / "notes.txt").read_text() == "mine" and (other / STAGING_FOLDER).is_dir()
+    # A staging folder without this project's marker is the user's.
+    theirs = tmp_path / "theirs"
+    (theirs / STAGING_FOLDER).mkdir(parents=True)
+    (theirs / STAGING_FOLDER / "draft.txt").write_text("mine")
+    assert "exists and is not an empty folder" in error_of(export.main, [str(checkpoint), "--out", str(theirs)])
+    assert (theirs / STAGING_FOLDER / "draft.txt").read_text() == "mine"
+    # A staging folder of an export still running (it holds --out) is never taken over.
+    hold = acquire("--out", out)
+    try:
+        assert f"--out {out} is being written by another command" in error_of(export.main, [str(checkpoint), "--out",
+                                                                                                str(out)])
+    finally:
+        hold.release()
+    assert sorted(os.listdir(out)) == left
+    # The rerun takes over: a whole pipeline, nothing of the killed one left.
+    export.main([str(checkpoint), "--out", str(out)])
+    assert STAGING_FOLDER not in os.listdir(out) and json.loads((out / "model_index.json").read_text())["unet"]
+    assert (out / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+
+
+def test_an_ema_export_killed_while_written_does_not_block_the_rerun(tmp_path):
+    from t2ibench.files import STAGING_FOLDER
+
+    ema = tmp_path / "ema"
+    killed_in_child(lambda: staged_pipeline(ema), on="makedirs", match=f"{STAGING_FOLDER}/vae")
+    assert os.listdir(ema) == [STAGING_FOLDER]
+    other = copy_with(ema, tmp_path / "other", "README.md")
+    message = error_of(benchmark.main, [*SYNTH, "--use_ema", "--ema_export_dir", str(other)], "benchmark.py")
+    assert f"--ema_export_dir {other} is not empty" in message and (other / "README.md").read_text() == "mine"
+    benchmark.main([*SYNTH, "--use_ema", "--ema_export_dir", str(ema)])
+    assert sorted(os.listdir(ema)) == ["model_index.json", "scheduler", "text_encoder", "tokenizer", "unet", "vae"]
+
+
+def test_latents_killed_writing_its_record_does_not_block_the_rerun(tmp_path):
+    from t2ibench.files import write_text
+    from t2ibench.precomputed import RECORD_FILE
+
+    images = write_images(tmp_path / "images", 4, compression="zstd")
+    out = tmp_path / "latents"
+    out.mkdir()
+    # The record is latents.py's first file (latent_store.write_json: files.write_text), killed before its rename.
+    killed_in_child(lambda: write_text(out / RECORD_FILE, "{}"), on="replace", match=f"/.{RECORD_FILE}.")
+    assert len(os.listdir(out)) == 1 and os.listdir(out)[0].endswith(".partial")
+    argv = ["--out", str(out), "--model_config", "tiny", "--image_size", "32", "--num_workers", "0", "--no_progress"]
+    other = copy_with(out, tmp_path / "other", "notes.txt")
+    message = error_of(latents.main, ["--local", str(images), *argv[:1], str(other), *argv[2:]], "latents.py")
+    assert "not empty and holds no precomputed latents" in message and (other / "notes.txt").is_file()
+    report = latents.main(["--local", str(images), *argv])
+    assert report["samples"] == 4 and sorted(os.listdir(out)) == ["chunk000000", "index.json", RECORD_FILE]
+
+
+def test_convert_killed_while_publishing_is_rerun_without_overwrite(tmp_path):
+    photos = write_photos(tmp_path / "photos", 12)
+    out = tmp_path / "out"
+    argv = [str(photos), "--out", str(out), "--workers", "1", "--no_progress", "--size_limit", "4kb"]
+    # Killed after moving the first shard out of its staging folder, before index.json.
+    killed_in_child(lambda: convert.main(argv), on="replace", match=f"/{convert_inputs.STAGING}/", nth=2)
+    assert not (out / "index.json").exists() and len(list(out.glob("shard.*"))) == 1
+    other = copy_with(out, tmp_path / "other", "notes.txt")
+    message = error_of(convert.main, [str(photos), "--out", str(other), "--workers", "1", "--no_progress"])
+    assert f"--out {other} is not empty" in message and (other / "notes.txt").is_file()
+    report = convert.main(argv)
+    assert report.written == 12 and readable_samples(out) == 12
+    assert sorted(os.listdir(out)) == ["index.json", *sorted(p.name for p in out.glob("shard.*"))]
+
+
+@pytest.mark.multirank  # several commands: each killed with SIGKILL, then run again
+def test_commands_killed_with_sigkill_while_exporting_finish_when_run_again(checkpoint, tmp_path):
+    """The real commands, killed by a real SIGKILL mid-export (tests/kill_run.py), then rerun: export.py
+    --out, and a benchmark.py --autoresume job whose --ema_export_dir was being written (a preempted job)."""
+    from t2ibench.files import STAGING_FOLDER
+
+    out = tmp_path / "pipe"
+    killed = run_command("tests/kill_run.py", "--on", "makedirs", "--match", f"{STAGING_FOLDER}/", "--nth", "2",
+                         "export.py", str(checkpoint), "--out", str(out), env={"PYTHONPATH": str(ROOT)})
+    assert killed.returncode == -signal.SIGKILL and os.listdir(out) == [STAGING_FOLDER], killed.stderr[-2000:]
+    export.main([str(checkpoint), "--out", str(out)])
+    assert STAGING_FOLDER not in os.listdir(out) and (out / "model_index.json").is_file()
+
+    ema, run = tmp_path / "ema", tmp_path / "run"
+    job = [*SYNTH, "--use_ema", "--ema_export_dir", str(ema), "--save_folder", str(run), "--save_interval", "1ba",
+           "--autoresume", "--run_name", "preempted"]
+    killed = run_command("tests/kill_run.py", "--on", "makedirs", "--match", f"{STAGING_FOLDER}/", "--nth", "2",
+                         "benchmark.py", *job, env={"PYTHONPATH": str(ROOT)})
+    assert killed.returncode == -signal.SIGKILL and os.listdir(ema) == [STAGING_FOLDER], killed.stderr[-2000:]
+    results = benchmark.main(job)  # the retried job: trained already, exports now
+    assert results["already_complete"]
+    assert STAGING_FOLDER not in os.listdir(ema) and (ema / "model_index.json").is_file()

@@ -9,6 +9,7 @@ already runs on the installed requirements, and CI installs them with the same f
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import shutil
@@ -92,3 +93,27 @@ def test_docs_describe_every_flag():
     missing = sorted(flag for flag in flags if f"`{flag}" not in prose and f"{flag}`" not in prose
                      and f"{flag} " not in prose)
     assert not missing, f"flags no document describes: {missing}"
+
+
+# Where a document or a docstring writes under results/ (the path follows one of these) and where it reads.
+RESULTS_PATH = re.compile(r"(?<![\w-])results/[\w./*-]*[\w*]")
+WRITES = re.compile(r"(?:--results_json|--out|--plot|--csv|--markdown|--json|tee|tee -a|mkdir -p|>)\s+$")
+
+
+def test_every_results_path_the_documents_read_is_in_the_repository_or_written_before():
+    # A document names a record of results/ (a link, a command's input) only if the repository has it,
+    # or if a command earlier in the same text writes it (bench/blocks.py's docstring once compared
+    # with results/flux-tiny-cpu.json, which nothing wrote and the repository does not hold).
+    texts = [*DOCS, ROOT / "CONTRIBUTING.md", *sorted(ROOT.glob("*.py")),
+             *(path for folder in ("bench", "scripts", "t2ibench") for path in sorted((ROOT / folder).rglob("*.py")))]
+    missing = []
+    for path in texts:
+        text, written = path.read_text(), []
+        for match in RESULTS_PATH.finditer(text):
+            name = match.group().rstrip(".")
+            if WRITES.search(text[max(0, match.start() - 20):match.start()]):
+                written.append(name)
+            elif not list(ROOT.glob(name)) and not any(fnmatch.fnmatch(w, name) for w in written):
+                missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, missing
+

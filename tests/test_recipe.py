@@ -3,6 +3,7 @@
 * warm-up + gradient clipping + caption dropout + min-SNR + offset noise + EMA start: a run cut
   after its checkpoint at batch 2 (a callback passed in raises) and resumed with --autoresume
   ends with the weights, EMA and loss bins of the run that was not cut, bit for bit;
+* --grad_clip_norm's clipping (t2ibench.grad_norm) is Composer's GradientClipping, to the bit;
 * caption dropout replaces rows by the empty caption in every data path, the same rows under a seed;
 * min-SNR-gamma weights match the formula for epsilon and v-prediction;
 * sample grids written while training; --ema_export_dir and export.py write pipelines that
@@ -12,16 +13,20 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 
 from pathlib import Path
 
 import pytest
 import torch
+from composer.algorithms.gradient_clipping import apply_gradient_clipping
+from composer.core import Event
 from PIL import Image
 
 import benchmark
 from t2ibench.families import MODEL_CONFIGS
 from t2ibench.families.sd2 import TINY_SCALING_FACTOR
+from t2ibench.grad_norm import GradientNorm
 from t2ibench.model import DiffusionModel
 from t2ibench.tokenizer import tokenize
 from tests.helpers import ROOT, TINY_SYNTH
@@ -73,6 +78,28 @@ def test_recipe_run_resumes_bit_for_bit(tmp_path):
     assert [b["timesteps"] for b in bins] == [[100 * i, 100 * i + 99] for i in range(10)]
     assert sum(b["samples"] for b in bins) == 16
     assert all(b["mean_loss"] > 0 for b in bins if b["samples"])
+
+
+@pytest.mark.parametrize("threshold", [0.05, 100.0])  # clipped, and left as it is
+def test_gradient_clipping_is_composers_to_the_bit(threshold):
+    # GradientNorm clips with the norm it keeps for grad_norm; Composer's GradientClipping (what
+    # --grad_clip_norm ran before) computes its own and drops it. The same gradients either way.
+    torch.manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    x = torch.randn(8, 16)
+    for net in nets:
+        net(x).square().mean().backward()
+    before = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in nets[0].parameters()]))
+    apply_gradient_clipping(nets[0], clipping_type="norm", clipping_threshold=threshold, fsdp_enabled=False)
+    norm = GradientNorm(clip_norm=threshold)
+    state = types.SimpleNamespace(optimizers=[torch.optim.AdamW(nets[1].parameters())])
+    assert norm.match(Event.AFTER_TRAIN_BATCH, state) and not norm.match(Event.AFTER_BACKWARD, state)
+    norm.apply(Event.AFTER_TRAIN_BATCH, state, None)
+    for ours, composers in zip(nets[1].parameters(), nets[0].parameters()):
+        assert torch.equal(ours.grad, composers.grad)
+    assert norm.last_norm() == pytest.approx(float(before), rel=1e-6)
+    assert (threshold < norm.last_norm()) == (threshold == 0.05)
 
 
 def test_recipe_flags_reach_the_step():

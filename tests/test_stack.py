@@ -88,3 +88,87 @@ def test_each_problem_is_one_line_naming_the_package(found, expected):
     assert stack.problems(installed) == []
     problems = stack.problems({**installed, **found})
     assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+# -----------------------------------------------------------------------------------------------
+# The pins: `pip install --no-deps` installs what it is told, so mismatched versions arrive this way.
+# Each case puts fake distributions (and packages) first on PYTHONPATH, as pip would have left them.
+# -----------------------------------------------------------------------------------------------
+
+def fake_dist(folder: Path, name: str, version: str | None) -> Path:
+    """A distribution's metadata folder as pip writes it (without the files), `version` None: no Version field."""
+    info = folder / f"{name.replace('-', '_')}-{version or '0'}.dist-info"
+    info.mkdir(parents=True)
+    fields = ["Metadata-Version: 2.1", f"Name: {name}"] + ([f"Version: {version}"] if version is not None else [])
+    (info / "METADATA").write_text("\n".join(fields) + "\n")
+    return info
+
+
+def error_lines(done: subprocess.CompletedProcess) -> list[str]:
+    """The check failed with one error line per problem, no traceback; those lines, prefix removed."""
+    assert done.returncode == 1 and done.stdout == "", (done.returncode, done.stdout, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert all(line.startswith("t2ibench.stack: error: ") for line in lines), lines
+    return [line.removeprefix("t2ibench.stack: error: ") for line in lines]
+
+
+def test_each_version_that_is_not_the_pinned_one_is_one_line(tmp_path):
+    file = stack.pins_file(stack.parse_version(torch.__version__))  # requirements.txt beside its own torch
+    pinned = pins(file)
+    for name, version in (("mosaicml", "0.20.0"), ("diffusers", "0.20.0"), ("mosaicml-streaming", "0.99.0")):
+        fake_dist(tmp_path, name, version)
+    lines = error_lines(run_stack(tmp_path))
+    assert sorted(lines) == sorted(
+        f"{name} {version} is installed where {file.name} pins {pinned[name]}: pip install --no-deps {name}=={pinned[name]}"
+        for name, version in (("mosaicml", "0.20.0"), ("diffusers", "0.20.0"), ("mosaicml-streaming", "0.99.0")))
+
+
+def test_beside_another_torch_every_pin_of_the_host_torch_file_is_compared(tmp_path):
+    """A torch that is not requirements.txt's (2.7.0) came with requirements-host-torch.txt and --no-deps:
+    each of its pins is compared, dependencies of dependencies too (here the ones this environment's own
+    install resolved differently, and one made wrong)."""
+    import importlib.metadata
+
+    fake_dist(tmp_path, "torch", "2.14.1")
+    fake_dist(tmp_path, "torchvision", "0.29.1")
+    fake_dist(tmp_path, "aiohappyeyeballs", "0.0.1")  # pinned only in the host-torch file (via aiohttp)
+    host = pins(ROOT / "requirements-host-torch.txt")
+    differ = {"aiohappyeyeballs"}
+    for name, version in host.items():
+        try:
+            if importlib.metadata.version(name) != version:
+                differ.add(name)
+        except importlib.metadata.PackageNotFoundError:
+            differ.add(name)
+    lines = error_lines(run_stack(tmp_path))
+    assert {re.sub(r"[-_.]+", "-", line.split(" ")[0]).lower() for line in lines} == differ
+    assert all("requirements-host-torch.txt pins " in line for line in lines), lines
+    assert "aiohappyeyeballs 0.0.1 is installed where requirements-host-torch.txt pins " in "\n".join(lines)
+
+
+@pytest.mark.parametrize("name", ["diffusers", "torch", "torchvision"])
+@pytest.mark.parametrize("version, expected", [
+    (None, "{name} is installed without a version in its metadata ({where})"),
+    ("2.x", "{name} has '2.x' as its version, which is not a version ({where})"),
+])
+def test_metadata_without_a_version_or_with_an_invalid_one_is_named_as_such(tmp_path, name, version, expected):
+    where = fake_dist(tmp_path, name, version)
+    line, = error_lines(run_stack(tmp_path))
+    assert line.startswith(expected.format(name=name, where=where) + ": reinstall it: ")
+    pin = pins(ROOT / "requirements.txt").get(name)
+    assert line.endswith(f"pip install --force-reinstall --no-deps {name}=={pin}" if pin else stack.INSTALL_HINT)
+
+
+@pytest.mark.parametrize("package, imported", [("transformers", "transformers"), ("coolname", "composer")])
+def test_an_import_that_fails_names_the_package_it_failed_in(tmp_path, package, imported):
+    """A broken package, at the pinned version: named, not the module that imported it (coolname is
+    imported by Composer alone)."""
+    import importlib.metadata
+
+    version = importlib.metadata.version(package)
+    fake_dist(tmp_path, package, version)
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text('raise RuntimeError("broken on purpose")\n')
+    line, = error_lines(run_stack(tmp_path))
+    assert line.startswith(f"import {imported} failed in {package} {version} (RuntimeError: broken on purpose): ")

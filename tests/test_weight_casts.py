@@ -1,23 +1,29 @@
-"""Launch-bound steps (issue 28): weight casts once per step, the kernel count, the profile.
+"""Launch-bound steps (issue 28): weight casts once per step, the kernel count, the profile; the
+step's gradients summed in fp32 and their norm (issue 36).
 
-`--weight_casts step` must train exactly as autocast does with one microbatch per step, give the
-fp32 weights their gradients before clipping and the optimizer, and be counted by the memory model;
-bench/step_ops.py's count must agree with what real CPU autocast dispatches; `--profile_batches`
-must write a trace and report its table outside the throughput window.
+`--weight_casts step` must train exactly as autocast does with one microbatch per step (and, its
+gradients summed in fp32, with several), give the fp32 weights their gradients before clipping and
+the optimizer, and be counted by the memory model; bench/step_ops.py's count must agree with what
+real CPU autocast dispatches; `--profile_batches` must write a trace and report its table outside the
+throughput window; every run reports the last step's gradient norm before clipping (`grad_norm`).
 """
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
 
 import benchmark
 from t2ibench import kernels, memory
 from t2ibench.families import family_of
+from t2ibench.grad_norm import gradient_norm, trained_parameters
 from t2ibench.model import DiffusionModel
 from t2ibench.norms import set_norm_precision
 from t2ibench.weight_casts import CastWeightsOncePerStep
@@ -27,9 +33,9 @@ TINY = ["--model_config", "tiny", "--use_synth_data", "--image_size", "64", "--n
         "--num_synthetic_samples", "64", "--precision", "amp_bf16", "--warmup_batches", "1"]
 
 
-def _run(tmp_path: Path, *flags: str) -> dict:
+def _run(tmp_path: Path, *flags: str, callbacks: list[Callback] | None = None) -> dict:
     out = tmp_path / f"r{len(list(tmp_path.iterdir()))}.json"
-    return benchmark.main([*TINY, "--results_json", str(out), *flags])
+    return benchmark.main([*TINY, "--results_json", str(out), *flags], extra_callbacks=callbacks)
 
 
 def test_one_microbatch_per_step_trains_bit_for_bit_as_autocast(tmp_path):
@@ -41,15 +47,151 @@ def test_one_microbatch_per_step_trains_bit_for_bit_as_autocast(tmp_path):
     assert per_step["weight_casts"] == "step" and per_microbatch["weight_casts"] == "microbatch"
     assert per_step["final_loss"] == per_microbatch["final_loss"]
     assert per_step["loss_by_timestep_bin"] == per_microbatch["loss_by_timestep_bin"]
+    assert per_step["grad_norm"] == per_microbatch["grad_norm"] > 0
 
 
-def test_several_microbatches_checkpointing_and_clipping_train_as_autocast_does(tmp_path):
-    # Summed in bf16 over the microbatches (autocast sums in fp32): close, not equal.
+def test_several_microbatches_checkpointing_and_clipping_train_bit_for_bit_as_autocast(tmp_path):
+    # Autocast adds each microbatch's bf16 weight gradient, upcast, into the fp32 .grad; the copies'
+    # hooks add the same bf16 gradient into the same fp32 sum: the same numbers for any number of
+    # microbatches. (Summed in the copies' bf16 .grad, as before issue 36, the final losses differed:
+    # 1.0838381 against 1.0840685.)
     flags = ["--batch_size", "8", "--device_train_microbatch_size", "2", "--max_duration", "3ba",
              "--activation_checkpointing", "--grad_clip_norm", "0.5"]
     per_microbatch = _run(tmp_path, *flags, "--weight_casts", "microbatch")
     per_step = _run(tmp_path, *flags, "--weight_casts", "step")
-    assert per_step["final_loss"] == pytest.approx(per_microbatch["final_loss"], rel=1e-2)
+    assert per_step["final_loss"] == per_microbatch["final_loss"]
+    assert per_step["grad_norm"] == per_microbatch["grad_norm"]
+
+
+def test_hundreds_of_microbatches_sum_in_fp32():
+    # 512 microbatches of a small network under the copies, each loss scaled by 1/512 as Composer
+    # scales it. The step's gradient must be the fp32 sum of the 512 bf16 per-microbatch gradients
+    # (the same numbers added in the same order: equal to the bit), within 1e-6 of their exact sum.
+    # Summed in bf16, as before issue 36, the same increments lose their low bits once the sum is a
+    # few hundred of them: 2-7% off here (checked below, so the test tells the two apart).
+    torch.manual_seed(0)
+    num_microbatches = 512
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    inputs = torch.randn(num_microbatches, 4, 64)
+    casts = CastWeightsOncePerStep(net)
+    masters = casts.masters
+    casts.begin_step()
+    copies = list(net.parameters())
+    exact = [torch.zeros_like(p, dtype=torch.float64) for p in masters]
+    fp32_sum: list[torch.Tensor] = []
+    bf16_sum: list[torch.Tensor] = []
+    for x in inputs:  # Composer's microbatch loop: forward, scaled loss, backward, AFTER_BACKWARD
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = net(x).float().square().mean() / num_microbatches
+        increments = torch.autograd.grad(loss, copies, retain_graph=True)  # this microbatch's bf16 gradient
+        assert all(g.dtype == torch.bfloat16 for g in increments)
+        for total, g in zip(exact, increments):
+            total += g.double()
+        if not fp32_sum:
+            fp32_sum, bf16_sum = [g.float() for g in increments], [g.clone() for g in increments]
+        else:
+            fp32_sum = [total.add_(g) for total, g in zip(fp32_sum, increments)]
+            bf16_sum = [total.add_(g) for total, g in zip(bf16_sum, increments)]
+        loss.backward()
+        casts.after_backward()
+        assert all(copy.grad is None for copy in copies)  # no bf16 gradient outlives its backward
+    casts.end_step()
+    assert [id(p) for p in net.parameters()] == [id(p) for p in masters]
+
+    def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+        return float((got.double() - want).norm() / want.norm())
+
+    for master, want, fp32, bf16 in zip(masters, exact, fp32_sum, bf16_sum):
+        assert master.grad.dtype == torch.float32
+        assert torch.equal(master.grad, fp32)
+        assert relative_error(master.grad, want) < 1e-6
+        assert relative_error(bf16, want) > 1e-2  # the old bf16 sum fails the check above by far
+
+
+class IndependentNorm(Callback):
+    """Each step's gradient norm in float64 from the optimizer's parameters: after the step's last
+    backward (before any algorithm's AFTER_TRAIN_BATCH, clipping included), and after clipping."""
+
+    def __init__(self, microbatches_per_step: int):
+        self.microbatches_per_step, self.backwards = microbatches_per_step, 0
+        self.before_clipping: list[float] = []
+        self.after_clipping: list[float] = []
+
+    @staticmethod
+    def norm(state: State) -> float:
+        return math.sqrt(sum(float(p.grad.double().square().sum()) for p in trained_parameters(state)
+                             if p.grad is not None))
+
+    def after_backward(self, state: State, logger: Logger) -> None:
+        self.backwards += 1
+        if self.backwards % self.microbatches_per_step == 0:
+            self.before_clipping.append(self.norm(state))
+
+    def after_train_batch(self, state: State, logger: Logger) -> None:
+        self.after_clipping.append(self.norm(state))
+
+
+@pytest.mark.parametrize("weight_casts", ["microbatch", "step"])
+def test_grad_norm_is_the_last_steps_norm_before_clipping(tmp_path, capsys, weight_casts):
+    clip = 1e-3  # far below the tiny model's gradient norms: every step is clipped
+    independent = IndependentNorm(microbatches_per_step=4)
+    result = _run(tmp_path, "--batch_size", "8", "--device_train_microbatch_size", "2", "--max_duration", "2ba",
+                  "--weight_casts", weight_casts, "--grad_clip_norm", str(clip), callbacks=[independent])
+    assert len(independent.before_clipping) == len(independent.after_clipping) == 2
+    assert result["grad_norm"] == pytest.approx(independent.before_clipping[-1], rel=1e-5)
+    assert result["grad_norm"] > 10 * clip
+    assert independent.after_clipping[-1] == pytest.approx(clip, rel=1e-3)  # clipped with that norm
+    assert json.loads(Path(tmp_path / "r0.json").read_text())["grad_norm"] == result["grad_norm"]
+    assert f"grad norm    {result['grad_norm']:.6g} " in capsys.readouterr().out
+
+
+def test_counted_sums_upcast_and_norm_are_what_the_step_dispatches():
+    # kernels.py's once-per-step part under weight casts per step, against the ops a real CPU step
+    # dispatches through CastWeightsOncePerStep and grad_norm: the copies' refresh and the first
+    # microbatch's upcast (one multi-tensor copy each), one add per tensor in each later microbatch
+    # and no more casts than in the first, and the norm's multi-tensor launches.
+    torch.manual_seed(0)
+    family = family_of("tiny")
+    model = DiffusionModel(family, family.build("tiny", None, vae=False, text_encoders=False, tokenizers=False),
+                           num_loss_bins=0)
+    set_norm_precision(model, "autocast")
+    batch = memory.meta_batch(model, "tiny", 64, 2, device="cpu")
+    batch = {k: (torch.randn_like(v.float()).half() if v.is_floating_point() else v) for k, v in batch.items()}
+    casts = CastWeightsOncePerStep(model.denoiser)
+    numels = [p.numel() for p in casts.masters]
+    counters: dict[str, kernels.KernelCounter] = {}
+
+    def counted(name: str, work) -> None:
+        counters[name] = kernels.KernelCounter()
+        with counters[name]:
+            work()
+
+    def microbatch() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model.loss(model(batch), batch)
+        loss.backward()
+
+    counted("begin", casts.begin_step)
+    for i in range(3):
+        counted(f"microbatch{i}", microbatch)
+        counted(f"after_backward{i}", casts.after_backward)
+    counted("end", casts.end_step)
+    counted("norm", lambda: gradient_norm(casts.masters))
+    copy_launches = kernels.multi_tensor_launches(numels, 2)
+    assert dict(counters["begin"].kernels) == {"casts": copy_launches}
+    assert dict(counters["after_backward0"].kernels) == {"casts": copy_launches}
+    assert not counters["after_backward1"].kernels and not counters["end"].kernels
+    first, later = counters["microbatch0"].kernels, counters["microbatch2"].kernels
+    assert later["elementwise"] - first["elementwise"] == len(numels)  # the hooks' adds into the fp32 sum
+    assert later["casts"] == first["casts"] and later == counters["microbatch1"].kernels
+    # On the CPU the norm's partial sums finish in the same op and one stack takes every norm; CUDA
+    # adds a launch for the first and one per 128 norms for the second.
+    norm_launches = kernels.multi_tensor_launches(numels, 1)
+    assert sum(counters["norm"].kernels.values()) == norm_launches + 2
+    step = kernels.count_step_kernels("tiny", 64, 2, 6, weight_casts="step").per_step
+    assert step["casts"] == 2 * copy_launches
+    assert step["elementwise"] == 2 * len(numels) + kernels.COMPOSER_KERNELS_PER_STEP
+    assert step["grad_norm"] == norm_launches + 2 + -(-len(numels) // kernels.CAT_INPUTS_PER_LAUNCH)
 
 
 def test_fp32_weights_get_the_gradients_and_stay_the_parameters():
@@ -107,15 +249,26 @@ def test_memory_model_counts_the_copies_within_a_real_cpu_step():
     bench_memory = bench_script("memory")
     counted = bench_memory.count_cpu_step("tiny", 64, 2, "amp_bf16", "autocast", weight_casts="step")
     measured = bench_memory.measure_cpu_step("tiny", 64, 2, "amp_bf16", "autocast", weight_casts="step")
-    assert measured["peak_bytes"] == pytest.approx(counted.backward_peak_bytes, rel=0.05)
+    # Without kernel scratch, as tests/test_memory.py compares: with it, this CPU's convolution
+    # kernel decides (ATen's im2col buffers where oneDNN has no bf16: 53% above the count there).
+    assert measured["op_peak_bytes"] == pytest.approx(counted.backward_peak_bytes, rel=0.05)
     assert counted.weight_cast_bytes == 0  # nothing left for autocast to cast
     per_microbatch = memory.plan("sdxl-base", 1024, 79.1 * memory.GIB, precomputed=True,
                                  precomputed_format="text_states", fsdp="none", num_gpus=1)
     per_step = memory.plan("sdxl-base", 1024, 79.1 * memory.GIB, precomputed=True,
                            precomputed_format="text_states", fsdp="none", num_gpus=1, weight_casts="step")
-    # The copies replace autocast's cached casts; the gradients are bf16 until backward ends.
-    assert per_step["fixed_bytes_breakdown"]["gradients"] * 2 == per_microbatch["fixed_bytes_breakdown"]["gradients"]
-    assert per_step["predicted_bytes_at_microbatch"] < per_microbatch["predicted_bytes_at_microbatch"]
+    # The copies take the place of autocast's cached casts; the step's gradient sum is fp32 in both
+    # (the first backward's bf16 gradients exist beside it only while they are upcast, activations
+    # gone): without checkpointing the same peak at the same microbatch, to 0.01%.
+    num_params = sum(p.numel() for p in family_of("sdxl-base").meta_parts("sdxl-base").denoiser.parameters())
+    breakdown = per_step["fixed_bytes_breakdown"]
+    assert breakdown["gradients"] == per_microbatch["fixed_bytes_breakdown"]["gradients"] == 4 * num_params
+    assert breakdown["weight_casts_or_gathered"] == 2 * num_params
+    assert per_step["step_end_bytes"] == per_step["fixed_tensor_bytes"] + 2 * num_params
+    assert per_microbatch["step_end_bytes"] == per_microbatch["fixed_tensor_bytes"]
+    assert per_step["microbatch"] == per_microbatch["microbatch"]
+    assert per_step["predicted_bytes_at_microbatch"] == pytest.approx(per_microbatch["predicted_bytes_at_microbatch"],
+                                                                      rel=1e-4)
 
 
 def test_multi_tensor_launches_follow_cudas_chunking():
@@ -191,7 +344,7 @@ def test_profile_writes_a_trace_and_leaves_the_window(tmp_path):
     trace = json.loads(Path(result["profile_trace"]).read_text())
     assert trace["traceEvents"]
     assert result["profile_batches"] == 2 and len(result["profile_top_ops"]) == 15
-    assert 0 < result["device_busy_fraction"] <= 1.05
+    assert 0 < result["device_busy_fraction"] <= 1
     assert result["warmup_batches"] == 3 and result["measured_batches"] == 2  # 1 warm-up + 2 profiled left out
     with pytest.raises(SystemExit) as exit_info:
         _run(tmp_path, "--batch_size", "4", "--max_duration", "3ba", "--profile_batches", "2")

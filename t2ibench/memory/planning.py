@@ -135,8 +135,9 @@ def fixed_bytes(model_config: str, *, precision: str = "amp_bf16", precomputed: 
     """Bytes per GPU that do not depend on the microbatch, by what holds them (see `plan`).
 
     `weight_casts` "step": the bf16 copies of the weights live all run (in place of autocast's cached
-    casts) and the step's gradients are bf16 until the end of backward; their fp32 upcast exists only
-    after the activations are gone (`plan` checks that moment apart: "step_end_bytes")."""
+    casts); the step's gradients are summed in fp32, as autocast's, from the first microbatch's
+    upcast on (t2ibench.weight_casts). That upcast holds the first backward's bf16 gradients beside
+    the fp32 ones once the activations are gone (`plan` checks that moment apart: "step_end_bytes")."""
     if fsdp not in FSDP_MODES:
         raise ValueError(f"fsdp must be one of {FSDP_MODES}, not {fsdp!r}")
     if weight_casts not in WEIGHT_CASTS:
@@ -180,7 +181,7 @@ def fixed_bytes(model_config: str, *, precision: str = "amp_bf16", precomputed: 
         # fp32 master weights: replicated under DDP; sharded at rest under both FSDP strategies (what
         # computes is the gathered copy: `weight_casts_or_gathered`).
         "weights": 4 * num_params // shards,
-        "gradients": (compute_bytes if copies else 4) * num_params // shards,
+        "gradients": 4 * num_params // shards,
         # DDP's reducer buckets: a second copy of the gradients unless they are views into the buckets
         # (`gradient_as_bucket_view`, which Composer 0.32.1's prepare_ddp_module does not pass on).
         "ddp_buckets": 4 * num_params if fsdp == "none" and num_gpus > 1 and not bucket_view else 0,
@@ -241,9 +242,11 @@ def plan(model_config: str = "sd2-base", image_size: int | None = None, gpu_memo
                         use_ema=use_ema, fsdp=fsdp, num_gpus=num_gpus, bucket_view=bucket_view,
                         weight_cast_bytes=activations.weight_cast_bytes, weight_casts=weight_casts)
     tensors = sum(parts.values())
-    # With bf16 weight copies, the fp32 gradients are made from the bf16 ones after the last backward:
-    # both exist then, the activations no longer (4 more bytes per parameter, whatever the microbatch).
-    step_end = tensors + (4 * sum(p.numel() for p in _meta_parts(model_config).denoiser.parameters())
+    # With bf16 weight copies, the fp32 gradients are made from the first backward's bf16 ones after
+    # it: both exist then, the activations no longer (2 more bytes per parameter, whatever the
+    # microbatch). Later microbatches' bf16 gradients are added into the fp32 ones one by one as
+    # backward makes them (the step's count holds them as autocast's).
+    step_end = tensors + (2 * sum(p.numel() for p in _meta_parts(model_config).denoiser.parameters())
                           if weight_casts == "step" and fsdp == "none" and precision != "fp32" else 0)
     # Weight casts are per microbatch in the activation model too: counted once, in the fixed part.
     activations_without_casts = dataclasses.replace(
