@@ -131,7 +131,8 @@ def safe_auto_microbatch(family: ModelFamily, settings: Settings, total_memory_b
         precision=precision, norm_precision=settings.norm_precision, precomputed=settings.precomputed,
         precomputed_format=text_format if settings.precomputed else None, use_ema=settings.use_ema,
         fsdp=resolve_mode(settings.fsdp, family.parallelism, world_size), num_gpus=world_size,
-        activation_checkpointing=settings.activation_checkpointing == "on", fp8=settings.fp8)  # several ranks: casts per microbatch
+        # Several ranks: weights cast per microbatch; checkpointing `auto` never comes here (choose_setup).
+        activation_checkpointing=settings.activation_checkpointing == "on", fp8=settings.fp8)
 
 
 def per_node_signal_files() -> None:

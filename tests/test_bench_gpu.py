@@ -43,7 +43,8 @@ def _check_planned(rows: list[dict], printed: str) -> None:
                        use_ema=setting.use_ema)
         setup = choose_setup(setting.model_config, setting.resolution, 79.1 * 2**30, setting.global_batch // 8,
                              activation_checkpointing=setting.activation_checkpointing, **options)
-        assert row["activation_checkpointing"] is setup.activation_checkpointing is row["plan"]["activation_checkpointing"]
+        checkpointing = setup.activation_checkpointing
+        assert row["activation_checkpointing"] is checkpointing is row["plan"]["activation_checkpointing"]
         assert row["plan"]["activation_checkpointing_reason"] == setup.reason
         # The memory model's largest microbatch for the row's own settings (halved where the row says).
         plan = memory.plan(setting.model_config, setting.resolution, 79.1 * 2**30,
