@@ -131,6 +131,9 @@ def build_parser() -> Parser:
     g.add_argument("--compare_results_json", type=str, default=None,
                    help="a benchmark.py --results_json of the same set-up on this device: print the prediction "
                         "against it (checked before any timing)")
+    g.add_argument("--measured_json", type=str, default=None,
+                   help="time nothing: predict from a line blocks.py wrote with --json (a .jsonl or a log ending "
+                        "in it; the line whose measured set-up is this one's), on any machine")
     g.add_argument("--count_memory", action="store_true",
                    help="time nothing: count each part's memory on the meta device for a CUDA GPU, beside a "
                         "one-GPU run's fixed bytes")
@@ -171,7 +174,13 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     too_many = check_workers("--num_workers", parsed.num_workers)
     if too_many:
         fail(too_many)
+    if parsed.measured_json and (parsed.count_memory or parsed.compare_results_json):
+        fail("--measured_json predicts from a saved measurement: give --count_memory or --compare_results_json "
+             "in a run without it")
+    lines = measured_lines(parsed.measured_json) if parsed.measured_json else None
     on_gpu = torch.cuda.is_available()
+    if lines is not None:  # the device the measurement ran on, not this machine's
+        on_gpu = lines[0]["device"] != "cpu"
     # --count_memory counts for a CUDA GPU (this one, or an H100's memory) whatever runs it.
     gpu_step = on_gpu or parsed.count_memory
     precision = resolve_precision(parsed.precision, gpu_step)
@@ -196,6 +205,8 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
         # FSDP gathers its own bf16 copy of each unit: t2ibench.weight_casts' copies are for one device.
         setups[gpus] = Setup(sharded, "microbatch" if sharded else casts)
     microbatch = parsed.microbatch
+    if microbatch is None and lines is not None:
+        microbatch = lines[0]["microbatch"]  # the first line's: the one measured, when it is this set-up
     if microbatch is None:
         per_gpu = global_batch // max(parsed.gpus)  # a microbatch that divides every count's per-GPU batch
         if gpu_step:  # the largest that fits at every count (fewer GPUs shard less: more fixed bytes each)
@@ -217,6 +228,10 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
                                  "device_type": "cuda" if gpu_step else "cpu", "precision": precision,
                                  "text_format": text_format, "global_batch": global_batch, "microbatch": microbatch,
                                  "setups": setups})
+    if lines is not None:
+        args = argparse.Namespace(**{**vars(args), "saved": saved_measurement(args, lines)})
+    else:
+        args = argparse.Namespace(**{**vars(args), "saved": None})
     # The compared run is checked against the resolved settings, so it is added to them last.
     return argparse.Namespace(**{**vars(args), "compared": compared_run(args) if args.compare_results_json else None})
 
@@ -229,6 +244,93 @@ def mode_for(args: argparse.Namespace, gpus: int) -> str:
 def device_name(device: str) -> str:
     """The device as benchmark.py's results JSON names it ("device")."""
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+# -- a saved measurement: the prediction again, without a device ----------------------------------
+
+# What a saved line's times depend on (blocks.py's JSON keys, and this prediction's value of each):
+# a line stands for a set-up only when all agree. The sharding, the GPU counts, the global batch
+# and the link rate are the composition's, not the measurement's, and may change.
+def measured_set_up(args: argparse.Namespace) -> dict[str, Any]:
+    return {"model_config": args.model_config, "image_size": args.image_size, "precision": args.precision,
+            "norm_precision": args.norm_precision, "precomputed": args.precomputed,
+            "precomputed_format": args.text_format, "activation_checkpointing": args.activation_checkpointing,
+            "fp8": args.fp8, "use_ema": args.use_ema}
+
+
+def measured_lines(path: str) -> list[dict[str, Any]]:
+    """The lines of `path` that blocks.py wrote with --json (a JSON object holding `measured`), in
+    order: a .jsonl of several, or a log that ends with one. Refused in one line when there is none."""
+    where = f"--measured_json {path}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        fail(f"{where}: cannot be read ({getattr(error, 'strerror', None) or error}); give a file holding a line "
+             "blocks.py wrote with --json")
+    lines = []
+    for line in text.splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue  # a log's other lines
+        if (isinstance(value, dict) and isinstance(value.get("measured"), dict)
+                and isinstance(value.get("device"), str) and not BATCH_SIZE.problem(value.get("microbatch"))
+                and isinstance(value.get("microbatch"), int)):
+            lines.append(value)
+    if not lines:
+        fail(f"{where}: holds no line blocks.py wrote with --json (a JSON object with measured, device and "
+             "microbatch); give blocks.py's --json output")
+    return lines
+
+
+def saved_measurement(args: argparse.Namespace, lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first line of --measured_json whose measured set-up is this prediction's: the same settings
+    that change a block's time, weights held as every --gpus count holds them, and a microbatch that
+    --microbatch is a whole multiple of (its times scaled by that multiple: the per-image time of the
+    measured microbatch held, a bound from above where a larger microbatch runs no slower per image).
+    Refused in one line, naming what the lines differ in, when none is."""
+    wanted, labels = measured_set_up(args), {setup.label for setup in args.setups.values()}
+    reasons = []
+    for number, line in enumerate(lines, 1):
+        differs = [f"{key} {json.dumps(line.get(key))} (this prediction's {json.dumps(value)})"
+                   for key, value in wanted.items() if line.get(key) != value or type(line.get(key)) is not type(value)]
+        missing = sorted(labels - set(line["measured"]))
+        if missing:
+            differs.append(f"no times for weights {', '.join(missing)} (it measured "
+                           f"{', '.join(sorted(line['measured']))}: predict for --gpus counts that hold them so)")
+        if args.microbatch % line["microbatch"]:
+            differs.append(f"microbatch {line['microbatch']}, which --microbatch {args.microbatch} is no multiple of")
+        if not differs:
+            return {"path": args.measured_json, "line": line, "scale": args.microbatch // line["microbatch"]}
+        reasons.append(f"line {number}: {differs[0]}")
+    fail(f"--measured_json {args.measured_json}: no line measured this set-up ({'; '.join(reasons[:3])}); "
+         "predict with the flags it was measured with")
+
+
+def saved_parts(args: argparse.Namespace) -> tuple[dict[str, dict], dict[str, float], float, int]:
+    """From --measured_json's line: each weights' times per microbatch (scaled to --microbatch), the
+    per-parameter updates, the harness per image, and the denoiser's parameters."""
+    line, scale = args.saved["line"], args.saved["scale"]
+    measured = {}
+    for label in {setup.label for setup in args.setups.values()}:
+        times = line["measured"][label]
+        measured[label] = {
+            "blocks": [{**b, "seconds": scale * b["seconds"],
+                        # a peak measured at another microbatch is not this one's
+                        "peak_memory_bytes": b.get("peak_memory_bytes") if scale == 1 else None}
+                       for b in times["blocks"]],
+            "rest_seconds": scale * times["rest_seconds"],
+            "rest_peak_memory_bytes": times.get("rest_peak_memory_bytes") if scale == 1 else None,
+            "composed_microbatch_seconds": scale * times["composed_microbatch_seconds"]}
+    # Lines written before `per_parameter` (7e20acc) keep the updates beside the times.
+    per_parameter = line.get("per_parameter") or next(iter(line["measured"].values()))
+    updates = {key: float(per_parameter.get(key, 0.0)) for key in
+               ("adamw_seconds_per_param", "ema_seconds_per_param", "weight_casts_seconds_per_param")}
+    if any(s.weight_casts == "step" for s in args.setups.values()) and not updates["weight_casts_seconds_per_param"]:
+        fail(f"--measured_json {args.measured_json}: the line has no weight casts' time; predict for sharded "
+             "--gpus counts, or measure with --weight_casts step")
+    harness_per_image = line["harness_seconds_per_step"] / line["harness_per_device_batch"]
+    return measured, updates, harness_per_image, int(line["denoiser_params"])
 
 
 # -- the run compared: its set-up must be this prediction's -----------------------------------------
@@ -785,17 +887,24 @@ def harness_seconds_per_step(args: argparse.Namespace, per_device_batch: int) ->
     return summary["measured_seconds"] / summary["measured_batches"]
 
 
-def traffic_bytes_per_gpu(mode: str, gpus: int, params: int, accumulation: int, precision: str) -> float:
-    """Bytes each GPU sends per step for the sharding `mode` (ring collectives: (G-1)/G of the buffer,
-    twice for an all-reduce), as the memory model shards: weights gathered in the autocast dtype,
-    gradients reduced in fp32."""
+def traffic_bytes_per_gpu(mode: str, gpus: int, params: int, precision: str) -> tuple[float, float]:
+    """Bytes each GPU sends for the sharding `mode`, (once per step, per microbatch), as the run sends
+    them (ring collectives: (G-1)/G of the buffer, twice for an all-reduce; weights gathered in the
+    autocast dtype, gradients reduced in fp32, Composer's FSDP2 mixed precision).
+
+    Composer 0.32.1 runs a FSDP2 step's microbatches with the gradients synchronised in each (no_sync
+    is DDP's only; FSDP2's `set_requires_gradient_sync` is never called) and lets FSDP2 reshard after
+    each backward (its default), so every microbatch gathers the weights again and reduce-scatters
+    its gradients: full_shard gathers each block for its forward and again for its backward (with
+    checkpointing too: the recompute runs inside the backward's gather), shard_grad_op once for
+    both. DDP all-reduces once per step (Composer syncs on the last microbatch only)."""
     if gpus == 1:
-        return 0.0
+        return 0.0, 0.0
     share, weight_bytes = (gpus - 1) / gpus, 4 if precision == "fp32" else 2
     if mode == "none":
-        return 2 * share * 4 * params  # one all-reduce per step (Composer syncs on the last microbatch)
-    gathers = 2 if mode == "full_shard" else 1  # full_shard gathers again for backward
-    return accumulation * share * (gathers * weight_bytes * params + 4 * params)
+        return 2 * share * 4 * params, 0.0
+    gathers = 2 if mode == "full_shard" else 1
+    return 0.0, share * (gathers * weight_bytes * params + 4 * params)
 
 
 def compose(args: argparse.Namespace, measured: dict[str, dict], updates: dict[str, float],
@@ -812,11 +921,13 @@ def compose(args: argparse.Namespace, measured: dict[str, dict], updates: dict[s
         casts = params * updates["weight_casts_seconds_per_param"] if setup.weight_casts == "step" else 0.0
         harness = harness_per_image * per_gpu
         compute = accumulation * times["composed_microbatch_seconds"] + optimizer + casts + harness
-        traffic = traffic_bytes_per_gpu(mode, gpus, params, accumulation, args.precision)
+        once, per_microbatch = traffic_bytes_per_gpu(mode, gpus, params, args.precision)
+        traffic = once + accumulation * per_microbatch
         comm = traffic / (args.link_gbps * 1e9)
         rows.append({"gpus": gpus, "fsdp": mode, "weights": setup.label, "weight_casts": setup.weight_casts,
                      "per_gpu_batch": per_gpu, "accumulation": accumulation, "optimizer_seconds": optimizer,
                      "weight_casts_seconds": casts, "harness_seconds": harness, "compute_seconds": compute,
+                     "traffic_bytes_per_step_once": once, "traffic_bytes_per_microbatch": per_microbatch,
                      "traffic_bytes_per_gpu": traffic, "comm_seconds": comm, "step_seconds": compute + comm,
                      "samples_per_sec_per_gpu": per_gpu / (compute + comm),
                      "samples_per_sec_per_gpu_overlapped": per_gpu / max(compute, comm)})
@@ -845,8 +956,11 @@ def header(result: dict[str, Any]) -> str:
 
 
 def report(result: dict[str, Any]) -> str:
+    saved = f", read from {result['measured_json']}" if result.get("measured_json") else ""
+    scaled = (f", scaled from the measured microbatch {result['measured_microbatch']} (its per-image time held)"
+              if result.get("measured_microbatch", result["microbatch"]) != result["microbatch"] else "")
     lines = [f"{header(result)}; measured on {result['device']} (median of {result['repeats']} after "
-             f"{result['warmup']} warm-up, one part at a time), per microbatch:"]
+             f"{result['warmup']} warm-up, one part at a time{saved}), per microbatch{scaled}:"]
     for label, times in result["measured"].items():
         lines.append(f"  weights {label}:")
         for b in times["blocks"]:
@@ -907,26 +1021,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.json:
                 print(json.dumps(result), flush=True)
             return result
-        from t2ibench.runtime import Runtime
-
         per_device = args.global_batch // args.gpus[0]
-        # The process as benchmark.py sets it up before its first step (cuDNN's autotuner on a GPU, the
-        # threads of a CPU rank, the seeds), so every part is timed as the run computes it.
-        Runtime.start(run_settings(args, per_device)[1])
-        measured = {}
-        for setup in unique_setups(args):
-            print(f"timing the parts of {args.model_config} on {args.device}, one at a time, weights "
-                  f"{setup.describe()}:", file=sys.stderr, flush=True)
-            measured[setup.label] = measure(args, setup)
-        updates = measure_updates(args)
-        harness = harness_seconds_per_step(args, per_device)
-        params = sum(p.numel() for p in meta_model(args, False).denoiser.parameters())
-        predicted = compose(args, measured, updates, harness / per_device, params)
+        if args.saved:
+            measured, updates, harness_per_image, params = saved_parts(args)
+            line = args.saved["line"]
+            device, warmup, repeats = line["device"], line["warmup"], line["repeats"]
+        else:
+            from t2ibench.runtime import Runtime
+
+            # The process as benchmark.py sets it up before its first step (cuDNN's autotuner on a GPU, the
+            # threads of a CPU rank, the seeds), so every part is timed as the run computes it.
+            Runtime.start(run_settings(args, per_device)[1])
+            measured = {}
+            for setup in unique_setups(args):
+                print(f"timing the parts of {args.model_config} on {args.device}, one at a time, weights "
+                      f"{setup.describe()}:", file=sys.stderr, flush=True)
+                measured[setup.label] = measure(args, setup)
+            updates = measure_updates(args)
+            harness_per_image = harness_seconds_per_step(args, per_device) / per_device
+            params = sum(p.numel() for p in meta_model(args, False).denoiser.parameters())
+            device, warmup, repeats = device_name(args.device), args.warmup, args.repeats
+        predicted = compose(args, measured, updates, harness_per_image, params)
         result = {
-            **settings_of(args), "link_gbps": args.link_gbps, "device": device_name(args.device),
-            "warmup": args.warmup, "repeats": args.repeats, "denoiser_params": params,
+            **settings_of(args), "link_gbps": args.link_gbps, "device": device,
+            "warmup": warmup, "repeats": repeats, "denoiser_params": params,
             "measured": measured, "per_parameter": updates,
-            "harness_seconds_per_step": harness, "harness_per_device_batch": per_device,
+            "harness_seconds_per_step": harness_per_image * per_device, "harness_per_device_batch": per_device,
+            "measured_json": args.measured_json,
+            "measured_microbatch": args.saved["line"]["microbatch"] if args.saved else args.microbatch,
             "predicted": predicted,
             "reference": MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU if family_of(args.model_config).name == "flux" else {},
             "comparison": compare(args, predicted) if args.compared else None,
