@@ -6,6 +6,8 @@ the sharded-training traffic added, samples/s per GPU predicted for a node.
         --max_duration 40ba --warmup_batches 10 --num_workers 0 --results_json run.json                # CPU check:
     python bench/blocks.py --model_config flux1-tiny --precomputed --image_size 64 --global_batch 8 --microbatch 8 \\
         --gpus 1 --num_workers 0 --compare_results_json run.json --json                                # the run, predicted
+    python bench/blocks.py --model_config flux1-schnell --precomputed --activation_checkpointing --fsdp shard_grad_op \\
+        --microbatch 64 --gpus 8 --measured_json results/h100-2026-11-26/blocks2.jsonl           # again, no GPU
     python bench/blocks.py --model_config sdxl-base --precomputed --precomputed_format text_states --use_ema \\
         --activation_checkpointing --global_batch 64 --microbatch 32 --gpus 1 --count_memory            # each part's memory
 
@@ -32,11 +34,13 @@ The step of the full model, per GPU of `G`, per-GPU batch `B/G` in microbatches 
 
     compute = (B/G / m) x (rest + sum over blocks of count x block)
               + params per GPU x (AdamW + EMA [+ weight casts, one GPU]) + harness
-    traffic = the bytes the memory model's sharding implies per GPU per step (ring collectives, each GPU
-              sending (G-1)/G of the buffer): DDP one fp32 all-reduce of the gradients (2x); FSDP
-              full_shard per microbatch two all-gathers of the weights in the autocast dtype (forward,
-              backward) and one fp32 reduce-scatter of the gradients; shard_grad_op one all-gather and
-              one reduce-scatter per microbatch (Composer 0.32.1 reduce-scatters every microbatch)
+    traffic = the bytes the run sends per GPU per step (ring collectives, each GPU sending (G-1)/G of
+              the buffer): DDP one fp32 all-reduce of the gradients per step (2x); under Composer
+              0.32.1's FSDP2 every microbatch gathers the weights again and reduce-scatters its
+              gradients in fp32: full_shard two all-gathers of the weights in the autocast dtype
+              (forward, backward; the root unit's one), shard_grad_op one (kept from forward to
+              backward). One microbatch
+              per step (microbatch = per-GPU batch) sends each once: the Flux.1 set-up of docs/flux.md
     predicted samples/s per GPU = (B/G) / (compute + traffic / --link_gbps)   (not overlapped; the JSON's)
                                 = (B/G) / max(compute, traffic / --link_gbps)  (fully overlapped)
 
@@ -45,7 +49,11 @@ a multi-node figure takes the slower inter-node rate. The prediction is labelled
 assumes a node of the device it ran on and times nothing of a node (no collective, no straggler).
 `--compare_results_json` reads a benchmark.py run of the same set-up (refused, before any timing,
 when any setting that changes the step differs, or its device is not this one) and prints the ratio
-of the prediction for its device count to its measured images/s per device. `--count_memory` times
+of the prediction for its device count to its measured images/s per device. `--measured_json FILE` times
+nothing: it reads a line blocks.py wrote with `--json` (a .jsonl, or a log ending in it), the first
+whose measured settings are this run's, and predicts again from its times for other `--gpus`,
+`--fsdp`, `--global_batch` or `--link_gbps`, on any machine; a `--microbatch` that is a whole multiple
+of the measured one scales its times (per-image time held). `--count_memory` times
 nothing: it counts each part's memory on the meta device for a CUDA GPU (t2ibench.memory) beside a
 one-GPU run's fixed bytes. `--json` ends with one line: the measured times, the composition and
 `predicted` (a list of {gpus, samples_per_sec_per_gpu}).
@@ -887,7 +895,8 @@ def harness_seconds_per_step(args: argparse.Namespace, per_device_batch: int) ->
     return summary["measured_seconds"] / summary["measured_batches"]
 
 
-def traffic_bytes_per_gpu(mode: str, gpus: int, params: int, precision: str) -> tuple[float, float]:
+def traffic_bytes_per_gpu(mode: str, gpus: int, params: int, root_params: int, precision: str
+                          ) -> tuple[float, float]:
     """Bytes each GPU sends for the sharding `mode`, (once per step, per microbatch), as the run sends
     them (ring collectives: (G-1)/G of the buffer, twice for an all-reduce; weights gathered in the
     autocast dtype, gradients reduced in fp32, Composer's FSDP2 mixed precision).
@@ -896,19 +905,21 @@ def traffic_bytes_per_gpu(mode: str, gpus: int, params: int, precision: str) -> 
     is DDP's only; FSDP2's `set_requires_gradient_sync` is never called) and lets FSDP2 reshard after
     each backward (its default), so every microbatch gathers the weights again and reduce-scatters
     its gradients: full_shard gathers each block for its forward and again for its backward (with
-    checkpointing too: the recompute runs inside the backward's gather), shard_grad_op once for
-    both. DDP all-reduces once per step (Composer syncs on the last microbatch only)."""
+    checkpointing too: the recompute runs inside the backward's gather) and the root unit
+    (`root_params`: what no block holds, which FSDP2 keeps from the root's forward to its backward)
+    once, shard_grad_op every unit once. DDP all-reduces once per step (Composer syncs on the last
+    microbatch only). tests/test_blocks.py counts what two CPU ranks send (tests/traffic_run.py)."""
     if gpus == 1:
         return 0.0, 0.0
     share, weight_bytes = (gpus - 1) / gpus, 4 if precision == "fp32" else 2
     if mode == "none":
         return 2 * share * 4 * params, 0.0
-    gathers = 2 if mode == "full_shard" else 1
-    return 0.0, share * (gathers * weight_bytes * params + 4 * params)
+    gathered = 2 * params - root_params if mode == "full_shard" else params
+    return 0.0, share * (weight_bytes * gathered + 4 * params)
 
 
 def compose(args: argparse.Namespace, measured: dict[str, dict], updates: dict[str, float],
-            harness_per_image: float, params: int) -> list[dict[str, Any]]:
+            harness_per_image: float, params: int, root_params: int) -> list[dict[str, Any]]:
     """The predicted step and samples/s per GPU for each --gpus."""
     rows = []
     for gpus in args.gpus:
@@ -921,7 +932,7 @@ def compose(args: argparse.Namespace, measured: dict[str, dict], updates: dict[s
         casts = params * updates["weight_casts_seconds_per_param"] if setup.weight_casts == "step" else 0.0
         harness = harness_per_image * per_gpu
         compute = accumulation * times["composed_microbatch_seconds"] + optimizer + casts + harness
-        once, per_microbatch = traffic_bytes_per_gpu(mode, gpus, params, args.precision)
+        once, per_microbatch = traffic_bytes_per_gpu(mode, gpus, params, root_params, args.precision)
         traffic = once + accumulation * per_microbatch
         comm = traffic / (args.link_gbps * 1e9)
         rows.append({"gpus": gpus, "fsdp": mode, "weights": setup.label, "weight_casts": setup.weight_casts,
@@ -1041,10 +1052,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             harness_per_image = harness_seconds_per_step(args, per_device) / per_device
             params = sum(p.numel() for p in meta_model(args, False).denoiser.parameters())
             device, warmup, repeats = device_name(args.device), args.warmup, args.repeats
-        predicted = compose(args, measured, updates, harness_per_image, params)
+        root_params = memory.fsdp_unit_params(args.model_config)["root"]
+        predicted = compose(args, measured, updates, harness_per_image, params, root_params)
         result = {
             **settings_of(args), "link_gbps": args.link_gbps, "device": device,
-            "warmup": warmup, "repeats": repeats, "denoiser_params": params,
+            "warmup": warmup, "repeats": repeats, "denoiser_params": params, "root_unit_params": root_params,
             "measured": measured, "per_parameter": updates,
             "harness_seconds_per_step": harness_per_image * per_device, "harness_per_device_batch": per_device,
             "measured_json": args.measured_json,
