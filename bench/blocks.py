@@ -236,10 +236,8 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
                                  "device_type": "cuda" if gpu_step else "cpu", "precision": precision,
                                  "text_format": text_format, "global_batch": global_batch, "microbatch": microbatch,
                                  "setups": setups})
-    if lines is not None:
-        args = argparse.Namespace(**{**vars(args), "saved": saved_measurement(args, lines)})
-    else:
-        args = argparse.Namespace(**{**vars(args), "saved": None})
+    # A saved line stands for the resolved settings only, so it is chosen once they are.
+    args = argparse.Namespace(**{**vars(args), "saved": saved_measurement(args, lines) if lines else None})
     # The compared run is checked against the resolved settings, so it is added to them last.
     return argparse.Namespace(**{**vars(args), "compared": compared_run(args) if args.compare_results_json else None})
 
