@@ -411,6 +411,12 @@ def train(settings: Settings, run: Runtime, trainer: Trainer, built: Model, meas
         "weight_casts": run.weight_casts,
         "cpu_threads": run.cpu_threads.threads if run.cpu_threads else None,
         "cpu_threads_rule": run.cpu_threads.rule if run.cpu_threads else None,
+        # The CUDA caching allocator's setting and whose it is (t2ibench.allocator), and how often it
+        # freed its cached memory and retried an allocation the device refused (memory_stats'
+        # num_alloc_retries; the memory model's reserve is for none): rank 0's.
+        "cuda_allocator_conf": run.allocator.conf if run.allocator else None,
+        "cuda_allocator_conf_source": run.allocator.source if run.allocator else None,
+        "cuda_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if run.on_gpu else None,
         **(measured.profile.summary if measured.profile else {}),
         "fp8": settings.fp8,
         "fp8_conversion": built.float8.summary() if built.float8 else None,
