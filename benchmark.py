@@ -35,6 +35,7 @@ from t2ibench.callbacks.nonfinite_loss import NonFiniteLossError, StopOnNonFinit
 from t2ibench.callbacks.profile import ProfileBatches
 from t2ibench.callbacks.progress import ConsoleProgress
 from t2ibench.callbacks.resume_rng import RestoreRngOnStreamingResume
+from t2ibench.callbacks.resume_threads import KeepCpuThreadsOnResume
 from t2ibench.callbacks.run_record import RunRecord
 from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
@@ -259,6 +260,8 @@ class Measured:
     loss_by_timestep: LossByTimestep | None
     ema: Callback | None  # ema.EMA (an Algorithm)
     grad_norm: GradientNorm  # the last step's gradient norm before clipping (an Algorithm, which also clips)
+    # A CPU run's intra-op threads (None on a GPU): the runtime's choice, or the count of the run it resumes.
+    cpu_threads: KeepCpuThreadsOnResume
     validation: ValidationLog | None = None
     profile: ProfileBatches | None = None
 
@@ -288,7 +291,8 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
     measured = Measured(Throughput(settings.warmup_batches + settings.profile_batches, flops["total"], peak_flops, pauses,
                                    trained_flops),
                         LossByTimestep(settings.log_interval) if settings.loss_bins else None, None,
-                        GradientNorm(clip_norm=settings.grad_clip_norm))
+                        GradientNorm(clip_norm=settings.grad_clip_norm),
+                        KeepCpuThreadsOnResume(run.cpu_threads, dist.get_local_world_size()))
     if settings.profile_batches:
         measured.profile = ProfileBatches(settings.warmup_batches, settings.profile_batches, settings.profile_dir,
                                           settings.batch_size, pauses)
@@ -320,7 +324,8 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
                  RunRecord({"model_config": settings.model_config, "model_name": settings.model_name,
                             "encoders_seed": settings.encoders_seed,
                             "image_size": settings.image_size, "precomputed": settings.precomputed}),
-                 ConsoleProgress(settings.log_interval, validation=measured.validation), restore_rng]
+                 ConsoleProgress(settings.log_interval, validation=measured.validation), restore_rng,
+                 measured.cpu_threads]
     if measured.validation:
         callbacks.append(measured.validation)
     if measured.loss_by_timestep:
@@ -370,6 +375,7 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
 def train(settings: Settings, run: Runtime, trainer: Trainer, built: Model, measured: Measured) -> dict:
     """Fit (unless a retried job finds its run complete); the results."""
     encoders = built.encoders
+    threads = measured.cpu_threads.threads  # after the checkpoint's load: a resumed run's may be the saved one's
     trained_before = int(trainer.state.timestamp.batch)
     if not run_already_complete(trainer):
         trainer.fit()
@@ -409,8 +415,14 @@ def train(settings: Settings, run: Runtime, trainer: Trainer, built: Model, meas
         "activation_checkpointing": run.activation_checkpointing,
         "activation_checkpointing_reason": run.activation_checkpointing_reason,
         "weight_casts": run.weight_casts,
-        "cpu_threads": run.cpu_threads.threads if run.cpu_threads else None,
-        "cpu_threads_rule": run.cpu_threads.rule if run.cpu_threads else None,
+        "cpu_threads": threads.threads if threads else None,
+        "cpu_threads_rule": threads.rule if threads else None,
+        # The CUDA caching allocator's setting and whose it is (t2ibench.allocator), and how often it
+        # freed its cached memory and retried an allocation the device refused (memory_stats'
+        # num_alloc_retries; the memory model's reserve is for none): rank 0's.
+        "cuda_allocator_conf": run.allocator.conf if run.allocator else None,
+        "cuda_allocator_conf_source": run.allocator.source if run.allocator else None,
+        "cuda_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if run.on_gpu else None,
         **(measured.profile.summary if measured.profile else {}),
         "fp8": settings.fp8,
         "fp8_conversion": built.float8.summary() if built.float8 else None,

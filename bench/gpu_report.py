@@ -626,7 +626,7 @@ def earlier_cells(outcome: Outcome, earlier: list[Earlier]) -> tuple[str, str]:
 
 def run_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:
     by_name = {o.name: o for o in outcomes}
-    lines = ["| row | set-up | status | images/s | MFU | peak memory GiB | counted GiB | compile s "
+    lines = ["| row | set-up | status | images/s | MFU | peak GiB allocated / reserved | counted GiB | compile s "
              "| in this report | earlier, same set-up and device | ratio |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for outcome in outcomes:
@@ -634,7 +634,8 @@ def run_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:
         r = outcome.result or {}
         setup = outcome.what + (f"; ran {r['model_config']} at {r['image_size']}, microbatch "
                                 f"{r['device_train_microbatch_size']}, global batch {r['global_batch_size']}, "
-                                f"checkpointing {'on' if r.get('activation_checkpointing') else 'off'}" if r else "")
+                                f"checkpointing {'on' if r.get('activation_checkpointing') else 'off'}"
+                                + allocator_words(r) if r else "")
         if not outcome.ok:
             lines.append(f"| {outcome.name} | {setup} | {outcome.status} | | | | | | | | |")
             continue
@@ -642,10 +643,20 @@ def run_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:
         counted = (r.get("memory_model") or {}).get("predicted_bytes_at_microbatch")
         earlier_cell, ratio = earlier_cells(outcome, earlier)
         lines.append(f"| {outcome.name} | {setup}{''.join(f'; {n}' for n in outcome.notes)} | ok "
-                     f"| {r['images_per_sec']:.1f} | {mfu} | {gib(r.get('peak_memory_bytes'))} | {gib(counted)} "
+                     f"| {r['images_per_sec']:.1f} | {mfu} | {gib(r.get('peak_memory_bytes'))} / "
+                     f"{gib(r.get('peak_memory_reserved_bytes'))} | {gib(counted)} "
                      f"| {seconds(r.get('compile_seconds'))} | {versus(outcome, by_name, row)} | {earlier_cell} "
                      f"| {ratio} |")
     return lines
+
+
+def allocator_words(r: dict) -> str:
+    """A run's CUDA allocator setting and its retries (what the memory model's reserve assumes none
+    of: docs/speed.md, "The allocator's setting"); nothing for results without them."""
+    if r.get("cuda_allocator_conf") is None:
+        return ""
+    return (f", allocator {r['cuda_allocator_conf'] or 'torch defaults'} ({r['cuda_allocator_conf_source']}), "
+            f"{r.get('cuda_alloc_retries')} allocation retries")
 
 
 def blocks_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:

@@ -397,7 +397,9 @@ def main(argv: list[str] | None = None) -> dict | list | str:
     for name, nbytes in result["fixed_bytes_breakdown"].items():
         print(f"  {name:<19} {g(nbytes):7.2f} GiB")
     print(f"  CUDA context        {g(result['cuda_context_bytes']):7.2f} GiB, allocator reserve "
-          f"{100 * result['allocator_reserve_fraction']:.0f}% of what tensors hold")
+          f"{100 * result['allocator_reserve_fraction']:.0f}% of what tensors hold ("
+          f"{'expandable segments' if result['expandable_segments'] else 'torch default allocator'}, "
+          "as a run from this environment sets it)")
     print(f"  fixed per GPU       {g(result['fixed_bytes']):7.2f} GiB")
     if result["microbatch"]:
         print(f"  microbatch          {result['microbatch']} (needs "

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from t2ibench.files import no_room
 
+CALLBACKS_A_CHECKPOINT_MAY_LACK = ("KeepCpuThreadsOnResume",)  # see `layout`
+
 LATEST = "latest-rank0.pt"  # Composer's symlink to the newest checkpoint of rank 0
 SAVED = re.compile(r"ep(\d+)-ba(\d+)-rank0\.pt")  # Composer's default checkpoint names, rank 0
 
@@ -111,11 +113,15 @@ def layout(path: str | os.PathLike) -> dict:
             continue
         algorithms[name] = {key: shapes(value) if key == "shadow" else type(value).__name__
                             for key, value in sorted(algorithm_state.items())}
+    # Callbacks whose state a checkpoint may lack: Composer warns and loads, and the callback keeps this
+    # run's own value (callbacks.resume_threads, since issue 36: the CPU thread count).
+    callbacks = {name: value for name, value in state["callbacks"].items()
+                 if name not in CALLBACKS_A_CHECKPOINT_MAY_LACK}
     return {"model": shapes(state["model"]),
             "optimizers": {name: sorted(optimizer["state"]) for name, optimizer in sorted(state["optimizers"].items())},
             "algorithms": algorithms,
             "callbacks": {name: sorted(value) if isinstance(value, dict) else type(value).__name__
-                          for name, value in sorted(state["callbacks"].items())}}
+                          for name, value in sorted(callbacks.items())}}
 
 
 def layout_digests(full: dict) -> dict[str, str]:

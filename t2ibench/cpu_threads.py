@@ -1,6 +1,7 @@
 """Intra-op threads for a training run on the CPU: the cores this process may use, shared among the
 ranks of this node, less the cores other programs keep busy and one per loader worker; the user's
-OMP_NUM_THREADS (or a count set in-process) wins. Measured: docs/speed.md, "CPU threads"."""
+OMP_NUM_THREADS (or a count set in-process) wins, and a run resuming from a checkpoint takes the
+count of the run it resumes (`resume`). Measured: docs/speed.md, "CPU threads"."""
 from __future__ import annotations
 
 import math
@@ -19,6 +20,7 @@ USER_THREADS_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch takes i
 # in-process by the caller (torch.set_num_threads), and is kept.
 THREADS_AT_IMPORT = torch.get_num_threads()
 _chosen: list[int] = []
+RESUMED = "as the run it resumes: "  # how a resumed run's rule begins, before the rule that first chose the count
 
 
 @dataclass(frozen=True)
@@ -113,3 +115,17 @@ def choose(num_workers: int, ranks_on_node: int) -> CpuThreads:
     _chosen.append(threads)
     shared = f" / {ranks_on_node} ranks" if ranks_on_node > 1 else ""
     return CpuThreads(threads, f"{cores} cores, {busy} busy elsewhere{shared}, {num_workers} loader workers")
+
+
+def resume(recorded: CpuThreads, ranks_on_node: int) -> CpuThreads | None:
+    """The count a run resuming from a checkpoint computes with: the count of the run that saved it,
+    `recorded`, set here. The thread count changes the order of a CPU op's partial sums, so the same
+    count keeps the resumed weights those of the uninterrupted run, whatever load the machine has now.
+    None (this run's count stays) where the user chose this run's count, or where `recorded` is more
+    than the cores this machine has for a rank (another machine: its own rule)."""
+    if user_choice() is not None or recorded.threads > max(1, usable_cores() // max(1, ranks_on_node)):
+        return None
+    torch.set_num_threads(recorded.threads)
+    _chosen.append(recorded.threads)
+    return CpuThreads(recorded.threads, recorded.rule if recorded.rule.startswith(RESUMED)
+                      else RESUMED + recorded.rule)

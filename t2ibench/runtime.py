@@ -9,7 +9,8 @@ from dataclasses import dataclass, replace
 import torch
 from composer.utils import dist, reproducibility
 
-from t2ibench import cpu_threads, memory
+from t2ibench import allocator, cpu_threads, memory
+from t2ibench.allocator import AllocatorSetting
 from t2ibench.cpu_threads import CpuThreads
 from t2ibench.families import ModelFamily
 from t2ibench.gpu_setup import choose_setup, from_flag
@@ -32,6 +33,7 @@ class Runtime:
     # by `with_counted_setup`, once the data says what precomputed batches carry)
     activation_checkpointing_reason: str  # which rule chose it: the flag, or `auto` and its figures
     cpu_threads: CpuThreads | None = None  # a CPU run's intra-op threads and why (None on a GPU)
+    allocator: AllocatorSetting | None = None  # the CUDA caching allocator's setting (None on a CPU)
 
     @property
     def is_rank_zero(self) -> bool:
@@ -43,6 +45,8 @@ class Runtime:
         files, seeds) and decide the precision and the microbatch (`auto` on several GPUs, and activation
         checkpointing `auto` on a GPU: see `with_counted_setup`)."""
         world_size = dist.get_world_size()
+        # Before the first CUDA allocation: expandable segments unless the user set the allocator's variable.
+        setting = allocator.configure()
         on_gpu = torch.cuda.is_available()
         # Composer's launcher leaves every CPU rank using all cores, and torch's default ignores the
         # loader workers and other programs' load: see cpu_threads.choose.
@@ -70,7 +74,7 @@ class Runtime:
         # On a GPU `auto` is decided with the microbatch (`with_counted_setup`); off until then.
         checkpointing, reason = from_flag(settings.activation_checkpointing)
         return cls(world_size, on_gpu, precision, precision if on_gpu else "fp32", per_device, microbatch,
-                   weight_casts, checkpointing, reason, threads)
+                   weight_casts, checkpointing, reason, threads, setting)
 
     def with_counted_setup(self, settings: Settings, text_format: str | None) -> Runtime:
         """This runtime with activation checkpointing `auto` on a GPU decided (`gpu_setup.choose_setup`,

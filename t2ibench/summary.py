@@ -4,6 +4,7 @@ float8 (`--fp8`) and the profile (`--profile_batches`)."""
 from __future__ import annotations
 
 from t2ibench import fp8
+from t2ibench.allocator import AllocatorSetting
 from t2ibench.callbacks.profile import format_profile
 
 
@@ -42,7 +43,7 @@ def print_summary(r: dict) -> None:
         f"{'on' if r['fused_adamw'] else 'off'}, norms {r['norm_precision'] or 'fp32'}"
         f"{', fp8 ' + r['fp8'] if r.get('fp8', 'off') != 'off' else ''}"
         f"{', channels-last' if r['channels_last'] else ''}{', xFormers' if r['xformers'] else ''}"
-        f"{cpu_threads(r)}\n"
+        f"{cpu_threads(r)}{allocator(r)}\n"
         f"throughput   {r['images_per_sec']:.2f} images/s ({r['images_per_sec_per_device']:.2f} per device) "
         f"over {r['measured_batches']} batches after {r['warmup_batches']} warm-up\n"
         f"MFU          {mfu} at {r['flops_per_image'] / 1e9:.1f} GFLOP/image{trained}\n"
@@ -72,3 +73,11 @@ def cpu_threads(r: dict) -> str:
     """The set-up line's words on a CPU run's intra-op threads (t2ibench.cpu_threads); results written
     before they were recorded have none."""
     return f", CPU threads {r['cpu_threads']} ({r['cpu_threads_rule']})" if r.get("cpu_threads") else ""
+
+
+def allocator(r: dict) -> str:
+    """The set-up line's words on a GPU run's CUDA allocator setting (t2ibench.allocator); CPU runs and
+    results written before it was recorded have none."""
+    if r.get("cuda_allocator_conf") is None:
+        return ""
+    return f", allocator {AllocatorSetting(r['cuda_allocator_conf'], r['cuda_allocator_conf_source']).describe()}"

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from composer.core import Callback
 
 from t2ibench import cpu_threads
 from t2ibench.families import MODEL_CONFIGS
@@ -86,6 +87,59 @@ def test_cpu_threads_leave_a_core_per_loader_worker_and_keep_the_users_count(tmp
     r = json.loads(out.read_text())
     assert (r["cpu_threads"], r["cpu_threads_rule"]) == (1, "OMP_NUM_THREADS=1, the user's")
     assert "CPU threads 1 (OMP_NUM_THREADS=1, the user's)" in result.stdout
+
+
+def test_a_resumed_cpu_run_takes_the_thread_count_of_the_run_it_resumes(tmp_path, monkeypatch):
+    import benchmark
+
+    for variable in cpu_threads.USER_THREADS_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    cores = cpu_threads.usable_cores()
+    if cores < 2:
+        pytest.skip("needs two cores for two different counts")
+    before = torch.get_num_threads()
+    seen: list[int] = []
+
+    class RecordThreads(Callback):  # the count the steps compute with, after the checkpoint's load
+        def batch_start(self, state, logger) -> None:
+            seen.append(torch.get_num_threads())
+
+    flags = [*TINY_SYNTH, "--warmup_batches", "0", "--save_folder", str(tmp_path / "run"), "--save_interval", "1ba",
+             "--run_name", "threads", "--autoresume"]
+    try:
+        # The first run finds every core but one busy elsewhere: 1 thread.
+        monkeypatch.setattr(cpu_threads, "cores_busy_elsewhere", lambda: cores - 1)
+        first = benchmark.main([*flags, "--max_duration", "1ba"], extra_callbacks=[RecordThreads()])
+        assert (first["cpu_threads"], seen) == (1, [1])
+        assert first["cpu_threads_rule"] == f"{cores} cores, {cores - 1} busy elsewhere, 0 loader workers"
+        # Resumed on an idle machine, where the rule alone would take every core: the saved count.
+        monkeypatch.setattr(cpu_threads, "cores_busy_elsewhere", lambda: 0)
+        resumed = benchmark.main([*flags, "--max_duration", "2ba"], extra_callbacks=[RecordThreads()])
+        assert (resumed["cpu_threads"], seen) == (1, [1, 1])
+        assert resumed["cpu_threads_rule"] == "as the run it resumes: " + first["cpu_threads_rule"]
+        # A fresh run on the idle machine takes the rule's count.
+        fresh = benchmark.main([*TINY_2BA], extra_callbacks=[RecordThreads()])
+        assert fresh["cpu_threads"] == cores == seen[-1]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_resuming_keeps_the_saved_count_unless_the_user_chose_or_the_machine_has_fewer_cores(monkeypatch):
+    for variable in cpu_threads.USER_THREADS_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    before = torch.get_num_threads()
+    saved = cpu_threads.CpuThreads(1, "8 cores, 7 busy elsewhere, 0 loader workers")
+    try:
+        resumed = cpu_threads.resume(saved, 1)
+        assert resumed == cpu_threads.CpuThreads(1, "as the run it resumes: " + saved.rule)
+        assert torch.get_num_threads() == 1
+        assert cpu_threads.resume(resumed, 1) == resumed  # resumed again: the rule is not prefixed twice
+        # A count saved on a machine with more cores than this one has for a rank: this run's rule stays.
+        assert cpu_threads.resume(cpu_threads.CpuThreads(cpu_threads.usable_cores() + 1, "elsewhere"), 1) is None
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert cpu_threads.resume(saved, 1) is None  # the user's count wins
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.multirank

@@ -156,9 +156,10 @@ def test_defaults_on_an_80gb_h100_checkpoint_sdxl_and_not_sd2_or_flux():
     # bench scripts do: the issue's targets and the set-up keys of both scripts' --json.
     sdxl = _last_json(["bench/step_ops.py", "--model_config", "sdxl-base", "--precomputed", "--precomputed_format",
                        "text_states", "--json"])
-    # 16, not the 32 the H100 ran with bf16 gradient sums: fp32 sums count 83.2 GiB at 32 (docs/speed.md).
-    assert (sdxl["activation_checkpointing"], sdxl["microbatch"], sdxl["weight_casts"]) == (True, 16, "step")
-    assert sdxl["activation_checkpointing_reason"].startswith("auto: microbatch 16 with it is predicted")
+    # 32, as the H100 ran: with fp32 gradient sums it fits through the allocator's expandable segments
+    # (78.7 GiB counted with their 4% reserve, 83.2 with torch's default allocator's 10%: docs/speed.md).
+    assert (sdxl["activation_checkpointing"], sdxl["microbatch"], sdxl["weight_casts"]) == (True, 32, "step")
+    assert sdxl["activation_checkpointing_reason"].startswith("auto: microbatch 32 with it is predicted")
     sd2 = _last_json(["bench/memory.py", "--model_config", "sd2-base", "--image_size", "512", "--precomputed",
                       "--num_gpus", "1", "--per_device_batch", "2048", "--json"])
     assert (sd2["activation_checkpointing"], sd2["microbatch"], sd2["weight_casts"]) == (False, 32, "step")

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from t2ibench import allocator
 from t2ibench.families import family_of
 from t2ibench.memory.autocast import CUDA_AUTOCAST, autocast_dtype, probe_cpu_autocast
 from t2ibench.memory.step import COUNTED_MICROBATCHES, build_meta_step, count_step
@@ -23,8 +24,20 @@ GIB = 2**30
 # hundred MiB for 8 ranks on NVLink).
 CUDA_CONTEXT_BYTES = int(1.5 * GIB)
 # The caching allocator's reserve over what tensors hold (max_memory_reserved / max_memory_allocated
-# - 1): blocks rounded up and split, kept for reuse. 10% is a margin for a step with fixed shapes.
+# - 1), by its setting (t2ibench.allocator). torch's default: blocks rounded up and split, and whole
+# segments cached for sizes no later request fits, which cannot go back to the device while one block
+# in them lives. 10% is a margin for a step with fixed shapes (H100, 2026-11-25/26: 1.4-2.3% for
+# SD2 precomputed and SDXL without checkpointing, 6.1-6.5% for SDXL with it; SD2 online, whose VAE
+# allocates other sizes than the UNet, 11-16%).
 ALLOCATOR_RESERVE_FRACTION = 0.10
+# With expandable segments (the default on CUDA, t2ibench.allocator): one segment per stream grows in
+# 20 MiB pages (2 MiB for allocations under 1 MiB), and before it reports out of memory the allocator
+# unmaps every free page and retries, so a free hole costs no device memory at the limit. What stays
+# is what the steps above without recomputation or a second set of shapes showed (1.4-2.3%: blocks
+# rounded and split, part-used pages). 4% is the largest of those with three quarters again as margin;
+# it is not measured with the setting on a GPU: bench/gpu_report.py records allocated, reserved and
+# the allocator's retries of each row to check it (docs/speed.md, "The allocator's setting").
+EXPANDABLE_SEGMENTS_RESERVE_FRACTION = 0.04
 # torch.cuda.get_device_properties(0).total_memory of common GPUs, GiB: what `auto` compares with.
 GPU_MEMORY_GIB = {"A100 40GB": 39.4, "A100 80GB": 79.1, "H100 80GB": 79.1, "H200 141GB": 139.8}
 MAX_MICROBATCH = 1024
@@ -195,15 +208,20 @@ def fixed_bytes(model_config: str, *, precision: str = "amp_bf16", precomputed: 
     }
 
 
+def reserve_fraction(expandable_segments: bool) -> float:
+    """The allocator reserve the plan counts for the allocator's setting."""
+    return EXPANDABLE_SEGMENTS_RESERVE_FRACTION if expandable_segments else ALLOCATOR_RESERVE_FRACTION
+
+
 def largest_microbatch(fixed_total_bytes: float, activations: ActivationModel, gpu_memory_bytes: float,
-                       per_device_batch: int | None = None) -> int:
+                       per_device_batch: int | None = None, reserve: float = ALLOCATOR_RESERVE_FRACTION) -> int:
     """Largest power of two b (dividing `per_device_batch` when given) with
-    (fixed + peak(b)) * (1 + ALLOCATOR_RESERVE_FRACTION) + CUDA_CONTEXT_BYTES <= gpu memory; 0 if none."""
+    (fixed + peak(b)) * (1 + reserve) + CUDA_CONTEXT_BYTES <= gpu memory; 0 if none."""
     best, size = 0, 1
     limit = per_device_batch or MAX_MICROBATCH
     while size <= limit:
         tensors = fixed_total_bytes + activations.peak_bytes(size)
-        need = tensors * (1 + ALLOCATOR_RESERVE_FRACTION) + CUDA_CONTEXT_BYTES
+        need = tensors * (1 + reserve) + CUDA_CONTEXT_BYTES
         if need > gpu_memory_bytes:
             break
         if per_device_batch is None or per_device_batch % size == 0:
@@ -223,12 +241,16 @@ def plan(model_config: str = "sd2-base", image_size: int | None = None, gpu_memo
          precision: str = "amp_bf16", norm_precision: str = "autocast", precomputed: bool = False,
          precomputed_format: str | None = None, use_ema: bool = True, fsdp: str = "none", num_gpus: int = 8,
          bucket_view: bool = False, per_device_batch: int | None = None,
-         activation_checkpointing: bool = False, weight_casts: str = "microbatch", fp8: str = "off"
-         ) -> dict[str, Any]:
+         activation_checkpointing: bool = False, weight_casts: str = "microbatch", fp8: str = "off",
+         expandable_segments: bool | None = None) -> dict[str, Any]:
     """The memory of a training step per GPU and the largest microbatch that fits, as a JSON-able dict.
 
     `image_size` None: the family's training resolution (`ModelFamily.default_image_size`);
-    `precomputed_format` None: the family's (`precomputed.default_format`)."""
+    `precomputed_format` None: the family's (`precomputed.default_format`); `expandable_segments`
+    None: the allocator setting a run started from this environment uses (`allocator.planned`)."""
+    if expandable_segments is None:
+        expandable_segments = allocator.planned().expandable_segments
+    reserve = reserve_fraction(expandable_segments)
     if fsdp not in FSDP_MODES:
         raise ValueError(f"fsdp must be one of {FSDP_MODES}, not {fsdp!r}")
     family = family_of(model_config)
@@ -252,10 +274,10 @@ def plan(model_config: str = "sd2-base", image_size: int | None = None, gpu_memo
     activations_without_casts = dataclasses.replace(
         activations, saved_per_microbatch=activations.saved_per_microbatch - activations.weight_cast_bytes,
         peak_per_microbatch=activations.peak_per_microbatch - activations.weight_cast_bytes)
-    microbatch = largest_microbatch(tensors, activations_without_casts, gpu_memory_bytes, per_device_batch)
-    if step_end * (1 + ALLOCATOR_RESERVE_FRACTION) + CUDA_CONTEXT_BYTES > gpu_memory_bytes:
+    microbatch = largest_microbatch(tensors, activations_without_casts, gpu_memory_bytes, per_device_batch, reserve)
+    if step_end * (1 + reserve) + CUDA_CONTEXT_BYTES > gpu_memory_bytes:
         microbatch = 0
-    fixed = tensors * (1 + ALLOCATOR_RESERVE_FRACTION) + CUDA_CONTEXT_BYTES
+    fixed = tensors * (1 + reserve) + CUDA_CONTEXT_BYTES
     result = {
         "model_config": model_config, "family": family.name, "image_size": image_size, "precision": precision,
         "norm_precision": norm_precision, "precomputed": precomputed, "precomputed_format": text_format,
@@ -269,7 +291,8 @@ def plan(model_config: str = "sd2-base", image_size: int | None = None, gpu_memo
         "fixed_tensor_bytes": int(tensors),
         "fixed_bytes_breakdown": {k: int(v) for k, v in parts.items()},
         "cuda_context_bytes": CUDA_CONTEXT_BYTES,
-        "allocator_reserve_fraction": ALLOCATOR_RESERVE_FRACTION,
+        "expandable_segments": expandable_segments,
+        "allocator_reserve_fraction": reserve,
         "fixed_bytes": int(fixed),
         "step_end_bytes": int(step_end),
         "microbatch": microbatch,
