@@ -93,4 +93,28 @@ def test_pauses_recorded_inside_the_window_are_left_out():
             callbacks=[throughput, Pause()], optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
             progress_bar=False).fit()
     assert throughput.summary["measured_seconds"] < 0.9  # the 1 s pause at batch 6 is not training time
-    assert pauses.seconds_since(0.0) >= 2.0  # both pauses were recorded
+    assert pauses.seconds_within(0.0, time.perf_counter()) >= 2.0  # both pauses were recorded
+
+
+def test_a_pause_after_the_last_batch_is_not_taken_from_the_window():
+    # Composer evaluates at the end of training after the last batch's BATCH_END, where the window
+    # closes: that evaluation's seconds are outside the window and must not shorten it (they once made
+    # images/s negative when the evaluation outlasted a short window).
+    from composer.core import Callback
+
+    pauses = Pauses()
+
+    class PauseAtTheEnd(Callback):
+        def batch_end(self, state, logger):
+            if int(state.timestamp.batch) == 6:
+                start = time.perf_counter()
+                time.sleep(0.5)
+                pauses.record(start, time.perf_counter() - start)
+
+    throughput = Throughput(warmup_batches=2, pauses=pauses)
+    model = ComposerClassifier(torch.nn.Linear(8, 2), num_classes=2)
+    Trainer(model=model, train_dataloader=SlowLoader(6, slow_batches=0, slow_s=0.0), max_duration="6ba",
+            callbacks=[throughput, PauseAtTheEnd()], optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            progress_bar=False).fit()
+    assert 0.0 < throughput.summary["measured_seconds"] < 0.4
+    assert throughput.summary["images_per_sec"] > 0

@@ -29,9 +29,14 @@ class Pauses:
     def record(self, start: float, seconds: float) -> None:
         self.intervals.append((start, seconds))
 
-    def seconds_since(self, start: float) -> float:
-        """Seconds of the pauses that began at or after `start` (a perf_counter reading)."""
-        return sum(seconds for began, seconds in self.intervals if began >= start)
+    def seconds_within(self, start: float, end: float) -> float:
+        """Seconds of the pauses that fall between `start` and `end` (perf_counter readings).
+
+        Only the part inside the window counts: an evaluation that Composer runs after the window's
+        last batch (at the end of training) must not shorten the window, or images/s comes out too
+        high, or negative when the pause is longer than the window.
+        """
+        return sum(max(0.0, min(began + seconds, end) - max(began, start)) for began, seconds in self.intervals)
 
 
 def peak_memory_bytes() -> dict[str, Any]:
@@ -220,7 +225,7 @@ class Throughput(Callback):
         warmup = self.warmup_batches if num_batches > self.warmup_batches else min(1, num_batches - 1)
         start = self._batch_times[warmup - 1] if warmup > 0 else self._fit_start
         seconds = self._batch_times[-1] - start
-        seconds -= self.pauses.seconds_since(start)  # sampling inside the window is not training time
+        seconds -= self.pauses.seconds_within(start, self._batch_times[-1])  # pauses in it are not training
         samples = self._samples_seen[-1] - (self._samples_seen[warmup - 1] if warmup > 0 else self._fit_start_samples)
         world_size = dist.get_world_size()
         images_per_sec = samples / seconds

@@ -70,8 +70,9 @@ class ValidationLog(Callback):
 
     def training_seconds(self) -> float:
         """Seconds of this job's fit so far, evaluations and sample grids left out, plus earlier jobs'."""
-        elapsed = time.perf_counter() - self._fit_start if self._fit_start else 0.0
-        return self._trained_before + elapsed - self.pauses.seconds_since(self._fit_start)
+        now = time.perf_counter()
+        elapsed = now - self._fit_start if self._fit_start else 0.0
+        return self._trained_before + elapsed - self.pauses.seconds_within(self._fit_start, now)
 
     def summary(self) -> dict[str, Any]:
         """What the results JSON keeps: the last loss, the history, the target and when it was reached."""
