@@ -101,6 +101,7 @@ def check_run(settings: Settings, world_size: int) -> int | str:
     if settings.ema_export_dir and not settings.use_ema:
         fail("--ema_export_dir needs --use_ema")
     fp8.check(settings.fp8, settings.precision)
+    fp8.check_compiled(settings.fp8, settings.compile)
     too_many = check_workers("--num_workers", settings.num_workers, dist.get_local_world_size())
     if too_many:
         fail(too_many)
