@@ -16,6 +16,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from diffusers import AutoencoderKL, Transformer2DModel
 from diffusers.models.attention import BasicTransformerBlock
+from diffusers.models.autoencoders.vae import Encoder
 from diffusers.models.resnet import ResnetBlock2D
 from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
@@ -269,9 +270,12 @@ class ModelFamily(ABC):
         """
         return [*denoiser.down_blocks, denoiser.mid_block, *denoiser.up_blocks]
 
-    # The repeated blocks `--compile` compiles one at a time (`compile_blocks`), in any part a step
-    # runs: the UNet's and the VAE encoder's resnets, the UNet's transformer blocks, CLIP's layers.
-    compile_block_classes: ClassVar[tuple[type, ...]] = (ResnetBlock2D, BasicTransformerBlock, CLIPEncoderLayer)
+    # The blocks `--compile` compiles one at a time (`compile_blocks`), in any part a step runs: the
+    # UNet's resnets and transformer blocks, CLIP's layers, and the VAE encoder whole (a forward of
+    # about 140 ops whose 10 resnets have 8 distinct shapes: as blocks they would need 8 graphs and
+    # leave 40% of its ops eager; `bench/compile_graphs.py`).
+    compile_block_classes: ClassVar[tuple[type, ...]] = (ResnetBlock2D, BasicTransformerBlock, CLIPEncoderLayer,
+                                                         Encoder)
 
     def compile_blocks(self, module: torch.nn.Module) -> list[torch.nn.Module]:
         """The blocks of `module` (the denoiser, the VAE encoder or a text encoder) that `--compile`

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from diffusers.models.resnet import ResnetBlock2D
+from diffusers.models.autoencoders.vae import Encoder
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 from transformers import ByT5Tokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 from transformers.models.clip.modeling_clip import CLIPEncoderLayer
@@ -220,10 +220,9 @@ class Flux(ModelFamily):
         "xformers": "xFormers' attention processor has no rotary embedding; the transformer uses PyTorch SDPA",
     }
     precomputes_text_states = True  # MLPerf's set-up: T5 and CLIP outputs stored, no encoder in the step
-    # --compile: the double- and single-stream blocks (its FSDP units too), the VAE encoder's resnets,
-    # CLIP's and T5's layers.
-    compile_block_classes = (FluxTransformerBlock, FluxSingleTransformerBlock, ResnetBlock2D, CLIPEncoderLayer,
-                             T5Block)
+    # --compile: the double- and single-stream blocks (its FSDP units too), CLIP's and T5's layers, the
+    # VAE encoder whole (as SD2's: `ModelFamily.compile_block_classes`).
+    compile_block_classes = (FluxTransformerBlock, FluxSingleTransformerBlock, CLIPEncoderLayer, T5Block, Encoder)
 
     # -- building --------------------------------------------------------------------------------
     def default_image_size(self, config: str) -> int:
