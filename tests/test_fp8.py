@@ -1,6 +1,9 @@
-"""--fp8 (t2ibench.fp8): flux1-tiny trains in emulated float8 to the loss of the same run without it, rowwise
-runs too, a GPU without float8 tensor cores and fp16 are refused in one line before anything is built,
-and the memory model counts what float8 keeps for backward."""
+"""--fp8 (t2ibench.fp8): flux1-tiny trains in emulated float8, compiled, to the loss of the same run without
+it, rowwise runs too, a run without --compile, a GPU without float8 tensor cores and fp16 are refused in one
+line before anything is built, and the memory model counts what float8 keeps for backward.
+
+The float8 runs compile with dynamo and AOT autograd but not inductor (backend aot_eager, as
+tests/test_compile.py): the converted layers run inside the blocks' graphs, as under inductor."""
 from __future__ import annotations
 
 import pytest
@@ -31,9 +34,9 @@ def run(argv: list[str]) -> tuple[dict, list[float]]:
     return results, losses.values
 
 
-def test_fp8_tensorwise_trains_flux_tiny_to_the_loss_of_the_same_run_without_it():
+def test_fp8_tensorwise_trains_flux_tiny_to_the_loss_of_the_same_run_without_it(aot_eager):
     plain, plain_losses = run(["--max_duration", "30ba"])
-    float8, float8_losses = run(["--max_duration", "30ba", "--fp8", "tensorwise"])
+    float8, float8_losses = run(["--max_duration", "30ba", "--fp8", "tensorwise", "--compile"])
     assert len(plain_losses) == len(float8_losses) == 30
     # The run learns (the comparison means something), and float8 ends within 10% of it.
     assert plain["final_loss"] < 0.92 * plain_losses[0]
@@ -45,10 +48,11 @@ def test_fp8_tensorwise_trains_flux_tiny_to_the_loss_of_the_same_run_without_it(
     assert float8_losses != plain_losses
     assert 0 < float8["flops_per_image_breakdown"]["fp8_fwd_bwd"] < float8["flops_per_image"]
     assert plain["fp8"] == "off" and plain["fp8_conversion"] is None
+    assert float8["compile"] and float8["compiled_graphs"] == 3  # the blocks with their float8 layers
 
 
-def test_fp8_rowwise_runs_and_the_summary_says_it_is_emulated(capsys):
-    results, losses = run(["--max_duration", "3ba", "--fp8", "rowwise"])
+def test_fp8_rowwise_runs_and_the_summary_says_it_is_emulated(capsys, aot_eager):
+    results, losses = run(["--max_duration", "3ba", "--fp8", "rowwise", "--compile"])
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert results["fp8_conversion"]["mode"] == "rowwise"
     assert "float8       rowwise: 47 of 60 Linear layers" in capsys.readouterr().out
@@ -78,10 +82,18 @@ def test_fp8_refused_on_a_gpu_without_float8_tensor_cores(monkeypatch, capabilit
         fp8.check("tensorwise", "amp_bf16")
         return
     with pytest.raises(SystemExit) as exit_info:
-        benchmark.main(FLUX_TINY + ["--max_duration", "2ba", "--fp8", "tensorwise"])
+        benchmark.main(FLUX_TINY + ["--max_duration", "2ba", "--fp8", "tensorwise", "--compile"])
     message = str(exit_info.value.code)
     assert message.startswith("benchmark.py: error: --fp8 tensorwise: NVIDIA A100-SXM4-80GB (compute capability "
                               f"{capability[0]}.{capability[1]}) has no float8 tensor cores") and "\n" not in message
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+def test_fp8_without_compile_is_refused_in_one_line(mode):
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(FLUX_TINY + ["--max_duration", "2ba", "--fp8", mode])
+    message = str(exit_info.value.code)
+    assert message.startswith(f"benchmark.py: error: --fp8 {mode} needs --compile: eager float8") and "\n" not in message
 
 
 def test_fp8_with_fp16_is_refused_in_one_line():
