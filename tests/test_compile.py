@@ -25,15 +25,19 @@ from tests.helpers import TINY_2BA, Launch, bench_script, supervise, two_ranks
 COUNT = bench_script("compile_graphs")
 RUN = ["--use_synth_data", "--precomputed", "--batch_size", "4", "--image_size", "64", "--num_workers", "0",
        "--max_duration", "3ba", "--warmup_batches", "1", "--precision", "amp_bf16", "--seed", "3"]
-# (extra flags, precomputed format): SD2 with its text encoder in the step; SDXL with checkpointing and
-# weight casts per step (a compiled Transformer2DModel holding a checkpointed block, compiled blocks
-# inside diffusers' checkpoint, bf16 copies swapped in every step); Flux.1.
-CASES = {"tiny": ([], "tokens"),
-         "sdxl-tiny": (["--activation_checkpointing", "--weight_casts", "step"], "text_states"),
+# (extra flags, precomputed format): SDXL with checkpointing and weight casts per step (compiled
+# Transformer2DModels holding one checkpointed block, like all of SD2's, compiled blocks inside
+# diffusers' checkpoint, bf16 copies swapped in every step); Flux.1. SD2's text encoder compiled and
+# run: tests/test_gpu_path.py.
+CASES = {"sdxl-tiny": (["--activation_checkpointing", "--weight_casts", "step"], "text_states"),
          "flux1-tiny": ([], "text_states")}
-# Relative loss difference allowed against the eager run after 3 steps: AOT autograd traces the
-# same ops (its functionalized graph may order them otherwise); measured below 1e-6.
-LOSS_RTOL = 1e-4
+# Relative loss difference allowed against the eager run: on the first batch (the same weights) the
+# same ops, to rounding (FIRST_LOSS_RTOL); after a step, AOT autograd's graphs round bf16 gradients
+# otherwise, and AdamW turns that into weight differences up to ~lr where a gradient is near zero
+# (measured 4e-4 after one step on sdxl-tiny). A block left untrained would differ by ~7%, the
+# loss's change per step.
+FIRST_LOSS_RTOL = 1e-4
+LOSS_RTOL = 2e-3
 
 
 class Batches(Callback):
@@ -57,15 +61,14 @@ def test_compiled_blocks_train_as_eager_with_one_graph_per_distinct_block(config
     benchmark.main(argv, extra_callbacks=[eager])
     results = benchmark.main([*argv, "--compile", "--results_json", str(tmp_path / "r.json")],
                              extra_callbacks=[compiled])
+    assert compiled.losses[0] == pytest.approx(eager.losses[0], rel=FIRST_LOSS_RTOL)
     assert compiled.losses == pytest.approx(eager.losses, rel=LOSS_RTOL)
     counted = COUNT.count_graphs(config, 64, precomputed=True, precomputed_format=text_format, microbatch=4,
                                  policy=probe_cpu_autocast(), device_type="cpu")
     graphs = sum(part["graphs"] for part in counted.values())
     blocks = sum(part["blocks"] for part in counted.values())
-    # One graph per distinct block, all compiled in the first batch; SDXL's and Flux.1's blocks repeat.
-    assert results["compiled_graphs"] == graphs and compiled.graphs[0] == compiled.graphs[-1]
-    if config != "tiny":
-        assert graphs < blocks
+    # One graph per distinct block, all compiled in the first batch; the blocks repeat.
+    assert results["compiled_graphs"] == graphs < blocks and compiled.graphs[0] == compiled.graphs[-1]
     assert results["compile_seconds"] > 0 and results["compile_seconds_in_window"] == 0
     assert json.loads((tmp_path / "r.json").read_text())["compile_seconds"] == results["compile_seconds"]
     assert f"compile      {graphs} graphs in {results['compile_seconds']:.1f} s" in capsys.readouterr().out
