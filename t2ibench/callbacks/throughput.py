@@ -236,7 +236,7 @@ class Throughput(Callback):
         seconds = self._batch_times[-1] - start
         seconds -= self.pauses.seconds_since(start)  # sampling inside the window is not training time
         compiling_in = self._compiling[-1] - (self._compiling[warmup - 1] if warmup > 0 else 0.0)
-        seconds -= compiling_in  # nor is compiling a graph the warm-up did not
+        seconds -= compiling_in  # nor is compiling a graph first needed inside it (a new shape)
         samples = self._samples_seen[-1] - (self._samples_seen[warmup - 1] if warmup > 0 else self._fit_start_samples)
         world_size = dist.get_world_size()
         images_per_sec = samples / seconds
