@@ -10,7 +10,9 @@ parameters' shapes and its inputs' shapes, strides and dtypes, and whether grad 
 specializes a static graph on, after t2ibench.compiling shares the attention processors), and the
 forward ops (aten calls) of the part, of its distinct graphs and of what runs outside the blocks.
 Compiling a whole part traces, lowers and generates code for all of its ops (and their backward);
-regional compilation for those of its distinct graphs. Why it matters: docs/speed.md, "Compilation".
+block by block, for those of its distinct graphs. Strides are those the meta kernels give: a device
+kernel that returns another layout for the same shapes (the CPU's bf16 convolutions on the VAE's
+latents, online) can add a graph. Why it matters: docs/speed.md, "--compile: block by block".
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`--compile`: torch.compile of every repeated block of the modules a step runs, one block at a time
 and in place, so that a block's repeats run one compiled graph (regional compilation), and the
-seconds spent compiling. Which blocks: the family's `compile_blocks`; why regional: docs/speed.md,
-"Compilation".
+seconds spent compiling. Which blocks: the family's `compile_blocks`; why block by block: docs/speed.md,
+"--compile: block by block".
 """
 from __future__ import annotations
 

@@ -52,7 +52,8 @@ def test_fp8_tensorwise_trains_flux_tiny_to_the_loss_of_the_same_run_without_it(
 
 
 def test_fp8_rowwise_runs_and_the_summary_says_it_is_emulated(capsys, aot_eager):
-    results, losses = run(["--max_duration", "3ba", "--fp8", "rowwise", "--compile"])
+    # With bf16 weights (weight casts per step), as on one GPU by default; fp32 ones are refused (below).
+    results, losses = run(["--max_duration", "3ba", "--fp8", "rowwise", "--compile", "--weight_casts", "step"])
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert results["fp8_conversion"]["mode"] == "rowwise"
     assert "float8       rowwise: 47 of 60 Linear layers" in capsys.readouterr().out
@@ -94,6 +95,25 @@ def test_fp8_without_compile_is_refused_in_one_line(mode):
         benchmark.main(FLUX_TINY + ["--max_duration", "2ba", "--fp8", mode])
     message = str(exit_info.value.code)
     assert message.startswith(f"benchmark.py: error: --fp8 {mode} needs --compile: eager float8") and "\n" not in message
+
+
+def test_fp8_rowwise_compiled_on_fp32_weights_under_autocast_is_refused_in_one_line():
+    # What it would meet at the first backward, outside the product: AOT autograd traces the backward
+    # under the forward's autocast, which casts the rowwise float8 weight.
+    torch._dynamo.reset()
+    layers = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32))
+    fp8.convert(layers, "rowwise", {"0": 16, "1": 16}, emulate=True)
+    layers.compile(backend="aot_eager")
+    with pytest.raises(Exception, match="axiswise scaling is not supported"):
+        with torch.autocast("cpu", torch.bfloat16):
+            out = layers(torch.randn(16, 32))
+        out.float().sum().backward()
+    torch._dynamo.reset()
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(FLUX_TINY + ["--max_duration", "2ba", "--fp8", "rowwise", "--compile"])
+    message = str(exit_info.value.code)
+    assert message.startswith("benchmark.py: error: --fp8 rowwise --compile with fp32 weights under autocast")
+    assert "--weight_casts step" in message and "\n" not in message
 
 
 def test_fp8_with_fp16_is_refused_in_one_line():
