@@ -66,6 +66,17 @@ def compile_blocks(modules: Iterable[torch.nn.Module],
     return num_blocks
 
 
+def compile_step_parts(model: torch.nn.Module, blocks_of: Callable[[torch.nn.Module], list[torch.nn.Module]]) -> int:
+    """`--compile` of a training model (t2ibench.model's DiffusionModel): the blocks of every part that runs
+    per step, the denoiser and, where the step runs them, the VAE encoder and the text encoders (the eager
+    VAE encoder was 35-40% of an online SD2 step; the text encoders run on token ids online and on the
+    tokens format); the number of blocks compiled. benchmark.py compiles its run with it, and
+    bench/blocks.py each part it times, so that the blocks it times are compiled as the run's."""
+    vae = getattr(model, "vae", None)
+    parts = [model.denoiser, *([vae.encoder] if vae is not None else []), *model.text_encoders.values()]
+    return compile_blocks(parts, blocks_of)
+
+
 def compile_seconds() -> float | None:
     """Seconds this process has spent compiling so far: dynamo's frames with their forward graphs, and
     the backward graphs AOT autograd compiles at their first backward (torch's own cumulative

@@ -18,6 +18,7 @@ import torch
 import benchmark
 import blocks
 from t2ibench import memory
+from t2ibench.compiling import graphs_compiled
 from t2ibench.families import family_of
 from t2ibench.memory import build_meta_model
 from tests.helpers import error_of
@@ -118,6 +119,33 @@ def test_prediction_is_the_sum_of_its_timed_parts_and_compares_with_the_run(meas
     assert comparison["ratio"] == pytest.approx(rows[1]["samples_per_sec_per_gpu"] / run["images_per_sec_per_device"])
     assert comparison["within_25_percent"] == (abs(comparison["ratio"] - 1) <= 0.25)
     assert result["reference"]["B200"] == 51.0  # MLPerf v5.1's published rows, for a Flux.1 model
+
+
+def test_compiled_blocks_are_timed_apart_from_their_compile_and_compared_with_a_compiled_run(measured_run, aot_eager,
+                                                                                            tmp_path, capsys):
+    # --compile compiles each part as the run's --compile compiles the model (t2ibench.compiling; aot_eager
+    # here, as tests/test_compile.py): a compiled run is its comparison, an eager one is refused.
+    compiled_run = tmp_path / "compiled.json"
+    benchmark.main(SETTINGS + ["--use_synth_data", "--batch_size", "8", "--device_train_microbatch_size", "4",
+                               "--max_duration", "4ba", "--warmup_batches", "2", "--num_workers", "0", "--compile",
+                               "--results_json", str(compiled_run)])
+    graphs = graphs_compiled()
+    result = blocks.main(SETTINGS + SHORT + ["--global_batch", "8", "--microbatch", "4", "--gpus", "1", "--compile",
+                                             "--compare_results_json", str(compiled_run), "--json"])
+    out = capsys.readouterr().out
+    times = result["measured"]["replicated"]
+    # One graph per part timed (the double-stream block, a single-stream one), compiled before its timed
+    # runs; nothing outside the blocks compiles on precomputed text states (no encoder runs).
+    assert graphs_compiled() - graphs == len(times["blocks"]) == 2
+    assert all(b["compile_seconds"] > 0 for b in times["blocks"]) and times["rest_compile_seconds"] == 0
+    assert result["compile"] and result["compile_seconds"] == pytest.approx(sum(b["compile_seconds"]
+                                                                                for b in times["blocks"]))
+    assert "compiled in" in out and "compiling: " in out and "none of it in the times above" in out
+    assert result["comparison"]["gpus"] == 1 and json.loads(out.strip().splitlines()[-1]) == result
+    message = error_of(blocks.main, SETTINGS + SHORT + ["--global_batch", "8", "--microbatch", "4", "--gpus", "1",
+                                                        "--compile", "--compare_results_json", str(measured_run)],
+                       prog="blocks.py")
+    assert "its compile is false, this prediction's is true; predict with the run's setting (--compile)" in message
 
 
 # Every setting of the results JSON that changes the step, changed one at a time, and the counts and

@@ -14,6 +14,7 @@ from composer.core import Callback
 import benchmark
 from t2ibench import fp8, memory
 from t2ibench.families import FAMILIES
+from tests.helpers import error_of
 
 FLUX_TINY = ["--model_config", "flux1-tiny", "--precomputed", "--use_synth_data", "--batch_size", "8",
              "--image_size", "64", "--num_workers", "0", "--warmup_batches", "2", "--precision", "amp_bf16",
@@ -107,14 +108,17 @@ def test_every_family_trains_in_every_fp8_mode(model_config, mode, precision, ca
     assert results["compile"] and results["compiled_graphs"] > 0
 
 
-def test_blocks_py_times_sdxl_in_rowwise_float8():
-    # bench/blocks.py converts with the same t2ibench.fp8: its UNet blocks, proj_in included, run too.
+def test_blocks_py_times_sdxl_in_rowwise_float8_compiled(aot_eager):
+    # bench/blocks.py converts with the same t2ibench.fp8 and compiles as the run: its UNet levels' blocks,
+    # proj_in included, run compiled in float8, each level's compile seconds apart from its timed runs.
     import blocks  # bench/blocks.py
 
     result = blocks.main(["--model_config", "sdxl-tiny", "--precomputed", "--image_size", "64", "--global_batch", "2",
-                          "--microbatch", "2", "--gpus", "1", "--num_workers", "0", "--fp8", "rowwise", "--repeats",
-                          "1", "--warmup", "0", "--harness_batches", "2"])
+                          "--microbatch", "2", "--gpus", "1", "--num_workers", "0", "--fp8", "rowwise", "--compile",
+                          "--repeats", "1", "--warmup", "0", "--harness_batches", "2"])
     assert result["fp8"] == "rowwise" and result["predicted"][0]["samples_per_sec_per_gpu"] > 0
+    levels = result["measured"]["replicated"]["blocks"]
+    assert result["compile"] and all(level["compile_seconds"] > 0 for level in levels)
 
 
 def test_layers_float8_cannot_multiply_stay_in_the_runs_precision():
@@ -149,11 +153,16 @@ def test_fp8_refused_on_a_gpu_without_float8_tensor_cores(monkeypatch, capabilit
 
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
 def test_fp8_without_compile_is_refused_in_one_line(mode):
+    import blocks  # bench/blocks.py: the same rule, the same line, before anything is timed
+
     with pytest.raises(SystemExit) as exit_info:
         benchmark.main(FLUX_TINY + ["--max_duration", "2ba", "--fp8", mode])
     message = str(exit_info.value.code)
     assert message.startswith(f"benchmark.py: error: --fp8 {mode} needs --compile: eager float8")
     assert "\n" not in message
+    predicted = error_of(blocks.main, ["--model_config", "flux1-tiny", "--precomputed", "--image_size", "32",
+                                       "--gpus", "1", "--global_batch", "8", "--fp8", mode], prog="blocks.py")
+    assert predicted.removeprefix("blocks.py") == message.removeprefix("benchmark.py")
 
 
 def test_fp8_rowwise_compiled_on_fp32_weights_under_autocast_is_refused_in_one_line():
