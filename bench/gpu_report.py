@@ -48,6 +48,10 @@ FLUX_ROW, FLUX_FP8, NODE_GPUS = "flux-precomputed-states-bf16-fsdp", "tensorwise
 SMOKE_BATCHES, SMOKE_WARMUP_BATCHES = 3, 1
 SMOKE_BLOCKS_FLAGS = ["--num_workers", "0", "--warmup", "1", "--repeats", "2", "--harness_batches", "2"]
 SMOKE_GPU_MEMORY_BYTES = 80 * 2**30  # the count's nominal device (a CPU has none); its microbatch is --smoke's
+# --smoke runs its compiled rows eager: inductor's C++ code generation for even the tiny models' blocks takes
+# tens of minutes on a 2-core CPU (sdxl-tiny block by block: 2,429 s; docs/speed.md), far past the smoke's
+# minutes. The --compile flags still go through every command, so the compiled rows' code paths run.
+SMOKE_ENV = {"TORCH_COMPILE_DISABLE": "1"}
 
 # The budget rule (docs/gpu-runs.md): a row is started only if its estimate fits the time left. The
 # estimate takes the largest start-up and compile seconds and the lowest FLOP/s of the rows run so far,
@@ -121,6 +125,7 @@ class Outcome:
     wall_s: float | None = None
     result: dict | None = None  # the row's results JSON (benchmark.py's, or blocks.py's last line)
     notes: list[str] = field(default_factory=list)
+    compiled_ran_eager: bool = False  # a compiled row that --smoke ran eager (SMOKE_ENV)
 
     @property
     def ok(self) -> bool:
@@ -308,6 +313,8 @@ def run_training(row: ReportRow, args: argparse.Namespace, ends_at: float, env: 
     if args.smoke:  # the count of the step as it runs here, so the table's counted column is filled
         from t2ibench import memory
 
+        planned.command = one_rank(planned.command)
+
         tiny = run_setting(row, True)
         plan = memory.plan(tiny.model_config, tiny.resolution, SMOKE_GPU_MEMORY_BYTES,
                            activation_checkpointing=planned.activation_checkpointing,
@@ -316,6 +323,15 @@ def run_training(row: ReportRow, args: argparse.Namespace, ends_at: float, env: 
                         "predicted_bytes_at_microbatch": memory.predicted_bytes(plan, planned.microbatch)}
     # The planning counted on the meta device is part of the row's time.
     return bench_gpu.run_row(planned, args.out, max(1.0, ends_at - time.monotonic()), env, announce=False)
+
+
+def one_rank(command: list[str]) -> list[str]:
+    """A one-rank launch without Composer's launcher: benchmark.py itself (--smoke's training rows run on one
+    CPU rank, and the launcher is an interpreter of its own importing torch and Composer, seconds of CPU
+    time per row of a smoke run of a few minutes)."""
+    start = command.index("composer.cli.launcher") - 1  # [python, -m, composer.cli.launcher, -n, 1, script...]
+    assert command[start + 2:start + 4] == ["-n", "1"], command
+    return [*command[:start], *command[start + 4:]]
 
 
 def run_blocks(row: ReportRow, command: list[str], out: Path, timeout_s: float, env: dict) -> tuple[str, dict | None]:
@@ -346,11 +362,9 @@ def last_json_line(text: str) -> dict | None:
 
 def row_env(row: ReportRow, smoke: bool, pretrained: bool) -> dict:
     """A row's environment: offline unless it runs SD2's pretrained parts and has them; on --smoke, torch.compile
-    off (a CPU inductor compile of the tiny UNet ran past 12 minutes on the loaded 2-core machine)."""
+    off (SMOKE_ENV): the compiled rows run eager, and the README's compile column says so."""
     env = bench_gpu.launch_env(row.setting, pretrained) if row.setting else {**os.environ, "HF_HUB_OFFLINE": "1"}
-    if smoke:
-        env["TORCH_COMPILE_DISABLE"] = "1"
-    return env
+    return {**env, **SMOKE_ENV} if smoke else env
 
 
 def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
@@ -409,7 +423,8 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
             if outcome.ok:
                 estimator.observe_blocks(outcome.wall_s)
         if args.smoke and compiles(row, outcomes):
-            outcome.notes.append("--smoke: eager (TORCH_COMPILE_DISABLE=1)")
+            outcome.compiled_ran_eager = True
+            outcome.notes.append("--smoke: ran eager (TORCH_COMPILE_DISABLE=1)")
         figure = headline(outcome)
         print(f"{tag}: {outcome.status} in {outcome.wall_s:.0f} s{f', {figure}' if figure else ''}; "
               f"{max(0.0, deadline - time.monotonic()):.0f} s left", flush=True)
@@ -602,6 +617,11 @@ def seconds(value: float | None) -> str:
     return f"{value:.0f}" if value is not None else "-"
 
 
+def compile_cell(outcome: Outcome) -> str:
+    """The compile seconds column: the row's, or that --smoke ran the compiled row eager."""
+    return "eager (--smoke)" if outcome.compiled_ran_eager else seconds(outcome.result.get("compile_seconds"))
+
+
 def versus(outcome: Outcome, outcomes: dict[str, Outcome], row: ReportRow) -> str:
     """This row's figure over its baseline row's, both of this report."""
     base = outcomes.get(row.baseline) if row.baseline else None
@@ -643,7 +663,7 @@ def run_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:
         earlier_cell, ratio = earlier_cells(outcome, earlier)
         lines.append(f"| {outcome.name} | {setup}{''.join(f'; {n}' for n in outcome.notes)} | ok "
                      f"| {r['images_per_sec']:.1f} | {mfu} | {gib(r.get('peak_memory_bytes'))} | {gib(counted)} "
-                     f"| {seconds(r.get('compile_seconds'))} | {versus(outcome, by_name, row)} | {earlier_cell} "
+                     f"| {compile_cell(outcome)} | {versus(outcome, by_name, row)} | {earlier_cell} "
                      f"| {ratio} |")
     return lines
 
@@ -668,7 +688,7 @@ def blocks_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:
                     else "-")
         earlier_cell, ratio = earlier_cells(outcome, earlier)
         lines.append(f"| {outcome.name} | {setup} | ok | {first['samples_per_sec_per_gpu']:.2f} on {first['gpus']} "
-                     f"({first['fsdp']}) | {measured} | {seconds(r.get('compile_seconds'))} "
+                     f"({first['fsdp']}) | {measured} | {compile_cell(outcome)} "
                      f"| {versus(outcome, by_name, row)} | {earlier_cell} | {ratio} |")
     return lines
 
@@ -692,8 +712,10 @@ def write_readme(args: argparse.Namespace, info: dict, outcomes: list[Outcome], 
             f"{info['python']}; load average {info['load_average'][0]:.1f} on {info['cpu_count']} CPUs at the start; "
             f"SD2's encoders {info['sd2_encoders']}. Everything in `environment.json`.", ""]
     if args.smoke:
-        text += ["**--smoke**: the tiny models (tiny, sdxl-tiny, flux1-tiny) at 32x32 on a CPU, compiled rows eager; "
-                 "the figures check the tool and mean nothing.", ""]
+        text += ["**--smoke**: the tiny models (tiny, sdxl-tiny, flux1-tiny) at 32x32 on a CPU; the figures check the "
+                 "tool and mean nothing. **The compiled rows ran eager** (TORCH_COMPILE_DISABLE=1, their compile "
+                 "column says `eager (--smoke)`): inductor's C++ code generation takes tens of minutes on a small CPU.",
+                 ""]
     runs = [o for o in outcomes if o.kind == "run"]
     blocks = [o for o in outcomes if o.kind == "blocks"]
     if runs:
