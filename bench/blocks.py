@@ -206,7 +206,8 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
         setups[gpus] = Setup(sharded, "microbatch" if sharded else casts)
     # benchmark.py's rule, for every set-up predicted: float8 compiled, rowwise on bf16 weights.
     fp8.check_compiled(parsed.fp8, parsed.compile, fp32_weights_under_autocast=precision != "fp32" and any(
-        not setup.low_precision_weights(precision) for setup in setups.values()))
+        not setup.low_precision_weights(precision) for setup in setups.values()),
+        sharded_under_autocast=precision != "fp32" and any(setup.sharded for setup in setups.values()))
     microbatch = parsed.microbatch
     if microbatch is None:
         per_gpu = global_batch // max(parsed.gpus)  # a microbatch that divides every count's per-GPU batch

@@ -167,7 +167,8 @@ def check_parallelism(settings: Settings, world_size: int) -> str:
     weight_casts = resolve_weight_casts(settings.weight_casts, on_gpu=torch.cuda.is_available(), precision=precision,
                                         world_size=world_size)
     fp8.check_compiled(settings.fp8, settings.compile, fp32_weights_under_autocast=precision != "fp32"
-                       and weight_casts == "microbatch" and fsdp == "none")
+                       and weight_casts == "microbatch" and fsdp == "none",
+                       sharded_under_autocast=precision != "fp32" and fsdp != "none")
     if fsdp != "none" and settings.channels_last:
         fail(f"--channels_last with --fsdp {fsdp}: torch 2.7's fully_shard refuses non-contiguous (channels-last) "
              "weights; drop one of the two")

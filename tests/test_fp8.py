@@ -182,6 +182,14 @@ def test_fp8_rowwise_compiled_on_fp32_weights_under_autocast_is_refused_in_one_l
     message = str(exit_info.value.code)
     assert message.startswith("benchmark.py: error: --fp8 rowwise --compile with fp32 weights under autocast")
     assert "--weight_casts step" in message and "\n" not in message
+    # Under FSDP the compiled backward stops the same way (two CPU ranks, full_shard): blocks.py's prediction
+    # for 2 GPUs (flux1-tiny shards there) is refused by the same rule, in one line.
+    import blocks  # bench/blocks.py
+
+    sharded = error_of(blocks.main, ["--model_config", "flux1-tiny", "--precomputed", "--image_size", "32", "--gpus",
+                                     "2", "--global_batch", "8", "--precision", "amp_bf16", "--fp8", "rowwise",
+                                     "--compile"], prog="blocks.py")
+    assert sharded.startswith("blocks.py: error: --fp8 rowwise --compile with --fsdp under autocast")
 
 
 def test_fp8_with_fp16_is_refused_in_one_line():
