@@ -242,8 +242,15 @@ def blocks_command(row: ReportRow, outcomes: dict[str, Outcome], args: argparse.
 
 
 def run_setting(row: ReportRow, smoke: bool) -> Setting:
-    """The set-up a training row runs: its own, or on --smoke its family's tiny model."""
-    return bench_gpu.smoke_setting(row.setting, 1) if smoke else row.setting
+    """The set-up a training row runs: its own, or on --smoke its family's tiny model with checkpointing as
+    its CPU run resolves the flag (`auto`: off), so that its estimate counts the step it runs, once."""
+    if not smoke:
+        return row.setting
+    from t2ibench.gpu_setup import from_flag
+
+    tiny = bench_gpu.smoke_setting(row.setting, 1)
+    return dataclasses.replace(tiny, activation_checkpointing="on" if from_flag(tiny.activation_checkpointing)[0]
+                               else "off")
 
 
 # -- the budget rule -----------------------------------------------------------------------------------
@@ -618,8 +625,11 @@ def seconds(value: float | None) -> str:
 
 
 def compile_cell(outcome: Outcome) -> str:
-    """The compile seconds column: the row's, or that --smoke ran the compiled row eager."""
-    return "eager (--smoke)" if outcome.compiled_ran_eager else seconds(outcome.result.get("compile_seconds"))
+    """The compile seconds column: the row's (none for an eager row, whose run reports 0), or that --smoke ran
+    the compiled row eager."""
+    if outcome.compiled_ran_eager:
+        return "eager (--smoke)"
+    return seconds(outcome.result.get("compile_seconds")) if outcome.result.get("compile") else "-"
 
 
 def versus(outcome: Outcome, outcomes: dict[str, Outcome], row: ReportRow) -> str:
