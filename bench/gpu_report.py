@@ -33,6 +33,7 @@ from bench_gpu import MATRIX, Setting  # noqa: E402
 from t2ibench import errors, files  # noqa: E402
 from t2ibench.cli import BUDGET_SECONDS, Parser  # noqa: E402
 from t2ibench.errors import fail  # noqa: E402
+from t2ibench.gpu_setup import from_flag  # noqa: E402  (imported here: the budget's clock starts after the imports)
 from t2ibench.locations import check_output  # noqa: E402
 
 DEFAULT_BUDGET_SECONDS = 480.0  # 8 of the ten minutes a GPU is often lent for: its start-up and the copy back
@@ -221,8 +222,6 @@ def setting_of(result: dict) -> Setting:
 def blocks_command(row: ReportRow, outcomes: dict[str, Outcome], args: argparse.Namespace,
                    gpu_memory_bytes: float) -> tuple[list[str], list[str]]:
     """blocks.py's command for a blocks row, and its notes."""
-    from t2ibench.gpu_setup import from_flag
-
     if row.compare_with:  # the measured run's own set-up, at its microbatch and device count
         measured = outcomes[row.compare_with].result
         flags, notes = blocks_flags(setting_of(measured), bool(measured.get("activation_checkpointing")))
@@ -246,8 +245,6 @@ def run_setting(row: ReportRow, smoke: bool) -> Setting:
     its CPU run resolves the flag (`auto`: off), so that its estimate counts the step it runs, once."""
     if not smoke:
         return row.setting
-    from t2ibench.gpu_setup import from_flag
-
     tiny = bench_gpu.smoke_setting(row.setting, 1)
     return dataclasses.replace(tiny, activation_checkpointing="on" if from_flag(tiny.activation_checkpointing)[0]
                                else "off")
