@@ -162,17 +162,24 @@ MATRIX: dict[str, Setting] = {
     "sdxl-precomputed-states-bf16-nockpt": Setting("sdxl-base", **_TEXT_STATES, activation_checkpointing="off"),
     "precomputed-bf16-castsmb": Setting(precomputed=True, weight_casts="microbatch"),
     # Flux.1-schnell as MLPerf Training v5.1 trains it: 256x256, T5 and CLIP outputs precomputed, the
-    # 11.9B-parameter transformer sharded (its training state fits no single GPU), with benchmark.py's
-    # default checkpointing; then with each block recomputed in backward (a third more compute for a
-    # larger microbatch), and without.
-    "flux-precomputed-states-bf16-fsdp": Setting("flux1-schnell", 256, **_TEXT_STATES, fsdp="full_shard",
-                                                 **_MLPERF_FLUX),
+    # 11.9B-parameter transformer sharded (its training state fits no single GPU). The default row is
+    # the set-up docs/flux.md derives: every block recomputed in backward, so that the whole per-GPU
+    # batch (64 on 8 GPUs) is one microbatch, under shard_grad_op, so that each step gathers the bf16
+    # weights once and reduce-scatters the gradients once (62 GB per GPU on 8, against 666 GB for
+    # full_shard at microbatch 8 without checkpointing: bench/blocks.py, predicted from an H100's
+    # blocks). Then full_shard with checkpointing (one microbatch too, the weights gathered again for
+    # backward) and without (microbatch 8: eight gathers and reduce-scatters per step).
+    "flux-precomputed-states-bf16-fsdp": Setting("flux1-schnell", 256, **_TEXT_STATES, fsdp="shard_grad_op",
+                                                 activation_checkpointing="on", **_MLPERF_FLUX),
     "flux-precomputed-states-bf16-fsdp-ckpt": Setting("flux1-schnell", 256, **_TEXT_STATES, fsdp="full_shard",
                                                       activation_checkpointing="on", **_MLPERF_FLUX),
     "flux-precomputed-states-bf16-fsdp-nockpt": Setting("flux1-schnell", 256, **_TEXT_STATES, fsdp="full_shard",
                                                         activation_checkpointing="off", **_MLPERF_FLUX),
-    # The same with T5-XXL, CLIP and the VAE in the step (online encoding; not MLPerf's set-up).
-    "flux-online-bf16-fsdp": Setting("flux1-schnell", 256, fsdp="full_shard", **_MLPERF_FLUX),
+    # The same with T5-XXL, CLIP and the VAE in the step (online encoding; not MLPerf's set-up): their 9 GiB
+    # leave shard_grad_op room for 32 images only, two microbatches, so full_shard, whose one checkpointed
+    # microbatch of 64 sends less (83 GB per GPU per step against 125).
+    "flux-online-bf16-fsdp": Setting("flux1-schnell", 256, fsdp="full_shard", activation_checkpointing="on",
+                                     **_MLPERF_FLUX),
 }
 QUICK = ["online-bf16", "precomputed-bf16"]
 # --smoke: the same settings on each family's tiny model at 32x32 on CPU, a small batch.

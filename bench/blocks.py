@@ -6,6 +6,8 @@ the sharded-training traffic added, samples/s per GPU predicted for a node.
         --max_duration 40ba --warmup_batches 10 --num_workers 0 --results_json run.json                # CPU check:
     python bench/blocks.py --model_config flux1-tiny --precomputed --image_size 64 --global_batch 8 --microbatch 8 \\
         --gpus 1 --num_workers 0 --compare_results_json run.json --json                                # the run, predicted
+    python bench/blocks.py --model_config flux1-schnell --precomputed --activation_checkpointing --fsdp shard_grad_op \\
+        --microbatch 64 --gpus 8 --measured_json results/h100-2026-11-26/blocks2.jsonl           # again, no GPU
     python bench/blocks.py --model_config sdxl-base --precomputed --precomputed_format text_states --use_ema \\
         --activation_checkpointing --global_batch 64 --microbatch 32 --gpus 1 --count_memory            # each part's memory
 
@@ -32,11 +34,13 @@ The step of the full model, per GPU of `G`, per-GPU batch `B/G` in microbatches 
 
     compute = (B/G / m) x (rest + sum over blocks of count x block)
               + params per GPU x (AdamW + EMA [+ weight casts, one GPU]) + harness
-    traffic = the bytes the memory model's sharding implies per GPU per step (ring collectives, each GPU
-              sending (G-1)/G of the buffer): DDP one fp32 all-reduce of the gradients (2x); FSDP
-              full_shard per microbatch two all-gathers of the weights in the autocast dtype (forward,
-              backward) and one fp32 reduce-scatter of the gradients; shard_grad_op one all-gather and
-              one reduce-scatter per microbatch (Composer 0.32.1 reduce-scatters every microbatch)
+    traffic = the bytes the run sends per GPU per step (ring collectives, each GPU sending (G-1)/G of
+              the buffer): DDP one fp32 all-reduce of the gradients per step (2x); under Composer
+              0.32.1's FSDP2 every microbatch gathers the weights again and reduce-scatters its
+              gradients in fp32: full_shard two all-gathers of the weights in the autocast dtype
+              (forward, backward; the root unit's one), shard_grad_op one (kept from forward to
+              backward). One microbatch
+              per step (microbatch = per-GPU batch) sends each once: the Flux.1 set-up of docs/flux.md
     predicted samples/s per GPU = (B/G) / (compute + traffic / --link_gbps)   (not overlapped; the JSON's)
                                 = (B/G) / max(compute, traffic / --link_gbps)  (fully overlapped)
 
@@ -49,8 +53,12 @@ each part first runs once untimed to compile, and its compile seconds are report
 runs. `--fp8` needs `--compile`, by benchmark.py's rule and in its words (t2ibench.fp8.check_compiled).
 `--compare_results_json` reads a benchmark.py run of the same set-up (refused, before any timing,
 when any setting that changes the step differs, `--compile` included, or its device is not this one)
-and prints the ratio of the prediction for its device count to its measured images/s per device. `--count_memory` times
-nothing: it counts each part's memory on the meta device for a CUDA GPU (t2ibench.memory) beside a
+and prints the ratio of the prediction for its device count to its measured images/s per device.
+`--measured_json FILE` times nothing: it reads a line blocks.py wrote with `--json` (a .jsonl, or a log
+ending in it), the first whose measured settings are this run's (`--compile` among them; a line older than
+the flag timed the eager parts), and predicts again from its times for other `--gpus`, `--fsdp`,
+`--global_batch` or `--link_gbps`, on any machine; a `--microbatch` that is a whole multiple of the
+measured one scales its times (per-image time held). `--count_memory` times nothing: it counts each part's memory on the meta device for a CUDA GPU (t2ibench.memory) beside a
 one-GPU run's fixed bytes. `--json` ends with one line: the measured times, the composition and
 `predicted` (a list of {gpus, samples_per_sec_per_gpu}).
 """
@@ -140,6 +148,9 @@ def build_parser() -> Parser:
     g.add_argument("--compare_results_json", type=str, default=None,
                    help="a benchmark.py --results_json of the same set-up on this device: print the prediction "
                         "against it (checked before any timing)")
+    g.add_argument("--measured_json", type=str, default=None,
+                   help="time nothing: predict from a line blocks.py wrote with --json (a .jsonl or a log ending "
+                        "in it; the line whose measured set-up is this one's), on any machine")
     g.add_argument("--count_memory", action="store_true",
                    help="time nothing: count each part's memory on the meta device for a CUDA GPU, beside a "
                         "one-GPU run's fixed bytes")
@@ -180,7 +191,13 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     too_many = check_workers("--num_workers", parsed.num_workers)
     if too_many:
         fail(too_many)
+    if parsed.measured_json and (parsed.count_memory or parsed.compare_results_json):
+        fail("--measured_json predicts from a saved measurement: give --count_memory or --compare_results_json "
+             "in a run without it")
+    lines = measured_lines(parsed.measured_json) if parsed.measured_json else None
     on_gpu = torch.cuda.is_available()
+    if lines is not None:  # the device the measurement ran on, not this machine's
+        on_gpu = lines[0]["device"] != "cpu"
     # --count_memory counts for a CUDA GPU (this one, or an H100's memory) whatever runs it.
     gpu_step = on_gpu or parsed.count_memory
     precision = resolve_precision(parsed.precision, gpu_step)
@@ -209,6 +226,8 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
         not setup.low_precision_weights(precision) for setup in setups.values()),
         sharded_under_autocast=precision != "fp32" and any(setup.sharded for setup in setups.values()))
     microbatch = parsed.microbatch
+    if microbatch is None and lines is not None:
+        microbatch = lines[0]["microbatch"]  # the first line's: the one measured, when it is this set-up
     if microbatch is None:
         per_gpu = global_batch // max(parsed.gpus)  # a microbatch that divides every count's per-GPU batch
         if gpu_step:  # the largest that fits at every count (fewer GPUs shard less: more fixed bytes each)
@@ -230,6 +249,8 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
                                  "device_type": "cuda" if gpu_step else "cpu", "precision": precision,
                                  "text_format": text_format, "global_batch": global_batch, "microbatch": microbatch,
                                  "setups": setups})
+    # A saved line stands for the resolved settings only, so it is chosen once they are.
+    args = argparse.Namespace(**{**vars(args), "saved": saved_measurement(args, lines) if lines else None})
     # The compared run is checked against the resolved settings, so it is added to them last.
     return argparse.Namespace(**{**vars(args), "compared": compared_run(args) if args.compare_results_json else None})
 
@@ -242,6 +263,98 @@ def mode_for(args: argparse.Namespace, gpus: int) -> str:
 def device_name(device: str) -> str:
     """The device as benchmark.py's results JSON names it ("device")."""
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+# -- a saved measurement: the prediction again, without a device ----------------------------------
+
+# What a saved line's times depend on (blocks.py's JSON keys, and this prediction's value of each):
+# a line stands for a set-up only when all agree. The sharding, the GPU counts, the global batch
+# and the link rate are the composition's, not the measurement's, and may change.
+def measured_set_up(args: argparse.Namespace) -> dict[str, Any]:
+    return {"model_config": args.model_config, "image_size": args.image_size, "precision": args.precision,
+            "norm_precision": args.norm_precision, "precomputed": args.precomputed,
+            "precomputed_format": args.text_format, "activation_checkpointing": args.activation_checkpointing,
+            "fp8": args.fp8, "compile": args.compile, "use_ema": args.use_ema}
+
+
+# Lines written before blocks.py had --compile timed the eager parts.
+ABSENT_IN_OLDER_LINES = {"compile": False}
+
+
+def measured_lines(path: str) -> list[dict[str, Any]]:
+    """The lines of `path` that blocks.py wrote with --json (a JSON object holding `measured`), in
+    order: a .jsonl of several, or a log that ends with one. Refused in one line when there is none."""
+    where = f"--measured_json {path}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        fail(f"{where}: cannot be read ({getattr(error, 'strerror', None) or error}); give a file holding a line "
+             "blocks.py wrote with --json")
+    lines = []
+    for line in text.splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue  # a log's other lines
+        if (isinstance(value, dict) and isinstance(value.get("measured"), dict)
+                and isinstance(value.get("device"), str) and not BATCH_SIZE.problem(value.get("microbatch"))
+                and isinstance(value.get("microbatch"), int)):
+            lines.append(value)
+    if not lines:
+        fail(f"{where}: holds no line blocks.py wrote with --json (a JSON object with measured, device and "
+             "microbatch); give blocks.py's --json output")
+    return lines
+
+
+def saved_measurement(args: argparse.Namespace, lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first line of --measured_json whose measured set-up is this prediction's: the same settings
+    that change a block's time, weights held as every --gpus count holds them, and a microbatch that
+    --microbatch is a whole multiple of (its times scaled by that multiple: the per-image time of the
+    measured microbatch held, a bound from above where a larger microbatch runs no slower per image).
+    Refused in one line, naming what the lines differ in, when none is."""
+    wanted, labels = measured_set_up(args), {setup.label for setup in args.setups.values()}
+    reasons = []
+    for number, line in enumerate(lines, 1):
+        theirs = {key: line.get(key, ABSENT_IN_OLDER_LINES.get(key)) for key in wanted}
+        differs = [f"{key} {json.dumps(theirs[key])} (this prediction's {json.dumps(value)})"
+                   for key, value in wanted.items() if theirs[key] != value or type(theirs[key]) is not type(value)]
+        missing = sorted(labels - set(line["measured"]))
+        if missing:
+            differs.append(f"no times for weights {', '.join(missing)} (it measured "
+                           f"{', '.join(sorted(line['measured']))}: predict for --gpus counts that hold them so)")
+        if args.microbatch % line["microbatch"]:
+            differs.append(f"microbatch {line['microbatch']}, which --microbatch {args.microbatch} is no multiple of")
+        if not differs:
+            return {"path": args.measured_json, "line": line, "scale": args.microbatch // line["microbatch"]}
+        reasons.append(f"line {number}: {differs[0]}")
+    fail(f"--measured_json {args.measured_json}: no line measured this set-up ({'; '.join(reasons[:3])}); "
+         "predict with the flags it was measured with")
+
+
+def saved_parts(args: argparse.Namespace) -> tuple[dict[str, dict], dict[str, float], float, int]:
+    """From --measured_json's line: each weights' times per microbatch (scaled to --microbatch), the
+    per-parameter updates, the harness per image, and the denoiser's parameters."""
+    line, scale = args.saved["line"], args.saved["scale"]
+    measured = {}
+    for label in {setup.label for setup in args.setups.values()}:
+        times = line["measured"][label]
+        measured[label] = {
+            "blocks": [{**b, "seconds": scale * b["seconds"],
+                        # a peak measured at another microbatch is not this one's
+                        "peak_memory_bytes": b.get("peak_memory_bytes") if scale == 1 else None}
+                       for b in times["blocks"]],
+            "rest_seconds": scale * times["rest_seconds"],
+            "rest_peak_memory_bytes": times.get("rest_peak_memory_bytes") if scale == 1 else None,
+            "composed_microbatch_seconds": scale * times["composed_microbatch_seconds"]}
+    # Lines written before `per_parameter` (7e20acc) keep the updates beside the times.
+    per_parameter = line.get("per_parameter") or next(iter(line["measured"].values()))
+    updates = {key: float(per_parameter.get(key, 0.0)) for key in
+               ("adamw_seconds_per_param", "ema_seconds_per_param", "weight_casts_seconds_per_param")}
+    if any(s.weight_casts == "step" for s in args.setups.values()) and not updates["weight_casts_seconds_per_param"]:
+        fail(f"--measured_json {args.measured_json}: the line has no weight casts' time; predict for sharded "
+             "--gpus counts, or measure with --weight_casts step")
+    harness_per_image = line["harness_seconds_per_step"] / line["harness_per_device_batch"]
+    return measured, updates, harness_per_image, int(line["denoiser_params"])
 
 
 # -- the run compared: its set-up must be this prediction's -----------------------------------------
@@ -814,21 +927,31 @@ def harness_seconds_per_step(args: argparse.Namespace, per_device_batch: int) ->
     return summary["measured_seconds"] / summary["measured_batches"]
 
 
-def traffic_bytes_per_gpu(mode: str, gpus: int, params: int, accumulation: int, precision: str) -> float:
-    """Bytes each GPU sends per step for the sharding `mode` (ring collectives: (G-1)/G of the buffer,
-    twice for an all-reduce), as the memory model shards: weights gathered in the autocast dtype,
-    gradients reduced in fp32."""
+def traffic_bytes_per_gpu(mode: str, gpus: int, params: int, root_params: int, precision: str
+                          ) -> tuple[float, float]:
+    """Bytes each GPU sends for the sharding `mode`, (once per step, per microbatch), as the run sends
+    them (ring collectives: (G-1)/G of the buffer, twice for an all-reduce; weights gathered in the
+    autocast dtype, gradients reduced in fp32, Composer's FSDP2 mixed precision).
+
+    Composer 0.32.1 runs a FSDP2 step's microbatches with the gradients synchronised in each (no_sync
+    is DDP's only; FSDP2's `set_requires_gradient_sync` is never called) and lets FSDP2 reshard after
+    each backward (its default), so every microbatch gathers the weights again and reduce-scatters
+    its gradients: full_shard gathers each block for its forward and again for its backward (with
+    checkpointing too: the recompute runs inside the backward's gather) and the root unit
+    (`root_params`: what no block holds, which FSDP2 keeps from the root's forward to its backward)
+    once, shard_grad_op every unit once. DDP all-reduces once per step (Composer syncs on the last
+    microbatch only). tests/test_blocks.py counts what two CPU ranks send (tests/traffic_run.py)."""
     if gpus == 1:
-        return 0.0
+        return 0.0, 0.0
     share, weight_bytes = (gpus - 1) / gpus, 4 if precision == "fp32" else 2
     if mode == "none":
-        return 2 * share * 4 * params  # one all-reduce per step (Composer syncs on the last microbatch)
-    gathers = 2 if mode == "full_shard" else 1  # full_shard gathers again for backward
-    return accumulation * share * (gathers * weight_bytes * params + 4 * params)
+        return 2 * share * 4 * params, 0.0
+    gathered = 2 * params - root_params if mode == "full_shard" else params
+    return 0.0, share * (weight_bytes * gathered + 4 * params)
 
 
 def compose(args: argparse.Namespace, measured: dict[str, dict], updates: dict[str, float],
-            harness_per_image: float, params: int) -> list[dict[str, Any]]:
+            harness_per_image: float, params: int, root_params: int) -> list[dict[str, Any]]:
     """The predicted step and samples/s per GPU for each --gpus."""
     rows = []
     for gpus in args.gpus:
@@ -841,11 +964,13 @@ def compose(args: argparse.Namespace, measured: dict[str, dict], updates: dict[s
         casts = params * updates["weight_casts_seconds_per_param"] if setup.weight_casts == "step" else 0.0
         harness = harness_per_image * per_gpu
         compute = accumulation * times["composed_microbatch_seconds"] + optimizer + casts + harness
-        traffic = traffic_bytes_per_gpu(mode, gpus, params, accumulation, args.precision)
+        once, per_microbatch = traffic_bytes_per_gpu(mode, gpus, params, root_params, args.precision)
+        traffic = once + accumulation * per_microbatch
         comm = traffic / (args.link_gbps * 1e9)
         rows.append({"gpus": gpus, "fsdp": mode, "weights": setup.label, "weight_casts": setup.weight_casts,
                      "per_gpu_batch": per_gpu, "accumulation": accumulation, "optimizer_seconds": optimizer,
                      "weight_casts_seconds": casts, "harness_seconds": harness, "compute_seconds": compute,
+                     "traffic_bytes_per_step_once": once, "traffic_bytes_per_microbatch": per_microbatch,
                      "traffic_bytes_per_gpu": traffic, "comm_seconds": comm, "step_seconds": compute + comm,
                      "samples_per_sec_per_gpu": per_gpu / (compute + comm),
                      "samples_per_sec_per_gpu_overlapped": per_gpu / max(compute, comm)})
@@ -888,9 +1013,12 @@ def compiled_in(seconds: float | None) -> str:
 
 
 def report(result: dict[str, Any]) -> str:
+    saved = f", read from {result['measured_json']}" if result.get("measured_json") else ""
+    scaled = (f", scaled from the measured microbatch {result['measured_microbatch']} (its per-image time held)"
+              if result.get("measured_microbatch", result["microbatch"]) != result["microbatch"] else "")
     first = "after one untimed run that compiles it and " if result["compile"] else "after "
     lines = [f"{header(result)}; measured on {result['device']} (median of {result['repeats']} {first}"
-             f"{result['warmup']} warm-up, one part at a time), per microbatch:"]
+             f"{result['warmup']} warm-up, one part at a time{saved}), per microbatch{scaled}:"]
     for label, times in result["measured"].items():
         lines.append(f"  weights {label}:")
         for b in times["blocks"]:
@@ -960,27 +1088,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.json:
                 print(json.dumps(result), flush=True)
             return result
-        from t2ibench.runtime import Runtime
-
         per_device = args.global_batch // args.gpus[0]
-        # The process as benchmark.py sets it up before its first step (cuDNN's autotuner on a GPU, the
-        # threads of a CPU rank, the seeds), so every part is timed as the run computes it.
-        Runtime.start(run_settings(args, per_device)[1])
-        measured = {}
-        for setup in unique_setups(args):
-            print(f"timing the parts of {args.model_config} on {args.device}, one at a time, weights "
-                  f"{setup.describe()}:", file=sys.stderr, flush=True)
-            measured[setup.label] = measure(args, setup)
-        updates = measure_updates(args)
-        harness = harness_seconds_per_step(args, per_device)
-        params = sum(p.numel() for p in meta_model(args, False).denoiser.parameters())
-        predicted = compose(args, measured, updates, harness / per_device, params)
+        if args.saved:
+            measured, updates, harness_per_image, params = saved_parts(args)
+            line = args.saved["line"]
+            device, warmup, repeats = line["device"], line["warmup"], line["repeats"]
+        else:
+            from t2ibench.runtime import Runtime
+
+            # The process as benchmark.py sets it up before its first step (cuDNN's autotuner on a GPU, the
+            # threads of a CPU rank, the seeds), so every part is timed as the run computes it.
+            Runtime.start(run_settings(args, per_device)[1])
+            measured = {}
+            for setup in unique_setups(args):
+                print(f"timing the parts of {args.model_config} on {args.device}, one at a time, weights "
+                      f"{setup.describe()}:", file=sys.stderr, flush=True)
+                measured[setup.label] = measure(args, setup)
+            updates = measure_updates(args)
+            harness_per_image = harness_seconds_per_step(args, per_device) / per_device
+            params = sum(p.numel() for p in meta_model(args, False).denoiser.parameters())
+            device, warmup, repeats = device_name(args.device), args.warmup, args.repeats
+        root_params = memory.fsdp_unit_params(args.model_config)["root"]
+        predicted = compose(args, measured, updates, harness_per_image, params, root_params)
         result = {
-            **settings_of(args), "link_gbps": args.link_gbps, "device": device_name(args.device),
-            "warmup": args.warmup, "repeats": args.repeats, "denoiser_params": params,
+            **settings_of(args), "link_gbps": args.link_gbps, "device": device,
+            "warmup": warmup, "repeats": repeats, "denoiser_params": params, "root_unit_params": root_params,
             "measured": measured, "compile_seconds": total_compile_seconds(measured) if args.compile else None,
             "per_parameter": updates,
-            "harness_seconds_per_step": harness, "harness_per_device_batch": per_device,
+            "harness_seconds_per_step": harness_per_image * per_device, "harness_per_device_batch": per_device,
+            "measured_json": args.measured_json,
+            "measured_microbatch": args.saved["line"]["microbatch"] if args.saved else args.microbatch,
             "predicted": predicted,
             "reference": MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU if family_of(args.model_config).name == "flux" else {},
             "comparison": compare(args, predicted) if args.compared else None,

@@ -87,10 +87,11 @@ def test_dry_run_plans_flux_sharded_from_the_memory_model(tmp_path, capsys):
     plain, checkpointed, default = rows
     assert checkpointed["microbatch"] > plain["microbatch"]
     assert checkpointed["activation_checkpointing"] and not plain["activation_checkpointing"]
-    # The default row runs what `auto` picks on 8 x 80 GB: microbatch 8 fits without checkpointing, and
-    # checkpointing at the per-GPU batch (512 / 8) would gain less than it must (docs/speed.md).
-    assert not default["activation_checkpointing"] and default["microbatch"] == plain["microbatch"] == 8
-    assert checkpointed["microbatch"] == 64 and "predicted only" in default["plan"]["activation_checkpointing_reason"]
+    assert plain["microbatch"] == 8 and checkpointed["microbatch"] == 64
+    # The default row (docs/flux.md): shard_grad_op with checkpointing, the per-GPU batch (512 / 8) in one
+    # microbatch, so each step gathers the weights once and reduce-scatters once.
+    assert _flags(default["command"])["--fsdp"] == "shard_grad_op" and default["activation_checkpointing"]
+    assert default["microbatch"] == 64 and default["plan"]["fsdp"] == "shard_grad_op"
 
 
 def test_fp8_goes_to_every_row_and_into_its_memory_plan(capsys):

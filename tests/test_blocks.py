@@ -21,7 +21,7 @@ from t2ibench import memory
 from t2ibench.compiling import graphs_compiled
 from t2ibench.families import family_of
 from t2ibench.memory import build_meta_model
-from tests.helpers import error_of
+from tests.helpers import Launch, error_of, supervise, two_ranks
 
 SETTINGS = ["--model_config", "flux1-tiny", "--precomputed", "--image_size", "32"]
 TIMING = ["--warmup", "1", "--repeats", "3", "--harness_batches", "4", "--num_workers", "0"]
@@ -68,7 +68,7 @@ class ModuleCalls:
         return {n for key, n in self.calls.items() if self.kinds[key] == kind}
 
 
-def test_prediction_is_the_sum_of_its_timed_parts_and_compares_with_the_run(measured_run, capsys):
+def test_prediction_is_the_sum_of_its_timed_parts_and_compares_with_the_run(measured_run, tmp_path, capsys):
     result = blocks.main(SETTINGS + TIMING + ["--global_batch", "8", "--microbatch", "4", "--gpus", "1", "2",
                                              "--compare_results_json", str(measured_run), "--json"])
     out = capsys.readouterr().out
@@ -110,15 +110,31 @@ def test_prediction_is_the_sum_of_its_timed_parts_and_compares_with_the_run(meas
         assert row["samples_per_sec_per_gpu_overlapped"] == pytest.approx(
             row["per_gpu_batch"] / max(row["compute_seconds"], row["comm_seconds"]))
     # The traffic the sharding implies: none on one GPU; full_shard on two, per microbatch, gathers the
-    # fp32 weights twice (no autocast: an fp32 CPU run) and reduce-scatters fp32 gradients, half of each sent.
+    # fp32 weights twice but the root unit's once (no autocast: an fp32 CPU run) and reduce-scatters fp32
+    # gradients, half of each sent.
+    root = memory.fsdp_unit_params("flux1-tiny")["root"]
+    assert result["root_unit_params"] == root > 0
+    per_microbatch = 0.5 * (4 * (2 * params - root) + 4 * params)
     assert rows[1]["traffic_bytes_per_gpu"] == 0
-    assert rows[2]["traffic_bytes_per_gpu"] == pytest.approx(rows[2]["accumulation"] * 0.5 * (2 * 4 + 4) * params)
+    assert rows[2]["traffic_bytes_per_microbatch"] == pytest.approx(per_microbatch)
+    assert rows[2]["traffic_bytes_per_step_once"] == 0  # Composer reduce-scatters in every microbatch
+    assert rows[2]["traffic_bytes_per_gpu"] == pytest.approx(rows[2]["accumulation"] * per_microbatch)
     run = json.loads(measured_run.read_text())
     comparison = result["comparison"]
     assert comparison["gpus"] == 1 and comparison["measured_images_per_sec_per_device"] == run["images_per_sec_per_device"]
     assert comparison["ratio"] == pytest.approx(rows[1]["samples_per_sec_per_gpu"] / run["images_per_sec_per_device"])
     assert comparison["within_25_percent"] == (abs(comparison["ratio"] - 1) <= 0.25)
     assert result["reference"]["B200"] == 51.0  # MLPerf v5.1's published rows, for a Flux.1 model
+    # The same prediction again from the line it wrote, timing nothing (nothing is built).
+    saved = tmp_path / "blocks.log"
+    saved.write_text("timing...\n" + out)
+    with ModuleCalls(("FluxTransformerBlock", "FluxSingleTransformerBlock")) as calls:
+        again = blocks.main(SETTINGS + ["--global_batch", "8", "--microbatch", "4", "--gpus", "1", "2",
+                                        "--measured_json", str(saved)])
+    assert not calls.calls and again["measured_json"] == str(saved)
+    assert again["measured"] == result["measured"] and again["per_parameter"] == result["per_parameter"]
+    for row, before in zip(again["predicted"], result["predicted"]):
+        assert row == pytest.approx(before)
 
 
 def test_compiled_blocks_are_timed_apart_from_their_compile_and_compared_with_a_compiled_run(measured_run, aot_eager,
@@ -212,6 +228,102 @@ def test_a_file_that_is_no_results_json_is_refused_in_one_line(tmp_path, content
 def test_numbers_it_cannot_run_are_refused_naming_the_flags_given(argv, expect):
     message = error_of(blocks.main, SETTINGS + argv, prog="blocks.py")
     assert expect in message and "--microbatch 0" not in message
+
+
+# The H100's measured blocks of Flux.1-schnell (checkpointed, microbatch 32), as blocks.py wrote them.
+H100_LINES = Path(__file__).resolve().parents[1] / "results" / "h100-2026-11-26" / "blocks2.jsonl"
+H100_FLUX = ["--model_config", "flux1-schnell", "--precomputed", "--activation_checkpointing",
+             "--measured_json", str(H100_LINES)]
+
+
+def test_a_saved_h100_line_predicts_the_chosen_flux_set_up_without_a_gpu():
+    # docs/flux.md's set-up: shard_grad_op, checkpointing, one microbatch of 64 per GPU per step; the
+    # line measured microbatch 32, so its times count twice, and the weights go once each way per step.
+    line = next(json.loads(text) for text in H100_LINES.read_text().splitlines()
+                if text.startswith("{") and json.loads(text)["model_config"] == "flux1-schnell")
+    result = blocks.main(H100_FLUX + ["--fsdp", "shard_grad_op", "--microbatch", "64", "--gpus", "8"])
+    (row,) = result["predicted"]
+    params = line["denoiser_params"]
+    assert result["device"] == line["device"] and result["precision"] == "amp_bf16"  # the line's, not this CPU's
+    assert result["measured_microbatch"] == 32 and result["microbatch"] == 64
+    measured = line["measured"]["sharded"]
+    assert result["measured"]["sharded"]["composed_microbatch_seconds"] == pytest.approx(
+        2 * measured["composed_microbatch_seconds"])
+    assert row["fsdp"] == "shard_grad_op" and row["accumulation"] == 1
+    # One bf16 all-gather of the weights and one fp32 reduce-scatter of the gradients, 7/8 of each sent.
+    assert row["traffic_bytes_per_gpu"] == pytest.approx(7 / 8 * (2 + 4) * params)
+    optimizer = measured["adamw_seconds_per_param"] * params / 8
+    harness = line["harness_seconds_per_step"]  # measured at the same 64 images per step
+    assert row["compute_seconds"] == pytest.approx(2 * measured["composed_microbatch_seconds"] + optimizer + harness)
+    assert row["samples_per_sec_per_gpu"] == pytest.approx(64 / (row["compute_seconds"] + row["traffic_bytes_per_gpu"]
+                                                                  / 450e9))
+    # The default before (full_shard, two microbatches of 32) sends about 8/3 as much.
+    (before,) = blocks.main(H100_FLUX + ["--gpus", "8"])["predicted"]
+    root = memory.fsdp_unit_params("flux1-schnell")["root"]
+    assert before["traffic_bytes_per_gpu"] == pytest.approx(2 * 7 / 8 * (2 * (2 * params - root) + 4 * params))
+    assert row["samples_per_sec_per_gpu"] > before["samples_per_sec_per_gpu"]
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--microbatch", "48", "--gpus", "8", "--global_batch", "384"],
+     "microbatch 32, which --microbatch 48 is no multiple"),
+    (["--fp8", "tensorwise", "--compile"], "fp8 \"off\" (this prediction's \"tensorwise\")"),
+    (["--compile"], "compile false (this prediction's true)"),  # a line older than --compile timed eager parts
+    (["--use_ema"], "use_ema false"),
+    (["--gpus", "1"], "no times for weights cast_per_step"),
+    (["--count_memory"], "--measured_json predicts from a saved measurement"),
+])
+def test_a_saved_line_that_cannot_stand_for_the_set_up_is_refused_in_one_line(argv, expect):
+    message = error_of(blocks.main, H100_FLUX + argv, prog="blocks.py")
+    assert "--measured_json" in message and expect in message
+
+
+@pytest.mark.parametrize("content, expect", [(b"not json\n{\"a\": 1}\n", "holds no line blocks.py wrote"),
+                                             (b"\xff\xfe", "cannot be read"), (None, "cannot be read")])
+def test_a_file_without_a_saved_line_is_refused_in_one_line(tmp_path, content, expect):
+    path = tmp_path / "blocks.log"
+    if content is not None:
+        path.write_bytes(content)
+    message = error_of(blocks.main, SETTINGS + ["--measured_json", str(path)], prog="blocks.py")
+    assert expect in message and str(path) in message
+
+
+# flux1-tiny on two CPU ranks, 4 images each per step (fp32: Composer is told fp32 on a CPU, so FSDP2
+# gathers fp32 weights); the third argument is the microbatch.
+TRAFFIC_RUNS = {"full_shard": ("full_shard", [], "2"),  # two microbatches per step
+                "flux_set_up": ("shard_grad_op", ["--activation_checkpointing", "on"], "4")}  # docs/flux.md's
+
+
+@pytest.mark.multirank
+def test_the_traffic_it_counts_is_what_two_ranks_send(tmp_path):
+    # What Composer's FSDP2 sends, counted from outside (tests/traffic_run.py wraps the all-gather and the
+    # reduce-scatter), against blocks.py's traffic model: full_shard gathers every microbatch, each block
+    # twice and the root unit once, and reduce-scatters every microbatch; the chosen Flux.1 set-up
+    # (shard_grad_op, checkpointing, the per-rank batch in one microbatch) gathers and reduce-scatters
+    # each unit once per step, its recompute included.
+    launches = {name: Launch(two_ranks("tests/traffic_run.py", "--report", str(tmp_path / name),
+                                       *SETTINGS, "--use_synth_data", "--batch_size", "8", "--max_duration", "2ba",
+                                       "--warmup_batches", "1", "--num_workers", "0", "--fsdp", mode, *extra,
+                                       "--device_train_microbatch_size", micro), tmp_path / f"{name}.log")
+                for name, (mode, extra, micro) in TRAFFIC_RUNS.items()}
+    supervise(list(launches.values()))
+    denoiser = build_meta_model("flux1-tiny", precomputed=True).denoiser
+    params = sum(p.numel() for p in denoiser.parameters())
+    root = memory.fsdp_unit_params("flux1-tiny")["root"]
+    units = len(family_of("flux1-tiny").fsdp_blocks(denoiser)) + 1
+    for name, (mode, _, micro) in TRAFFIC_RUNS.items():
+        assert launches[name].proc.returncode == 0, launches[name].tail()
+        microbatches = 4 // int(micro)
+        once, per_microbatch = blocks.traffic_bytes_per_gpu(mode, 2, params, root, "fp32")
+        for rank in range(2):
+            report = json.loads((tmp_path / name / f"rank{rank}.json").read_text())
+            assert len(report["batches"]) == 2 and report["world_size"] == 2
+            for batch in report["batches"]:
+                assert batch["all_gather"] + batch["reduce_scatter"] == pytest.approx(once + microbatches * per_microbatch)
+                assert batch["reduce_scatter"] == pytest.approx(microbatches * 0.5 * 4 * params)
+                assert batch["reduce_scatter_calls"] == microbatches * units
+                gathers = 2 * units - 1 if mode == "full_shard" else units
+                assert batch["all_gather_calls"] == microbatches * gathers
 
 
 @pytest.mark.parametrize("model_config", ["tiny"])  # sdxl-tiny: in the test of checkpointing below

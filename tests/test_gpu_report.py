@@ -143,7 +143,7 @@ def test_blocks_rows_are_commands_blocks_py_accepts(tmp_path, smoke):
         if row.blocks_of:
             assert parsed.model_config == "flux1-tiny"
             assert parsed.fp8 == row.blocks_of.fp8 and parsed.precomputed_format == "text_states"
-            assert parsed.fsdp == ("none" if smoke else "full_shard") and not parsed.use_ema
+            assert parsed.fsdp == ("none" if smoke else row.blocks_of.fsdp) and not parsed.use_ema
             if not smoke:  # the run bench_gpu.py launches on 8 of these GPUs: its checkpointing and microbatch
                 node = bench_gpu.plan_row(row.name, row.blocks_of, 8, gpu_memory_bytes, tmp_path, 1, 0, False, "")
                 assert (parsed.activation_checkpointing, parsed.microbatch) == (node.activation_checkpointing,

@@ -67,7 +67,7 @@ NOT_NUMBERS = {
     "learns.py": {"--captions", "--data", "--workdir", "--make_data", "--results_json"},
     "index_scale.py": {"--out", "--json", "--from_json", "--child", "--local"},
     "step_ops.py": {"--model_config"},
-    "blocks.py": {"--compare_results_json"},
+    "blocks.py": {"--compare_results_json", "--measured_json"},
     "bench_gpu.py": {"--out", "--only", "--model_name"},
     "gpu_report.py": {"--out", "--rows", "--results_root", "--model_name"},
     "memory.py": {"--model_config"},
