@@ -41,6 +41,7 @@ from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
 from t2ibench.callbacks.validation import EVAL_LABEL, ValidationLog
 from t2ibench.checkpoints import write_whole
+from t2ibench.compiling import compile_step_parts
 from t2ibench.data_checks import SYNTHETIC_EVAL_SAMPLES
 from t2ibench.families import Parts, build_aside, require_pretrained
 from t2ibench.files import STAGING_FOLDER, no_room, hold_output, staged_folder, write_error, write_text
@@ -237,19 +238,16 @@ def apply_speed_settings(settings: Settings, run: Runtime, model: DiffusionModel
         set_norm_precision(model, settings.norm_precision)
     if settings.compile:
         if run.world_size > 1:
-            # Under DDP, dynamo's DDPOptimizer splits the compiled graph at every gradient bucket
-            # (~140 graphs for the SD2 UNet) so that all-reduces overlap the backward pass. With
-            # gradient accumulation Composer syncs gradients only on a batch's last microbatch, so
-            # that overlap is worth little, while the splits cost fusion and compile time.
+            # Under DDP, dynamo's DDPOptimizer splits a compiled graph at every gradient bucket (25 MB:
+            # ~140 graphs for the whole SD2 UNet; a block's graph too, as a 1280-wide resnet holds
+            # 118 MB of fp32 weights) so that all-reduces overlap the backward pass. With gradient
+            # accumulation Composer syncs gradients only on a batch's last microbatch, so that overlap
+            # is worth little, while the splits cost fusion and compile time.
             torch._dynamo.config.optimize_ddp = False
-        # nn.Module.compile works in place and keeps parameter names, so checkpoints and the EMA are
-        # unaffected. Every module that runs per step: the eager VAE encoder was 35-40% of an
-        # online SD2 step, and the text encoders run on token ids online and on the tokens format.
-        model.denoiser.compile()
-        if model.vae is not None:
-            model.vae.encoder.compile()
-        for encoder in model.text_encoders.values():
-            encoder.compile()
+        # Every part that runs per step, block by block (t2ibench.compiling). After the float8
+        # conversion (build_model), so the converted layers run compiled, and before FSDP wraps the
+        # blocks (the Trainer), whose hooks stay outside the graphs.
+        compile_step_parts(model, settings.family.compile_blocks)
 
 
 @dataclasses.dataclass

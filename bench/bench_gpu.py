@@ -461,8 +461,8 @@ def build_parser() -> Parser:
     p.add_argument("--allow_random_encoders", action="store_true",
                    help="run without the pretrained VAE/text encoder (random ones; no rank tries the hub)")
     p.add_argument("--fp8", default="off", choices=FP8_MODES,
-                   help="float8 training of the denoiser's Linear layers in every row (benchmark.py's --fp8; needs "
-                        "compute capability 8.9: Ada, Hopper, Blackwell)")
+                   help="float8 training of the denoiser's Linear layers in every row, compiled (benchmark.py's --fp8 "
+                        "--compile; needs compute capability 8.9: Ada, Hopper, Blackwell)")
     p.add_argument("--smoke", action="store_true",
                    help="check the tool without a GPU: each family's tiny model, 32x32, on CPU (figures mean nothing)")
     return p
@@ -527,7 +527,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.fp8 != "off" and not (args.smoke or args.dry_run) and torch.cuda.get_device_capability() < MIN_CAPABILITY:
         fail(f"--fp8 {args.fp8}: {torch.cuda.get_device_name()} has no float8 tensor cores (compute capability "
              f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} and up: Ada, Hopper, Blackwell); drop --fp8")
-    settings = {n: dataclasses.replace(MATRIX[n], fp8=args.fp8) if args.fp8 != "off" else MATRIX[n] for n in args.names}
+    # Float8 runs compiled (benchmark.py refuses --fp8 without --compile: eager float8 is slower than bf16).
+    settings = {n: dataclasses.replace(MATRIX[n], fp8=args.fp8, compile=True) if args.fp8 != "off" else MATRIX[n]
+                for n in args.names}
     rows = [plan_row(n, settings[n], gpus, gpu_memory_bytes, out, args.batches, args.warmup_batches, args.smoke,
                      args.model_name) for n in args.names]
     seconds = [estimate_seconds(row, gpus, args.batches, peak_tflops * 1e12) for row in rows] if not args.smoke else []

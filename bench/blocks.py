@@ -1,7 +1,7 @@
 """The node predicted from one device: each repeated block of the denoiser timed, the full step composed,
 the sharded-training traffic added, samples/s per GPU predicted for a node.
 
-    python bench/blocks.py --model_config flux1-schnell --precomputed --microbatch 8 --fp8 tensorwise   # one GPU
+    python bench/blocks.py --model_config flux1-schnell --precomputed --microbatch 8 --compile --fp8 tensorwise  # a GPU
     python benchmark.py --model_config flux1-tiny --precomputed --use_synth_data --batch_size 8 --image_size 64 \\
         --max_duration 40ba --warmup_batches 10 --num_workers 0 --results_json run.json                # CPU check:
     python bench/blocks.py --model_config flux1-tiny --precomputed --image_size 64 --global_batch 8 --microbatch 8 \\
@@ -47,14 +47,18 @@ The step of the full model, per GPU of `G`, per-GPU batch `B/G` in microbatches 
 `--link_gbps` is in gigabytes per second per direction per GPU (default: NVLink 4 on an H100, 450);
 a multi-node figure takes the slower inter-node rate. The prediction is labelled **predicted**: it
 assumes a node of the device it ran on and times nothing of a node (no collective, no straggler).
+`--compile` compiles each part as benchmark.py's `--compile` compiles the run (t2ibench.compiling with
+the family's `compile_blocks`: the blocks inside each block timed, the encoders' layers in the rest);
+each part first runs once untimed to compile, and its compile seconds are reported apart from its timed
+runs. `--fp8` needs `--compile`, by benchmark.py's rule and in its words (t2ibench.fp8.check_compiled).
 `--compare_results_json` reads a benchmark.py run of the same set-up (refused, before any timing,
-when any setting that changes the step differs, or its device is not this one) and prints the ratio
-of the prediction for its device count to its measured images/s per device. `--measured_json FILE` times
-nothing: it reads a line blocks.py wrote with `--json` (a .jsonl, or a log ending in it), the first
-whose measured settings are this run's, and predicts again from its times for other `--gpus`,
-`--fsdp`, `--global_batch` or `--link_gbps`, on any machine; a `--microbatch` that is a whole multiple
-of the measured one scales its times (per-image time held). `--count_memory` times
-nothing: it counts each part's memory on the meta device for a CUDA GPU (t2ibench.memory) beside a
+when any setting that changes the step differs, `--compile` included, or its device is not this one)
+and prints the ratio of the prediction for its device count to its measured images/s per device.
+`--measured_json FILE` times nothing: it reads a line blocks.py wrote with `--json` (a .jsonl, or a log
+ending in it), the first whose measured settings are this run's (`--compile` among them; a line older than
+the flag timed the eager parts), and predicts again from its times for other `--gpus`, `--fsdp`,
+`--global_batch` or `--link_gbps`, on any machine; a `--microbatch` that is a whole multiple of the
+measured one scales its times (per-image time held). `--count_memory` times nothing: it counts each part's memory on the meta device for a CUDA GPU (t2ibench.memory) beside a
 one-GPU run's fixed bytes. `--json` ends with one line: the measured times, the composition and
 `predicted` (a list of {gpus, samples_per_sec_per_gpu}).
 """
@@ -82,6 +86,7 @@ from bench_gpu import GLOBAL_BATCH, MLPERF_FLUX_GLOBAL_BATCH  # noqa: E402
 from t2ibench import checks, errors, flags, fp8, memory, precomputed  # noqa: E402
 from t2ibench.cli import (BATCH_SIZE, GPU_COUNT, IMAGE_SIZE, MAX_REPEATS, NON_NEGATIVE_INT, POSITIVE_FLOAT,  # noqa: E402
                           REPEATS, SEED, WARMUP_REPEATS, Parser, Range, check_workers)
+from t2ibench.compiling import compile_blocks, compile_seconds, compile_step_parts  # noqa: E402
 from t2ibench.errors import fail  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
 from t2ibench.norms import NORM_PRECISIONS, set_norm_precision  # noqa: E402
@@ -124,6 +129,10 @@ def build_parser() -> Parser:
                    help="as benchmark.py's, for the one-GPU prediction (several GPUs cast per microbatch); auto: "
                         "step on a CUDA device under amp_bf16, else microbatch")
     flags.add_fp8(g)
+    g.add_argument("--compile", action="store_true",
+                   help="compile each part's blocks as benchmark.py's --compile compiles the run's "
+                        "(t2ibench.compiling); each part's compile seconds are reported apart from its timed runs; "
+                        "needed by --fp8")
     g.add_argument("--use_ema", action="store_true", help="add the EMA update per step (MLPerf's Flux.1 runs none)")
     g.add_argument("--fsdp", type=str, default="auto", choices=FSDP_CHOICES,
                    help="sharding on several GPUs, as benchmark.py's (auto: full_shard for Flux.1, else DDP)")
@@ -212,6 +221,10 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
         casts = resolve_weight_casts(parsed.weight_casts, on_gpu=gpu_step, precision=precision, world_size=gpus)
         # FSDP gathers its own bf16 copy of each unit: t2ibench.weight_casts' copies are for one device.
         setups[gpus] = Setup(sharded, "microbatch" if sharded else casts)
+    # benchmark.py's rule, for every set-up predicted: float8 compiled, rowwise on bf16 weights.
+    fp8.check_compiled(parsed.fp8, parsed.compile, fp32_weights_under_autocast=precision != "fp32" and any(
+        not setup.low_precision_weights(precision) for setup in setups.values()),
+        sharded_under_autocast=precision != "fp32" and any(setup.sharded for setup in setups.values()))
     microbatch = parsed.microbatch
     if microbatch is None and lines is not None:
         microbatch = lines[0]["microbatch"]  # the first line's: the one measured, when it is this set-up
@@ -261,7 +274,11 @@ def measured_set_up(args: argparse.Namespace) -> dict[str, Any]:
     return {"model_config": args.model_config, "image_size": args.image_size, "precision": args.precision,
             "norm_precision": args.norm_precision, "precomputed": args.precomputed,
             "precomputed_format": args.text_format, "activation_checkpointing": args.activation_checkpointing,
-            "fp8": args.fp8, "use_ema": args.use_ema}
+            "fp8": args.fp8, "compile": args.compile, "use_ema": args.use_ema}
+
+
+# Lines written before blocks.py had --compile timed the eager parts.
+ABSENT_IN_OLDER_LINES = {"compile": False}
 
 
 def measured_lines(path: str) -> list[dict[str, Any]]:
@@ -298,8 +315,9 @@ def saved_measurement(args: argparse.Namespace, lines: list[dict[str, Any]]) -> 
     wanted, labels = measured_set_up(args), {setup.label for setup in args.setups.values()}
     reasons = []
     for number, line in enumerate(lines, 1):
-        differs = [f"{key} {json.dumps(line.get(key))} (this prediction's {json.dumps(value)})"
-                   for key, value in wanted.items() if line.get(key) != value or type(line.get(key)) is not type(value)]
+        theirs = {key: line.get(key, ABSENT_IN_OLDER_LINES.get(key)) for key in wanted}
+        differs = [f"{key} {json.dumps(theirs[key])} (this prediction's {json.dumps(value)})"
+                   for key, value in wanted.items() if theirs[key] != value or type(theirs[key]) is not type(value)]
         missing = sorted(labels - set(line["measured"]))
         if missing:
             differs.append(f"no times for weights {', '.join(missing)} (it measured "
@@ -407,7 +425,7 @@ def run_setup(args: argparse.Namespace, gpus: int) -> dict[str, tuple[Any, str]]
         "fsdp": (mode_for(args, gpus), same("--fsdp")),
         "fused_adamw": (args.device == "cuda", "blocks.py times AdamW as benchmark.py's default runs it (fused on "
                                                "a GPU): compare with a run of --fused_adamw auto"),
-        "compile": (False, eager("--compile")),
+        "compile": (args.compile, same("--compile")),
         "channels_last": (False, eager("--channels_last")),
         "xformers": (False, eager("--xformers")),
         # The harness loads synthetic batches: a run's own data adds its loader's cost.
@@ -579,6 +597,8 @@ def block_step(args: argparse.Namespace, setup: Setup, name: str, calls: BlockCa
     """One forward and backward of the block `name` (built from the meta `part`) on its recorded inputs."""
     block = materialize(part, device, args.seed)
     casts = prepare(block, args, setup, name + ".", device)
+    if args.compile and device != "meta":  # the block's own compiled blocks, as the run compiles the denoiser's
+        compile_blocks([block], family_of(args.model_config).compile_blocks)
     block.train()
     block_args, block_kwargs = real_tensors(calls.inputs[name], device, args.seed)
     leaves = [t for t in tree_flatten((block_args, block_kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -650,6 +670,8 @@ def rest_step(args: argparse.Namespace, setup: Setup, model: Any, device: str) -
     casts = prepare(model.denoiser, args, setup, "", device)
     if args.precision == "amp_bf16" and device != "meta":
         set_norm_precision(model, args.norm_precision)  # the frozen encoders' norms too, as benchmark.py's
+    if args.compile and device != "meta":  # the stand-ins hold no block: what the run compiles outside them
+        compile_step_parts(model, family_of(args.model_config).compile_blocks)
     model.train()
     batch = memory.meta_batch(model, args.model_config, args.image_size, args.microbatch, device=device)
     steady_gradients(model.denoiser)
@@ -724,14 +746,23 @@ class Part:
     build: Callable[[Any], Callable[[], None]]
 
 
-def time_part(part: Part, args: argparse.Namespace) -> dict[str, Any]:
+def time_part(part: Part, args: argparse.Namespace, compiled: bool = False) -> dict[str, Any]:
     """Build a part, run it --warmup times, time --repeats runs (the median), and free it, so that the
-    device holds one part at a time. On a GPU also its peak memory (the allocator's, from its build on)."""
+    device holds one part at a time. On a GPU also its peak memory (the allocator's, from its build on).
+    A `compiled` part (--compile) first runs once more, untimed, to compile its blocks' forward and
+    backward graphs: the seconds torch spends compiling them (t2ibench.compiling's timers, None where
+    torch keeps none) are reported apart; dynamo's caches are emptied after the part, with the part."""
     device = args.device
     pieces = part.make_meta()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     step = part.build(pieces)
+    compiling = None
+    if compiled:
+        before = compile_seconds()
+        step()
+        after = compile_seconds()
+        compiling = after - before if before is not None and after is not None else None
     for _ in range(args.warmup):
         step()
     times = []
@@ -743,12 +774,14 @@ def time_part(part: Part, args: argparse.Namespace) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
     del step, pieces
+    if compiled:
+        torch._dynamo.reset()  # its caches hold guards on the part's modules: they go with the part
     if device == "cuda":
         # What a reference cycle still holds of the part goes before the next part is built (a second
         # here, minutes of GPU timing around it), and the allocator's cache with it.
         gc.collect()
         torch.cuda.empty_cache()
-    return {"seconds": statistics.median(times), "peak_memory_bytes": peak}
+    return {"seconds": statistics.median(times), "peak_memory_bytes": peak, "compile_seconds": compiling}
 
 
 def count_part(part: Part) -> int:
@@ -797,10 +830,11 @@ def measure(args: argparse.Namespace, setup: Setup) -> dict[str, Any]:
     timed = {}
     for label, part in built.items():
         print(f"  {label}...", file=sys.stderr, flush=True)
-        timed[label] = time_part(part, args)
+        timed[label] = time_part(part, args, compiled=args.compile)
     blocks = [{"name": label, "count": len(names), **timed[label]} for label, names in members.items()]
     rest = timed["the rest"]["seconds"]
     return {"blocks": blocks, "rest_seconds": rest, "rest_peak_memory_bytes": timed["the rest"]["peak_memory_bytes"],
+            "rest_compile_seconds": timed["the rest"]["compile_seconds"],
             "composed_microbatch_seconds": rest + sum(b["count"] * b["seconds"] for b in blocks)}
 
 
@@ -954,29 +988,52 @@ def compare(args: argparse.Namespace, predicted: list[dict]) -> dict[str, Any]:
             "within_25_percent": abs(ratio - 1) <= 0.25}
 
 
+def total_compile_seconds(measured: dict[str, dict]) -> float | None:
+    """Seconds compiling every part timed (--compile), outside every timed run; None where torch keeps no
+    compile timers."""
+    seconds = [b["compile_seconds"] for times in measured.values() for b in times["blocks"]]
+    seconds += [times["rest_compile_seconds"] for times in measured.values()]
+    return None if None in seconds else sum(seconds)
+
+
 def gib(n: float) -> str:
     return f"{n / memory.GIB:.2f} GiB"
 
 
 def header(result: dict[str, Any]) -> str:
     return (f"{result['model_config']} at {result['image_size']}x{result['image_size']}, {result['precision']}, "
-            f"fp8 {result['fp8']}{', activation checkpointing' if result['activation_checkpointing'] else ''}, "
+            f"fp8 {result['fp8']}{', compiled' if result['compile'] else ''}"
+            f"{', activation checkpointing' if result['activation_checkpointing'] else ''}, "
             f"microbatch {result['microbatch']}, global batch {result['global_batch']}")
+
+
+def compiled_in(seconds: float | None) -> str:
+    """A part's compile seconds for the report (--compile), after its timed figure."""
+    return f"  (compiled in {seconds:.1f} s)" if seconds is not None else "  (compile seconds unknown)"
 
 
 def report(result: dict[str, Any]) -> str:
     saved = f", read from {result['measured_json']}" if result.get("measured_json") else ""
     scaled = (f", scaled from the measured microbatch {result['measured_microbatch']} (its per-image time held)"
               if result.get("measured_microbatch", result["microbatch"]) != result["microbatch"] else "")
-    lines = [f"{header(result)}; measured on {result['device']} (median of {result['repeats']} after "
+    first = "after one untimed run that compiles it and " if result["compile"] else "after "
+    lines = [f"{header(result)}; measured on {result['device']} (median of {result['repeats']} {first}"
              f"{result['warmup']} warm-up, one part at a time{saved}), per microbatch{scaled}:"]
     for label, times in result["measured"].items():
         lines.append(f"  weights {label}:")
         for b in times["blocks"]:
             peak = f"  (peak {gib(b['peak_memory_bytes'])})" if b["peak_memory_bytes"] is not None else ""
-            lines.append(f"    {b['name']:<34} x{b['count']:<3} {1e3 * b['seconds']:10.2f} ms forward + backward{peak}")
-        lines.append(f"    {'the rest (embedders, final layer, loss)':<38} {1e3 * times['rest_seconds']:10.2f} ms")
+            built = compiled_in(b["compile_seconds"]) if result["compile"] else ""
+            lines.append(f"    {b['name']:<34} x{b['count']:<3} {1e3 * b['seconds']:10.2f} ms forward + backward"
+                         f"{peak}{built}")
+        built = compiled_in(times["rest_compile_seconds"]) if result["compile"] else ""
+        rest = f"{1e3 * times['rest_seconds']:10.2f} ms"
+        lines.append(f"    {'the rest (embedders, final layer, loss)':<38} {rest}{built}")
         lines.append(f"    {'composed: the full model':<38} {1e3 * times['composed_microbatch_seconds']:10.2f} ms")
+    if result["compile"]:
+        total = result["compile_seconds"]
+        lines.append(f"  compiling: {f'{total:.1f} s' if total is not None else 'unknown seconds'} over the parts, "
+                     "none of it in the times above")
     u = result["per_parameter"]
     lines.append(f"  per parameter and step: AdamW {1e9 * u['adamw_seconds_per_param']:.2f} ns, EMA "
                  f"{1e9 * u['ema_seconds_per_param']:.2f} ns, weight casts {1e9 * u['weight_casts_seconds_per_param']:.2f} ns")
@@ -1017,7 +1074,8 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     return {"model_config": args.model_config, "image_size": args.image_size, "precision": args.precision,
             "norm_precision": args.norm_precision, "precomputed": args.precomputed,
             "precomputed_format": args.text_format, "activation_checkpointing": args.activation_checkpointing,
-            "weight_casts": args.weight_casts, "fp8": args.fp8, "use_ema": args.use_ema, "microbatch": args.microbatch,
+            "weight_casts": args.weight_casts, "fp8": args.fp8, "compile": args.compile, "use_ema": args.use_ema,
+            "microbatch": args.microbatch,
             "global_batch": args.global_batch, "gpus": args.gpus}
 
 
@@ -1055,7 +1113,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = {
             **settings_of(args), "link_gbps": args.link_gbps, "device": device,
             "warmup": warmup, "repeats": repeats, "denoiser_params": params, "root_unit_params": root_params,
-            "measured": measured, "per_parameter": updates,
+            "measured": measured, "compile_seconds": total_compile_seconds(measured) if args.compile else None,
+            "per_parameter": updates,
             "harness_seconds_per_step": harness_per_image * per_device, "harness_per_device_batch": per_device,
             "measured_json": args.measured_json,
             "measured_microbatch": args.saved["line"]["microbatch"] if args.saved else args.microbatch,

@@ -33,6 +33,7 @@ from bench_gpu import MATRIX, Setting  # noqa: E402
 from t2ibench import errors, files  # noqa: E402
 from t2ibench.cli import BUDGET_SECONDS, Parser  # noqa: E402
 from t2ibench.errors import fail  # noqa: E402
+from t2ibench.gpu_setup import from_flag  # noqa: E402  (imported here: the budget's clock starts after the imports)
 from t2ibench.locations import check_output  # noqa: E402
 
 DEFAULT_BUDGET_SECONDS = 480.0  # 8 of the ten minutes a GPU is often lent for: its start-up and the copy back
@@ -48,6 +49,10 @@ FLUX_ROW, FLUX_FP8, NODE_GPUS = "flux-precomputed-states-bf16-fsdp", "tensorwise
 SMOKE_BATCHES, SMOKE_WARMUP_BATCHES = 3, 1
 SMOKE_BLOCKS_FLAGS = ["--num_workers", "0", "--warmup", "1", "--repeats", "2", "--harness_batches", "2"]
 SMOKE_GPU_MEMORY_BYTES = 80 * 2**30  # the count's nominal device (a CPU has none); its microbatch is --smoke's
+# --smoke runs its compiled rows eager: inductor's C++ code generation for even the tiny models' blocks takes
+# tens of minutes on a 2-core CPU (sdxl-tiny block by block: 2,429 s; docs/speed.md), far past the smoke's
+# minutes. The --compile flags still go through every command, so the compiled rows' code paths run.
+SMOKE_ENV = {"TORCH_COMPILE_DISABLE": "1"}
 
 # The budget rule (docs/gpu-runs.md): a row is started only if its estimate fits the time left. The
 # estimate takes the largest start-up and compile seconds and the lowest FLOP/s of the rows run so far,
@@ -121,6 +126,7 @@ class Outcome:
     wall_s: float | None = None
     result: dict | None = None  # the row's results JSON (benchmark.py's, or blocks.py's last line)
     notes: list[str] = field(default_factory=list)
+    compiled_ran_eager: bool = False  # a compiled row that --smoke ran eager (SMOKE_ENV)
 
     @property
     def ok(self) -> bool:
@@ -216,8 +222,6 @@ def setting_of(result: dict) -> Setting:
 def blocks_command(row: ReportRow, outcomes: dict[str, Outcome], args: argparse.Namespace,
                    gpu_memory_bytes: float) -> tuple[list[str], list[str]]:
     """blocks.py's command for a blocks row, and its notes."""
-    from t2ibench.gpu_setup import from_flag
-
     if row.compare_with:  # the measured run's own set-up, at its microbatch and device count
         measured = outcomes[row.compare_with].result
         flags, notes = blocks_flags(setting_of(measured), bool(measured.get("activation_checkpointing")))
@@ -237,8 +241,13 @@ def blocks_command(row: ReportRow, outcomes: dict[str, Outcome], args: argparse.
 
 
 def run_setting(row: ReportRow, smoke: bool) -> Setting:
-    """The set-up a training row runs: its own, or on --smoke its family's tiny model."""
-    return bench_gpu.smoke_setting(row.setting, 1) if smoke else row.setting
+    """The set-up a training row runs: its own, or on --smoke its family's tiny model with checkpointing as
+    its CPU run resolves the flag (`auto`: off), so that its estimate counts the step it runs, once."""
+    if not smoke:
+        return row.setting
+    tiny = bench_gpu.smoke_setting(row.setting, 1)
+    return dataclasses.replace(tiny, activation_checkpointing="on" if from_flag(tiny.activation_checkpointing)[0]
+                               else "off")
 
 
 # -- the budget rule -----------------------------------------------------------------------------------
@@ -308,6 +317,8 @@ def run_training(row: ReportRow, args: argparse.Namespace, ends_at: float, env: 
     if args.smoke:  # the count of the step as it runs here, so the table's counted column is filled
         from t2ibench import memory
 
+        planned.command = one_rank(planned.command)
+
         tiny = run_setting(row, True)
         plan = memory.plan(tiny.model_config, tiny.resolution, SMOKE_GPU_MEMORY_BYTES,
                            activation_checkpointing=planned.activation_checkpointing,
@@ -316,6 +327,15 @@ def run_training(row: ReportRow, args: argparse.Namespace, ends_at: float, env: 
                         "predicted_bytes_at_microbatch": memory.predicted_bytes(plan, planned.microbatch)}
     # The planning counted on the meta device is part of the row's time.
     return bench_gpu.run_row(planned, args.out, max(1.0, ends_at - time.monotonic()), env, announce=False)
+
+
+def one_rank(command: list[str]) -> list[str]:
+    """A one-rank launch without Composer's launcher: benchmark.py itself (--smoke's training rows run on one
+    CPU rank, and the launcher is an interpreter of its own importing torch and Composer, seconds of CPU
+    time per row of a smoke run of a few minutes)."""
+    start = command.index("composer.cli.launcher") - 1  # [python, -m, composer.cli.launcher, -n, 1, script...]
+    assert command[start + 2:start + 4] == ["-n", "1"], command
+    return [*command[:start], *command[start + 4:]]
 
 
 def run_blocks(row: ReportRow, command: list[str], out: Path, timeout_s: float, env: dict) -> tuple[str, dict | None]:
@@ -346,11 +366,9 @@ def last_json_line(text: str) -> dict | None:
 
 def row_env(row: ReportRow, smoke: bool, pretrained: bool) -> dict:
     """A row's environment: offline unless it runs SD2's pretrained parts and has them; on --smoke, torch.compile
-    off (a CPU inductor compile of the tiny UNet ran past 12 minutes on the loaded 2-core machine)."""
+    off (SMOKE_ENV): the compiled rows run eager, and the README's compile column says so."""
     env = bench_gpu.launch_env(row.setting, pretrained) if row.setting else {**os.environ, "HF_HUB_OFFLINE": "1"}
-    if smoke:
-        env["TORCH_COMPILE_DISABLE"] = "1"
-    return env
+    return {**env, **SMOKE_ENV} if smoke else env
 
 
 def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
@@ -409,7 +427,8 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
             if outcome.ok:
                 estimator.observe_blocks(outcome.wall_s)
         if args.smoke and compiles(row, outcomes):
-            outcome.notes.append("--smoke: eager (TORCH_COMPILE_DISABLE=1)")
+            outcome.compiled_ran_eager = True
+            outcome.notes.append("--smoke: ran eager (TORCH_COMPILE_DISABLE=1)")
         figure = headline(outcome)
         print(f"{tag}: {outcome.status} in {outcome.wall_s:.0f} s{f', {figure}' if figure else ''}; "
               f"{max(0.0, deadline - time.monotonic()):.0f} s left", flush=True)
@@ -602,6 +621,14 @@ def seconds(value: float | None) -> str:
     return f"{value:.0f}" if value is not None else "-"
 
 
+def compile_cell(outcome: Outcome) -> str:
+    """The compile seconds column: the row's (none for an eager row, whose run reports 0), or that --smoke ran
+    the compiled row eager."""
+    if outcome.compiled_ran_eager:
+        return "eager (--smoke)"
+    return seconds(outcome.result.get("compile_seconds")) if outcome.result.get("compile") else "-"
+
+
 def versus(outcome: Outcome, outcomes: dict[str, Outcome], row: ReportRow) -> str:
     """This row's figure over its baseline row's, both of this report."""
     base = outcomes.get(row.baseline) if row.baseline else None
@@ -645,7 +672,7 @@ def run_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:
         lines.append(f"| {outcome.name} | {setup}{''.join(f'; {n}' for n in outcome.notes)} | ok "
                      f"| {r['images_per_sec']:.1f} | {mfu} | {gib(r.get('peak_memory_bytes'))} / "
                      f"{gib(r.get('peak_memory_reserved_bytes'))} | {gib(counted)} "
-                     f"| {seconds(r.get('compile_seconds'))} | {versus(outcome, by_name, row)} | {earlier_cell} "
+                     f"| {compile_cell(outcome)} | {versus(outcome, by_name, row)} | {earlier_cell} "
                      f"| {ratio} |")
     return lines
 
@@ -679,7 +706,7 @@ def blocks_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:
                     else "-")
         earlier_cell, ratio = earlier_cells(outcome, earlier)
         lines.append(f"| {outcome.name} | {setup} | ok | {first['samples_per_sec_per_gpu']:.2f} on {first['gpus']} "
-                     f"({first['fsdp']}) | {measured} | {seconds(r.get('compile_seconds'))} "
+                     f"({first['fsdp']}) | {measured} | {compile_cell(outcome)} "
                      f"| {versus(outcome, by_name, row)} | {earlier_cell} | {ratio} |")
     return lines
 
@@ -703,8 +730,10 @@ def write_readme(args: argparse.Namespace, info: dict, outcomes: list[Outcome], 
             f"{info['python']}; load average {info['load_average'][0]:.1f} on {info['cpu_count']} CPUs at the start; "
             f"SD2's encoders {info['sd2_encoders']}. Everything in `environment.json`.", ""]
     if args.smoke:
-        text += ["**--smoke**: the tiny models (tiny, sdxl-tiny, flux1-tiny) at 32x32 on a CPU, compiled rows eager; "
-                 "the figures check the tool and mean nothing.", ""]
+        text += ["**--smoke**: the tiny models (tiny, sdxl-tiny, flux1-tiny) at 32x32 on a CPU; the figures check the "
+                 "tool and mean nothing. **The compiled rows ran eager** (TORCH_COMPILE_DISABLE=1, their compile "
+                 "column says `eager (--smoke)`): inductor's C++ code generation takes tens of minutes on a small CPU.",
+                 ""]
     runs = [o for o in outcomes if o.kind == "run"]
     blocks = [o for o in outcomes if o.kind == "blocks"]
     if runs:

@@ -32,7 +32,7 @@ from t2ibench.precision import PRECISION_CHOICES, resolve_precision
 from t2ibench.precomputed import default_format
 from t2ibench.settings import Settings
 from t2ibench.sources import parse_sources
-from t2ibench.weight_casts import weight_casts_problem
+from t2ibench.weight_casts import resolve_weight_casts, weight_casts_problem
 
 # Time units the run counts: tokens are never counted here, and Composer refuses `dur` and
 # wall-clock `sec` for max_duration and anything but ep/ba for the console log.
@@ -146,7 +146,8 @@ def check_latest_checkpoint(save_folder: str) -> None:
 
 
 def check_parallelism(settings: Settings, world_size: int) -> str:
-    """`--fsdp` resolved (auto: the family's default for this world size) and checked against the run;
+    """`--fsdp` resolved (auto: the family's default for this world size) and checked against the run,
+    with what depends on it (the weight casts, float8's need of --compile and of bf16 weights);
     returns the mode the run applies."""
     family = settings.family
     fsdp = resolve_mode(settings.fsdp, family.parallelism, world_size)
@@ -163,6 +164,11 @@ def check_parallelism(settings: Settings, world_size: int) -> str:
     problem = weight_casts_problem(settings.weight_casts, precision=precision, world_size=world_size)
     if problem:
         fail(problem)
+    weight_casts = resolve_weight_casts(settings.weight_casts, on_gpu=torch.cuda.is_available(), precision=precision,
+                                        world_size=world_size)
+    fp8.check_compiled(settings.fp8, settings.compile, fp32_weights_under_autocast=precision != "fp32"
+                       and weight_casts == "microbatch" and fsdp == "none",
+                       sharded_under_autocast=precision != "fp32" and fsdp != "none")
     if fsdp != "none" and settings.channels_last:
         fail(f"--channels_last with --fsdp {fsdp}: torch 2.7's fully_shard refuses non-contiguous (channels-last) "
              "weights; drop one of the two")

@@ -198,8 +198,9 @@ def benchmark_parser(description: str) -> Parser:
                         "from their columns); default tokens for SD2, text_states (MLPerf's) for Flux")
     g.add_argument("--channels_last", action="store_true", help="denoiser and VAE in channels-last memory format")
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile every module that runs per step: the denoiser, and the VAE encoder and text "
-                        "encoders when they run (in place: checkpoint keys unchanged)")
+                   help="torch.compile every module that runs per step, block by block, each distinct block once: "
+                        "the denoiser, and the VAE encoder and text encoders when they run (in place: checkpoint "
+                        "keys unchanged); needed by --fp8")
     g.add_argument("--norm_precision", type=str, default="autocast", choices=NORM_PRECISIONS,
                    help="under AMP, GroupNorm and LayerNorm run in the autocast dtype (autocast), or in fp32 as "
                         "CUDA autocast's own lists have them (fp32)")

@@ -64,6 +64,29 @@ def check(mode: str, precision: str) -> None:
         fail(f"--fp8 {mode}: torchao is not installed; pip install -r requirements.txt (it pins torchao)")
 
 
+def check_compiled(mode: str, compiled: bool, fp32_weights_under_autocast: bool, sharded_under_autocast: bool = False
+                   ) -> None:
+    """Refuse `--fp8` without `--compile`, in one line: torchao's float8 training is made to run compiled.
+    And rowwise scales where the compiled layers would see fp32 weights under autocast (no weight casts
+    per step, no FSDP): AOT autograd (torch 2.7) traces the backward under the forward's autocast, which
+    casts the rowwise float8 weight to bf16, and torchao 0.11 refuses ("aten._to_copy.default with
+    axiswise scaling is not supported yet"); eager backward runs outside autocast, and the bf16 copies of
+    weight casts per step need no cast. Under FSDP with autocast the compiled backward meets the same
+    refusal (flux1-tiny, full_shard on two CPU ranks), though eager rowwise trains there."""
+    if mode != "off" and not compiled:
+        fail(f"--fp8 {mode} needs --compile: eager float8 runs every amax, scale and cast as a kernel of its own "
+             "(65 ops per Linear forward and backward against 11 in bf16), which made Flux.1's blocks 2.4x slower "
+             "than bf16 on an H100; add --compile, which fuses them into the layers' graphs")
+    if mode == "rowwise" and fp32_weights_under_autocast:
+        fail("--fp8 rowwise --compile with fp32 weights under autocast (--weight_casts microbatch, no --fsdp): the "
+             "compiled backward casts the rowwise float8 weight, which torchao 0.11 cannot do; compute with bf16 "
+             "weights (--weight_casts step on one device) or use --fp8 tensorwise")
+    if mode == "rowwise" and compiled and sharded_under_autocast:
+        fail("--fp8 rowwise --compile with --fsdp under autocast: the compiled backward casts the rowwise float8 "
+             "weight FSDP gathers, which torchao 0.11 cannot do; use --fp8 tensorwise, or rowwise on one device "
+             "with --weight_casts step")
+
+
 def emulated_here() -> bool:
     """Whether float8 products are emulated: no CUDA GPU (the CPU has no `_scaled_mm` kernel)."""
     return not torch.cuda.is_available()

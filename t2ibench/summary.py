@@ -32,6 +32,12 @@ def print_summary(r: dict) -> None:
     trained = (f"; trained network alone (denoiser forward + backward, "
                f"{r['flops_per_image_trained_network'] / 1e9:.1f} GFLOP/image): {100 * r['mfu_trained_network']:.1f}%"
                if r.get("mfu_trained_network") else "")
+    compiled = ""
+    if r["compile"]:  # t2ibench.compiling: seconds None where torch keeps no compile timers
+        spent = f"{r['compile_seconds']:.1f} s" if r["compile_seconds"] is not None else "unknown seconds"
+        inside = r["compile_seconds_in_window"]
+        compiled = (f"compile      {r['compiled_graphs']} graphs in {spent}, before the measured window"
+                    + (f" but {inside:.1f} s inside it, left out of it" if inside else "") + "\n")
     print(
         "\n=== Stable Diffusion benchmark ===\n"
         f"model {r['model_config']} at {r['image_size']}x{r['image_size']}, {r['precision']}, "
@@ -47,6 +53,7 @@ def print_summary(r: dict) -> None:
         f"throughput   {r['images_per_sec']:.2f} images/s ({r['images_per_sec_per_device']:.2f} per device) "
         f"over {r['measured_batches']} batches after {r['warmup_batches']} warm-up\n"
         f"MFU          {mfu} at {r['flops_per_image'] / 1e9:.1f} GFLOP/image{trained}\n"
+        f"{compiled}"
         f"data wait    {wait} of measured time in the loader's next() (max over ranks; mean {wait_mean})\n"
         f"checkpoints  {r['checkpoint_seconds_in_window']:.1f} s saving inside the measured "
         f"{r['measured_seconds']:.1f} s, {r['checkpoint_seconds_after_window']:.1f} s after it; "

@@ -1,6 +1,7 @@
 """Fixtures several test files use (plain helpers are in tests/helpers.py)."""
 from __future__ import annotations
 
+import functools
 import os
 
 # A CPU run picks its intra-op threads from the cores other programs leave free (t2ibench.cpu_threads),
@@ -36,3 +37,16 @@ def s3_endpoint():
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """`--compile` tracing with dynamo and AOT autograd but without inductor's code generation (the
+    aot_eager backend, as tests/fault_run.py's --compile_backend): on two busy cores inductor compiles
+    C++ for minutes. Dynamo's caches are emptied before and after, so that a test's graph count is not
+    lowered by graphs an earlier test compiled for blocks of the same shapes."""
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        functools.partialmethod(torch.nn.Module.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

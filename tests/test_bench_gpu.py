@@ -95,11 +95,13 @@ def test_dry_run_plans_flux_sharded_from_the_memory_model(tmp_path, capsys):
 
 
 def test_fp8_goes_to_every_row_and_into_its_memory_plan(capsys):
-    # MLPerf's set-up with float8 on 8 x 80 GB: the command takes --fp8, the microbatch is counted with it.
+    # MLPerf's set-up with float8 on 8 x 80 GB: the command takes --fp8 and --compile, the microbatch is
+    # counted with float8.
     name = "flux-precomputed-states-bf16-fsdp-nockpt"
     (row,) = bench_gpu.main(["--dry_run", "--gpus", "8", "--gpu_memory_gib", "79.1", "--only", name,
                              "--fp8", "tensorwise"])
     assert _flags(row["command"])["--fp8"] == "tensorwise" and row["plan"]["fp8"] == "tensorwise"
+    assert "--compile" in row["command"]  # benchmark.py refuses float8 without it
     plain = memory.plan("flux1-schnell", 256, 79.1 * 2**30, precomputed=True, fsdp="full_shard", use_ema=False,
                         per_device_batch=64)
     # Tensorwise keeps each Linear's float8 weight for backward: more bytes per microbatch than bf16.

@@ -18,6 +18,7 @@ import torch
 import benchmark
 import blocks
 from t2ibench import memory
+from t2ibench.compiling import graphs_compiled
 from t2ibench.families import family_of
 from t2ibench.memory import build_meta_model
 from tests.helpers import Launch, error_of, supervise, two_ranks
@@ -136,6 +137,33 @@ def test_prediction_is_the_sum_of_its_timed_parts_and_compares_with_the_run(meas
         assert row == pytest.approx(before)
 
 
+def test_compiled_blocks_are_timed_apart_from_their_compile_and_compared_with_a_compiled_run(measured_run, aot_eager,
+                                                                                            tmp_path, capsys):
+    # --compile compiles each part as the run's --compile compiles the model (t2ibench.compiling; aot_eager
+    # here, as tests/test_compile.py): a compiled run is its comparison, an eager one is refused.
+    compiled_run = tmp_path / "compiled.json"
+    benchmark.main(SETTINGS + ["--use_synth_data", "--batch_size", "8", "--device_train_microbatch_size", "4",
+                               "--max_duration", "4ba", "--warmup_batches", "2", "--num_workers", "0", "--compile",
+                               "--results_json", str(compiled_run)])
+    graphs = graphs_compiled()
+    result = blocks.main(SETTINGS + SHORT + ["--global_batch", "8", "--microbatch", "4", "--gpus", "1", "--compile",
+                                             "--compare_results_json", str(compiled_run), "--json"])
+    out = capsys.readouterr().out
+    times = result["measured"]["replicated"]
+    # One graph per part timed (the double-stream block, a single-stream one), compiled before its timed
+    # runs; nothing outside the blocks compiles on precomputed text states (no encoder runs).
+    assert graphs_compiled() - graphs == len(times["blocks"]) == 2
+    assert all(b["compile_seconds"] > 0 for b in times["blocks"]) and times["rest_compile_seconds"] == 0
+    assert result["compile"] and result["compile_seconds"] == pytest.approx(sum(b["compile_seconds"]
+                                                                                for b in times["blocks"]))
+    assert "compiled in" in out and "compiling: " in out and "none of it in the times above" in out
+    assert result["comparison"]["gpus"] == 1 and json.loads(out.strip().splitlines()[-1]) == result
+    message = error_of(blocks.main, SETTINGS + SHORT + ["--global_batch", "8", "--microbatch", "4", "--gpus", "1",
+                                                        "--compile", "--compare_results_json", str(measured_run)],
+                       prog="blocks.py")
+    assert "its compile is false, this prediction's is true; predict with the run's setting (--compile)" in message
+
+
 # Every setting of the results JSON that changes the step, changed one at a time, and the counts and
 # devices the prediction cannot stand for.
 OTHER_SET_UPS = [
@@ -239,7 +267,8 @@ def test_a_saved_h100_line_predicts_the_chosen_flux_set_up_without_a_gpu():
 @pytest.mark.parametrize("argv, expect", [
     (["--microbatch", "48", "--gpus", "8", "--global_batch", "384"],
      "microbatch 32, which --microbatch 48 is no multiple"),
-    (["--fp8", "tensorwise"], "fp8 \"off\" (this prediction's \"tensorwise\")"),
+    (["--fp8", "tensorwise", "--compile"], "fp8 \"off\" (this prediction's \"tensorwise\")"),
+    (["--compile"], "compile false (this prediction's true)"),  # a line older than --compile timed eager parts
     (["--use_ema"], "use_ema false"),
     (["--gpus", "1"], "no times for weights cast_per_step"),
     (["--count_memory"], "--measured_json predicts from a saved measurement"),

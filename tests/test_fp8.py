@@ -1,7 +1,10 @@
-"""--fp8 (t2ibench.fp8): flux1-tiny trains in emulated float8 to the loss of the same run without it, every
-family trains in every mode and precision (SD2's and SDXL's transformers feed proj_in a permuted input),
-a GPU without float8 tensor cores and fp16 are refused in one line before anything is built, and the
-memory model counts what float8 keeps for backward."""
+"""--fp8 (t2ibench.fp8): flux1-tiny trains in emulated float8, compiled, to the loss of the same run without
+it, every family trains in every mode and precision, compiled (SD2's and SDXL's transformers feed proj_in a
+permuted input), a run without --compile, a GPU without float8 tensor cores and fp16 are refused in one line
+before anything is built, and the memory model counts what float8 keeps for backward.
+
+The float8 runs compile with dynamo and AOT autograd but not inductor (backend aot_eager, as
+tests/test_compile.py): the converted layers run inside the blocks' graphs, as under inductor."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +14,7 @@ from composer.core import Callback
 import benchmark
 from t2ibench import fp8, memory
 from t2ibench.families import FAMILIES
+from tests.helpers import error_of
 
 FLUX_TINY = ["--model_config", "flux1-tiny", "--precomputed", "--use_synth_data", "--batch_size", "8",
              "--image_size", "64", "--num_workers", "0", "--warmup_batches", "2", "--precision", "amp_bf16",
@@ -33,9 +37,9 @@ def run(argv: list[str]) -> tuple[dict, list[float]]:
     return results, losses.values
 
 
-def test_fp8_tensorwise_trains_flux_tiny_to_the_loss_of_the_same_run_without_it():
+def test_fp8_tensorwise_trains_flux_tiny_to_the_loss_of_the_same_run_without_it(aot_eager):
     plain, plain_losses = run(["--max_duration", "30ba"])
-    float8, float8_losses = run(["--max_duration", "30ba", "--fp8", "tensorwise"])
+    float8, float8_losses = run(["--max_duration", "30ba", "--fp8", "tensorwise", "--compile"])
     assert len(plain_losses) == len(float8_losses) == 30
     # The run learns (the comparison means something), and float8 ends within 10% of it.
     assert plain["final_loss"] < 0.92 * plain_losses[0]
@@ -47,6 +51,7 @@ def test_fp8_tensorwise_trains_flux_tiny_to_the_loss_of_the_same_run_without_it(
     assert float8_losses != plain_losses
     assert 0 < float8["flops_per_image_breakdown"]["fp8_fwd_bwd"] < float8["flops_per_image"]
     assert plain["fp8"] == "off" and plain["fp8_conversion"] is None
+    assert float8["compile"] and float8["compiled_graphs"] == 3  # the blocks with their float8 layers
 
 
 class Float8Inputs(Callback):
@@ -74,7 +79,9 @@ class Float8Inputs(Callback):
 
 
 # Each family's tiny config (the first is the full-size one) in each float8 mode under bf16 autocast, and
-# rowwise (the mode that copies an input) in fp32 too: a family added to the registry is trained here too.
+# rowwise (the mode that copies an input) in fp32 too, compiled: a family added to the registry is trained
+# here too. Rowwise under autocast computes with bf16 weights (weight casts per step): on fp32 ones it is
+# refused (below).
 TINY_CONFIGS = [family.configs[-1] for family in FAMILIES]
 FLOAT8_MODES = [mode for mode in fp8.FP8_MODES if mode != "off"]
 
@@ -82,12 +89,13 @@ FLOAT8_MODES = [mode for mode in fp8.FP8_MODES if mode != "off"]
 @pytest.mark.parametrize("model_config, mode, precision",
                          [(config, mode, "amp_bf16") for config in TINY_CONFIGS for mode in FLOAT8_MODES]
                          + [(config, "rowwise", "fp32") for config in TINY_CONFIGS])
-def test_every_family_trains_in_every_fp8_mode(model_config, mode, precision, capsys, one_thread):
+def test_every_family_trains_in_every_fp8_mode(model_config, mode, precision, capsys, one_thread, aot_eager):
     inputs, losses = Float8Inputs(), Losses()
+    casts = ["--weight_casts", "step"] if mode == "rowwise" and precision != "fp32" else []
     results = benchmark.main(["--model_config", model_config, "--precomputed", "--use_synth_data",
                               "--batch_size", "2", "--image_size", "64", "--num_workers", "0",
                               "--max_duration", "2ba", "--warmup_batches", "1", "--precision", precision,
-                              "--fp8", mode], extra_callbacks=[inputs, losses])
+                              "--fp8", mode, "--compile", *casts], extra_callbacks=[inputs, losses])
     assert len(losses.values) == 2 and all(torch.isfinite(torch.tensor(losses.values)))
     conversion = results["fp8_conversion"]
     assert conversion["mode"] == mode and conversion["converted_linears"] == len(inputs.converted) > 0
@@ -97,16 +105,20 @@ def test_every_family_trains_in_every_fp8_mode(model_config, mode, precision, ca
         assert inputs.copied_inputs and all(name.endswith("proj_in") for name in inputs.copied_inputs)
     summary = capsys.readouterr().out
     assert f"float8       {mode}: {len(inputs.converted)} of " in summary and "emulated on the CPU" in summary
+    assert results["compile"] and results["compiled_graphs"] > 0
 
 
-def test_blocks_py_times_sdxl_in_rowwise_float8():
-    # bench/blocks.py converts with the same t2ibench.fp8: its UNet blocks, proj_in included, run too.
+def test_blocks_py_times_sdxl_in_rowwise_float8_compiled(aot_eager):
+    # bench/blocks.py converts with the same t2ibench.fp8 and compiles as the run: its UNet levels' blocks,
+    # proj_in included, run compiled in float8, each level's compile seconds apart from its timed runs.
     import blocks  # bench/blocks.py
 
     result = blocks.main(["--model_config", "sdxl-tiny", "--precomputed", "--image_size", "64", "--global_batch", "2",
-                          "--microbatch", "2", "--gpus", "1", "--num_workers", "0", "--fp8", "rowwise", "--repeats",
-                          "1", "--warmup", "0", "--harness_batches", "2"])
+                          "--microbatch", "2", "--gpus", "1", "--num_workers", "0", "--fp8", "rowwise", "--compile",
+                          "--repeats", "1", "--warmup", "0", "--harness_batches", "2"])
     assert result["fp8"] == "rowwise" and result["predicted"][0]["samples_per_sec_per_gpu"] > 0
+    levels = result["measured"]["replicated"]["blocks"]
+    assert result["compile"] and all(level["compile_seconds"] > 0 for level in levels)
 
 
 def test_layers_float8_cannot_multiply_stay_in_the_runs_precision():
@@ -133,10 +145,51 @@ def test_fp8_refused_on_a_gpu_without_float8_tensor_cores(monkeypatch, capabilit
         fp8.check("tensorwise", "amp_bf16")
         return
     with pytest.raises(SystemExit) as exit_info:
-        benchmark.main(FLUX_TINY + ["--max_duration", "2ba", "--fp8", "tensorwise"])
+        benchmark.main(FLUX_TINY + ["--max_duration", "2ba", "--fp8", "tensorwise", "--compile"])
     message = str(exit_info.value.code)
     assert message.startswith("benchmark.py: error: --fp8 tensorwise: NVIDIA A100-SXM4-80GB (compute capability "
                               f"{capability[0]}.{capability[1]}) has no float8 tensor cores") and "\n" not in message
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+def test_fp8_without_compile_is_refused_in_one_line(mode):
+    import blocks  # bench/blocks.py: the same rule, the same line, before anything is timed
+
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(FLUX_TINY + ["--max_duration", "2ba", "--fp8", mode])
+    message = str(exit_info.value.code)
+    assert message.startswith(f"benchmark.py: error: --fp8 {mode} needs --compile: eager float8")
+    assert "\n" not in message
+    predicted = error_of(blocks.main, ["--model_config", "flux1-tiny", "--precomputed", "--image_size", "32",
+                                       "--gpus", "1", "--global_batch", "8", "--fp8", mode], prog="blocks.py")
+    assert predicted.removeprefix("blocks.py") == message.removeprefix("benchmark.py")
+
+
+def test_fp8_rowwise_compiled_on_fp32_weights_under_autocast_is_refused_in_one_line():
+    # What it would meet at the first backward, outside the product: AOT autograd traces the backward
+    # under the forward's autocast, which casts the rowwise float8 weight.
+    torch._dynamo.reset()
+    layers = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32))
+    fp8.convert(layers, "rowwise", {"0": 16, "1": 16}, emulate=True)
+    layers.compile(backend="aot_eager")
+    with pytest.raises(Exception, match="axiswise scaling is not supported"):
+        with torch.autocast("cpu", torch.bfloat16):
+            out = layers(torch.randn(16, 32))
+        out.float().sum().backward()
+    torch._dynamo.reset()
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(FLUX_TINY + ["--max_duration", "2ba", "--fp8", "rowwise", "--compile"])
+    message = str(exit_info.value.code)
+    assert message.startswith("benchmark.py: error: --fp8 rowwise --compile with fp32 weights under autocast")
+    assert "--weight_casts step" in message and "\n" not in message
+    # Under FSDP the compiled backward stops the same way (two CPU ranks, full_shard): blocks.py's prediction
+    # for 2 GPUs (flux1-tiny shards there) is refused by the same rule, in one line.
+    import blocks  # bench/blocks.py
+
+    sharded = error_of(blocks.main, ["--model_config", "flux1-tiny", "--precomputed", "--image_size", "32", "--gpus",
+                                     "2", "--global_batch", "8", "--precision", "amp_bf16", "--fp8", "rowwise",
+                                     "--compile"], prog="blocks.py")
+    assert sharded.startswith("blocks.py: error: --fp8 rowwise --compile with --fsdp under autocast")
 
 
 def test_fp8_with_fp16_is_refused_in_one_line():

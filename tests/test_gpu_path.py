@@ -12,7 +12,7 @@ Two-rank launches through Composer's launcher (gloo), started together by one mo
   and AOT autograd under DDP; inductor's CPU code generation is left out for time, see
   tests/fault_run.py).
 
-In-process: --compile compiling every module that runs per step (UNet, VAE encoder, text encoder),
+In-process: --compile compiling every module that runs per step (UNet, VAE encoder, text encoder) block by block,
 refusals (--xformers where absent, amp_fp16 on CPU) and uint8 images crossing from loader workers
 (the multi-rank `auto` microbatch: tests/test_memory.py; bench_gpu.py's plan: tests/test_bench_gpu.py).
 """
@@ -139,13 +139,19 @@ def test_compile_compiles_every_module_that_runs_per_step():
         def fit_start(self, state, logger):
             raise ModulesAtFitStart(state.model)
 
+    def compiled(module: torch.nn.Module) -> bool:
+        return getattr(module, "_compiled_call_impl", None) is not None  # nn.Module.compile, in place
+
     for data_flags, parts in (([], ("unet", "vae.encoder", "text_encoder")), (["--precomputed"], ("unet", "text_encoder"))):
         with pytest.raises(ModulesAtFitStart) as stopped:
             benchmark.main([*TINY, *data_flags, "--max_duration", "1ba", "--compile"], extra_callbacks=[Stop()])
         model = stopped.value.args[0]
+        assert ("vae.encoder" in parts) is (model.vae is not None)
         for name in parts:
             module = model.get_submodule(name)
-            assert getattr(module, "_compiled_call_impl", None) is not None, name  # nn.Module.compile, in place
+            # Block by block (the family's compile_blocks): the blocks compiled, nothing above or in them.
+            blocks = {id(block) for block in model.family.compile_blocks(module)}
+            assert blocks and {id(m) for m in module.modules() if compiled(m)} == blocks, name
 
 
 def test_xformers_is_refused_clearly_where_absent(capsys):

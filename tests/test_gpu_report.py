@@ -4,6 +4,7 @@ earlier results of the same set-up and device (the project's own results/), and 
 end to end with the files it writes."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -81,9 +82,12 @@ def test_a_budget_that_holds_no_row_starts_none_and_still_writes_the_report(tmp_
 
 def test_the_budget_rule_learns_from_the_rows_before():
     estimator = gpu_report.Estimator(first_flops_per_second=1e12)
-    eager = gpu_report.run_setting(gpu_report.ROWS[0], smoke=True)
+    # --smoke's set-ups resolve checkpointing as their CPU run does (`auto`: off); left to `auto` (a GPU's
+    # rows), checkpointing is counted on: the longer estimate.
+    assert gpu_report.run_setting(gpu_report.ROWS[0], smoke=True).activation_checkpointing == "off"
+    eager = dataclasses.replace(gpu_report.run_setting(gpu_report.ROWS[0], smoke=True), activation_checkpointing="auto")
     compiled = gpu_report.run_setting(gpu_report.ROWS[1], smoke=True)
-    flops = gpu_report.flops_of(eager, True)  # SD2's `auto` checkpointing: counted on, the longer estimate
+    flops = gpu_report.flops_of(eager, True)
     batches = 3
     # Before any row: the first estimates, the batches at the first FLOP/s.
     assert estimator.run_seconds(eager, batches) == pytest.approx(
@@ -198,7 +202,7 @@ def test_earlier_results_of_the_same_set_up_and_device_give_the_ratio(tmp_path):
     assert gpu_report.earlier_match(compiled_blocks, earlier) is None  # no earlier compiled blocks
 
 
-@pytest.mark.multirank  # each row is a launch of its own (Composer's launcher and its rank, then blocks.py)
+@pytest.mark.multirank  # each row is a process of its own (benchmark.py on one rank, then blocks.py)
 def test_smoke_two_rows_end_to_end_with_their_files_and_the_earlier_ratio(tmp_path, capsys):
     out, root = tmp_path / "report", tmp_path / "results"
     # Earlier results: the tiny SD2 row's set-up on this CPU at 1 image/s (another global batch), the same on
@@ -268,3 +272,23 @@ def test_rows_are_the_issues_in_priority_order():
                      ("sd2-base", False, False), ("flux1-schnell", "off"), ("flux1-schnell", gpu_report.FLUX_FP8),
                      "sd2-512-precomputed", "sdxl-1024-compile"]
     assert all(row.blocks_of.compile for row in gpu_report.ROWS if row.blocks_of)
+
+
+def test_smoke_runs_benchmark_py_on_one_rank_and_says_its_compiled_rows_ran_eager(tmp_path):
+    import bench_gpu
+
+    row = gpu_report.ROWS[1]  # sd2-512-precomputed-compile
+    planned = bench_gpu.plan_row(row.name, row.setting, 1, gpu_report.SMOKE_GPU_MEMORY_BYTES, tmp_path, 3, 1, True, "")
+    command = gpu_report.one_rank(planned.command)
+    # benchmark.py itself, with every flag of the launch (--compile among them), and no launcher before it.
+    assert command[:2] == [planned.command[0], str(ROOT / "benchmark.py")] and "--compile" in command
+    assert command[2:] == planned.command[planned.command.index(str(ROOT / "benchmark.py")) + 1:]
+    assert gpu_report.row_env(row, smoke=True, pretrained=False)["TORCH_COMPILE_DISABLE"] == "1"
+    assert "TORCH_COMPILE_DISABLE" not in gpu_report.row_env(row, smoke=False, pretrained=False)
+    ran = gpu_report.Outcome(row.name, "run", "", status="ok", result={"compile": True, "compile_seconds": 0.0},
+                             compiled_ran_eager=True)
+    assert gpu_report.compile_cell(ran) == "eager (--smoke)"
+    ran.compiled_ran_eager = False
+    assert gpu_report.compile_cell(ran) == "0"
+    ran.result = {"compile": False, "compile_seconds": 0.0}  # an eager run: nothing compiled, no figure
+    assert gpu_report.compile_cell(ran) == "-"

@@ -15,6 +15,8 @@ from composer.core import Callback, State, TimeUnit
 from composer.loggers import Logger
 from composer.utils import dist
 
+from t2ibench.compiling import compile_seconds, graphs_compiled
+
 
 class Pauses:
     """Intervals a run spends outside training on purpose (drawing sample grids), in seconds.
@@ -107,7 +109,9 @@ class Throughput(Callback):
 
     The clock starts at the end of batch `warmup_batches` (compilation, cuDNN autotuning and
     allocator growth happen in the first batches) and stops at the end of the last batch, so the
-    final checkpoint, the EMA export and whatever else runs at the end of fit are not in it. CUDA
+    final checkpoint, the EMA export and whatever else runs at the end of fit are not in it. The
+    seconds torch spends compiling (`--compile`) are reported, and any that fall inside a training
+    batch of the window (a graph compiled late: a new shape) are left out of it, as pauses are. CUDA
     is synchronized at those two batch ends only, so the measurement does not slow the steps it
     measures. Peak device memory is reset at the start of the window: it is the steady state's.
     If the run is shorter than the warm-up, only the first batch is excluded (and `warmup_batches`
@@ -141,6 +145,9 @@ class Throughput(Callback):
         self._data_wait: list[float] = []  # cumulative loader next() seconds at the end of every batch
         self._save_seconds: list[float] = []  # cumulative checkpoint-save seconds at the end of every batch
         self._samples_seen: list[int] = []  # global samples trained at the end of every batch
+        self._compiling: list[float] = []  # cumulative seconds compiling inside training batches, at every batch end
+        self._compile_at_start: tuple[float | None, int] = (None, 0)  # (compile seconds, graphs) at fit start
+        self._compile_at_batch_start: float | None = None
         self._loader: Any = None
         self._fit_start = 0.0
         self._fit_start_samples = 0
@@ -188,6 +195,10 @@ class Throughput(Callback):
         self._loader = state.dataloader if time_loader_next(state.dataloader) else None
         self._fit_start = time.perf_counter()
         self._fit_start_samples = int(state.timestamp.sample.value)  # nonzero after a resume
+        self._compile_at_start = (compile_seconds(), graphs_compiled())
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        self._compile_at_batch_start = compile_seconds()
 
     def before_dataloader(self, state: State, logger: Logger) -> None:
         self._after_checkpoint_event(state)
@@ -215,6 +226,9 @@ class Throughput(Callback):
         self._samples_seen.append(int(state.timestamp.sample.value))
         self._data_wait.append(self._loader.next_wait_seconds if self._loader is not None else 0.0)
         self._save_seconds.append(self._saves)
+        compiled = compile_seconds()
+        in_batch = compiled - self._compile_at_batch_start if compiled is not None else 0.0
+        self._compiling.append((self._compiling[-1] if self._compiling else 0.0) + in_batch)
         self.window_end = now
 
     def fit_end(self, state: State, logger: Logger) -> None:
@@ -226,6 +240,8 @@ class Throughput(Callback):
         start = self._batch_times[warmup - 1] if warmup > 0 else self._fit_start
         seconds = self._batch_times[-1] - start
         seconds -= self.pauses.seconds_within(start, self._batch_times[-1])  # pauses in it are not training
+        compiling_in = self._compiling[-1] - (self._compiling[warmup - 1] if warmup > 0 else 0.0)
+        seconds -= compiling_in  # nor is compiling a graph first needed inside it (a new shape)
         samples = self._samples_seen[-1] - (self._samples_seen[warmup - 1] if warmup > 0 else self._fit_start_samples)
         world_size = dist.get_world_size()
         images_per_sec = samples / seconds
@@ -260,6 +276,7 @@ class Throughput(Callback):
             "data_wait_fraction_mean": float(values[1]) / seconds if timed else None,
             "checkpoint_seconds_in_window": saves_in,
             "checkpoint_seconds_after_window": saves_after,
+            **self._compile_summary(compiling_in),
             "peak_memory_bytes": int(values[2]),
             "peak_memory_reserved_bytes": int(values[3]) if memory["peak_memory_reserved_bytes"] is not None else None,
             "peak_memory_kind": memory["peak_memory_kind"],
@@ -271,3 +288,12 @@ class Throughput(Callback):
         }
         logger.log_metrics({f"benchmark/{k}": v for k, v in self.summary.items()
                             if isinstance(v, (int, float)) and v is not None})
+
+    def _compile_summary(self, in_window: float) -> dict[str, Any]:
+        """Seconds compiling from the start of fit to its end (evaluations' graphs included), those left
+        out of the window, and the graphs compiled; seconds None where torch keeps no compile timers."""
+        seconds_at_start, graphs_at_start = self._compile_at_start
+        now = compile_seconds()
+        return {"compile_seconds": now - seconds_at_start if now is not None and seconds_at_start is not None else None,
+                "compile_seconds_in_window": in_window if now is not None else None,
+                "compiled_graphs": graphs_compiled() - graphs_at_start}

@@ -14,7 +14,11 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import torch
-from diffusers import AutoencoderKL
+from diffusers import AutoencoderKL, Transformer2DModel
+from diffusers.models.attention import BasicTransformerBlock
+from diffusers.models.autoencoders.vae import Encoder
+from diffusers.models.resnet import ResnetBlock2D
+from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
 from t2ibench.errors import fail
 from t2ibench.flops import count_flops, count_forward_backward
@@ -265,6 +269,34 @@ class ModelFamily(ABC):
         the time and added embeddings, conv_out) is the root unit. A family with another denoiser says.
         """
         return [*denoiser.down_blocks, denoiser.mid_block, *denoiser.up_blocks]
+
+    # The blocks `--compile` compiles one at a time (`compile_blocks`), in any part a step runs: the
+    # UNet's resnets and transformer blocks, CLIP's layers, and the VAE encoder whole (a forward of
+    # about 140 ops whose 10 resnets have 8 distinct shapes: as blocks they would need 8 graphs and
+    # leave 40% of its ops eager; `bench/compile_graphs.py`).
+    compile_block_classes: ClassVar[tuple[type, ...]] = (ResnetBlock2D, BasicTransformerBlock, CLIPEncoderLayer,
+                                                         Encoder)
+
+    def compile_blocks(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+        """The blocks of `module` (the denoiser, the VAE encoder or a text encoder) that `--compile`
+        compiles one at a time, so that blocks of the same shapes run one compiled graph
+        (`t2ibench.compiling`): the outermost modules of `compile_block_classes`, except that a
+        Transformer2DModel holding a single transformer block (all of SD2's) is compiled whole, its
+        norm and projections with its block, at no more graphs; one holding several (SDXL's 2 and 10)
+        has its blocks compiled, which repeat. No block holds another, so no graph is compiled inside
+        another."""
+        blocks: list[torch.nn.Module] = []
+
+        def visit(part: torch.nn.Module) -> None:
+            if isinstance(part, self.compile_block_classes) or (
+                    isinstance(part, Transformer2DModel) and len(part.transformer_blocks) == 1):
+                blocks.append(part)
+                return
+            for child in part.children():
+                visit(child)
+
+        visit(module)
+        return blocks
 
     # -- figures -----------------------------------------------------------------------------------
     def flops_per_image(self, config: str, image_size: int, *, vae: bool = True,

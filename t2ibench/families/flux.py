@@ -9,7 +9,11 @@ from typing import Any
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers.models.autoencoders.vae import Encoder
+from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 from transformers import ByT5Tokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+from transformers.models.clip.modeling_clip import CLIPEncoderLayer
+from transformers.models.t5.modeling_t5 import T5Block
 
 from t2ibench.errors import fail
 from t2ibench.families.family import TINY_VAE_LOGVAR_BIAS, ModelFamily, Parts, load_pretrained, new_text_encoder
@@ -216,6 +220,9 @@ class Flux(ModelFamily):
         "xformers": "xFormers' attention processor has no rotary embedding; the transformer uses PyTorch SDPA",
     }
     precomputes_text_states = True  # MLPerf's set-up: T5 and CLIP outputs stored, no encoder in the step
+    # --compile: the double- and single-stream blocks (its FSDP units too), CLIP's and T5's layers, the
+    # VAE encoder whole (as SD2's: `ModelFamily.compile_block_classes`).
+    compile_block_classes = (FluxTransformerBlock, FluxSingleTransformerBlock, CLIPEncoderLayer, T5Block, Encoder)
 
     # -- building --------------------------------------------------------------------------------
     def default_image_size(self, config: str) -> int:
