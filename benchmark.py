@@ -132,7 +132,8 @@ def build_data(settings: Settings, run: Runtime) -> TrainingData:
                                              config=settings.model_config, **common)
         return data.laion_dataloader(sources=sources, tokenizer=tokenizers.tokenizers, image_size=settings.image_size,
                                      settings=streaming, image_key=settings.image_key, caption_key=settings.caption_key,
-                                     max_bad_fraction=settings.max_bad_fraction, **common)
+                                     max_bad_fraction=settings.max_bad_fraction,
+                                     buckets=() if held_out else settings.buckets, crop=settings.bucket_crop, **common)
 
     text_dim = next(iter(family.conditioning_shapes(settings.model_config).values()))[-1]
     training = loader(settings.sources, settings.seed, settings.num_synthetic_samples, False)

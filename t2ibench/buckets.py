@@ -212,3 +212,29 @@ def bucket_batches(sample_ids: Iterable[int], bucket_of: Callable[[int], tuple[B
         emitted += 1
         if emitted > skip:
             yield chunk[batch_size // 2][0][2], [sample for _, sample in chunk]
+
+
+def picture(buckets: tuple[Bucket, ...], image_size: int) -> str:
+    """The list as a text picture: a grid of heights (rows) by widths (columns) in steps of the list's
+    sides, # where a bucket is (they lie along height x width = image_size^2), then each bucket's aspect
+    ratio and share of image_size^2 pixels."""
+    heights = sorted({b.height for b in buckets}, reverse=True)
+    widths = sorted({b.width for b in buckets})
+    listed = set(buckets)
+    label = max(len(str(side)) for side in heights)
+    lines = [f"{h:>{label}} " + " ".join("#" if Bucket(h, w) in listed else "." for w in widths) for h in heights]
+    lines.append(f"{'':>{label}} widths {widths[0]} to {widths[-1]}, heights {heights[-1]} to {heights[0]} "
+                 f"(one column or row per side)")
+    lines.append("")
+    lines.append(f"{'bucket':>11}  {'aspect':>6}  {'pixels':>6}")
+    for b in buckets:
+        ratio = f"{b.aspect:.2f}" if b.aspect >= 1 else f"1/{1 / b.aspect:.2f}"
+        lines.append(f"{b.name:>11}  {ratio:>6}  {b.pixels / image_size ** 2:6.1%}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m t2ibench.buckets [IMAGE_SIZE [PATCH_PX]]: the default list, drawn
+    import sys
+
+    size, patch = (int(arg) for arg in (sys.argv[1:] + ["1024", "8"][len(sys.argv) - 1:])[:2])
+    print(picture(default_buckets(size, patch), size))

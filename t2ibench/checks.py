@@ -19,6 +19,7 @@ from composer.core import Time
 from composer.utils import dist
 
 from t2ibench import fp8
+from t2ibench.buckets import Bucket, resolve_buckets
 from t2ibench.callbacks.profile import profile_fits
 from t2ibench.checkpoints import LATEST, gone_latest, resume_from, resume_point
 from t2ibench.cli import check_workers
@@ -51,7 +52,8 @@ def validate(args: argparse.Namespace, world_size: int) -> Settings:
     settings = dataclasses.replace(settings, fsdp=check_parallelism(settings, world_size))
     check_numbers(settings)
     sampler, precomputed_format = check_recipe(settings)
-    settings = dataclasses.replace(settings, sampler=sampler, precomputed_format=precomputed_format)
+    settings = dataclasses.replace(settings, sampler=sampler, precomputed_format=precomputed_format,
+                                   buckets=check_buckets(settings))
     check_outputs(settings)
     check_checkpoint(settings)
     samples_per_epoch, recorded_seed = check_data(settings)
@@ -72,7 +74,7 @@ def resolve(args: argparse.Namespace) -> Settings:
     return Settings.from_args(args, **locations, family=family, model_name=model_name, image_size=image_size,
                               sources=tuple(parse_sources(args.remote, args.local)),
                               eval_sources=tuple(parse_sources(args.eval_remote, args.eval_local)),
-                              encoders_seed=args.seed)
+                              encoders_seed=args.seed, buckets=())
 
 
 def check_run(settings: Settings, world_size: int) -> int | str:
@@ -387,6 +389,20 @@ def check_recipe(settings: Settings) -> tuple[str, str | None]:
         if entries and not own_export:
             fail(f"--ema_export_dir {settings.ema_export_dir} is not empty; choose a new folder (nothing is overwritten)")
     return sampler, precomputed_format
+
+
+def check_buckets(settings: Settings) -> tuple[Bucket, ...]:
+    """--aspect_buckets' list (the family refuses it first, check_recipe), or none; what buckets do not
+    train from yet is refused by name."""
+    if settings.aspect_buckets is None:
+        return ()
+    family = settings.family
+    buckets = resolve_buckets(settings.aspect_buckets, settings.image_size, family.latent_downsample * family.patch_size)
+    for flag in ("precomputed", "use_synth_data"):
+        if getattr(settings, flag):
+            fail(f"--aspect_buckets with --{flag}: buckets are read from image shards only (give --remote or --local "
+                 "with images), or train square without --aspect_buckets")
+    return buckets
 
 
 def run_batches(settings: Settings, samples_per_epoch: int) -> int:

@@ -1,0 +1,205 @@
+"""--aspect_buckets end to end on CPU with real photographs of mixed aspect ratios (a panorama, a 3000 x 1
+line and its tall twin, an EXIF-rotated phone portrait, landscapes, portraits, squares) converted by
+convert.py into several MDS shards: sdxl-tiny trained with Streaming's shuffled order on loader workers,
+every batch one bucket with each image's own size and crop; the run on two ranks and two workers each
+SIGKILLed mid-epoch and resumed with --autoresume to the uninterrupted run's weights and EMA, bit for
+bit; the refusals, each one line before anything is built."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from composer.core import Callback
+
+import benchmark
+import convert
+from t2ibench.buckets import default_buckets, nearest_bucket
+from tests.helpers import MIXED_ASPECT_PHOTOS, Launch, error_of, kill_at, mixed_aspect_folder, supervise, two_ranks
+
+NUM_PHOTOS = 64
+XL = ["--model_config", "sdxl-tiny", "--seed", "17", "--warmup_batches", "1", "--aspect_buckets"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """NUM_PHOTOS photos cycling through MIXED_ASPECT_PHOTOS, converted by convert.py into small shards."""
+    tmp = tmp_path_factory.mktemp("bucket-photos")
+    out = tmp / "mds"
+    report = convert.convert([str(mixed_aspect_folder(tmp / "photos", NUM_PHOTOS))], str(out), size_limit="16kb",
+                             workers=1, progress=False)
+    assert report.written == NUM_PHOTOS and report.shards >= 3
+    return out
+
+
+def copy_of(shards: Path, where: Path) -> Path:
+    """A private copy (Streaming decompresses next to what it reads; one live dataset per folder)."""
+    shutil.copytree(shards, where)
+    return where
+
+
+# -----------------------------------------------------------------------------------------------
+# Two ranks of two loader workers, one run killed mid-epoch and resumed (started first, watched by a
+# thread: they run while the in-process tests do).
+# -----------------------------------------------------------------------------------------------
+
+# 64 photos, 2 a rank: 16 samples per worker, an epoch of 16 batches; killed after batch 4 of 6.
+RESUME = XL + ["--batch_size", "4", "--num_workers", "2", "--max_duration", "6ba", "--save_interval", "2ba",
+               "--use_ema", "--run_name", "bucket-resume", "--autoresume", "--log_interval", "1ba"]
+KILL_AFTER = "ep0-ba4-rank0.pt"
+
+
+class TwoRankRuns:
+    """A reference run and a run SIGKILLed after its batch-4 checkpoint, then relaunched with --autoresume."""
+
+    def __init__(self, shards: Path, tmp: Path):
+        self.shards, self.tmp = shards, tmp
+        self.reference, self.killed = self.launch("reference", "reference"), self.launch("killed", "killed")
+        self.resumed: Launch | None = None
+        self.problem: str | None = None
+        self.thread = threading.Thread(target=self.watch, daemon=True)
+        self.thread.start()
+
+    def launch(self, name: str, folder: str) -> Launch:
+        data_dir = self.tmp / f"{folder}-data"
+        if not data_dir.exists():
+            copy_of(self.shards, data_dir)
+        args = RESUME + ["--local", str(data_dir), "--save_folder", str(self.tmp / folder),
+                         "--results_json", str(self.tmp / f"{name}.json")]
+        return Launch(two_ranks("benchmark.py", *args), self.tmp / f"{name}.log")
+
+    def resume(self) -> Launch:
+        self.resumed = self.launch("resumed", "killed")
+        return self.resumed
+
+    def watch(self) -> None:
+        try:
+            supervise([self.reference, self.killed], kill_at(self.killed, self.tmp / "killed", KILL_AFTER, self.resume))
+        except BaseException as problem:  # pytest.fail's exception too: wait() fails the test with it
+            self.problem = f"{problem}"
+
+    def wait(self) -> "TwoRankRuns":
+        self.thread.join()
+        if self.problem:
+            pytest.fail(self.problem)
+        return self
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(shards, tmp_path_factory):
+    runs = TwoRankRuns(shards, tmp_path_factory.mktemp("bucket-resume"))
+    yield runs
+    runs.thread.join()  # supervise leaves nothing running when it returns
+
+
+# -----------------------------------------------------------------------------------------------
+# One rank, in this process.
+# -----------------------------------------------------------------------------------------------
+
+class Batches(Callback):
+    """Every batch the run trained on: image shape, original sizes, crops and sample indices."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def after_dataloader(self, state, logger) -> None:
+        batch = state.batch
+        self.seen.append({"shape": tuple(batch["image"].shape), "original_size": batch["original_size"].tolist(),
+                          "crop": batch["crop_top_left"].tolist(), "index": batch["sample_index"].tolist()})
+
+
+@pytest.fixture(scope="module")
+def one_rank_epoch(shards, tmp_path_factory, request):
+    """One epoch of 64 photos, 4 a batch, on two loader workers: its batches and results."""
+    if any("two_rank_runs" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("two_rank_runs")  # started first: the launches import while this trains
+    tmp = tmp_path_factory.mktemp("bucket-epoch")
+    batches = Batches()
+    results = benchmark.main(XL + ["--local", str(copy_of(shards, tmp / "mds")), "--batch_size", "4",
+                                   "--num_workers", "2", "--max_duration", "1ep"], extra_callbacks=[batches])
+    return batches.seen, results
+
+
+def test_every_batch_holds_one_bucket_with_each_images_own_size_and_crop(one_rank_epoch):
+    seen, results = one_rank_epoch
+    assert len(seen) == NUM_PHOTOS // 4  # the batches of a square epoch: nothing lost to the buckets
+    indices = [i for batch in seen for i in batch["index"]]
+    assert len(set(indices)) == len(indices) == NUM_PHOTOS  # every photo once
+    listed = default_buckets(64, 8)
+    shown = {name: (h, w) if orientation == 6 else (w, h) for name, w, h, orientation in MIXED_ASPECT_PHOTOS}
+    shapes, mixed = Counter(), []
+    for position, batch in enumerate(seen):
+        _, channels, height, width = batch["shape"]
+        shapes[(height, width)] += 1
+        nearest = set()
+        for index, original, crop in zip(batch["index"], batch["original_size"], batch["crop"]):
+            name = MIXED_ASPECT_PHOTOS[index % len(MIXED_ASPECT_PHOTOS)][0]
+            width_shown, height_shown = shown[name]
+            assert original == [height_shown, width_shown]  # SDXL's time ids: the size as shown (EXIF applied)
+            bucket = nearest_bucket(width_shown, height_shown, listed, 64)
+            nearest.add((bucket.height, bucket.width))
+            assert crop[0] >= 0 and crop[1] >= 0 and (crop[0] == 0 or crop[1] == 0)  # cropped along one side only
+        if nearest != {(height, width)}:
+            mixed.append(position)
+    # Each worker (batches w, w + 2, ...) emits its buckets' batches as they fill, then, at the end of its
+    # samples, the leftovers sorted by aspect ratio: only its last batches may hold images of other buckets.
+    for worker in range(2):
+        own = list(range(worker, len(seen), 2))
+        tail = [p for p in own if p in mixed]
+        assert tail == own[len(own) - len(tail):], (worker, mixed)
+        assert len(tail) <= len(listed) - 1
+    assert len(mixed) < len(seen) / 2, mixed
+    assert len(shapes) >= 6  # portraits, squares, landscapes, the line and the column
+    assert results["final_loss"] is not None and results["images_per_sec"] > 0
+
+
+def test_buckets_are_refused_in_one_line_where_they_do_not_apply(shards, tmp_path):
+    local = ["--local", str(shards), "--batch_size", "4", "--max_duration", "1ba"]
+    message = error_of(benchmark.main, ["--model_config", "tiny", "--image_size", "64", "--aspect_buckets", *local])
+    assert "--aspect_buckets does not apply to --model_config tiny: SD2 trains on squares" in message
+    bad = tmp_path / "buckets.txt"
+    bad.write_text("64x64\n60x64\n")
+    message = error_of(benchmark.main, [*XL, str(bad), *local])
+    assert f"--aspect_buckets {bad}, line 2: 60x64 must have both sides multiples of 8" in message
+    message = error_of(benchmark.main, [*XL, "--precomputed", *local])
+    assert "--aspect_buckets with --precomputed" in message
+
+
+def test_a_users_list_is_what_the_run_trains_on(shards, tmp_path):
+    listed = tmp_path / "two.txt"
+    listed.write_text("# tall and wide only\n96x40\n40x96\n64x64\n")
+    batches = Batches()
+    benchmark.main([*XL, str(listed), "--local", str(copy_of(shards, tmp_path / "mds")), "--batch_size", "4",
+                    "--num_workers", "0", "--max_duration", "4ba", "--bucket_crop", "center"], extra_callbacks=[batches])
+    assert {batch["shape"][2:] for batch in batches.seen} <= {(96, 40), (40, 96), (64, 64)}
+    assert len(batches.seen) == 4
+
+
+# -----------------------------------------------------------------------------------------------
+# The two-rank runs' results.
+# -----------------------------------------------------------------------------------------------
+
+@pytest.mark.multirank
+def test_two_ranks_resume_mid_epoch_after_sigkill_to_the_uninterrupted_weights_and_ema(two_rank_runs):
+    runs = two_rank_runs.wait()
+    reference, killed, resumed = runs.reference, runs.killed, runs.resumed
+    assert reference.proc.returncode == 0, reference.output()[-4000:]
+    assert killed.proc.returncode == -signal.SIGKILL
+    assert resumed.proc.returncode == 0, resumed.output()[-4000:]
+    assert "batch 5/6 " in resumed.output() and "batch 1/6 " not in resumed.output()
+    final = os.readlink(runs.tmp / "reference" / "latest-rank0.pt")
+    assert final == "ep0-ba6-rank0.pt" and os.readlink(runs.tmp / "killed" / "latest-rank0.pt") == final
+    ref = torch.load(runs.tmp / "reference" / final, map_location="cpu", weights_only=False)["state"]
+    res = torch.load(runs.tmp / "killed" / final, map_location="cpu", weights_only=False)["state"]
+    assert ref["model"].keys() == res["model"].keys()
+    assert all(torch.equal(ref["model"][k], res["model"][k]) for k in ref["model"]), "weights differ"
+    ema_ref, ema_res = dict(ref["algorithms"])["EMA"]["shadow"], dict(res["algorithms"])["EMA"]["shadow"]
+    assert all(torch.equal(ema_ref[k], ema_res[k]) for k in ema_ref), "EMA differs"
+    summary = [json.loads((runs.tmp / f"{name}.json").read_text()) for name in ("reference", "resumed")]
+    assert summary[0]["world_size"] == 2 and summary[0]["final_loss"] == summary[1]["final_loss"]
