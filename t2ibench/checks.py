@@ -397,7 +397,8 @@ def check_buckets(settings: Settings) -> tuple[Bucket, ...]:
     if settings.aspect_buckets is None:
         return ()
     family = settings.family
-    buckets = resolve_buckets(settings.aspect_buckets, settings.image_size, family.latent_downsample * family.patch_size)
+    patch_px = family.latent_downsample * family.patch_size
+    buckets = resolve_buckets(settings.aspect_buckets, settings.image_size, patch_px)
     for flag in ("precomputed", "use_synth_data"):
         if getattr(settings, flag):
             fail(f"--aspect_buckets with --{flag}: buckets are read from image shards only (give --remote or --local "

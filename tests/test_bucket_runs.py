@@ -176,7 +176,8 @@ def test_a_users_list_is_what_the_run_trains_on(shards, tmp_path):
     listed.write_text("# tall and wide only\n96x40\n40x96\n64x64\n")
     batches = Batches()
     benchmark.main([*XL, str(listed), "--local", str(copy_of(shards, tmp_path / "mds")), "--batch_size", "4",
-                    "--num_workers", "0", "--max_duration", "4ba", "--bucket_crop", "center"], extra_callbacks=[batches])
+                    "--num_workers", "0", "--max_duration", "4ba", "--bucket_crop", "center"],
+                   extra_callbacks=[batches])
     assert {batch["shape"][2:] for batch in batches.seen} <= {(96, 40), (40, 96), (64, 64)}
     assert len(batches.seen) == 4
 
