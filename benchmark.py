@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 import data
 from t2ibench import checks, errors, flags, fp8, memory, parallel, stack
+from t2ibench.callbacks.buckets import BucketThroughput
 from t2ibench.callbacks.empty_epoch import EmptyEpochError, StopOnEmptyEpoch
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
 from t2ibench.callbacks.nonfinite_loss import NonFiniteLossError, StopOnNonFiniteLoss
@@ -129,6 +130,8 @@ def build_data(settings: Settings, run: Runtime) -> TrainingData:
                 config=settings.model_config, **common)
         if settings.use_synth_data:
             return data.synthetic_dataloader(settings.image_size, num_samples=num_samples, shuffle=not held_out,
+                                             buckets=() if held_out else settings.buckets,
+                                             bucket_weights=settings.bucket_weights,
                                              config=settings.model_config, **common)
         return data.laion_dataloader(sources=sources, tokenizer=tokenizers.tokenizers, image_size=settings.image_size,
                                      settings=streaming, image_key=settings.image_key, caption_key=settings.caption_key,
@@ -262,6 +265,7 @@ class Measured:
     grad_norm: GradientNorm  # the last step's gradient norm before clipping (an Algorithm, which also clips)
     validation: ValidationLog | None = None
     profile: ProfileBatches | None = None
+    buckets: BucketThroughput | None = None  # --aspect_buckets: images and images/s per bucket
 
 
 def build_trainer(settings: Settings, run: Runtime, built: Model, training_data: TrainingData,
@@ -322,6 +326,10 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
                             "encoders_seed": settings.encoders_seed,
                             "image_size": settings.image_size, "precomputed": settings.precomputed}),
                  ConsoleProgress(settings.log_interval, validation=measured.validation), restore_rng]
+    if settings.buckets:  # before the sampling callback: its pause at BATCH_END is not a bucket's time
+        measured.buckets = BucketThroughput(settings.warmup_batches + settings.profile_batches,
+                                            model.family.latent_downsample)
+        callbacks.append(measured.buckets)
     if measured.validation:
         callbacks.append(measured.validation)
     if measured.loss_by_timestep:
@@ -407,6 +415,11 @@ def train(settings: Settings, run: Runtime, trainer: Trainer, built: Model, meas
         "grad_norm": measured.grad_norm.last_norm(),
         "loss_by_timestep_bin": measured.loss_by_timestep.summary() if measured.loss_by_timestep else [],
         "timestep_sampling": settings.timestep_sampling,
+        "aspect_buckets": settings.aspect_buckets,
+        "bucket_crop": settings.bucket_crop if settings.buckets and not settings.use_synth_data else None,
+        "synthetic_bucket_weights": settings.synthetic_bucket_weights if settings.buckets and settings.use_synth_data
+        else None,
+        **(measured.buckets.summary() if measured.buckets else {}),
         "activation_checkpointing": run.activation_checkpointing,
         "activation_checkpointing_reason": run.activation_checkpointing_reason,
         "weight_casts": run.weight_casts,

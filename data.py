@@ -20,9 +20,10 @@ import torch
 from composer.utils import dist
 from streaming import Stream, StreamingDataLoader, StreamingDataset
 from streaming.base.dataset import _Iterator, _ShardState
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from t2ibench.buckets import CROPS, Bucket, batches_before, bucket_batches, crop_generator, nearest_bucket, place
+from t2ibench.buckets import (CROPS, Bucket, batches_before, bucket_batches, crop_generator, nearest_bucket, place,
+                              synthetic_bucket)
 from t2ibench.errors import STORAGE_MODULES
 from t2ibench.families import FAMILIES, ModelFamily
 from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
@@ -76,10 +77,60 @@ def loader_kwargs(num_workers: int) -> dict:
     )
 
 
+class SyntheticBucketedImages(SyntheticImageCaptions):
+    """Synthetic samples in aspect-ratio buckets: indexed by (sample index, bucket position), which
+    `BucketBatchSampler` hands out, one bucket a batch. An image of the bucket's size, uncropped."""
+
+    def __init__(self, buckets: tuple[Bucket, ...], *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.buckets = buckets
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        index, position = key
+        bucket = self.buckets[position]
+        g = sample_generator(self.seed, index)
+        image = torch.randint(0, 256, (3, bucket.height, bucket.width), generator=g, dtype=torch.uint8)
+        item = {"image": image, **self.family.random_text_inputs(g, self.config), "sample_index": torch.tensor(index)}
+        if self.family.micro_conditioning:
+            item.update(geometry_tensors(ImageGeometry(bucket.height, bucket.width, 0, 0)))
+        return item
+
+
+class BucketBatchSampler(DistributedSampler):
+    """Composer's distributed sampler (each rank its shard of the shuffled indices), handing out batches
+    of `batch_size` indices, each batch paired with a bucket drawn from `weights` (`buckets.synthetic_bucket`).
+
+    A DistributedSampler itself, so that Composer sets its epoch (it looks for one as the loader's
+    batch sampler too) and spins it to a resumed batch like any sampler."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, weights: tuple[float, ...], shuffle: bool = True,
+                 draw_seed: int = 0):
+        # The shuffle's seed is Composer's get_sampler default (0), as the square synthetic loader's.
+        super().__init__(dataset, num_replicas=dist.get_world_size(), rank=dist.get_global_rank(), shuffle=shuffle,
+                         seed=0, drop_last=True)
+        self.batch_size, self.weights, self.draw_seed = batch_size, weights, draw_seed
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        indices = list(super().__iter__())
+        for batch in range(len(self)):
+            position = synthetic_bucket(self.weights, self.draw_seed, self.epoch, self.rank, batch)
+            yield [(index, position) for index in indices[batch * self.batch_size:(batch + 1) * self.batch_size]]
+
+    def __len__(self) -> int:
+        return self.num_samples // self.batch_size
+
+
 def synthetic_dataloader(image_size: int, batch_size_per_device: int, num_workers: int,
                          num_samples: int = 100_000, seed: int = 0, family: ModelFamily | None = None,
-                         config: str | None = None, shuffle: bool = True) -> DataLoader:
-    """Synthetic samples, each rank reading its own shard through Composer's distributed sampler."""
+                         config: str | None = None, shuffle: bool = True, buckets: tuple[Bucket, ...] = (),
+                         bucket_weights: tuple[float, ...] = ()) -> DataLoader:
+    """Synthetic samples, each rank reading its own shard through Composer's distributed sampler; with
+    `buckets`, every batch in one of them, drawn with `bucket_weights` (SyntheticBucketedImages)."""
+    if buckets:
+        dataset = SyntheticBucketedImages(buckets, image_size, num_samples, seed, family, config)
+        sampler = BucketBatchSampler(dataset, batch_size_per_device, bucket_weights, shuffle=shuffle, draw_seed=seed)
+        kwargs = {k: v for k, v in loader_kwargs(num_workers).items() if k != "drop_last"}  # the sampler drops
+        return DataLoader(dataset, batch_sampler=sampler, **kwargs)
     dataset = SyntheticImageCaptions(image_size, num_samples, seed, family, config)
     sampler = dist.get_sampler(dataset, shuffle=shuffle, drop_last=True)
     return DataLoader(dataset, batch_size=batch_size_per_device, sampler=sampler, **loader_kwargs(num_workers))

@@ -125,6 +125,43 @@ def resolve_buckets(spec: str | None, image_size: int, multiple: int, flag: str 
     return read_buckets(spec, image_size, multiple, flag)
 
 
+UNIFORM = "uniform"  # --synthetic_bucket_weights' default: every bucket of the list equally often
+
+
+def synthetic_weights(spec: str, buckets: tuple[Bucket, ...], flag: str = "--synthetic_bucket_weights"
+                      ) -> tuple[float, ...]:
+    """The share of synthetic batches in each bucket: `uniform`, or `HxW=WEIGHT,...` (relative weights of
+    buckets of the list; those left out get none). Every problem is one line naming the flag."""
+    if spec == UNIFORM:
+        return tuple(1 / len(buckets) for _ in buckets)
+    weights: dict[Bucket, float] = {}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        bucket = parse_bucket(name)
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if bucket is None or not math.isfinite(weight) or weight < 0:
+            fail(f"{flag} {spec}: {part.strip()!r} is not HEIGHTxWIDTH=WEIGHT with a weight >= 0 (e.g. 1024x1024=2)")
+        if bucket not in buckets:
+            fail(f"{flag} {spec}: {bucket.name} is not one of the run's buckets ({buckets[0].name} ... "
+                 f"{buckets[-1].name}; python -m t2ibench.buckets lists the default ones)")
+        if bucket in weights:
+            fail(f"{flag} {spec}: {bucket.name} is given twice")
+        weights[bucket] = weight
+    total = sum(weights.values())
+    if total <= 0:
+        fail(f"{flag} {spec}: the weights add up to 0; give one bucket a positive weight")
+    return tuple(weights.get(b, 0.0) / total for b in buckets)
+
+
+def synthetic_bucket(weights: tuple[float, ...], seed: int, epoch: int, rank: int, batch: int) -> int:
+    """The bucket (its position in the list) of a rank's synthetic batch: drawn from `weights`, the same
+    for the same seed, epoch, rank and batch whatever the workers or a restart."""
+    return int(np.random.default_rng((seed, epoch, rank, batch)).choice(len(weights), p=weights))
+
+
 def cover_scale(width: int, height: int, bucket: Bucket) -> float:
     """The scale at which a width x height image just covers `bucket` (keeping its aspect ratio)."""
     return max(bucket.height / height, bucket.width / width)

@@ -10,6 +10,7 @@ from t2ibench.cli import (BATCH_SIZE, FRACTION, IMAGE_SIZE, NON_NEGATIVE_FLOAT, 
                           SECONDS, SEED, Range)
 from t2ibench.buckets import CROPS as BUCKET_CROPS
 from t2ibench.buckets import DEFAULT as DEFAULT_BUCKETS
+from t2ibench.buckets import UNIFORM as UNIFORM_BUCKETS
 from t2ibench.cli import Parser, check_workers  # noqa: F401 - the commands' parser and its rules, with these groups
 from t2ibench.errors import fail
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of
@@ -198,6 +199,9 @@ def benchmark_parser(description: str) -> Parser:
     g.add_argument("--bucket_crop", type=str, default="random", choices=BUCKET_CROPS,
                    help="with --aspect_buckets: where an image is cropped in its bucket, a random corner drawn per "
                         "sample and epoch (SDXL's training) or the center")
+    g.add_argument("--synthetic_bucket_weights", type=str, default=UNIFORM_BUCKETS,
+                   help="with --use_synth_data --aspect_buckets: how often each bucket's batches come, uniform (every "
+                        "bucket of the list alike) or HxW=WEIGHT,... (relative; buckets left out get none)")
     g = p.add_argument_group("speed (defaults: on a GPU the set-up measured fastest, docs/speed.md; on a CPU the "
                              "plain step)")
     g.add_argument("--precomputed", action="store_true",

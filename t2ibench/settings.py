@@ -78,6 +78,7 @@ class Settings:
     # -- aspect-ratio buckets
     aspect_buckets: str | None  # as given: None (square), "default" or a file; `buckets` holds the list
     bucket_crop: str  # "random" or "center" (t2ibench.buckets.CROPS)
+    synthetic_bucket_weights: str  # as given: "uniform" or HxW=WEIGHT,...; `bucket_weights` holds them resolved
 
     # -- speed
     precomputed: bool  # train from latents.py's latents
@@ -128,6 +129,7 @@ class Settings:
     eval_sources: tuple[Source, ...]  # --eval_remote/--eval_local parsed (empty without them)
     encoders_seed: int  # seeds random frozen encoders: precompute.json's seed on its latents, else --seed
     buckets: tuple[Bucket, ...]  # --aspect_buckets' list (empty: square images), from checks.check_buckets
+    bucket_weights: tuple[float, ...]  # synthetic batches' share per bucket (sum 1), from checks.check_buckets
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **resolved: object) -> Settings:

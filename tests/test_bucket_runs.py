@@ -110,8 +110,9 @@ class Batches(Callback):
 
     def after_dataloader(self, state, logger) -> None:
         batch = state.batch
-        self.seen.append({"shape": tuple(batch["image"].shape), "original_size": batch["original_size"].tolist(),
-                          "crop": batch["crop_top_left"].tolist(), "index": batch["sample_index"].tolist()})
+        geometry = {"original_size": batch["original_size"].tolist(), "crop": batch["crop_top_left"].tolist()} \
+            if "original_size" in batch else {}  # SDXL's
+        self.seen.append({"shape": tuple(batch["image"].shape), "index": batch["sample_index"].tolist(), **geometry})
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +160,49 @@ def test_every_batch_holds_one_bucket_with_each_images_own_size_and_crop(one_ran
     assert results["final_loss"] is not None and results["images_per_sec"] > 0
 
 
+def test_the_results_count_the_images_of_each_bucket(one_rank_epoch):
+    seen, results = one_rank_epoch
+    counted = Counter()
+    for batch in seen:
+        counted[f"{batch['shape'][2]}x{batch['shape'][3]}"] += batch["shape"][0]
+    assert results["images_per_bucket"] == dict(counted) and sum(counted.values()) == NUM_PHOTOS
+    assert results["aspect_buckets"] == "default" and results["bucket_crop"] == "random"
+    rates = results["images_per_sec_per_device_by_bucket"]
+    assert rates and set(rates) <= set(counted) and all(rate > 0 for rate in rates.values())
+
+
+@pytest.mark.parametrize("model_config", ["sdxl-tiny", "flux1-tiny"])
+def test_synthetic_batches_are_drawn_from_the_bucket_weights(model_config):
+    batches = Batches()
+    weights = "32x128=3,64x64=1"
+    results = benchmark.main(["--model_config", model_config, "--image_size", "64", "--use_synth_data", "--batch_size",
+                              "2", "--num_workers", "0", "--max_duration", "12ba", "--warmup_batches", "1",
+                              "--aspect_buckets", "--synthetic_bucket_weights", weights], extra_callbacks=[batches])
+    shapes = Counter(batch["shape"][2:] for batch in batches.seen)
+    assert set(shapes) <= {(32, 128), (64, 64)} and shapes[(32, 128)] > shapes[(64, 64)] > 0
+    assert results["images_per_bucket"] == {f"{h}x{w}": 2 * n for (h, w), n in shapes.items()}
+    assert results["synthetic_bucket_weights"] == weights and results["bucket_crop"] is None
+    uniform = benchmark.main(["--model_config", model_config, "--image_size", "64", "--use_synth_data", "--batch_size",
+                              "2", "--num_workers", "0", "--max_duration", "12ba", "--warmup_batches", "1",
+                              "--aspect_buckets"])
+    assert len(uniform["images_per_bucket"]) >= 4  # the list's buckets alike: most of them in 12 batches
+
+
+@pytest.mark.parametrize("weights, expected", [
+    ("64x64", "'64x64' is not HEIGHTxWIDTH=WEIGHT"),
+    ("64x64=-1", "'64x64=-1' is not HEIGHTxWIDTH=WEIGHT"),
+    ("64x64=nan", "'64x64=nan' is not HEIGHTxWIDTH=WEIGHT"),
+    ("60x60=1", "60x60 is not one of the run's buckets"),
+    ("64x64=0", "the weights add up to 0"),
+    ("64x64=1,64x64=2", "64x64 is given twice"),
+])
+def test_bad_bucket_weights_are_one_line(weights, expected):
+    argv = ["--model_config", "sdxl-tiny", "--use_synth_data", "--batch_size", "2", "--max_duration", "1ba",
+            "--aspect_buckets", "--synthetic_bucket_weights", weights]
+    message = error_of(benchmark.main, argv)
+    assert f"--synthetic_bucket_weights {weights}: {expected}" in message, message
+
+
 def test_buckets_are_refused_in_one_line_where_they_do_not_apply(shards, tmp_path):
     local = ["--local", str(shards), "--batch_size", "4", "--max_duration", "1ba"]
     message = error_of(benchmark.main, ["--model_config", "tiny", "--image_size", "64", "--aspect_buckets", *local])
@@ -169,6 +213,11 @@ def test_buckets_are_refused_in_one_line_where_they_do_not_apply(shards, tmp_pat
     assert f"--aspect_buckets {bad}, line 2: 60x64 must have both sides multiples of 8" in message
     message = error_of(benchmark.main, [*XL, "--precomputed", *local])
     assert "--aspect_buckets with --precomputed" in message
+    message = error_of(benchmark.main, ["--model_config", "sdxl-tiny", "--synthetic_bucket_weights", "64x64=1",
+                                        "--use_synth_data", "--batch_size", "2", "--max_duration", "1ba"])
+    assert "--synthetic_bucket_weights needs --aspect_buckets" in message
+    message = error_of(benchmark.main, [*XL, "--synthetic_bucket_weights", "64x64=1", *local])
+    assert "--synthetic_bucket_weights applies to --use_synth_data only" in message
 
 
 def test_a_users_list_is_what_the_run_trains_on(shards, tmp_path):
