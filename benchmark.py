@@ -40,6 +40,7 @@ from t2ibench.callbacks.run_record import RunRecord
 from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
 from t2ibench.callbacks.validation import EVAL_LABEL, ValidationLog
+from t2ibench.buckets import largest_bucket
 from t2ibench.checkpoints import write_whole
 from t2ibench.data_checks import SYNTHETIC_EVAL_SAMPLES
 from t2ibench.families import Parts, build_aside, require_pretrained
@@ -420,6 +421,9 @@ def train(settings: Settings, run: Runtime, trainer: Trainer, built: Model, meas
         "synthetic_bucket_weights": settings.synthetic_bucket_weights if settings.buckets and settings.use_synth_data
         else None,
         **(measured.buckets.summary() if measured.buckets else {}),
+        # The bucket the memory model sizes the microbatch for on a GPU (runtime.counted_image_size).
+        "largest_bucket": largest_bucket(settings.buckets, settings.family.latent_downsample,
+                                         settings.family.patch_size)[1] if settings.buckets else None,
         "activation_checkpointing": run.activation_checkpointing,
         "activation_checkpointing_reason": run.activation_checkpointing_reason,
         "weight_casts": run.weight_casts,

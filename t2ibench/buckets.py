@@ -162,6 +162,21 @@ def synthetic_bucket(weights: tuple[float, ...], seed: int, epoch: int, rank: in
     return int(np.random.default_rng((seed, epoch, rank, batch)).choice(len(weights), p=weights))
 
 
+def largest_bucket(buckets: tuple[Bucket, ...], latent_downsample: int, patch_size: int) -> tuple[Bucket, dict]:
+    """The bucket whose step needs the most memory, which the memory model sizes the microbatch for, and
+    its size in the unit that decides it: the denoiser's tokens for a patch transformer (Flux.1: one per
+    2x2 latent pixels), else pixels (SDXL's UNet: activations grow with the pixels). A tie goes to the
+    one nearest a square (the default list's 1024x1024 rather than its 512x2048 of as many pixels)."""
+    def measure(bucket: Bucket) -> dict:
+        if patch_size > 1:
+            side = latent_downsample * patch_size
+            return {"tokens": (bucket.height // side) * (bucket.width // side)}
+        return {"pixels": bucket.pixels}
+
+    largest = max(buckets, key=lambda b: (next(iter(measure(b).values())), -abs(math.log(b.aspect))))
+    return largest, {"bucket": largest.name, **measure(largest)}
+
+
 def cover_scale(width: int, height: int, bucket: Bucket) -> float:
     """The scale at which a width x height image just covers `bucket` (keeping its aspect ratio)."""
     return max(bucket.height / height, bucket.width / width)

@@ -18,6 +18,12 @@ CROP_KEY = "crop_top_left"  # (top, left) in pixels of the image resized so its 
 GEOMETRY_KEYS = (ORIGINAL_SIZE_KEY, CROP_KEY)
 
 
+def image_shape(size: int | tuple[int, int]) -> tuple[int, int]:
+    """(height, width) in pixels of a training image given by its side (square) or by (height, width)
+    (an aspect-ratio bucket): the counts of FLOPs and memory take either."""
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """Any Pillow image as 8-bit RGB: transparency composited on white, grayscale/CMYK/16-bit converted.
 

@@ -207,3 +207,22 @@ def test_batches_before_counts_each_workers_share_of_the_trained_batches():
     assert [buckets.batches_before(40, 2, 3, w, 4) for w in range(3)] == [2, 2, 1]
     assert [buckets.batches_before(0, 2, 3, w, 4) for w in range(3)] == [0, 0, 0]
     assert buckets.batches_before(24, 2, 1, 0, 4) == 3
+
+
+def test_the_memory_model_counts_the_largest_bucket_in_tokens_for_flux_and_pixels_for_sdxl():
+    from t2ibench import memory
+    from t2ibench.families import MODEL_CONFIGS
+
+    sdxl, flux = MODEL_CONFIGS["sdxl-tiny"], MODEL_CONFIGS["flux1-tiny"]
+    listed = buckets.default_buckets(1024, 8)
+    assert buckets.largest_bucket(listed, sdxl.latent_downsample, sdxl.patch_size)[1] == \
+        {"bucket": "1024x1024", "pixels": 1024 * 1024}  # 512x2048 has as many: the square is named
+    mine = (Bucket(64, 64), Bucket(48, 96), Bucket(96, 32))
+    assert buckets.largest_bucket(mine, flux.latent_downsample, flux.patch_size) == \
+        (Bucket(48, 96), {"bucket": "48x96", "tokens": 3 * 6})
+    # The count takes the bucket's own shape: twice the square's pixels (tokens), more activation bytes
+    # per image, though not twice (the text's are the same).
+    def activations(size):
+        return memory.plan("flux1-tiny", size, 80 * 2**30, per_device_batch=4, num_gpus=1)["activation_bytes_per_image"]
+    square, double = activations(64), activations((64, 128))
+    assert 1.3 * square < double < 2 * square, (square, double)
