@@ -128,7 +128,7 @@ def build_data(settings: Settings, run: Runtime) -> TrainingData:
                 latent_channels=family.latent_channels(settings.model_config), num_samples=num_samples,
                 synthetic_format=settings.precomputed_format, settings=streaming,
                 latent_scale=scaled.latent_scale if scaled else None, latent_shift=scaled.latent_shift if scaled else 0.0,
-                config=settings.model_config, **common)
+                config=settings.model_config, buckets=() if held_out else settings.buckets, **common)
         if settings.use_synth_data:
             return data.synthetic_dataloader(settings.image_size, num_samples=num_samples, shuffle=not held_out,
                                              buckets=() if held_out else settings.buckets,

@@ -22,15 +22,16 @@ from streaming import Stream, StreamingDataLoader, StreamingDataset
 from streaming.base.dataset import _Iterator, _ShardState
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from t2ibench.buckets import (CROPS, Bucket, batches_before, bucket_batches, crop_generator, nearest_bucket, place,
-                              synthetic_bucket)
+from t2ibench.buckets import (CROPS, Bucket, batches_before, bucket_batches, crop_generator, full_batches,
+                              nearest_bucket, place, synthetic_bucket)
 from t2ibench.errors import STORAGE_MODULES
 from t2ibench.families import FAMILIES, ModelFamily
 from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
 from t2ibench.images import (CROP_KEY, GEOMETRY_KEYS, ORIGINAL_SIZE_KEY, ImageGeometry,  # noqa: F401
                              decode_pixels, decode_pixels_placed, decode_pixels_with_geometry, load_image,  # data's API
                              oriented_size, to_rgb)
-from t2ibench.precomputed import (DEFAULT_FAMILY, LATENT_KEYS, TEXT_FORMATS, TEXT_STATES, TEXT_STATES_KEY, TOKENS,
+from t2ibench.precomputed import (BUCKET_KEY, DEFAULT_FAMILY, LATENT_KEYS, TEXT_FORMATS, TEXT_STATES,
+                                  TEXT_STATES_KEY, TOKENS,
                                   column_arrays, stored_shapes, text_format, token_column)
 from t2ibench.sources import Source, parse_sources
 from t2ibench.streaming import BAD_CHECK_AFTER, MAX_BAD_FRACTION, StreamingSettings
@@ -446,21 +447,74 @@ class StreamingImageCaptions(NamedShardErrors, StreamingDataset):
                            f"(the first tried: sample {index} in {self.shard_name(index)})")
 
 
-class BucketedImageCaptions(StreamingImageCaptions):
-    """Image-caption pairs in aspect-ratio buckets (`--aspect_buckets`): every loader worker yields its
-    samples as runs of `batch_size` of one bucket, so that each batch (and each microbatch) holds one.
+class BucketedStream:
+    """A StreamingDataset mix-in (`--aspect_buckets`): every loader worker yields its part of the epoch in
+    runs of `batch_size` samples of one bucket, so that each batch (and microbatch) holds one.
 
-    Each worker takes its part of Streaming's shuffled epoch as the square loader does, reads each
-    sample's header to find its bucket (`t2ibench.buckets.nearest_bucket`), and emits a bucket as
-    soon as it holds a batch (`buckets.bucket_batches`: at most buckets x (batch_size - 1) sample ids
-    wait per worker); decoding happens then, resized to cover the bucket and cropped, at a random
-    corner drawn from (seed, epoch, sample) or centered (`crop`). The epoch has as many batches as
-    the square loader's, on every rank.
+    Each worker takes its part of Streaming's shuffled epoch as the square loaders do, asks
+    `bucket_of(index)` for each sample's bucket (cheap: an image's header, a stored column) and emits a
+    bucket as soon as it holds a batch (`buckets.bucket_batches`: at most buckets x (batch_size - 1)
+    sample ids wait per worker), reading each sample in full then (`item_in`). The epoch has as many
+    batches as the square loader's, on every rank.
 
     Resuming mid-epoch: a checkpoint records the samples trained (Streaming's state); a resumed worker
-    takes the same part of the epoch from its start and replays the bucketing on the samples' headers
-    (nothing decoded) past the batches it had handed out, so it holds what the uninterrupted worker
-    held and continues with the same batches. Random access (`dataset[i]`) stays square.
+    takes the same part of the epoch from its start and replays the bucketing (`bucket_of` only) past
+    the batches it had handed out, so it holds what the uninterrupted worker held and continues with the
+    same batches. Random access (`dataset[i]`) is the square loader's.
+    """
+
+    # Whether the epoch's leftovers are cut into batches in other buckets (images can be cropped into
+    # any); stored latents cannot change shape: their epoch has only full batches (`full_batches`).
+    regroup_leftovers = True
+
+    def bucket_of(self, index: int) -> tuple[Bucket, int]:
+        raise NotImplementedError
+
+    def item_in(self, index: int, bucket: Bucket, epoch: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """This worker's samples of the epoch, in runs of one bucket (Streaming 0.13's __iter__, with
+        the epoch's part always taken from its start: see the class doc)."""
+        if hasattr(self, "_iterator"):
+            self._iterator.exit()
+        if not hasattr(self, "_executor"):
+            self._executor = ThreadPoolExecutor()
+        if not hasattr(self, "_event"):
+            self._event = Event()
+        elif self._event.is_set():
+            raise RuntimeError("Background thread failed. Check other traceback.")
+        self._unique_worker_world = self._unique_rank_world.detect_workers()
+        self._parallel_worker_world = world = self._parallel_rank_world.detect_workers()
+        epoch, sample_in_epoch = self._resume_incr_epoch()
+        sample_ids = self._get_work(epoch, 0)
+        assigned = int((sample_ids != -1).sum())  # this worker's samples of the epoch
+        num_batches = assigned // self.batch_size if self.regroup_leftovers else \
+            full_batches(assigned, len(self.buckets), self.batch_size)
+        skip = batches_before(sample_in_epoch, world.num_ranks, world.workers_per_rank, world.worker_of_rank,
+                              self.batch_size)
+        if skip >= num_batches:
+            return
+        self._iterator = it = _Iterator(sample_ids)
+        futures = [self._executor.submit(self._prepare_thread, it), self._executor.submit(self._ready_thread, it)]
+        for future in futures:
+            future.add_done_callback(self.on_exception)
+        samples = self._each_sample_id(it)
+        try:
+            for bucket, batch in bucket_batches(samples, self.bucket_of, self.batch_size, num_batches, skip):
+                for index in batch:
+                    yield self.item_in(index, bucket, epoch)
+        finally:
+            samples.close()
+            it.exit()  # the download threads stop, whether the epoch's samples ran out or not
+        wait(futures, return_when="FIRST_EXCEPTION")
+
+
+class BucketedImageCaptions(BucketedStream, StreamingImageCaptions):
+    """Image-caption pairs in aspect-ratio buckets (`--aspect_buckets`, `BucketedStream`): a sample's
+    bucket comes from its image's header (`t2ibench.buckets.nearest_bucket`); it is decoded when its
+    bucket's batch is full, resized to cover the bucket and cropped, at a random corner drawn from
+    (seed, epoch, sample) or centered (`crop`).
     """
 
     def __init__(self, *, buckets: tuple[Bucket, ...], crop: str = "random", **kwargs: Any):
@@ -499,39 +553,6 @@ class BucketedImageCaptions(StreamingImageCaptions):
         candidate, item = self.first_usable(index, decode)
         return {**item, "sample_index": torch.tensor(candidate)}
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        """This worker's samples of the epoch, in runs of one bucket (Streaming 0.13's __iter__, with
-        the epoch's part always taken from its start: see the class doc)."""
-        if hasattr(self, "_iterator"):
-            self._iterator.exit()
-        if not hasattr(self, "_executor"):
-            self._executor = ThreadPoolExecutor()
-        if not hasattr(self, "_event"):
-            self._event = Event()
-        elif self._event.is_set():
-            raise RuntimeError("Background thread failed. Check other traceback.")
-        self._unique_worker_world = self._unique_rank_world.detect_workers()
-        self._parallel_worker_world = world = self._parallel_rank_world.detect_workers()
-        epoch, sample_in_epoch = self._resume_incr_epoch()
-        sample_ids = self._get_work(epoch, 0)
-        num_batches = int((sample_ids != -1).sum()) // self.batch_size
-        skip = batches_before(sample_in_epoch, world.num_ranks, world.workers_per_rank, world.worker_of_rank,
-                              self.batch_size)
-        if skip >= num_batches:
-            return
-        self._iterator = it = _Iterator(sample_ids)
-        futures = [self._executor.submit(self._prepare_thread, it), self._executor.submit(self._ready_thread, it)]
-        for future in futures:
-            future.add_done_callback(self.on_exception)
-        samples = self._each_sample_id(it)
-        try:
-            for bucket, batch in bucket_batches(samples, self.bucket_of, self.batch_size, num_batches, skip):
-                for index in batch:
-                    yield self.item_in(index, bucket, epoch)
-        finally:
-            samples.close()
-            it.exit()  # the download threads stop, whether the epoch's samples ran out or not
-        wait(futures, return_when="FIRST_EXCEPTION")
 
 
 def laion_dataloader(remote: str | None = None, local: str | None = None, tokenizer: Any = None, image_size: int = 512,
@@ -675,6 +696,26 @@ class StreamingLatents(NamedShardErrors, StreamingDataset):
         return item
 
 
+class BucketedLatents(BucketedStream, StreamingLatents):
+    """Precomputed latents stored at each sample's bucket shape (`latents.py --aspect_buckets`), in runs of
+    one bucket (`BucketedStream`): a sample's bucket is its stored `bucket` column (height, width). Latents
+    keep their shape, so each worker's epoch holds only the batches its buckets are sure to fill (at most
+    buckets x (batch - 1) samples a worker are left out of an epoch: `buckets.full_batches`)."""
+
+    regroup_leftovers = False
+
+    def __init__(self, *, buckets: tuple[Bucket, ...], **kwargs: Any):
+        super().__init__(**kwargs)
+        self.buckets = tuple(buckets)
+
+    def bucket_of(self, index: int) -> tuple[Bucket, int]:
+        height, width = (int(side) for side in self.read_sample(index)[BUCKET_KEY])
+        return Bucket(height, width), index
+
+    def item_in(self, index: int, bucket: Bucket, epoch: int) -> dict[str, torch.Tensor]:
+        return self.get_item(index)
+
+
 class SyntheticLatents(Dataset):
     """Random latent distributions and token ids or text states of the right shapes: the model without the data.
 
@@ -727,7 +768,8 @@ def latents_dataloader(*, synthetic: bool, remote: str | None = None, local: str
                        seed: int = 17, latent_channels: int = 4, shuffle: bool = True, synthetic_format: str = TOKENS,
                        sources: list[Source] | None = None, settings: StreamingSettings | None = None,
                        family: ModelFamily | None = None, config: str | None = None, latent_scale: float | None = None,
-                       latent_shift: float = 0.0, **streaming_kwargs: Any) -> DataLoader:
+                       latent_shift: float = 0.0, buckets: tuple[Bucket, ...] = (),
+                       **streaming_kwargs: Any) -> DataLoader:
     """Batches of precomputed latents for this rank (what benchmark.py --precomputed uses).
 
     synthetic: SyntheticLatents (in `synthetic_format`) sharded over ranks with Composer's
@@ -737,7 +779,8 @@ def latents_dataloader(*, synthetic: bool, remote: str | None = None, local: str
     mid-epoch; `seed` seeds the shuffle. `settings` (or single settings as keyword arguments) go to
     StreamingDataset, as for laion_dataloader. The dataset's `text_format` says which text input
     the batches carry. `config` (with `family`) sets the shapes the shards must have, and with
-    `latent_scale` and `latent_shift` those of synthetic latents.
+    `latent_scale` and `latent_shift` those of synthetic latents. With `buckets`, the shards hold
+    latents stored per bucket (latents.py --aspect_buckets) and every batch holds one (BucketedLatents).
     """
     kwargs = loader_kwargs(num_workers)
     settings = settings or StreamingSettings(shuffle=shuffle)
@@ -747,7 +790,9 @@ def latents_dataloader(*, synthetic: bool, remote: str | None = None, local: str
                                    latent_shift=latent_shift)
         sampler = dist.get_sampler(dataset, shuffle=settings.shuffle, drop_last=True, seed=seed)
         return DataLoader(dataset, batch_size=batch_size_per_device, sampler=sampler, **kwargs)
-    dataset = StreamingLatents(remote=remote, local=local, sources=sources, batch_size=batch_size_per_device,
+    dataset = (BucketedLatents if buckets else StreamingLatents)(
+                               **({"buckets": buckets} if buckets else {}), remote=remote, local=local,
+                               sources=sources, batch_size=batch_size_per_device,
                                image_size=image_size, text_dim=text_dim, family=family, config=config,
                                **{**settings.dataset_kwargs(seed), **streaming_kwargs})
     warn_about_large_epoch(dataset)

@@ -229,6 +229,13 @@ def batches_before(sample_in_epoch: int, num_ranks: int, workers_per_rank: int, 
     return len(range(worker_of_rank, per_rank, workers_per_rank))
 
 
+def full_batches(samples: int, num_buckets: int, batch_size: int) -> int:
+    """The batches a worker's `samples` are sure to fill in one bucket each, whatever their buckets: at
+    most num_buckets x (batch_size - 1) of them can be left waiting (precomputed latents, which cannot
+    be regrouped into other buckets). The same for every rank, as Streaming gives each the same samples."""
+    return max(0, samples - num_buckets * (batch_size - 1)) // batch_size
+
+
 def bucket_batches(sample_ids: Iterable[int], bucket_of: Callable[[int], tuple[Bucket, int]], batch_size: int,
                    num_batches: int, skip: int = 0) -> Iterator[tuple[Bucket, list[int]]]:
     """One worker's stream of samples as `num_batches` batches of one bucket each, after `skip` batches

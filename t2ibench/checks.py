@@ -402,9 +402,9 @@ def check_buckets(settings: Settings) -> tuple[tuple[Bucket, ...], tuple[float, 
     family = settings.family
     patch_px = family.latent_downsample * family.patch_size
     buckets = resolve_buckets(settings.aspect_buckets, settings.image_size, patch_px)
-    if settings.precomputed:
-        fail("--aspect_buckets with --precomputed: buckets are read from image shards or drawn for synthetic images "
-             "(--use_synth_data); train precomputed latents square, without --aspect_buckets")
+    if settings.precomputed and settings.use_synth_data:
+        fail("--aspect_buckets with --precomputed --use_synth_data: synthetic latents are square; draw synthetic "
+             "buckets with images (without --precomputed), or precompute real images with latents.py --aspect_buckets")
     if settings.synthetic_bucket_weights != UNIFORM and not settings.use_synth_data:
         fail("--synthetic_bucket_weights applies to --use_synth_data only: real data has the buckets its images have")
     return buckets, synthetic_weights(settings.synthetic_bucket_weights, buckets)

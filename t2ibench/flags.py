@@ -128,6 +128,13 @@ def add_streaming(p: argparse.ArgumentParser) -> None:
                         "for a few samples)")
 
 
+def add_aspect_buckets(group: argparse._ActionsContainer, what: str) -> None:
+    """--aspect_buckets [FILE], for benchmark.py and latents.py (`what`: the command's use of it)."""
+    group.add_argument("--aspect_buckets", type=str, nargs="?", const=DEFAULT_BUCKETS, default=None, metavar="FILE",
+                       help=f"{what}. The bare flag: the default list at --image_size (SDXL's 41 at 1024); FILE: one "
+                            "HEIGHTxWIDTH a line")
+
+
 def shared_values(args: argparse.Namespace) -> tuple[ModelFamily, str, int]:
     """The shared groups' values checked (one line naming the flag for a bad one): the model's family,
     and --model_name and --image_size with the family's defaults where they were left out."""
@@ -192,10 +199,9 @@ def benchmark_parser(description: str) -> Parser:
                    help="resume from the latest checkpoint in --save_folder if there is one (needs --run_name)")
     g.add_argument("--run_name", type=str, default=None, help="run name; fixed names let --autoresume find the run")
     g = p.add_argument_group("aspect-ratio buckets (SDXL, Flux.1; docs/data.md#aspect-ratio-buckets)")
-    g.add_argument("--aspect_buckets", type=str, nargs="?", const=DEFAULT_BUCKETS, default=None, metavar="FILE",
-                   help="train on images as they are: each goes to the bucket nearest its aspect ratio, resized to "
-                        "cover it and cropped, and every batch holds one bucket. The bare flag: the default list at "
-                        "--image_size (SDXL's 41 at 1024); FILE: one HEIGHTxWIDTH a line")
+    add_aspect_buckets(g, "train on images as they are: each goes to the bucket nearest its aspect ratio, resized to "
+                          "cover it and cropped, and every batch holds one bucket (--precomputed: latents stored per "
+                          "bucket by latents.py --aspect_buckets, the same list)")
     g.add_argument("--bucket_crop", type=str, default="random", choices=BUCKET_CROPS,
                    help="with --aspect_buckets: where an image is cropped in its bucket, a random corner drawn per "
                         "sample and epoch (SDXL's training) or the center")

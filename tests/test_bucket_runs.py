@@ -20,10 +20,12 @@ from composer.core import Callback
 
 import benchmark
 import convert
-from t2ibench.buckets import default_buckets, nearest_bucket
+import latents
+from t2ibench.buckets import Bucket, default_buckets, nearest_bucket
 from tests.helpers import MIXED_ASPECT_PHOTOS, Launch, error_of, kill_at, mixed_aspect_folder, supervise, two_ranks
 
 NUM_PHOTOS = 64
+NUM_KINDS = len(MIXED_ASPECT_PHOTOS)
 XL = ["--model_config", "sdxl-tiny", "--seed", "17", "--warmup_batches", "1", "--aspect_buckets"]
 
 
@@ -213,8 +215,11 @@ def test_buckets_are_refused_in_one_line_where_they_do_not_apply(shards, tmp_pat
     bad.write_text("64x64\n60x64\n")
     message = error_of(benchmark.main, [*XL, str(bad), *local])
     assert f"--aspect_buckets {bad}, line 2: 60x64 must have both sides multiples of 8" in message
-    message = error_of(benchmark.main, [*XL, "--precomputed", *local])
-    assert "--aspect_buckets with --precomputed" in message
+    message = error_of(benchmark.main, [*XL, "--precomputed", "--use_synth_data", "--batch_size", "2",
+                                        "--max_duration", "1ba"])
+    assert "--aspect_buckets with --precomputed --use_synth_data: synthetic latents are square" in message
+    message = error_of(benchmark.main, [*XL, "--precomputed", *local])  # image shards, not latents
+    assert "holds image shards" in message and "not precomputed latents" in message
     message = error_of(benchmark.main, ["--model_config", "sdxl-tiny", "--synthetic_bucket_weights", "64x64=1",
                                         "--use_synth_data", "--batch_size", "2", "--max_duration", "1ba"])
     assert "--synthetic_bucket_weights needs --aspect_buckets" in message
@@ -255,3 +260,70 @@ def test_two_ranks_resume_mid_epoch_after_sigkill_to_the_uninterrupted_weights_a
     assert all(torch.equal(ema_ref[k], ema_res[k]) for k in ema_ref), "EMA differs"
     summary = [json.loads((runs.tmp / f"{name}.json").read_text()) for name in ("reference", "resumed")]
     assert summary[0]["world_size"] == 2 and summary[0]["final_loss"] == summary[1]["final_loss"]
+
+
+# -----------------------------------------------------------------------------------------------
+# Precomputed: latents.py --aspect_buckets, then --precomputed --aspect_buckets.
+# -----------------------------------------------------------------------------------------------
+
+THREE = "96x40\n64x64\n40x96\n"  # tall, square, wide: few buckets, so that each worker fills them
+
+
+@pytest.fixture(scope="module")
+def bucketed_latents(shards, tmp_path_factory, request):
+    if any("two_rank_runs" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("two_rank_runs")
+    tmp = tmp_path_factory.mktemp("bucket-latents")
+    listed = tmp / "three.txt"
+    listed.write_text(THREE)
+    source = copy_of(shards, tmp / "mds")
+    latents.main(["--model_config", "sdxl-tiny", "--local", str(source), "--out", str(tmp / "lat"),
+                  "--batch_size", "4", "--chunk_size", "32", "--num_workers", "0", "--no_progress",
+                  "--aspect_buckets", str(listed)])
+    return tmp, listed
+
+
+def test_latents_are_stored_at_each_samples_bucket_and_train_one_bucket_a_batch(bucketed_latents, tmp_path):
+    from streaming import StreamingDataset
+
+    tmp, listed = bucketed_latents
+    assert json.loads((tmp / "lat" / "precompute.json").read_text())["aspect_buckets"] == ["96x40", "64x64", "40x96"]
+    stored = StreamingDataset(local=str(tmp / "lat"), batch_size=1, shuffle=False)
+    three = (Bucket(96, 40), Bucket(64, 64), Bucket(40, 96))
+    names = Counter()
+    for i in range(stored.num_samples):
+        sample = stored[i]
+        height, width = (int(side) for side in sample["bucket"])
+        names[f"{height}x{width}"] += 1
+        assert sample["latent_mean"].shape == (4, height // 8, width // 8)
+        _, stored_width, stored_height, orientation = MIXED_ASPECT_PHOTOS[int(sample["index"]) % NUM_KINDS]
+        shown = (stored_height, stored_width) if orientation == 6 else (stored_width, stored_height)
+        assert nearest_bucket(*shown, three, 64) == Bucket(height, width)  # the nearest of the list, centered
+    assert set(names) == {"96x40", "64x64", "40x96"} and sum(names.values()) == NUM_PHOTOS
+    batches = []
+
+    class Latents(Callback):
+        def after_dataloader(self, state, logger) -> None:
+            batches.append(tuple(state.batch["latent_mean"].shape))
+
+    results = benchmark.main(["--model_config", "sdxl-tiny", "--precomputed", "--local",
+                              str(copy_of(tmp / "lat", tmp_path / "lat")), "--batch_size", "2", "--num_workers", "2",
+                              "--max_duration", "1ep", "--warmup_batches", "1", "--aspect_buckets", str(listed)],
+                             extra_callbacks=[Latents()])
+    # 32 samples a worker, 3 buckets: (32 - 3 x 1) // 2 = 14 full batches each, every one in one bucket.
+    assert len(batches) == 28 and {shape[2:] for shape in batches} <= {(12, 5), (8, 8), (5, 12)}
+    assert sum(results["images_per_bucket"].values()) == 56 and results["largest_bucket"]["bucket"] == "64x64"
+
+
+def test_latents_of_other_buckets_are_refused_in_one_line(bucketed_latents, tmp_path):
+    tmp, listed = bucketed_latents
+    local = ["--model_config", "sdxl-tiny", "--precomputed", "--local", str(tmp / "lat"), "--batch_size", "2",
+             "--max_duration", "1ba"]
+    message = error_of(benchmark.main, [*local, "--aspect_buckets"])
+    assert "--aspect_buckets default: the latents were stored in other buckets" in message
+    assert "3 buckets, 96x40 ... 40x96" in message and "this run: 11 buckets" in message
+    message = error_of(benchmark.main, local)
+    assert "holds latents stored per aspect-ratio bucket (latents.py --aspect_buckets)" in message
+    message = error_of(latents.main, ["--model_config", "tiny", "--local", str(tmp / "mds"), "--out",
+                                      str(tmp_path / "sd2"), "--aspect_buckets"], prog="latents.py")
+    assert "--aspect_buckets does not apply to --model_config tiny: SD2 trains on squares" in message
