@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 import data
 from t2ibench import checks, errors, flags, fp8, memory, parallel, stack
+from t2ibench.callbacks.buckets import BucketThroughput
 from t2ibench.callbacks.empty_epoch import EmptyEpochError, StopOnEmptyEpoch
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
 from t2ibench.callbacks.nonfinite_loss import NonFiniteLossError, StopOnNonFiniteLoss
@@ -40,6 +41,7 @@ from t2ibench.callbacks.run_record import RunRecord
 from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
 from t2ibench.callbacks.validation import EVAL_LABEL, ValidationLog
+from t2ibench.buckets import largest_bucket
 from t2ibench.checkpoints import write_whole
 from t2ibench.compiling import compile_step_parts
 from t2ibench.data_checks import SYNTHETIC_EVAL_SAMPLES
@@ -128,13 +130,16 @@ def build_data(settings: Settings, run: Runtime) -> TrainingData:
                 latent_channels=family.latent_channels(settings.model_config), num_samples=num_samples,
                 synthetic_format=settings.precomputed_format, settings=streaming,
                 latent_scale=scaled.latent_scale if scaled else None, latent_shift=scaled.latent_shift if scaled else 0.0,
-                config=settings.model_config, **common)
+                config=settings.model_config, buckets=() if held_out else settings.buckets, **common)
         if settings.use_synth_data:
             return data.synthetic_dataloader(settings.image_size, num_samples=num_samples, shuffle=not held_out,
+                                             buckets=() if held_out else settings.buckets,
+                                             bucket_weights=settings.bucket_weights,
                                              config=settings.model_config, **common)
         return data.laion_dataloader(sources=sources, tokenizer=tokenizers.tokenizers, image_size=settings.image_size,
                                      settings=streaming, image_key=settings.image_key, caption_key=settings.caption_key,
-                                     max_bad_fraction=settings.max_bad_fraction, **common)
+                                     max_bad_fraction=settings.max_bad_fraction,
+                                     buckets=() if held_out else settings.buckets, crop=settings.bucket_crop, **common)
 
     text_dim = next(iter(family.conditioning_shapes(settings.model_config).values()))[-1]
     training = loader(settings.sources, settings.seed, settings.num_synthetic_samples, False)
@@ -262,6 +267,7 @@ class Measured:
     cpu_threads: KeepCpuThreadsOnResume
     validation: ValidationLog | None = None
     profile: ProfileBatches | None = None
+    buckets: BucketThroughput | None = None  # --aspect_buckets: images and images/s per bucket
 
 
 def build_trainer(settings: Settings, run: Runtime, built: Model, training_data: TrainingData,
@@ -324,6 +330,10 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
                             "image_size": settings.image_size, "precomputed": settings.precomputed}),
                  ConsoleProgress(settings.log_interval, validation=measured.validation), restore_rng,
                  measured.cpu_threads]
+    if settings.buckets:  # before the sampling callback: its pause at BATCH_END is not a bucket's time
+        measured.buckets = BucketThroughput(settings.warmup_batches + settings.profile_batches,
+                                            model.family.latent_downsample)
+        callbacks.append(measured.buckets)
     if measured.validation:
         callbacks.append(measured.validation)
     if measured.loss_by_timestep:
@@ -410,6 +420,14 @@ def train(settings: Settings, run: Runtime, trainer: Trainer, built: Model, meas
         "grad_norm": measured.grad_norm.last_norm(),
         "loss_by_timestep_bin": measured.loss_by_timestep.summary() if measured.loss_by_timestep else [],
         "timestep_sampling": settings.timestep_sampling,
+        "aspect_buckets": settings.aspect_buckets,
+        "bucket_crop": settings.bucket_crop if settings.buckets and not settings.use_synth_data else None,
+        "synthetic_bucket_weights": settings.synthetic_bucket_weights if settings.buckets and settings.use_synth_data
+        else None,
+        **(measured.buckets.summary() if measured.buckets else {}),
+        # The bucket the memory model sizes the microbatch for on a GPU (runtime.counted_image_size).
+        "largest_bucket": largest_bucket(settings.buckets, settings.family.latent_downsample,
+                                         settings.family.patch_size)[1] if settings.buckets else None,
         "activation_checkpointing": run.activation_checkpointing,
         "activation_checkpointing_reason": run.activation_checkpointing_reason,
         "weight_casts": run.weight_casts,

@@ -11,26 +11,33 @@ import json
 import logging
 import os
 from collections import Counter
-from typing import Any, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
+from threading import Event
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import torch
 from composer.utils import dist
 from streaming import Stream, StreamingDataLoader, StreamingDataset
-from streaming.base.dataset import _ShardState
-from torch.utils.data import DataLoader, Dataset
+from streaming.base.dataset import _Iterator, _ShardState
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from t2ibench.buckets import (CROPS, Bucket, batches_before, bucket_batches, crop_generator, full_batches,
+                              nearest_bucket, place, synthetic_bucket)
 from t2ibench.errors import STORAGE_MODULES
 from t2ibench.families import FAMILIES, ModelFamily
 from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
 from t2ibench.images import (CROP_KEY, GEOMETRY_KEYS, ORIGINAL_SIZE_KEY, ImageGeometry,  # noqa: F401
-                             decode_pixels, decode_pixels_with_geometry, load_image, to_rgb)  # data's API
-from t2ibench.precomputed import (DEFAULT_FAMILY, LATENT_KEYS, TEXT_FORMATS, TEXT_STATES, TEXT_STATES_KEY, TOKENS,
+                             decode_pixels, decode_pixels_placed, decode_pixels_with_geometry, load_image,  # data's API
+                             oriented_size, to_rgb)
+from t2ibench.precomputed import (BUCKET_KEY, DEFAULT_FAMILY, LATENT_KEYS, TEXT_FORMATS, TEXT_STATES,
+                                  TEXT_STATES_KEY, TOKENS,
                                   column_arrays, stored_shapes, text_format, token_column)
 from t2ibench.sources import Source, parse_sources
 from t2ibench.streaming import BAD_CHECK_AFTER, MAX_BAD_FRACTION, StreamingSettings
 from t2ibench.tokenizer import MAX_LENGTH
 
+T = TypeVar("T")
 
 
 def sample_generator(seed: int, index: int) -> torch.Generator:
@@ -71,10 +78,60 @@ def loader_kwargs(num_workers: int) -> dict:
     )
 
 
+class SyntheticBucketedImages(SyntheticImageCaptions):
+    """Synthetic samples in aspect-ratio buckets: indexed by (sample index, bucket position), which
+    `BucketBatchSampler` hands out, one bucket a batch. An image of the bucket's size, uncropped."""
+
+    def __init__(self, buckets: tuple[Bucket, ...], *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.buckets = buckets
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        index, position = key
+        bucket = self.buckets[position]
+        g = sample_generator(self.seed, index)
+        image = torch.randint(0, 256, (3, bucket.height, bucket.width), generator=g, dtype=torch.uint8)
+        item = {"image": image, **self.family.random_text_inputs(g, self.config), "sample_index": torch.tensor(index)}
+        if self.family.micro_conditioning:
+            item.update(geometry_tensors(ImageGeometry(bucket.height, bucket.width, 0, 0)))
+        return item
+
+
+class BucketBatchSampler(DistributedSampler):
+    """Composer's distributed sampler (each rank its shard of the shuffled indices), handing out batches
+    of `batch_size` indices, each batch paired with a bucket drawn from `weights` (`buckets.synthetic_bucket`).
+
+    A DistributedSampler itself, so that Composer sets its epoch (it looks for one as the loader's
+    batch sampler too) and spins it to a resumed batch like any sampler."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, weights: tuple[float, ...], shuffle: bool = True,
+                 draw_seed: int = 0):
+        # The shuffle's seed is Composer's get_sampler default (0), as the square synthetic loader's.
+        super().__init__(dataset, num_replicas=dist.get_world_size(), rank=dist.get_global_rank(), shuffle=shuffle,
+                         seed=0, drop_last=True)
+        self.batch_size, self.weights, self.draw_seed = batch_size, weights, draw_seed
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        indices = list(super().__iter__())
+        for batch in range(len(self)):
+            position = synthetic_bucket(self.weights, self.draw_seed, self.epoch, self.rank, batch)
+            yield [(index, position) for index in indices[batch * self.batch_size:(batch + 1) * self.batch_size]]
+
+    def __len__(self) -> int:
+        return self.num_samples // self.batch_size
+
+
 def synthetic_dataloader(image_size: int, batch_size_per_device: int, num_workers: int,
                          num_samples: int = 100_000, seed: int = 0, family: ModelFamily | None = None,
-                         config: str | None = None, shuffle: bool = True) -> DataLoader:
-    """Synthetic samples, each rank reading its own shard through Composer's distributed sampler."""
+                         config: str | None = None, shuffle: bool = True, buckets: tuple[Bucket, ...] = (),
+                         bucket_weights: tuple[float, ...] = ()) -> DataLoader:
+    """Synthetic samples, each rank reading its own shard through Composer's distributed sampler; with
+    `buckets`, every batch in one of them, drawn with `bucket_weights` (SyntheticBucketedImages)."""
+    if buckets:
+        dataset = SyntheticBucketedImages(buckets, image_size, num_samples, seed, family, config)
+        sampler = BucketBatchSampler(dataset, batch_size_per_device, bucket_weights, shuffle=shuffle, draw_seed=seed)
+        kwargs = {k: v for k, v in loader_kwargs(num_workers).items() if k != "drop_last"}  # the sampler drops
+        return DataLoader(dataset, batch_sampler=sampler, **kwargs)
     dataset = SyntheticImageCaptions(image_size, num_samples, seed, family, config)
     sampler = dist.get_sampler(dataset, shuffle=shuffle, drop_last=True)
     return DataLoader(dataset, batch_size=batch_size_per_device, sampler=sampler, **loader_kwargs(num_workers))
@@ -359,12 +416,19 @@ class StreamingImageCaptions(NamedShardErrors, StreamingDataset):
 
     def get_item(self, index: int) -> dict[str, torch.Tensor]:
         """Sample `index`, decoded; an undecodable one is replaced by the next index (see class doc)."""
+        candidate, item = self.first_usable(index, lambda sample: self._decode(sample))
+        return {**item, "sample_index": torch.tensor(candidate)}  # for the validation loss
+
+    def first_usable(self, index: int, use: Callable[[dict[str, Any]], T], counted: bool = True) -> tuple[int, T]:
+        """(candidate, use(sample)) for the first sample from `index` on that `use` does not fail on: an
+        undecodable one is replaced by the next index, logged and counted against the bad-data policy.
+        `counted` False: a second look at samples already counted (the header read of aspect buckets)."""
         for attempt in range(self.num_samples):  # at most every sample once; the policy stops us sooner
             candidate = (index + attempt) % self.num_samples
             sample = self.read_sample(candidate)  # download errors are not bad data: they propagate
-            self.decoded += 1
+            self.decoded += counted
             try:
-                return {**self._decode(sample), "sample_index": torch.tensor(candidate)}  # for the validation loss
+                return candidate, use(sample)
             except Exception as error:  # noqa: BLE001  Pillow raises OSError, ValueError, SyntaxError...
                 shard = self.shard_name(candidate)
                 self.bad_samples[shard] += 1
@@ -383,21 +447,132 @@ class StreamingImageCaptions(NamedShardErrors, StreamingDataset):
                            f"(the first tried: sample {index} in {self.shard_name(index)})")
 
 
+class BucketedStream:
+    """A StreamingDataset mix-in (`--aspect_buckets`): every loader worker yields its part of the epoch in
+    runs of `batch_size` samples of one bucket, so that each batch (and microbatch) holds one.
+
+    Each worker takes its part of Streaming's shuffled epoch as the square loaders do, asks
+    `bucket_of(index)` for each sample's bucket (cheap: an image's header, a stored column) and emits a
+    bucket as soon as it holds a batch (`buckets.bucket_batches`: at most buckets x (batch_size - 1)
+    sample ids wait per worker), reading each sample in full then (`item_in`). The epoch has as many
+    batches as the square loader's, on every rank.
+
+    Resuming mid-epoch: a checkpoint records the samples trained (Streaming's state); a resumed worker
+    takes the same part of the epoch from its start and replays the bucketing (`bucket_of` only) past
+    the batches it had handed out, so it holds what the uninterrupted worker held and continues with the
+    same batches. Random access (`dataset[i]`) is the square loader's.
+    """
+
+    # Whether the epoch's leftovers are cut into batches in other buckets (images can be cropped into
+    # any); stored latents cannot change shape: their epoch has only full batches (`full_batches`).
+    regroup_leftovers = True
+
+    def bucket_of(self, index: int) -> tuple[Bucket, int]:
+        raise NotImplementedError
+
+    def item_in(self, index: int, bucket: Bucket, epoch: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """This worker's samples of the epoch, in runs of one bucket (Streaming 0.13's __iter__, with
+        the epoch's part always taken from its start: see the class doc)."""
+        if hasattr(self, "_iterator"):
+            self._iterator.exit()
+        if not hasattr(self, "_executor"):
+            self._executor = ThreadPoolExecutor()
+        if not hasattr(self, "_event"):
+            self._event = Event()
+        elif self._event.is_set():
+            raise RuntimeError("Background thread failed. Check other traceback.")
+        self._unique_worker_world = self._unique_rank_world.detect_workers()
+        self._parallel_worker_world = world = self._parallel_rank_world.detect_workers()
+        epoch, sample_in_epoch = self._resume_incr_epoch()
+        sample_ids = self._get_work(epoch, 0)
+        assigned = int((sample_ids != -1).sum())  # this worker's samples of the epoch
+        num_batches = assigned // self.batch_size if self.regroup_leftovers else \
+            full_batches(assigned, len(self.buckets), self.batch_size)
+        skip = batches_before(sample_in_epoch, world.num_ranks, world.workers_per_rank, world.worker_of_rank,
+                              self.batch_size)
+        if skip >= num_batches:
+            return
+        self._iterator = it = _Iterator(sample_ids)
+        futures = [self._executor.submit(self._prepare_thread, it), self._executor.submit(self._ready_thread, it)]
+        for future in futures:
+            future.add_done_callback(self.on_exception)
+        samples = self._each_sample_id(it)
+        try:
+            for bucket, batch in bucket_batches(samples, self.bucket_of, self.batch_size, num_batches, skip):
+                for index in batch:
+                    yield self.item_in(index, bucket, epoch)
+        finally:
+            samples.close()
+            it.exit()  # the download threads stop, whether the epoch's samples ran out or not
+        wait(futures, return_when="FIRST_EXCEPTION")
+
+
+class BucketedImageCaptions(BucketedStream, StreamingImageCaptions):
+    """Image-caption pairs in aspect-ratio buckets (`--aspect_buckets`, `BucketedStream`): a sample's
+    bucket comes from its image's header (`t2ibench.buckets.nearest_bucket`); it is decoded when its
+    bucket's batch is full, resized to cover the bucket and cropped, at a random corner drawn from
+    (seed, epoch, sample) or centered (`crop`).
+    """
+
+    def __init__(self, *, buckets: tuple[Bucket, ...], crop: str = "random", **kwargs: Any):
+        super().__init__(**kwargs)
+        if not buckets:
+            raise ValueError("BucketedImageCaptions needs at least one bucket")
+        if crop not in CROPS:
+            raise ValueError(f"crop must be one of {CROPS}, not {crop!r}")
+        self.buckets, self.crop = tuple(buckets), crop
+
+    def bucket_of(self, index: int) -> tuple[Bucket, int]:
+        """The bucket of sample `index` (or of the sample that replaces it), from its header alone."""
+        def size(sample: dict[str, Any]) -> tuple[int, int]:
+            self._check_caption(sample)
+            return oriented_size(sample[self.image_key])
+        candidate, (width, height) = self.first_usable(index, size, counted=False)
+        return nearest_bucket(width, height, self.buckets, self.image_size), candidate
+
+    def _check_caption(self, sample: dict[str, Any]) -> str:
+        caption = sample[self.caption_key]
+        if not isinstance(caption, str):
+            raise TypeError(f"caption is {type(caption).__name__}, not str")
+        return caption
+
+    def item_in(self, index: int, bucket: Bucket, epoch: int) -> dict[str, torch.Tensor]:
+        """Sample `index` decoded into `bucket` (a replacement for an undecodable one goes into it too)."""
+        def decode(sample: dict[str, Any]) -> dict[str, torch.Tensor]:
+            caption = self._check_caption(sample)
+            encoded = sample[self.image_key]
+            rng = crop_generator(self.shuffle_seed, epoch, index) if self.crop == "random" else None
+            pixels, geometry = decode_pixels_placed(encoded, place(*oriented_size(encoded), bucket, rng))
+            item = {"image": torch.from_numpy(pixels).permute(2, 0, 1).contiguous(), **self.token_ids(caption)}
+            if self.family.micro_conditioning:
+                item.update(geometry_tensors(geometry))
+            return item
+        candidate, item = self.first_usable(index, decode)
+        return {**item, "sample_index": torch.tensor(candidate)}
+
+
+
 def laion_dataloader(remote: str | None = None, local: str | None = None, tokenizer: Any = None, image_size: int = 512,
                      batch_size_per_device: int = 1, num_workers: int = 0, seed: int = 17, *,
                      sources: list[Source] | None = None, settings: StreamingSettings | None = None,
                      family: ModelFamily | None = None, image_key: str = "jpg", caption_key: str = "caption",
                      max_bad_fraction: float = MAX_BAD_FRACTION, bad_check_after: int = BAD_CHECK_AFTER,
+                     buckets: tuple[Bucket, ...] = (), crop: str = "random",
                      **streaming_kwargs: Any) -> StreamingDataLoader:
     """LAION-style MDS shards as batches {"image": (B,3,S,S) uint8, "captions": (B,77)} for this rank.
 
     `remote` None means the shards are already in `local`. The loader is a StreamingDataLoader, so
     Composer checkpoints its position and resumes mid-epoch. `settings` (or single settings as
     keyword arguments) go to StreamingDataset; `seed` seeds the shuffle (the same on every rank, as
-    Streaming requires).
+    Streaming requires). With `buckets`, every batch holds one aspect-ratio bucket (BucketedImageCaptions,
+    cropped as `crop` says).
     """
-    dataset = StreamingImageCaptions(
-        remote=remote, local=local, sources=sources, tokenizer=tokenizer, image_size=image_size,
+    bucketed = dict(buckets=buckets, crop=crop) if buckets else {}
+    dataset = (BucketedImageCaptions if buckets else StreamingImageCaptions)(
+        **bucketed, remote=remote, local=local, sources=sources, tokenizer=tokenizer, image_size=image_size,
         batch_size=batch_size_per_device, family=family, image_key=image_key, caption_key=caption_key,
         max_bad_fraction=max_bad_fraction, bad_check_after=bad_check_after,
         **{**(settings or StreamingSettings()).dataset_kwargs(seed), **streaming_kwargs})
@@ -521,6 +696,26 @@ class StreamingLatents(NamedShardErrors, StreamingDataset):
         return item
 
 
+class BucketedLatents(BucketedStream, StreamingLatents):
+    """Precomputed latents stored at each sample's bucket shape (`latents.py --aspect_buckets`), in runs of
+    one bucket (`BucketedStream`): a sample's bucket is its stored `bucket` column (height, width). Latents
+    keep their shape, so each worker's epoch holds only the batches its buckets are sure to fill (at most
+    buckets x (batch - 1) samples a worker are left out of an epoch: `buckets.full_batches`)."""
+
+    regroup_leftovers = False
+
+    def __init__(self, *, buckets: tuple[Bucket, ...], **kwargs: Any):
+        super().__init__(**kwargs)
+        self.buckets = tuple(buckets)
+
+    def bucket_of(self, index: int) -> tuple[Bucket, int]:
+        height, width = (int(side) for side in self.read_sample(index)[BUCKET_KEY])
+        return Bucket(height, width), index
+
+    def item_in(self, index: int, bucket: Bucket, epoch: int) -> dict[str, torch.Tensor]:
+        return self.get_item(index)
+
+
 class SyntheticLatents(Dataset):
     """Random latent distributions and token ids or text states of the right shapes: the model without the data.
 
@@ -573,7 +768,8 @@ def latents_dataloader(*, synthetic: bool, remote: str | None = None, local: str
                        seed: int = 17, latent_channels: int = 4, shuffle: bool = True, synthetic_format: str = TOKENS,
                        sources: list[Source] | None = None, settings: StreamingSettings | None = None,
                        family: ModelFamily | None = None, config: str | None = None, latent_scale: float | None = None,
-                       latent_shift: float = 0.0, **streaming_kwargs: Any) -> DataLoader:
+                       latent_shift: float = 0.0, buckets: tuple[Bucket, ...] = (),
+                       **streaming_kwargs: Any) -> DataLoader:
     """Batches of precomputed latents for this rank (what benchmark.py --precomputed uses).
 
     synthetic: SyntheticLatents (in `synthetic_format`) sharded over ranks with Composer's
@@ -583,7 +779,8 @@ def latents_dataloader(*, synthetic: bool, remote: str | None = None, local: str
     mid-epoch; `seed` seeds the shuffle. `settings` (or single settings as keyword arguments) go to
     StreamingDataset, as for laion_dataloader. The dataset's `text_format` says which text input
     the batches carry. `config` (with `family`) sets the shapes the shards must have, and with
-    `latent_scale` and `latent_shift` those of synthetic latents.
+    `latent_scale` and `latent_shift` those of synthetic latents. With `buckets`, the shards hold
+    latents stored per bucket (latents.py --aspect_buckets) and every batch holds one (BucketedLatents).
     """
     kwargs = loader_kwargs(num_workers)
     settings = settings or StreamingSettings(shuffle=shuffle)
@@ -593,7 +790,9 @@ def latents_dataloader(*, synthetic: bool, remote: str | None = None, local: str
                                    latent_shift=latent_shift)
         sampler = dist.get_sampler(dataset, shuffle=settings.shuffle, drop_last=True, seed=seed)
         return DataLoader(dataset, batch_size=batch_size_per_device, sampler=sampler, **kwargs)
-    dataset = StreamingLatents(remote=remote, local=local, sources=sources, batch_size=batch_size_per_device,
+    dataset = (BucketedLatents if buckets else StreamingLatents)(
+                               **({"buckets": buckets} if buckets else {}), remote=remote, local=local,
+                               sources=sources, batch_size=batch_size_per_device,
                                image_size=image_size, text_dim=text_dim, family=family, config=config,
                                **{**settings.dataset_kwargs(seed), **streaming_kwargs})
     warn_about_large_epoch(dataset)

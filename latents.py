@@ -39,12 +39,14 @@ from t2ibench.families import ModelFamily, require_pretrained
 from t2ibench.files import hold_output, take_over
 from t2ibench.locations import is_remote, missing_upload_credentials, normalise, overlap, \
     unwritable, upload_schemes
-from t2ibench.images import GEOMETRY_KEYS, ImageGeometry
+from t2ibench.buckets import Bucket, nearest_bucket, place, resolve_buckets
+from t2ibench.images import GEOMETRY_KEYS, ImageGeometry, decode_pixels_placed, oriented_size
 from t2ibench.latent_encoding import Encoded, Stats, encode
 from t2ibench.latent_store import (check_settings, chunk_name, chunk_writer, clear_output, completed_chunks, join,
                                    read_json, write_json)
 from t2ibench.mds import INDEX_FILE, MDSWriter, codec_problem, size_limit_problem
-from t2ibench.precomputed import (RECORD_FILE, STORAGE_DTYPES, TEXT_STATES, default_format, TOKEN_IDS_DTYPE, TOKENS, mds_columns,
+from t2ibench.precomputed import (BUCKET_KEY, RECORD_FILE, STORAGE_DTYPES, TEXT_STATES,
+                                  default_format, TOKEN_IDS_DTYPE, TOKENS, mds_columns,
                                   token_column)
 from t2ibench.scale import SAMPLES as SAMPLES_AT_SCALE
 from t2ibench.sources import Source, check_cache_current, parse_sources
@@ -66,20 +68,39 @@ class IndexedImageCaptions(data.StreamingImageCaptions):
     captions are prepared exactly as for online training (data.decode_image, the family's tokenize).
     """
 
-    def get_item(self, index: int) -> dict[str, Any]:
+    buckets: tuple[Bucket, ...] = ()  # --aspect_buckets: get_item takes (index, position in this list)
+
+    def bucket_position(self, index: int) -> int:
+        """The position in `buckets` of the bucket nearest sample `index`'s aspect ratio, from its header
+        (0 when the header cannot be read: get_item then finds the sample bad and leaves it out)."""
+        sample = self.read_sample(index)  # a shard that cannot be read is named (BadDataError), not a bad image
+        try:
+            width, height = oriented_size(sample[self.image_key])
+        except Exception:  # noqa: BLE001  an undecodable image: reported where it is decoded (get_item)
+            return 0
+        return self.buckets.index(nearest_bucket(width, height, self.buckets, self.image_size))
+
+    def get_item(self, key: int | tuple[int, int]) -> dict[str, Any]:
+        index, position = key if isinstance(key, tuple) else (key, None)
+        bucket = self.buckets[position] if position is not None else Bucket(self.image_size, self.image_size)
         sample = self.read_sample(index)  # the raw columns: a shard that cannot be read is named (BadDataError)
         caption = sample.get(self.caption_key)
         try:
             if not isinstance(caption, str):
                 raise TypeError(f"caption is {type(caption).__name__}, not str")
-            image, geometry = data.decode_image_with_geometry(sample[self.image_key], self.image_size)
+            if position is None:
+                image, geometry = data.decode_image_with_geometry(sample[self.image_key], self.image_size)
+            else:  # latents are stored as they would train: centered, kohya's cached-latent crop
+                encoded = sample[self.image_key]
+                pixels, geometry = decode_pixels_placed(encoded, place(*oriented_size(encoded), bucket))
+                image = torch.from_numpy(pixels).permute(2, 0, 1).contiguous()
             return {"index": index, "ok": True, "image": image, **self.token_ids(caption), "caption": caption,
                     **data.geometry_tensors(geometry)}
         except Exception as error:  # noqa: BLE001  Pillow raises OSError, ValueError, SyntaxError...
             log.warning("sample %d in %s cannot be used (%s: %s); left out of the precomputed data",
                         index, self.shard_name(index), type(error).__name__, error)
             return {"index": index, "ok": False,
-                    "image": torch.zeros(3, self.image_size, self.image_size, dtype=torch.uint8),
+                    "image": torch.zeros(3, bucket.height, bucket.width, dtype=torch.uint8),
                     **{key: torch.zeros_like(ids) for key, ids in self.token_ids("").items()}, "caption": "",
                     **data.geometry_tensors(ImageGeometry(0, 0, 0, 0))}
 
@@ -100,8 +121,8 @@ class _ByIndex(Dataset):
     def __len__(self) -> int:
         return self.source.num_samples
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.source.get_item(index)
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Any]:
+        return self.source.get_item(key)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -162,6 +183,9 @@ def build_parser() -> flags.Parser:
     g.add_argument("--max_chunks", type=NON_NEGATIVE_INT, default=0,
                    help="do at most this many chunks per rank in this run, then stop (0: all); rerun to continue")
     g.add_argument("--no_captions", action="store_true", help="do not store the caption strings")
+    flags.add_aspect_buckets(g, "store each image's latents at the shape of the bucket nearest its aspect ratio "
+                                "(resized to cover it, center-cropped), with the bucket, for benchmark.py "
+                                "--precomputed --aspect_buckets")
     g.add_argument("--compression", type=str, default="zstd", help="shard compression: zstd, zstd:<level>, gz, none")
     g.add_argument("--hashes", type=str, default="xxh64",
                    help="comma-separated shard hashes stored in the index ('' for none)")
@@ -182,6 +206,10 @@ def validate(parsed: argparse.Namespace) -> tuple[argparse.Namespace, ModelFamil
     """One line naming the flag for every value that would fail later. Returns the flags with every
     default resolved, in a new namespace (the parsed one is left as it was parsed), the family and the source."""
     family, model_name, image_size = flags.shared_values(parsed)
+    if parsed.aspect_buckets is not None and "aspect_buckets" in family.refused_flags:
+        fail(f"--aspect_buckets does not apply to --model_config {parsed.model_config}: "
+             f"{family.refused_flags['aspect_buckets']}")
+    buckets = resolve_buckets(parsed.aspect_buckets, image_size, family.latent_downsample * family.patch_size)
     if parsed.store_text_states and parsed.store_token_ids:
         fail("--store_text_states and --store_token_ids: choose one")
     # The family's own format unless the user chose one (Flux.1 stores text states, as MLPerf does).
@@ -223,7 +251,7 @@ def validate(parsed: argparse.Namespace) -> tuple[argparse.Namespace, ModelFamil
         fail(problem)
     check_cache_current(source)  # a cache of an older version of the remote: refused, not read
     resolved = {"model_name": model_name, "image_size": image_size, "store_text_states": store_text_states,
-                "compression": compression, "hashes": hashes, "out": out}
+                "compression": compression, "hashes": hashes, "out": out, "buckets": buckets}
     return argparse.Namespace(**{**vars(parsed), **resolved}), family, source
 
 
@@ -248,7 +276,8 @@ def run(parsed: argparse.Namespace, held: contextlib.ExitStack) -> dict | None:
     device = start(args)
     vae, text_encoders, tokenizers, random_encoders = build_encoders(args, family, device)
     source, fingerprint = open_source(args, family, source_location, tokenizers)
-    columns = mds_columns(vae.config.latent_channels, args.image_size // family.latent_downsample, None,
+    latent_size = None if args.buckets else args.image_size // family.latent_downsample  # None: per bucket
+    columns = mds_columns(vae.config.latent_channels, latent_size, None,
                           args.storage_dtype, not args.no_captions, text_states=args.store_text_states,
                           family=family, config=args.model_config, micro_conditioning=family.micro_conditioning)
     num_chunks = math.ceil(source.num_samples / args.chunk_size)
@@ -259,6 +288,7 @@ def run(parsed: argparse.Namespace, held: contextlib.ExitStack) -> dict | None:
         "model_name": args.model_name if args.model_config in family.pretrained_configs else None,
         "random_encoders": random_encoders, "seed": args.seed if random_encoders else None,
         "columns": columns, "image_key": args.image_key, "caption_key": args.caption_key,
+        "aspect_buckets": [bucket.name for bucket in args.buckets] or None,
     }
     mine = plan(args, settings, num_chunks, held)
     stats = Stats()
@@ -368,6 +398,15 @@ def encode_chunks(args: argparse.Namespace, family: ModelFamily, source: Indexed
     # Batches never cross a chunk boundary, so a chunk is finished by the batch that ends it.
     batches = [list(range(i, min(stop, i + args.batch_size))) for k in chunks
                for start, stop in [ranges[k]] for i in range(start, stop, args.batch_size)]
+    if args.buckets:  # one bucket a batch: each chunk's samples grouped by bucket (their headers read first)
+        source.buckets = args.buckets
+        batches = []
+        for k in chunks:
+            groups: dict[int, list[int]] = {}
+            for index in range(*ranges[k]):
+                groups.setdefault(source.bucket_position(index), []).append(index)
+            batches += [[(index, position) for index in group[i:i + args.batch_size]]
+                        for position, group in sorted(groups.items()) for i in range(0, len(group), args.batch_size)]
     loader = DataLoader(_ByIndex(source), batch_sampler=batches, num_workers=args.num_workers,
                         pin_memory=device.type == "cuda", prefetch_factor=4 if args.num_workers else None)
     compute_dtype = COMPUTE_DTYPES[args.dtype]
@@ -399,6 +438,8 @@ def encode_chunks(args: argparse.Namespace, family: ModelFamily, source: Indexed
             for key in GEOMETRY_KEYS:
                 if key in columns:  # the image's original size and crop (micro-conditioning)
                     sample[key] = encoded.geometry[key][row]
+            if BUCKET_KEY in columns:  # the bucket, in pixels, of latents stored at its shape
+                sample[BUCKET_KEY] = np.array(arrays[0][row].shape[-2:], np.int32) * family.latent_downsample
             if "caption" in columns:
                 sample["caption"] = encoded.captions[row]
             writer.write(sample)

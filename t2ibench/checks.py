@@ -19,6 +19,7 @@ from composer.core import Time
 from composer.utils import dist
 
 from t2ibench import fp8
+from t2ibench.buckets import UNIFORM, Bucket, resolve_buckets, synthetic_weights
 from t2ibench.callbacks.profile import profile_fits
 from t2ibench.checkpoints import LATEST, gone_latest, resume_from, resume_point
 from t2ibench.cli import check_workers
@@ -51,7 +52,9 @@ def validate(args: argparse.Namespace, world_size: int) -> Settings:
     settings = dataclasses.replace(settings, fsdp=check_parallelism(settings, world_size))
     check_numbers(settings)
     sampler, precomputed_format = check_recipe(settings)
-    settings = dataclasses.replace(settings, sampler=sampler, precomputed_format=precomputed_format)
+    buckets, bucket_weights = check_buckets(settings)
+    settings = dataclasses.replace(settings, sampler=sampler, precomputed_format=precomputed_format,
+                                   buckets=buckets, bucket_weights=bucket_weights)
     check_outputs(settings)
     check_checkpoint(settings)
     samples_per_epoch, recorded_seed = check_data(settings)
@@ -72,7 +75,7 @@ def resolve(args: argparse.Namespace) -> Settings:
     return Settings.from_args(args, **locations, family=family, model_name=model_name, image_size=image_size,
                               sources=tuple(parse_sources(args.remote, args.local)),
                               eval_sources=tuple(parse_sources(args.eval_remote, args.eval_local)),
-                              encoders_seed=args.seed)
+                              encoders_seed=args.seed, buckets=(), bucket_weights=())
 
 
 def check_run(settings: Settings, world_size: int) -> int | str:
@@ -393,6 +396,24 @@ def check_recipe(settings: Settings) -> tuple[str, str | None]:
         if entries and not own_export:
             fail(f"--ema_export_dir {settings.ema_export_dir} is not empty; choose a new folder (nothing is overwritten)")
     return sampler, precomputed_format
+
+
+def check_buckets(settings: Settings) -> tuple[tuple[Bucket, ...], tuple[float, ...]]:
+    """--aspect_buckets' list (the family refuses it first, check_recipe) and the synthetic batches'
+    share of each bucket, or none; what buckets do not train from yet is refused by name."""
+    if settings.aspect_buckets is None:
+        if settings.synthetic_bucket_weights != UNIFORM:
+            fail("--synthetic_bucket_weights needs --aspect_buckets (and --use_synth_data)")
+        return (), ()
+    family = settings.family
+    patch_px = family.latent_downsample * family.patch_size
+    buckets = resolve_buckets(settings.aspect_buckets, settings.image_size, patch_px)
+    if settings.precomputed and settings.use_synth_data:
+        fail("--aspect_buckets with --precomputed --use_synth_data: synthetic latents are square; draw synthetic "
+             "buckets with images (without --precomputed), or precompute real images with latents.py --aspect_buckets")
+    if settings.synthetic_bucket_weights != UNIFORM and not settings.use_synth_data:
+        fail("--synthetic_bucket_weights applies to --use_synth_data only: real data has the buckets its images have")
+    return buckets, synthetic_weights(settings.synthetic_bucket_weights, buckets)
 
 
 def run_batches(settings: Settings, samples_per_epoch: int) -> int:

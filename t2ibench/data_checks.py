@@ -16,7 +16,7 @@ from t2ibench.families import FAMILIES, ModelFamily
 from t2ibench.images import GEOMETRY_KEYS
 from t2ibench.locations import is_remote, same_source_key
 from t2ibench.mds import holds_samples_it_does_not_list, index_problem, shard_file
-from t2ibench.precomputed import LATENT_DTYPES, LATENT_KEYS, RECORD_FILE, TOKEN_DTYPES, column_arrays
+from t2ibench.precomputed import BUCKET_KEY, LATENT_DTYPES, LATENT_KEYS, RECORD_FILE, TOKEN_DTYPES, column_arrays
 from t2ibench.settings import Settings
 from t2ibench.sources import Source, check_cache
 
@@ -69,7 +69,8 @@ def check_index(index: dict, label: str, settings: Settings) -> int:
                  f"{settings.model_config} is conditioned on (precomputed for another model?); write them with "
                  f"latents.py --model_config {settings.model_config}")
         for shard in shards:  # every shard: the parts of a merged index may differ
-            problem = precomputed_shard_problem(shard, family, settings.model_config, settings.image_size)
+            problem = precomputed_shard_problem(shard, family, settings.model_config, settings.image_size,
+                                                bool(settings.buckets))
             if problem:
                 fail(f"--precomputed: {label}: shard {shard_file(shard)} {problem}")
     hashes = shards[0].get("hashes", []) if shards else []
@@ -107,17 +108,24 @@ def check_shard_files(folder: Path, index: dict, label: str, settings: Settings,
                      "corrupted; re-convert the dataset, or delete the file to download it again")
 
 
-def precomputed_shard_problem(shard: dict, family: ModelFamily, config: str, image_size: int) -> str | None:
+def precomputed_shard_problem(shard: dict, family: ModelFamily, config: str, image_size: int,
+                              bucketed: bool = False) -> str | None:
     """What makes one shard of precomputed latents unfit for this run (from its column encodings in
     index.json: no data read), or None: latents of another size or channel count, arrays without a
-    fixed shape, float token ids, text columns of other shapes."""
+    fixed shape, float token ids, text columns of other shapes; latents stored per aspect-ratio bucket
+    for a square run (`bucketed` False) or square ones for a bucketed run."""
     encodings = dict(zip(shard.get("column_names", []), shard.get("column_encodings", [])))
     arrays = column_arrays(list(encodings), list(encodings.values()))
     array = arrays.get  # (dtype, shape) of an ndarray column, None for any other or a missing one
     fixed = "latents.py stores every array with a fixed shape (ndarray:float16:4,64,64): write them with latents.py"
 
+    if (BUCKET_KEY in encodings) != bucketed:
+        return ("holds latents stored per aspect-ratio bucket (latents.py --aspect_buckets): train with "
+                "--aspect_buckets and the same list" if not bucketed else
+                "holds square latents: train without --aspect_buckets, or precompute them with latents.py "
+                "--aspect_buckets")
     channels, side = family.latent_channels(config), image_size // family.latent_downsample
-    for key in LATENT_KEYS:
+    for key in LATENT_KEYS if not bucketed else ():  # bucketed: each sample has its bucket's shape
         found = array(key)
         if found is None or found[1] is None:
             return f"stores {key} as {encodings.get(key)!r}, without a fixed shape; {fixed}"
@@ -276,6 +284,13 @@ def check_evaluation(settings: Settings, recorded_seed: int | None) -> int | Non
     return recorded_seed
 
 
+def describe_buckets(names: list[str] | None) -> str:
+    """A bucket list in a few words for a one-line message: none, or its count and ends."""
+    if not names:
+        return "none (square latents)"
+    return f"{len(names)} buckets, {names[0]} ... {names[-1]}" if len(names) > 2 else ", ".join(names)
+
+
 def check_precompute_record(record: Path, settings: Settings, recorded_seed: int | None,
                             name: str | None = None) -> int | None:
     """Compare what latents.py recorded in precompute.json with this run. A different --model_config or
@@ -297,6 +312,11 @@ def check_precompute_record(record: Path, settings: Settings, recorded_seed: int
         if recorded.get(key) is not None and recorded[key] != getattr(settings, flag):
             fail(f"--{flag} {getattr(settings, flag)}: the latents were computed with --{flag} {recorded[key]} "
                  f"({name}); pass --{flag} {recorded[key]}, or compute latents for this setting with latents.py")
+    made_buckets, run_buckets = recorded.get("aspect_buckets"), [b.name for b in settings.buckets] or None
+    if settings.buckets and made_buckets != run_buckets:
+        fail(f"--aspect_buckets {settings.aspect_buckets}: the latents were stored in other buckets ({name}: "
+             f"{describe_buckets(made_buckets)}; this run: {describe_buckets(run_buckets)}); pass the list they were "
+             "computed with, or compute latents for this list with latents.py --aspect_buckets")
     made_with = recorded.get("model_name")
     if made_with and same_source_key(made_with) != same_source_key(settings.model_name) \
             and not Path(settings.model_name).is_dir():

@@ -8,6 +8,9 @@ import math
 
 from t2ibench.cli import (BATCH_SIZE, FRACTION, IMAGE_SIZE, NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT,
                           SECONDS, SEED, Range)
+from t2ibench.buckets import CROPS as BUCKET_CROPS
+from t2ibench.buckets import DEFAULT as DEFAULT_BUCKETS
+from t2ibench.buckets import UNIFORM as UNIFORM_BUCKETS
 from t2ibench.cli import Parser, check_workers  # noqa: F401 - the commands' parser and its rules, with these groups
 from t2ibench.errors import fail
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of
@@ -125,6 +128,13 @@ def add_streaming(p: argparse.ArgumentParser) -> None:
                         "for a few samples)")
 
 
+def add_aspect_buckets(group: argparse._ActionsContainer, what: str) -> None:
+    """--aspect_buckets [FILE], for benchmark.py and latents.py (`what`: the command's use of it)."""
+    group.add_argument("--aspect_buckets", type=str, nargs="?", const=DEFAULT_BUCKETS, default=None, metavar="FILE",
+                       help=f"{what}. The bare flag: the default list at --image_size (SDXL's 41 at 1024); FILE: one "
+                            "HEIGHTxWIDTH a line")
+
+
 def shared_values(args: argparse.Namespace) -> tuple[ModelFamily, str, int]:
     """The shared groups' values checked (one line naming the flag for a bad one): the model's family,
     and --model_name and --image_size with the family's defaults where they were left out."""
@@ -188,6 +198,16 @@ def benchmark_parser(description: str) -> Parser:
     g.add_argument("--autoresume", action="store_true",
                    help="resume from the latest checkpoint in --save_folder if there is one (needs --run_name)")
     g.add_argument("--run_name", type=str, default=None, help="run name; fixed names let --autoresume find the run")
+    g = p.add_argument_group("aspect-ratio buckets (SDXL, Flux.1; docs/data.md#aspect-ratio-buckets)")
+    add_aspect_buckets(g, "train on images as they are: each goes to the bucket nearest its aspect ratio, resized to "
+                          "cover it and cropped, and every batch holds one bucket (--precomputed: latents stored per "
+                          "bucket by latents.py --aspect_buckets, the same list)")
+    g.add_argument("--bucket_crop", type=str, default="random", choices=BUCKET_CROPS,
+                   help="with --aspect_buckets: where an image is cropped in its bucket, a random corner drawn per "
+                        "sample and epoch (SDXL's training) or the center")
+    g.add_argument("--synthetic_bucket_weights", type=str, default=UNIFORM_BUCKETS,
+                   help="with --use_synth_data --aspect_buckets: how often each bucket's batches come, uniform (every "
+                        "bucket of the list alike) or HxW=WEIGHT,... (relative; buckets left out get none)")
     g = p.add_argument_group("speed (defaults: on a GPU the set-up measured fastest, docs/speed.md; on a CPU the "
                              "plain step)")
     g.add_argument("--precomputed", action="store_true",

@@ -18,6 +18,12 @@ CROP_KEY = "crop_top_left"  # (top, left) in pixels of the image resized so its 
 GEOMETRY_KEYS = (ORIGINAL_SIZE_KEY, CROP_KEY)
 
 
+def image_shape(size: int | tuple[int, int]) -> tuple[int, int]:
+    """(height, width) in pixels of a training image given by its side (square) or by (height, width)
+    (an aspect-ratio bucket): the counts of FLOPs and memory take either."""
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """Any Pillow image as 8-bit RGB: transparency composited on white, grayscale/CMYK/16-bit converted.
 
@@ -104,3 +110,53 @@ def decode_pixels_with_geometry(data: bytes, size: int) -> tuple[np.ndarray, Ima
     left, top = (width - side) / 2, (height - side) / 2
     image = image.resize((size, size), Image.Resampling.BICUBIC, box=(left, top, left + side, top + side))
     return np.array(image, dtype=np.uint8), geometry  # (size, size, 3), a writable copy
+
+
+# Aspect-ratio buckets (t2ibench.buckets decides the bucket and the crop; this decodes into it).
+def oriented_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of encoded image bytes as training sees them (after EXIF orientation), from the
+    header alone: nothing is decoded, so a bucket is chosen for the cost of opening the file."""
+    image = Image.open(io.BytesIO(data))
+    width, height = image.size
+    if image.getexif().get(ExifTags.Base.Orientation, 1) in _TRANSPOSING_ORIENTATIONS:
+        return height, width
+    return width, height
+
+
+@dataclass(frozen=True)
+class Placement:
+    """An image in its bucket: resized (aspect kept) to `resized_height` x `resized_width`, which covers
+    the bucket, then cropped to `height` x `width` from (`crop_top`, `crop_left`) of the resized image."""
+
+    height: int
+    width: int
+    resized_height: int
+    resized_width: int
+    crop_top: int
+    crop_left: int
+
+
+def decode_pixels_placed(data: bytes, placement: Placement) -> tuple[np.ndarray, ImageGeometry]:
+    """Encoded image bytes -> (height, width, 3) uint8 array as `placement` says, and its geometry (the
+    full image's size after EXIF orientation, the crop corner in the resized image: SDXL's convention).
+
+    Oriented and made RGB as `decode_pixels`; resize and crop are one `resize(box=...)` of the region
+    that survives the crop, in the coordinates of the image as decoded (a big JPEG decoded at a reduced
+    scale by its IDCT, as `decode_pixels` does, keeps the same region)."""
+    p = placement
+    image = Image.open(io.BytesIO(data))
+    stored_width, stored_height = image.size
+    transposed = image.getexif().get(ExifTags.Base.Orientation, 1) in _TRANSPOSING_ORIENTATIONS
+    width, height = (stored_height, stored_width) if transposed else (stored_width, stored_height)
+    geometry = ImageGeometry(height, width, p.crop_top, p.crop_left)
+    scale = max(p.resized_height / height, p.resized_width / width)
+    if scale <= 0.25:  # as decode_pixels: stay at >= 2x the target so the bicubic filter still antialiases
+        image.draft("RGB", (max(1, round(2 * stored_width * scale)), max(1, round(2 * stored_height * scale))))
+    image.load()
+    ImageOps.exif_transpose(image, in_place=True)
+    image = to_rgb(image)
+    decoded_width, decoded_height = image.size
+    x, y = decoded_width / p.resized_width, decoded_height / p.resized_height  # resized pixels -> decoded
+    box = (p.crop_left * x, p.crop_top * y, (p.crop_left + p.width) * x, (p.crop_top + p.height) * y)
+    image = image.resize((p.width, p.height), Image.Resampling.BICUBIC, box=box)
+    return np.array(image, dtype=np.uint8), geometry

@@ -25,6 +25,9 @@ TOKEN_IDS_COLUMN = "token_ids"  # SD2's column of the tokens format; yielded as 
 TOKEN_IDS_DTYPE = "uint16"  # CLIP's 49,408 and T5's 32,128 ids fit: half of int32, a quarter of int64
 TOKENS_KEY = "captions"
 GEOMETRY_DTYPE = "int32"  # a micro-conditioned family's (SDXL) original size and crop, two each
+# latents.py --aspect_buckets: each sample's bucket (height, width in pixels), int32, beside latents of
+# that bucket's shape (their columns then have no fixed shape: MDS stores each sample's).
+BUCKET_KEY = "bucket"
 # The family of a format written without one named: SD2, the 2023 benchmark's model.
 DEFAULT_FAMILY = MODEL_CONFIGS["sd2-base"]
 
@@ -39,16 +42,19 @@ def stored_shapes(family: ModelFamily, config: str, text_states: bool) -> dict[s
     return family.conditioning_shapes(config) if text_states else family.text_input_shapes(config)
 
 
-def mds_columns(latent_channels: int, latent_size: int, text_dim: int | None = None, storage_dtype: str = "fp16",
+def mds_columns(latent_channels: int, latent_size: int | None, text_dim: int | None = None, storage_dtype: str = "fp16",
                 captions: bool = True, text_states: bool = False, *, family: ModelFamily | None = None,
                 config: str | None = None, micro_conditioning: bool = False) -> dict[str, str]:
     """MDS columns of a precomputed dataset; the shapes are fixed, so no per-sample shape header.
 
     Without `family`, SD2's (77 token ids, or 77 x `text_dim` text states); with it, the family's
     batch keys at `config`'s shapes. `micro_conditioning` (SDXL) adds each image's original size and crop.
+    `latent_size` None: latents stored per aspect-ratio bucket, each of its bucket's shape (the latent
+    columns carry a shape per sample), and the bucket beside them (BUCKET_KEY).
     """
     dtype = STORAGE_DTYPES[storage_dtype]
-    latent = f"ndarray:{dtype}:{latent_channels},{latent_size},{latent_size}"
+    latent = (f"ndarray:{dtype}" if latent_size is None
+              else f"ndarray:{dtype}:{latent_channels},{latent_size},{latent_size}")
     columns = {"index": "int64", "latent_mean": latent, "latent_logvar": latent}
     if family is None:
         shapes = {TEXT_STATES_KEY: (MAX_LENGTH, text_dim)} if text_states else {TOKENS_KEY: (MAX_LENGTH,)}
@@ -59,6 +65,8 @@ def mds_columns(latent_channels: int, latent_size: int, text_dim: int | None = N
         columns[key if text_states else token_column(key, family)] = f"ndarray:{encoding}:{','.join(map(str, shape))}"
     if micro_conditioning:
         columns.update({key: f"ndarray:{GEOMETRY_DTYPE}:2" for key in GEOMETRY_KEYS})
+    if latent_size is None:
+        columns[BUCKET_KEY] = f"ndarray:{GEOMETRY_DTYPE}:2"
     if captions:
         columns["caption"] = "str"
     return columns

@@ -11,6 +11,7 @@ from composer.utils import dist, reproducibility
 
 from t2ibench import allocator, cpu_threads, memory
 from t2ibench.allocator import AllocatorSetting
+from t2ibench.buckets import largest_bucket
 from t2ibench.cpu_threads import CpuThreads
 from t2ibench.families import ModelFamily
 from t2ibench.gpu_setup import choose_setup, from_flag
@@ -85,15 +86,16 @@ class Runtime:
         if not self.on_gpu:
             return self
         memory_bytes = torch.cuda.get_device_properties(0).total_memory
+        counted, at = counted_image_size(settings)
         if settings.activation_checkpointing == "auto":
             setup = choose_setup(
-                settings.model_config, settings.image_size, memory_bytes, self.batch_size_per_device,
+                settings.model_config, counted, memory_bytes, self.batch_size_per_device,
                 microbatch=None if self.microbatch == "auto" else self.microbatch, **counted_settings(
                     settings, self.world_size, self.precision, text_format, self.weight_casts))
             if self.is_rank_zero:
                 print(f"--activation_checkpointing auto: {'on' if setup.activation_checkpointing else 'off'}, "
                       f"microbatch {setup.microbatch} ({setup.reason}; counted by t2ibench.memory and "
-                      "t2ibench.kernels for this GPU's memory and these settings, docs/speed.md)", flush=True)
+                      f"t2ibench.kernels for this GPU's memory and these settings{at}, docs/speed.md)", flush=True)
             return replace(self, microbatch=setup.microbatch, activation_checkpointing=setup.activation_checkpointing,
                            activation_checkpointing_reason=setup.reason)
         if self.microbatch != "auto" or self.world_size == 1:
@@ -102,9 +104,20 @@ class Runtime:
                                           text_format)
         if self.is_rank_zero:
             print(f"--device_train_microbatch_size auto with {self.world_size} ranks: using {microbatch} "
-                  "(counted by t2ibench.memory for this GPU's memory and these settings; see docs/gpu-runs.md), "
+                  f"(counted by t2ibench.memory for this GPU's memory and these settings{at}; see docs/gpu-runs.md), "
                   "not Composer's OOM search", flush=True)
         return replace(self, microbatch=microbatch)
+
+
+def counted_image_size(settings: Settings) -> tuple[int | tuple[int, int], str]:
+    """The image the memory model sizes the microbatch for: --image_size's square, or a bucketed run's
+    largest bucket (tokens for Flux.1, pixels for SDXL: `buckets.largest_bucket`), and the words saying so."""
+    if not settings.buckets:
+        return settings.image_size, ""
+    family = settings.family
+    bucket, measure = largest_bucket(settings.buckets, family.latent_downsample, family.patch_size)
+    unit, count = next((key, value) for key, value in measure.items() if key != "bucket")
+    return (bucket.height, bucket.width), f", at the largest bucket {bucket.name} ({count:,} {unit})"
 
 
 def counted_settings(settings: Settings, world_size: int, precision: str, text_format: str | None,
@@ -131,7 +144,7 @@ def safe_auto_microbatch(family: ModelFamily, settings: Settings, total_memory_b
     checkpointing; 1 when nothing fits (the run's own OOM then says so).
     """
     return memory.auto_microbatch(
-        settings.model_config, settings.image_size, total_memory_bytes, settings.batch_size // world_size,
+        settings.model_config, counted_image_size(settings)[0], total_memory_bytes, settings.batch_size // world_size,
         precision=precision, norm_precision=settings.norm_precision, precomputed=settings.precomputed,
         precomputed_format=text_format if settings.precomputed else None, use_ema=settings.use_ema,
         fsdp=resolve_mode(settings.fsdp, family.parallelism, world_size), num_gpus=world_size,

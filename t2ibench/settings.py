@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from t2ibench.buckets import Bucket
 from t2ibench.families import ModelFamily
 from t2ibench.sources import Source
 
@@ -74,6 +75,11 @@ class Settings:
     autoresume: bool  # resume from the latest checkpoint of --save_folder
     run_name: str | None  # Composer's run name
 
+    # -- aspect-ratio buckets
+    aspect_buckets: str | None  # as given: None (square), "default" or a file; `buckets` holds the list
+    bucket_crop: str  # "random" or "center" (t2ibench.buckets.CROPS)
+    synthetic_bucket_weights: str  # as given: "uniform" or HxW=WEIGHT,...; `bucket_weights` holds them resolved
+
     # -- speed
     precomputed: bool  # train from latents.py's latents
     precomputed_format: str | None  # synthetic precomputed batches: TOKENS or TEXT_STATES (the family's default)
@@ -122,6 +128,8 @@ class Settings:
     sources: tuple[Source, ...]  # --remote/--local parsed: one per training source, with its cache folder
     eval_sources: tuple[Source, ...]  # --eval_remote/--eval_local parsed (empty without them)
     encoders_seed: int  # seeds random frozen encoders: precompute.json's seed on its latents, else --seed
+    buckets: tuple[Bucket, ...]  # --aspect_buckets' list (empty: square images), from checks.check_buckets
+    bucket_weights: tuple[float, ...]  # synthetic batches' share per bucket (sum 1), from checks.check_buckets
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **resolved: object) -> Settings:

@@ -271,3 +271,34 @@ def write_latents(out: Path, count: int = 8, text_dim: int = 64) -> Path:
                           "latent_logvar": rng.standard_normal((4, 4, 4)).astype(np.float16),
                           "text_states": rng.standard_normal((77, text_dim)).astype(np.float16), "caption": "x"})
     return out
+
+
+# Photos of mixed aspect ratios, as people's folders hold them: (name, stored width, stored height, EXIF
+# orientation). A panorama, a line of 3000 x 1 pixels and its tall twin, a phone portrait stored sideways
+# with its rotation tag, landscapes, portraits and squares.
+MIXED_ASPECT_PHOTOS = (
+    ("panorama", 300, 100, None), ("line", 3000, 1, None), ("column", 1, 3000, None), ("phone", 120, 90, 6),
+    ("landscape", 120, 80, None), ("portrait", 80, 120, None), ("square", 100, 100, None), ("tall", 60, 150, None),
+)
+
+
+def photo(seed: int, width: int, height: int, orientation: int | None = None) -> bytes:
+    """A smooth JPEG (compresses like a photo) of width x height as stored, with an EXIF orientation tag if given."""
+    grid = np.random.default_rng(seed).integers(0, 256, (3, 4, 3), dtype=np.uint8)
+    image = Image.fromarray(grid).resize((width, height), Image.Resampling.BICUBIC)
+    exif = Image.Exif()
+    if orientation:
+        exif[0x0112] = orientation
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=90, exif=exif.tobytes())
+    return buffer.getvalue()
+
+
+def mixed_aspect_folder(folder: Path, count: int) -> Path:
+    """`count` captioned photos cycling through MIXED_ASPECT_PHOTOS, as convert.py reads a folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        name, width, height, orientation = MIXED_ASPECT_PHOTOS[i % len(MIXED_ASPECT_PHOTOS)]
+        (folder / f"{i:03d}-{name}.jpg").write_bytes(photo(i, width, height, orientation))
+        (folder / f"{i:03d}-{name}.txt").write_text(f"a {name} photo number {i}")
+    return folder

@@ -22,6 +22,7 @@ from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
 from t2ibench.errors import fail
 from t2ibench.flops import count_flops, count_forward_backward
+from t2ibench.images import image_shape
 from t2ibench.objectives import Objective
 
 TextInputs = dict[str, torch.Tensor]  # tokenized captions by batch key, e.g. {"captions": (B, 77) ids}
@@ -299,14 +300,16 @@ class ModelFamily(ABC):
         return blocks
 
     # -- figures -----------------------------------------------------------------------------------
-    def flops_per_image(self, config: str, image_size: int, *, vae: bool = True,
+    def flops_per_image(self, config: str, image_size: int | tuple[int, int], *, vae: bool = True,
                         text_encoders: bool = True) -> dict[str, float]:
         """FLOPs of one training image, counted on meta tensors: `denoiser_fwd`, `denoiser_fwd_bwd`,
         `vae_encoder`, `text_encoder` (all encoders) and `total` (the step: the denoiser's forward and
-        backward and the encoders that run); a part left out (its outputs precomputed) costs 0."""
+        backward and the encoders that run); a part left out (its outputs precomputed) costs 0.
+        `image_size`: the side of a square image, or (height, width) of a bucket."""
         parts = self.meta_parts(config)
-        latent_size = image_size // self.latent_downsample
-        noisy = torch.randn(1, self.latent_channels(config), latent_size, latent_size, device="meta")
+        height, width = image_shape(image_size)
+        latent_height, latent_width = height // self.latent_downsample, width // self.latent_downsample
+        noisy = torch.randn(1, self.latent_channels(config), latent_height, latent_width, device="meta")
         timesteps = torch.full((1,), 500, device="meta")
         conditioning = {key: torch.randn(1, *shape, device="meta")
                         for key, shape in self.conditioning_shapes(config).items()}
@@ -316,7 +319,7 @@ class ModelFamily(ABC):
                  "text_encoder": 0.0}
         with torch.no_grad():
             if vae:
-                images = torch.randn(1, 3, image_size, image_size, device="meta")
+                images = torch.randn(1, 3, height, width, device="meta")
                 flops["vae_encoder"] = count_flops(lambda: parts.vae.encode(images))
             if text_encoders:
                 ids = {key: torch.zeros(1, *shape, dtype=torch.long, device="meta")

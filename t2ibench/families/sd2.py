@@ -81,6 +81,8 @@ class SD2(ModelFamily):
     conditioning_keys = ("text_states",)
     samplers = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler}
     token_columns = {"captions": "token_ids"}  # the column name of the format's first release
+    refused_flags = {"aspect_buckets": "SD2 trains on squares, as its 2023 recipe did; buckets are for the families "
+                                       "with size conditioning or patch tokens (SDXL, Flux.1)"}
 
     # -- building --------------------------------------------------------------------------------
     def build_tokenizers(self, config: str, model_name: str | None) -> tuple[dict[str, Any], list[str]]:

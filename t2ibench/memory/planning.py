@@ -237,7 +237,8 @@ def train_flops_per_image(model_config: str, image_size: int) -> float:
     return family_of(model_config).flops_per_image(model_config, image_size, vae=False, text_encoders=False)["total"]
 
 
-def plan(model_config: str = "sd2-base", image_size: int | None = None, gpu_memory_bytes: float = 80 * GIB, *,
+def plan(model_config: str = "sd2-base", image_size: int | tuple[int, int] | None = None,
+         gpu_memory_bytes: float = 80 * GIB, *,
          precision: str = "amp_bf16", norm_precision: str = "autocast", precomputed: bool = False,
          precomputed_format: str | None = None, use_ema: bool = True, fsdp: str = "none", num_gpus: int = 8,
          bucket_view: bool = False, per_device_batch: int | None = None,
@@ -245,7 +246,8 @@ def plan(model_config: str = "sd2-base", image_size: int | None = None, gpu_memo
          expandable_segments: bool | None = None) -> dict[str, Any]:
     """The memory of a training step per GPU and the largest microbatch that fits, as a JSON-able dict.
 
-    `image_size` None: the family's training resolution (`ModelFamily.default_image_size`);
+    `image_size` None: the family's training resolution (`ModelFamily.default_image_size`); (height,
+    width): an aspect-ratio bucket (a bucketed run counts its largest, `buckets.largest_bucket`);
     `precomputed_format` None: the family's (`precomputed.default_format`); `expandable_segments`
     None: the allocator setting a run started from this environment uses (`allocator.planned`)."""
     if expandable_segments is None:

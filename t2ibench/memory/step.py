@@ -12,7 +12,7 @@ import torch.utils.checkpoint
 
 from t2ibench import fp8 as float8
 from t2ibench.families import family_of
-from t2ibench.images import GEOMETRY_KEYS
+from t2ibench.images import GEOMETRY_KEYS, image_shape
 from t2ibench.memory.autocast import CUDA_AUTOCAST, AutocastPolicy, AutocastRules, autocast_dtype
 from t2ibench.memory.saved import LiveBytes, SavedForBackward, storage_key
 from t2ibench.model import DiffusionModel
@@ -57,18 +57,20 @@ def build_meta_model(model_config: str, *, precomputed: bool = False, precompute
     return model
 
 
-def meta_batch(model: DiffusionModel, model_config: str, image_size: int, microbatch: int,
+def meta_batch(model: DiffusionModel, model_config: str, image_size: int | tuple[int, int], microbatch: int,
                device: str = "meta") -> dict[str, torch.Tensor]:
     """A batch of the shapes and dtypes the loaders yield for this model (data.py): uint8 images and
     int64 token ids online; fp16 latent moments with the token ids or the fp16 stored conditioning
-    on precomputed latents; with micro-conditioning (SDXL) each image's int64 size and crop."""
+    on precomputed latents; with micro-conditioning (SDXL) each image's int64 size and crop.
+    `image_size`: a square's side, or (height, width) of an aspect-ratio bucket."""
     family = model.family
+    height, width = image_shape(image_size)
     batch: dict[str, torch.Tensor] = {}
     if model.vae is not None:
-        batch["image"] = torch.zeros(microbatch, 3, image_size, image_size, dtype=torch.uint8, device=device)
+        batch["image"] = torch.zeros(microbatch, 3, height, width, dtype=torch.uint8, device=device)
     else:
-        latent = image_size // family.latent_downsample
-        shape = (microbatch, family.latent_channels(model_config), latent, latent)
+        shape = (microbatch, family.latent_channels(model_config), height // family.latent_downsample,
+                 width // family.latent_downsample)
         batch["latent_mean"] = torch.zeros(shape, dtype=torch.float16, device=device)
         batch["latent_logvar"] = torch.zeros(shape, dtype=torch.float16, device=device)
     if model.text_encoder_names:
@@ -79,7 +81,7 @@ def meta_batch(model: DiffusionModel, model_config: str, image_size: int, microb
             batch[key] = torch.zeros(microbatch, *shape, dtype=torch.float16, device=device)
     if family.micro_conditioning:
         for key in GEOMETRY_KEYS:
-            batch[key] = torch.full((microbatch, 2), image_size, dtype=torch.long, device=device)
+            batch[key] = torch.full((microbatch, 2), height, dtype=torch.long, device=device)
     return batch
 
 

@@ -1,0 +1,299 @@
+"""Aspect-ratio buckets (`--aspect_buckets`, SDXL and Flux.1): the list a run trains on (the default one
+scaled to --image_size, or a user's file), the bucket each image goes to, where it is cropped, and the
+order in which a loader worker turns a stream of samples into one-bucket batches. The rules, SDXL's
+list and a picture of the default one are in docs/data.md#aspect-ratio-buckets.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from t2ibench.errors import fail
+from t2ibench.images import Placement
+
+DEFAULT = "default"  # --aspect_buckets without a file: the default list at --image_size
+MAX_ASPECT = 4.0  # the default list spans 1:4 to 4:1, as SDXL's
+MIN_FILL = 0.9  # ... and holds 90% to 100% of image_size^2 pixels (SDXL's smallest: 576x1664, 91.4%)
+# Sides step by image_size / 16 (SDXL's 64 px at 1024), never finer than the family's latent patch.
+STEPS_PER_SIDE = 16
+CROPS = ("random", "center")  # --bucket_crop: training's default is random (SDXL's), latents.py stores center crops
+# Two aspect ratios closer than this (in log ratio) are a tie, broken by the larger bucket: floating noise
+# must not pick a bucket.
+ASPECT_TIE = 1e-12
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """A training shape in pixels; named "HxW" (height first), as the results JSON's keys."""
+
+    height: int
+    width: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.height}x{self.width}"
+
+    @property
+    def pixels(self) -> int:
+        return self.height * self.width
+
+    @property
+    def aspect(self) -> float:
+        """width / height: above 1 for a landscape bucket."""
+        return self.width / self.height
+
+
+def parse_bucket(text: str) -> Bucket | None:
+    """"768x1344" -> Bucket(768, 1344); None when `text` is not two positive integers joined by x."""
+    parts = text.strip().lower().split("x")
+    if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+        return None
+    height, width = (int(part) for part in parts)
+    return Bucket(height, width) if height > 0 and width > 0 else None
+
+
+def bucket_step(image_size: int, multiple: int) -> int:
+    """Pixels between two sides of the default list: image_size / 16 (64 at 1024) rounded down to a
+    multiple of `multiple` (the family's latent patch: 8 px for SDXL, 16 for Flux.1), at least one patch."""
+    return max(multiple, image_size // STEPS_PER_SIDE // multiple * multiple)
+
+
+def default_buckets(image_size: int, multiple: int) -> tuple[Bucket, ...]:
+    """The default list at `image_size`: every height x width in steps of `bucket_step` with aspect ratios
+    1:4 to 4:1 and 90% to 100% of image_size^2 pixels, and the largest square within image_size. At 1024
+    this is SDXL's list of 40 and the one mirror its table leaves out (1344x704): docs/data.md. Ordered
+    from the tallest to the widest."""
+    step = bucket_step(image_size, multiple)
+    area = image_size * image_size
+    square = image_size // step * step
+    found = {Bucket(square, square)}
+    for height in range(step, 2 * image_size + 1, step):
+        for width in range(step, area // height + 1, step):
+            bucket = Bucket(height, width)
+            if bucket.pixels >= MIN_FILL * area and 1 / MAX_ASPECT <= bucket.aspect <= MAX_ASPECT:
+                found.add(bucket)
+    return tuple(sorted(found, key=lambda b: (b.aspect, -b.pixels)))
+
+
+def read_buckets(path: str, image_size: int, multiple: int, flag: str = "--aspect_buckets") -> tuple[Bucket, ...]:
+    """A user's list: one HEIGHTxWIDTH a line (768x1344), `#` starts a comment; every problem is one line
+    naming the file (and the line). Sides must be multiples of `multiple` (the latent patch), and one
+    bucket at least must fit in image_size x image_size, so that no image is upscaled more than the
+    square path would (see `nearest_bucket`)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        fail(f"{flag} {path}: no such file; give a file of HEIGHTxWIDTH lines (e.g. 768x1344), or the bare flag "
+             "for the default list")
+    except IsADirectoryError:
+        fail(f"{flag} {path} is a folder; give a file of HEIGHTxWIDTH lines (e.g. 768x1344)")
+    except (OSError, UnicodeDecodeError) as error:
+        fail(f"{flag} {path} cannot be read ({type(error).__name__}: {error}); give a text file of HEIGHTxWIDTH lines")
+    buckets: list[Bucket] = []
+    for number, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        bucket = parse_bucket(text)
+        if bucket is None:
+            fail(f"{flag} {path}, line {number}: {text!r} is not HEIGHTxWIDTH in pixels (e.g. 768x1344)")
+        if bucket.height % multiple or bucket.width % multiple:
+            fail(f"{flag} {path}, line {number}: {bucket.name} must have both sides multiples of {multiple} "
+                 "(the model's latent patch in pixels)")
+        if bucket in buckets:
+            fail(f"{flag} {path}, line {number}: {bucket.name} is listed twice")
+        buckets.append(bucket)
+    if not buckets:
+        fail(f"{flag} {path} lists no bucket; give one HEIGHTxWIDTH a line (e.g. 768x1344)")
+    if not any(b.height <= image_size and b.width <= image_size for b in buckets):
+        fail(f"{flag} {path}: no bucket fits in {image_size}x{image_size} (--image_size), so small images would be "
+             f"upscaled more than the square path does; add one, e.g. {image_size}x{image_size}")
+    return tuple(sorted(buckets, key=lambda b: (b.aspect, -b.pixels)))
+
+
+def resolve_buckets(spec: str | None, image_size: int, multiple: int, flag: str = "--aspect_buckets"
+                    ) -> tuple[Bucket, ...]:
+    """The buckets a run trains on: none without the flag, the default list for the bare flag, else the file's."""
+    if spec is None:
+        return ()
+    if spec == DEFAULT:  # a file named so is given as ./default
+        return default_buckets(image_size, multiple)
+    return read_buckets(spec, image_size, multiple, flag)
+
+
+UNIFORM = "uniform"  # --synthetic_bucket_weights' default: every bucket of the list equally often
+
+
+def synthetic_weights(spec: str, buckets: tuple[Bucket, ...], flag: str = "--synthetic_bucket_weights"
+                      ) -> tuple[float, ...]:
+    """The share of synthetic batches in each bucket: `uniform`, or `HxW=WEIGHT,...` (relative weights of
+    buckets of the list; those left out get none). Every problem is one line naming the flag."""
+    if spec == UNIFORM:
+        return tuple(1 / len(buckets) for _ in buckets)
+    weights: dict[Bucket, float] = {}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        bucket = parse_bucket(name)
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if bucket is None or not math.isfinite(weight) or weight < 0:
+            fail(f"{flag} {spec}: {part.strip()!r} is not HEIGHTxWIDTH=WEIGHT with a weight >= 0 (e.g. 1024x1024=2)")
+        if bucket not in buckets:
+            fail(f"{flag} {spec}: {bucket.name} is not one of the run's buckets ({buckets[0].name} ... "
+                 f"{buckets[-1].name}; python -m t2ibench.buckets lists the default ones)")
+        if bucket in weights:
+            fail(f"{flag} {spec}: {bucket.name} is given twice")
+        weights[bucket] = weight
+    total = sum(weights.values())
+    if total <= 0:
+        fail(f"{flag} {spec}: the weights add up to 0; give one bucket a positive weight")
+    return tuple(weights.get(b, 0.0) / total for b in buckets)
+
+
+def synthetic_bucket(weights: tuple[float, ...], seed: int, epoch: int, rank: int, batch: int) -> int:
+    """The bucket (its position in the list) of a rank's synthetic batch: drawn from `weights`, the same
+    for the same seed, epoch, rank and batch whatever the workers or a restart."""
+    return int(np.random.default_rng((seed, epoch, rank, batch)).choice(len(weights), p=weights))
+
+
+def largest_bucket(buckets: tuple[Bucket, ...], latent_downsample: int, patch_size: int) -> tuple[Bucket, dict]:
+    """The bucket whose step needs the most memory, which the memory model sizes the microbatch for, and
+    its size in the unit that decides it: the denoiser's tokens for a patch transformer (Flux.1: one per
+    2x2 latent pixels), else pixels (SDXL's UNet: activations grow with the pixels). A tie goes to the
+    one nearest a square (the default list's 1024x1024 rather than its 512x2048 of as many pixels)."""
+    def measure(bucket: Bucket) -> dict:
+        if patch_size > 1:
+            side = latent_downsample * patch_size
+            return {"tokens": (bucket.height // side) * (bucket.width // side)}
+        return {"pixels": bucket.pixels}
+
+    largest = max(buckets, key=lambda b: (next(iter(measure(b).values())), -abs(math.log(b.aspect))))
+    return largest, {"bucket": largest.name, **measure(largest)}
+
+
+def cover_scale(width: int, height: int, bucket: Bucket) -> float:
+    """The scale at which a width x height image just covers `bucket` (keeping its aspect ratio)."""
+    return max(bucket.height / height, bucket.width / width)
+
+
+def nearest_bucket(width: int, height: int, buckets: tuple[Bucket, ...], image_size: int) -> Bucket:
+    """The bucket nearest the image's aspect ratio (in log ratio; a tie goes to the larger bucket), among
+    those that upscale it no more than the square path would (max(1, image_size / shorter side)): a list
+    always holds one (a bucket within image_size x image_size covers any image at no larger scale)."""
+    limit = max(1.0, image_size / min(width, height)) * (1 + 1e-9)
+    allowed = [b for b in buckets if cover_scale(width, height, b) <= limit] or list(buckets)
+    aspect = math.log(width / height)
+
+    def distance(bucket: Bucket) -> tuple[float, int]:
+        gap = abs(math.log(bucket.aspect) - aspect)
+        return (round(gap / ASPECT_TIE) * ASPECT_TIE, -bucket.pixels)
+
+    return min(allowed, key=distance)
+
+
+def place(width: int, height: int, bucket: Bucket, rng: np.random.Generator | None = None) -> Placement:
+    """Where a width x height image goes in `bucket`: resized to cover it, then cropped at a random corner
+    drawn from `rng` (training), or centered (rng None)."""
+    scale = cover_scale(width, height, bucket)
+    resized_height = max(bucket.height, round(height * scale))
+    resized_width = max(bucket.width, round(width * scale))
+    spare_height, spare_width = resized_height - bucket.height, resized_width - bucket.width
+    if rng is None:
+        top, left = round(spare_height / 2), round(spare_width / 2)
+    else:
+        top, left = int(rng.integers(0, spare_height + 1)), int(rng.integers(0, spare_width + 1))
+    return Placement(bucket.height, bucket.width, resized_height, resized_width, top, left)
+
+
+def crop_generator(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """The random crop of sample `index` in `epoch`: the same on every rank, worker count and restart."""
+    return np.random.default_rng((seed, epoch, index))
+
+
+# -----------------------------------------------------------------------------------------------
+# Batches from a stream: one loader worker's samples, in Streaming's order, as one-bucket batches.
+# -----------------------------------------------------------------------------------------------
+
+def batches_before(sample_in_epoch: int, num_ranks: int, workers_per_rank: int, worker_of_rank: int,
+                   batch_size: int) -> int:
+    """The batches loader worker `worker_of_rank` of every rank had handed out when the run had trained
+    `sample_in_epoch` samples of the epoch (all ranks): PyTorch's DataLoader takes batch j of a rank from
+    worker j % workers_per_rank."""
+    per_rank = sample_in_epoch // (num_ranks * batch_size)
+    return len(range(worker_of_rank, per_rank, workers_per_rank))
+
+
+def full_batches(samples: int, num_buckets: int, batch_size: int) -> int:
+    """The batches a worker's `samples` are sure to fill in one bucket each, whatever their buckets: at
+    most num_buckets x (batch_size - 1) of them can be left waiting (precomputed latents, which cannot
+    be regrouped into other buckets). The same for every rank, as Streaming gives each the same samples."""
+    return max(0, samples - num_buckets * (batch_size - 1)) // batch_size
+
+
+def bucket_batches(sample_ids: Iterable[int], bucket_of: Callable[[int], tuple[Bucket, int]], batch_size: int,
+                   num_batches: int, skip: int = 0) -> Iterator[tuple[Bucket, list[int]]]:
+    """One worker's stream of samples as `num_batches` batches of one bucket each, after `skip` batches
+    that are replayed, not yielded (a resumed run rebuilds what the worker held).
+
+    `bucket_of(sample_id)` gives the sample's bucket and the sample that stands for it (an undecodable
+    one is replaced by the next index). Samples wait in their bucket until it holds a batch, which is
+    emitted at once: a worker holds at most buckets x (batch_size - 1) sample ids. When the stream ends,
+    the samples still waiting are sorted by their bucket's aspect ratio and cut into batches, each in
+    the bucket of its middle sample, so that the epoch has the batches a square run would (every rank
+    the same number) and no sample but the last few is left out. The order depends on the sample ids
+    alone, so a worker that replays the same ids ends in the same state.
+    """
+    waiting: dict[Bucket, list[int]] = {}
+    emitted = 0
+    for sample_id in sample_ids:
+        if emitted == num_batches:
+            return
+        bucket, sample = bucket_of(sample_id)
+        queue = waiting.setdefault(bucket, [])
+        queue.append(sample)
+        if len(queue) == batch_size:
+            del waiting[bucket]
+            emitted += 1
+            if emitted > skip:
+                yield bucket, queue
+    left = sorted(((bucket.aspect, -bucket.pixels, bucket), sample)
+                  for bucket, queue in waiting.items() for sample in queue)
+    for start in range(0, len(left) - batch_size + 1, batch_size):
+        if emitted == num_batches:
+            return
+        chunk = left[start:start + batch_size]
+        emitted += 1
+        if emitted > skip:
+            yield chunk[batch_size // 2][0][2], [sample for _, sample in chunk]
+
+
+def picture(buckets: tuple[Bucket, ...], image_size: int) -> str:
+    """The list as a text picture: a grid of heights (rows) by widths (columns) in steps of the list's
+    sides, # where a bucket is (they lie along height x width = image_size^2), then each bucket's aspect
+    ratio and share of image_size^2 pixels."""
+    heights = sorted({b.height for b in buckets}, reverse=True)
+    widths = sorted({b.width for b in buckets})
+    listed = set(buckets)
+    label = max(len(str(side)) for side in heights)
+    lines = [f"{h:>{label}} " + " ".join("#" if Bucket(h, w) in listed else "." for w in widths) for h in heights]
+    lines.append(f"{'':>{label}} widths {widths[0]} to {widths[-1]}, heights {heights[-1]} to {heights[0]} "
+                 f"(one column or row per side)")
+    lines.append("")
+    lines.append(f"{'bucket':>11}  {'aspect':>6}  {'pixels':>6}")
+    for b in buckets:
+        ratio = f"{b.aspect:.2f}" if b.aspect >= 1 else f"1/{1 / b.aspect:.2f}"
+        lines.append(f"{b.name:>11}  {ratio:>6}  {b.pixels / image_size ** 2:6.1%}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m t2ibench.buckets [IMAGE_SIZE [PATCH_PX]]: the default list, drawn
+    import sys
+
+    size, patch = (int(arg) for arg in (sys.argv[1:] + ["1024", "8"][len(sys.argv) - 1:])[:2])
+    print(picture(default_buckets(size, patch), size))

@@ -1,0 +1,88 @@
+"""Images per aspect-ratio bucket and each bucket's images/s (`--aspect_buckets`): what a bucketed run
+trained, shape by shape. The keys and their units: docs/metrics.md.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+
+
+def batch_bucket(batch: dict[str, torch.Tensor], latent_downsample: int) -> str:
+    """"HxW" of a batch's images, in pixels (precomputed latents: their size times the VAE's downsampling)."""
+    if "image" in batch:
+        height, width = batch["image"].shape[-2:]
+    else:
+        height, width = (side * latent_downsample for side in batch["latent_mean"].shape[-2:])
+    return f"{height}x{width}"
+
+
+class BucketThroughput(Callback):
+    """Counts every trained image by its bucket and times each bucket's batches after `warmup_batches`
+    (the throughput window's start), from the start of the batch to its end (CUDA synchronized at both,
+    which a bucketed run's per-batch clock needs; the optimizer step and every callback's BATCH_END
+    listed before this one are inside, checkpoints and sample grids after it are not). Under DDP a
+    batch also waits for the slowest rank's: a bucket's figure is that of the steps it was in.
+
+    `summary()`, after fit (every rank has gathered at FIT_END): `images_per_bucket` (all ranks) and
+    `images_per_sec_per_device_by_bucket` (images of the bucket's measured batches over their seconds,
+    summed over the ranks).
+    """
+
+    def __init__(self, warmup_batches: int, latent_downsample: int):
+        self.warmup_batches, self.latent_downsample = warmup_batches, latent_downsample
+        self.images: Counter[str] = Counter()  # every trained batch of this run, this rank
+        self.measured_images: Counter[str] = Counter()
+        self.measured_seconds: Counter[str] = Counter()
+        self.current: tuple[str, int] | None = None
+        self.started = 0.0
+        self.gathered: dict | None = None
+
+    @staticmethod
+    def _sync() -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        bucket = batch_bucket(state.batch, self.latent_downsample)
+        count = int(state.batch["sample_index"].shape[0])
+        self.images[bucket] += count
+        self.current = (bucket, count)
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        self._sync()
+        self.started = time.perf_counter()
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if self.current is None or int(state.timestamp.batch) <= self.warmup_batches:
+            return
+        self._sync()
+        bucket, count = self.current
+        self.measured_images[bucket] += count
+        self.measured_seconds[bucket] += time.perf_counter() - self.started
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        ranks = dist.all_gather_object((dict(self.images), dict(self.measured_images), dict(self.measured_seconds)))
+        images, measured, seconds = Counter(), Counter(), Counter()
+        for rank_images, rank_measured, rank_seconds in ranks:
+            images.update(rank_images)
+            measured.update(rank_measured)
+            seconds.update(rank_seconds)
+        self.gathered = {
+            "images_per_bucket": dict(sorted(images.items(), key=lambda kv: by_shape(kv[0]))),
+            "images_per_sec_per_device_by_bucket": {
+                name: measured[name] / seconds[name] for name in sorted(measured, key=by_shape) if seconds[name] > 0},
+        }
+
+    def summary(self) -> dict:
+        return self.gathered or {"images_per_bucket": {}, "images_per_sec_per_device_by_bucket": {}}
+
+
+def by_shape(name: str) -> tuple[float, int]:
+    """Sort key of an "HxW" name: from the tallest bucket to the widest, as the lists are ordered."""
+    height, width = (int(side) for side in name.split("x"))
+    return width / height, -height * width

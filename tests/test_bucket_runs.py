@@ -1,0 +1,329 @@
+"""--aspect_buckets end to end on CPU with real photographs of mixed aspect ratios (a panorama, a 3000 x 1
+line and its tall twin, an EXIF-rotated phone portrait, landscapes, portraits, squares) converted by
+convert.py into several MDS shards: sdxl-tiny trained with Streaming's shuffled order on loader workers,
+every batch one bucket with each image's own size and crop; the run on two ranks and two workers each
+SIGKILLed mid-epoch and resumed with --autoresume to the uninterrupted run's weights and EMA, bit for
+bit; the refusals, each one line before anything is built."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from composer.core import Callback
+
+import benchmark
+import convert
+import latents
+from t2ibench.buckets import Bucket, default_buckets, nearest_bucket
+from tests.helpers import MIXED_ASPECT_PHOTOS, Launch, error_of, kill_at, mixed_aspect_folder, supervise, two_ranks
+
+NUM_PHOTOS = 64
+NUM_KINDS = len(MIXED_ASPECT_PHOTOS)
+XL = ["--model_config", "sdxl-tiny", "--seed", "17", "--warmup_batches", "1", "--aspect_buckets"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """NUM_PHOTOS photos cycling through MIXED_ASPECT_PHOTOS, converted by convert.py into small shards."""
+    tmp = tmp_path_factory.mktemp("bucket-photos")
+    out = tmp / "mds"
+    report = convert.convert([str(mixed_aspect_folder(tmp / "photos", NUM_PHOTOS))], str(out), size_limit="16kb",
+                             workers=1, progress=False)
+    assert report.written == NUM_PHOTOS and report.shards >= 3
+    return out
+
+
+def copy_of(shards: Path, where: Path) -> Path:
+    """A private copy (Streaming decompresses next to what it reads; one live dataset per folder)."""
+    shutil.copytree(shards, where)
+    return where
+
+
+# -----------------------------------------------------------------------------------------------
+# Two ranks of two loader workers, one run killed mid-epoch and resumed (started first, watched by a
+# thread: they run while the in-process tests do).
+# -----------------------------------------------------------------------------------------------
+
+# 64 photos, 2 a rank: 16 samples per worker, an epoch of 16 batches; killed after batch 4 of 6.
+RESUME = XL + ["--batch_size", "4", "--num_workers", "2", "--max_duration", "6ba", "--save_interval", "2ba",
+               "--use_ema", "--run_name", "bucket-resume", "--autoresume", "--log_interval", "1ba"]
+KILL_AFTER = "ep0-ba4-rank0.pt"
+
+
+class TwoRankRuns:
+    """A reference run and a run SIGKILLed after its batch-4 checkpoint, then relaunched with --autoresume."""
+
+    def __init__(self, shards: Path, tmp: Path):
+        self.shards, self.tmp = shards, tmp
+        self.reference, self.killed = self.launch("reference", "reference"), self.launch("killed", "killed")
+        self.resumed: Launch | None = None
+        self.problem: str | None = None
+        self.thread = threading.Thread(target=self.watch, daemon=True)
+        self.thread.start()
+
+    def launch(self, name: str, folder: str) -> Launch:
+        data_dir = self.tmp / f"{folder}-data"
+        if not data_dir.exists():
+            copy_of(self.shards, data_dir)
+        args = RESUME + ["--local", str(data_dir), "--save_folder", str(self.tmp / folder),
+                         "--results_json", str(self.tmp / f"{name}.json")]
+        return Launch(two_ranks("benchmark.py", *args), self.tmp / f"{name}.log")
+
+    def resume(self) -> Launch:
+        self.resumed = self.launch("resumed", "killed")
+        return self.resumed
+
+    def watch(self) -> None:
+        try:
+            supervise([self.reference, self.killed], kill_at(self.killed, self.tmp / "killed", KILL_AFTER, self.resume))
+        except BaseException as problem:  # pytest.fail's exception too: wait() fails the test with it
+            self.problem = f"{problem}"
+
+    def wait(self) -> "TwoRankRuns":
+        self.thread.join()
+        if self.problem:
+            pytest.fail(self.problem)
+        return self
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(shards, tmp_path_factory):
+    runs = TwoRankRuns(shards, tmp_path_factory.mktemp("bucket-resume"))
+    yield runs
+    runs.thread.join()  # supervise leaves nothing running when it returns
+
+
+# -----------------------------------------------------------------------------------------------
+# One rank, in this process.
+# -----------------------------------------------------------------------------------------------
+
+class Batches(Callback):
+    """Every batch the run trained on: image shape, original sizes, crops and sample indices."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def after_dataloader(self, state, logger) -> None:
+        batch = state.batch
+        geometry = {"original_size": batch["original_size"].tolist(), "crop": batch["crop_top_left"].tolist()} \
+            if "original_size" in batch else {}  # SDXL's
+        self.seen.append({"shape": tuple(batch["image"].shape), "index": batch["sample_index"].tolist(), **geometry})
+
+
+@pytest.fixture(scope="module")
+def one_rank_epoch(shards, tmp_path_factory, request):
+    """One epoch of 64 photos, 4 a batch, on two loader workers: its batches and results."""
+    if any("two_rank_runs" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("two_rank_runs")  # started first: the launches import while this trains
+    tmp = tmp_path_factory.mktemp("bucket-epoch")
+    batches = Batches()
+    results = benchmark.main(XL + ["--local", str(copy_of(shards, tmp / "mds")), "--batch_size", "4",
+                                   "--num_workers", "2", "--max_duration", "1ep"], extra_callbacks=[batches])
+    return batches.seen, results
+
+
+def test_every_batch_holds_one_bucket_with_each_images_own_size_and_crop(one_rank_epoch):
+    seen, results = one_rank_epoch
+    assert len(seen) == NUM_PHOTOS // 4  # the batches of a square epoch: nothing lost to the buckets
+    indices = [i for batch in seen for i in batch["index"]]
+    assert len(set(indices)) == len(indices) == NUM_PHOTOS  # every photo once
+    listed = default_buckets(64, 8)
+    shown = {name: (h, w) if orientation == 6 else (w, h) for name, w, h, orientation in MIXED_ASPECT_PHOTOS}
+    shapes, mixed = Counter(), []
+    for position, batch in enumerate(seen):
+        _, channels, height, width = batch["shape"]
+        shapes[(height, width)] += 1
+        nearest = set()
+        for index, original, crop in zip(batch["index"], batch["original_size"], batch["crop"]):
+            name = MIXED_ASPECT_PHOTOS[index % len(MIXED_ASPECT_PHOTOS)][0]
+            width_shown, height_shown = shown[name]
+            assert original == [height_shown, width_shown]  # SDXL's time ids: the size as shown (EXIF applied)
+            bucket = nearest_bucket(width_shown, height_shown, listed, 64)
+            nearest.add((bucket.height, bucket.width))
+            assert crop[0] >= 0 and crop[1] >= 0 and (crop[0] == 0 or crop[1] == 0)  # cropped along one side only
+        if nearest != {(height, width)}:
+            mixed.append(position)
+    # Each worker (batches w, w + 2, ...) emits its buckets' batches as they fill, then, at the end of its
+    # samples, the leftovers sorted by aspect ratio: only its last batches may hold images of other buckets.
+    for worker in range(2):
+        own = list(range(worker, len(seen), 2))
+        tail = [p for p in own if p in mixed]
+        assert tail == own[len(own) - len(tail):], (worker, mixed)
+        assert len(tail) <= len(listed) - 1
+    assert len(mixed) < len(seen) / 2, mixed
+    assert len(shapes) >= 6  # portraits, squares, landscapes, the line and the column
+    assert results["final_loss"] is not None and results["images_per_sec"] > 0
+
+
+def test_the_results_count_the_images_of_each_bucket(one_rank_epoch):
+    seen, results = one_rank_epoch
+    counted = Counter()
+    for batch in seen:
+        counted[f"{batch['shape'][2]}x{batch['shape'][3]}"] += batch["shape"][0]
+    assert results["images_per_bucket"] == dict(counted) and sum(counted.values()) == NUM_PHOTOS
+    assert results["aspect_buckets"] == "default" and results["bucket_crop"] == "random"
+    rates = results["images_per_sec_per_device_by_bucket"]
+    assert rates and set(rates) <= set(counted) and all(rate > 0 for rate in rates.values())
+
+
+@pytest.mark.parametrize("model_config", ["sdxl-tiny", "flux1-tiny"])
+def test_synthetic_batches_are_drawn_from_the_bucket_weights(model_config):
+    batches = Batches()
+    weights = "32x128=3,64x64=1"
+    results = benchmark.main(["--model_config", model_config, "--image_size", "64", "--use_synth_data", "--batch_size",
+                              "2", "--num_workers", "0", "--max_duration", "12ba", "--warmup_batches", "1",
+                              "--aspect_buckets", "--synthetic_bucket_weights", weights], extra_callbacks=[batches])
+    shapes = Counter(batch["shape"][2:] for batch in batches.seen)
+    assert set(shapes) <= {(32, 128), (64, 64)} and shapes[(32, 128)] > shapes[(64, 64)] > 0
+    assert results["images_per_bucket"] == {f"{h}x{w}": 2 * n for (h, w), n in shapes.items()}
+    assert results["synthetic_bucket_weights"] == weights and results["bucket_crop"] is None
+    if model_config != "sdxl-tiny":
+        return
+    uniform = benchmark.main(["--model_config", model_config, "--image_size", "64", "--use_synth_data", "--batch_size",
+                              "2", "--num_workers", "0", "--max_duration", "12ba", "--warmup_batches", "1",
+                              "--aspect_buckets"])
+    assert len(uniform["images_per_bucket"]) >= 4  # the list's buckets alike: most of them in 12 batches
+
+
+@pytest.mark.parametrize("weights, expected", [
+    ("64x64", "'64x64' is not HEIGHTxWIDTH=WEIGHT"),
+    ("64x64=-1", "'64x64=-1' is not HEIGHTxWIDTH=WEIGHT"),
+    ("64x64=nan", "'64x64=nan' is not HEIGHTxWIDTH=WEIGHT"),
+    ("60x60=1", "60x60 is not one of the run's buckets"),
+    ("64x64=0", "the weights add up to 0"),
+    ("64x64=1,64x64=2", "64x64 is given twice"),
+])
+def test_bad_bucket_weights_are_one_line(weights, expected):
+    argv = ["--model_config", "sdxl-tiny", "--use_synth_data", "--batch_size", "2", "--max_duration", "1ba",
+            "--aspect_buckets", "--synthetic_bucket_weights", weights]
+    message = error_of(benchmark.main, argv)
+    assert f"--synthetic_bucket_weights {weights}: {expected}" in message, message
+
+
+def test_buckets_are_refused_in_one_line_where_they_do_not_apply(shards, tmp_path):
+    local = ["--local", str(shards), "--batch_size", "4", "--max_duration", "1ba"]
+    message = error_of(benchmark.main, ["--model_config", "tiny", "--image_size", "64", "--aspect_buckets", *local])
+    assert "--aspect_buckets does not apply to --model_config tiny: SD2 trains on squares" in message
+    bad = tmp_path / "buckets.txt"
+    bad.write_text("64x64\n60x64\n")
+    message = error_of(benchmark.main, [*XL, str(bad), *local])
+    assert f"--aspect_buckets {bad}, line 2: 60x64 must have both sides multiples of 8" in message
+    message = error_of(benchmark.main, [*XL, "--precomputed", "--use_synth_data", "--batch_size", "2",
+                                        "--max_duration", "1ba"])
+    assert "--aspect_buckets with --precomputed --use_synth_data: synthetic latents are square" in message
+    message = error_of(benchmark.main, [*XL, "--precomputed", *local])  # image shards, not latents
+    assert "holds image shards" in message and "not precomputed latents" in message
+    message = error_of(benchmark.main, ["--model_config", "sdxl-tiny", "--synthetic_bucket_weights", "64x64=1",
+                                        "--use_synth_data", "--batch_size", "2", "--max_duration", "1ba"])
+    assert "--synthetic_bucket_weights needs --aspect_buckets" in message
+    message = error_of(benchmark.main, [*XL, "--synthetic_bucket_weights", "64x64=1", *local])
+    assert "--synthetic_bucket_weights applies to --use_synth_data only" in message
+
+
+def test_a_users_list_is_what_the_run_trains_on(shards, tmp_path):
+    listed = tmp_path / "two.txt"
+    listed.write_text("# tall and wide only\n96x40\n40x96\n64x64\n")
+    batches = Batches()
+    benchmark.main([*XL, str(listed), "--local", str(copy_of(shards, tmp_path / "mds")), "--batch_size", "4",
+                    "--num_workers", "0", "--max_duration", "4ba", "--bucket_crop", "center"],
+                   extra_callbacks=[batches])
+    assert {batch["shape"][2:] for batch in batches.seen} <= {(96, 40), (40, 96), (64, 64)}
+    assert len(batches.seen) == 4
+
+
+# -----------------------------------------------------------------------------------------------
+# The two-rank runs' results.
+# -----------------------------------------------------------------------------------------------
+
+@pytest.mark.multirank
+def test_two_ranks_resume_mid_epoch_after_sigkill_to_the_uninterrupted_weights_and_ema(two_rank_runs):
+    runs = two_rank_runs.wait()
+    reference, killed, resumed = runs.reference, runs.killed, runs.resumed
+    assert reference.proc.returncode == 0, reference.output()[-4000:]
+    assert killed.proc.returncode == -signal.SIGKILL
+    assert resumed.proc.returncode == 0, resumed.output()[-4000:]
+    assert "batch 5/6 " in resumed.output() and "batch 1/6 " not in resumed.output()
+    final = os.readlink(runs.tmp / "reference" / "latest-rank0.pt")
+    assert final == "ep0-ba6-rank0.pt" and os.readlink(runs.tmp / "killed" / "latest-rank0.pt") == final
+    ref = torch.load(runs.tmp / "reference" / final, map_location="cpu", weights_only=False)["state"]
+    res = torch.load(runs.tmp / "killed" / final, map_location="cpu", weights_only=False)["state"]
+    assert ref["model"].keys() == res["model"].keys()
+    assert all(torch.equal(ref["model"][k], res["model"][k]) for k in ref["model"]), "weights differ"
+    ema_ref, ema_res = dict(ref["algorithms"])["EMA"]["shadow"], dict(res["algorithms"])["EMA"]["shadow"]
+    assert all(torch.equal(ema_ref[k], ema_res[k]) for k in ema_ref), "EMA differs"
+    summary = [json.loads((runs.tmp / f"{name}.json").read_text()) for name in ("reference", "resumed")]
+    assert summary[0]["world_size"] == 2 and summary[0]["final_loss"] == summary[1]["final_loss"]
+
+
+# -----------------------------------------------------------------------------------------------
+# Precomputed: latents.py --aspect_buckets, then --precomputed --aspect_buckets.
+# -----------------------------------------------------------------------------------------------
+
+THREE = "96x40\n64x64\n40x96\n"  # tall, square, wide: few buckets, so that each worker fills them
+
+
+@pytest.fixture(scope="module")
+def bucketed_latents(shards, tmp_path_factory, request):
+    if any("two_rank_runs" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("two_rank_runs")
+    tmp = tmp_path_factory.mktemp("bucket-latents")
+    listed = tmp / "three.txt"
+    listed.write_text(THREE)
+    source = copy_of(shards, tmp / "mds")
+    latents.main(["--model_config", "sdxl-tiny", "--local", str(source), "--out", str(tmp / "lat"),
+                  "--batch_size", "4", "--chunk_size", "32", "--num_workers", "0", "--no_progress",
+                  "--aspect_buckets", str(listed)])
+    return tmp, listed
+
+
+def test_latents_are_stored_at_each_samples_bucket_and_train_one_bucket_a_batch(bucketed_latents, tmp_path):
+    from streaming import StreamingDataset
+
+    tmp, listed = bucketed_latents
+    assert json.loads((tmp / "lat" / "precompute.json").read_text())["aspect_buckets"] == ["96x40", "64x64", "40x96"]
+    stored = StreamingDataset(local=str(tmp / "lat"), batch_size=1, shuffle=False)
+    three = (Bucket(96, 40), Bucket(64, 64), Bucket(40, 96))
+    names = Counter()
+    for i in range(stored.num_samples):
+        sample = stored[i]
+        height, width = (int(side) for side in sample["bucket"])
+        names[f"{height}x{width}"] += 1
+        assert sample["latent_mean"].shape == (4, height // 8, width // 8)
+        _, stored_width, stored_height, orientation = MIXED_ASPECT_PHOTOS[int(sample["index"]) % NUM_KINDS]
+        shown = (stored_height, stored_width) if orientation == 6 else (stored_width, stored_height)
+        assert nearest_bucket(*shown, three, 64) == Bucket(height, width)  # the nearest of the list, centered
+    assert set(names) == {"96x40", "64x64", "40x96"} and sum(names.values()) == NUM_PHOTOS
+    batches = []
+
+    class Latents(Callback):
+        def after_dataloader(self, state, logger) -> None:
+            batches.append(tuple(state.batch["latent_mean"].shape))
+
+    results = benchmark.main(["--model_config", "sdxl-tiny", "--precomputed", "--local",
+                              str(copy_of(tmp / "lat", tmp_path / "lat")), "--batch_size", "2", "--num_workers", "2",
+                              "--max_duration", "1ep", "--warmup_batches", "1", "--aspect_buckets", str(listed)],
+                             extra_callbacks=[Latents()])
+    # 32 samples a worker, 3 buckets: (32 - 3 x 1) // 2 = 14 full batches each, every one in one bucket.
+    assert len(batches) == 28 and {shape[2:] for shape in batches} <= {(12, 5), (8, 8), (5, 12)}
+    assert sum(results["images_per_bucket"].values()) == 56 and results["largest_bucket"]["bucket"] == "64x64"
+
+
+def test_latents_of_other_buckets_are_refused_in_one_line(bucketed_latents, tmp_path):
+    tmp, listed = bucketed_latents
+    local = ["--model_config", "sdxl-tiny", "--precomputed", "--local", str(tmp / "lat"), "--batch_size", "2",
+             "--max_duration", "1ba"]
+    message = error_of(benchmark.main, [*local, "--aspect_buckets"])
+    assert "--aspect_buckets default: the latents were stored in other buckets" in message
+    assert "3 buckets, 96x40 ... 40x96" in message and "this run: 11 buckets" in message
+    message = error_of(benchmark.main, local)
+    assert "holds latents stored per aspect-ratio bucket (latents.py --aspect_buckets)" in message
+    message = error_of(latents.main, ["--model_config", "tiny", "--local", str(tmp / "mds"), "--out",
+                                      str(tmp_path / "sd2"), "--aspect_buckets"], prog="latents.py")
+    assert "--aspect_buckets does not apply to --model_config tiny: SD2 trains on squares" in message
