@@ -331,8 +331,11 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
                  ConsoleProgress(settings.log_interval, validation=measured.validation), restore_rng,
                  measured.cpu_threads]
     if settings.buckets:  # before the sampling callback: its pause at BATCH_END is not a bucket's time
+        order = {"ranks": dist.get_world_size()}
+        if not settings.use_synth_data:  # synthetic buckets are drawn per (seed, epoch, rank, batch)
+            order["--num_workers"] = settings.num_workers
         measured.buckets = BucketThroughput(settings.warmup_batches + settings.profile_batches,
-                                            model.family.latent_downsample)
+                                            model.family.latent_downsample, order)
         callbacks.append(measured.buckets)
     if measured.validation:
         callbacks.append(measured.validation)

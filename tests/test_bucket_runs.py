@@ -327,3 +327,15 @@ def test_latents_of_other_buckets_are_refused_in_one_line(bucketed_latents, tmp_
     message = error_of(latents.main, ["--model_config", "tiny", "--local", str(tmp / "mds"), "--out",
                                       str(tmp_path / "sd2"), "--aspect_buckets"], prog="latents.py")
     assert "--aspect_buckets does not apply to --model_config tiny: SD2 trains on squares" in message
+
+
+def test_a_resume_with_other_loader_workers_is_refused_in_one_line(shards, tmp_path):
+    # The bucketed order of real data depends on the ranks and on each rank's loader workers: resuming
+    # with another --num_workers would repeat some photos and skip others, so it is refused.
+    listed = tmp_path / "three.txt"
+    listed.write_text("96x40\n40x96\n64x64\n")
+    run = [*XL, str(listed), "--local", str(copy_of(shards, tmp_path / "mds")), "--batch_size", "4",
+           "--save_folder", str(tmp_path / "ckpt"), "--save_interval", "2ba", "--run_name", "workers"]
+    benchmark.main([*run, "--num_workers", "0", "--max_duration", "2ba"])
+    message = error_of(benchmark.main, [*run, "--num_workers", "1", "--max_duration", "4ba", "--autoresume"])
+    assert "--num_workers 0 then, 1 now" in message and "resume with the same ranks and --num_workers" in message

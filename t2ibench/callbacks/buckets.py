@@ -11,6 +11,8 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from t2ibench.errors import fail
+
 
 def batch_bucket(batch: dict[str, torch.Tensor], latent_downsample: int) -> str:
     """"HxW" of a batch's images, in pixels (precomputed latents: their size times the VAE's downsampling)."""
@@ -33,14 +35,31 @@ class BucketThroughput(Callback):
     summed over the ranks).
     """
 
-    def __init__(self, warmup_batches: int, latent_downsample: int):
+    def __init__(self, warmup_batches: int, latent_downsample: int, order_depends_on: dict[str, int] | None = None):
         self.warmup_batches, self.latent_downsample = warmup_batches, latent_downsample
+        # What the bucketed order of the samples depends on besides the seed (the ranks, and for real
+        # data the loader workers of each): saved in every checkpoint, and a resume with other counts
+        # refused, since it would repeat some samples and skip others without a word.
+        self.order_depends_on = dict(order_depends_on or {})
         self.images: Counter[str] = Counter()  # every trained batch of this run, this rank
         self.measured_images: Counter[str] = Counter()
         self.measured_seconds: Counter[str] = Counter()
         self.current: tuple[str, int] | None = None
         self.started = 0.0
         self.gathered: dict | None = None
+
+    def state_dict(self) -> dict:
+        return {"order_depends_on": dict(self.order_depends_on)}
+
+    def load_state_dict(self, state: dict) -> None:
+        # Composer loads a checkpoint's callback state while the Trainer is built, before any batch.
+        saved = state.get("order_depends_on") or {}
+        differ = [f"{name} {saved[name]} then, {self.order_depends_on[name]} now" for name in sorted(saved)
+                  if name in self.order_depends_on and saved[name] != self.order_depends_on[name]]
+        if differ:
+            fail(f"--aspect_buckets: the checkpoint resumed was trained with other counts ({'; '.join(differ)}): "
+                 "the bucketed order of the samples depends on them, so resume with the same ranks and "
+                 "--num_workers, or start a new run in another --save_folder")
 
     @staticmethod
     def _sync() -> None:
