@@ -10,7 +10,7 @@ composes with FSDP2's mixed precision.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
