@@ -223,7 +223,7 @@ def apply_speed_settings(settings: Settings, run: Runtime, model: DiffusionModel
     if settings.xformers:
         model.denoiser.enable_xformers_memory_efficient_attention()
     if run.activation_checkpointing:
-        model.denoiser.enable_gradient_checkpointing()
+        parallel.enable_block_checkpointing(model.denoiser)
     if settings.channels_last:
         model.denoiser.to(memory_format=torch.channels_last)
         if model.vae is not None:

@@ -48,7 +48,7 @@ from t2ibench.gpu_setup import choose_setup, from_flag  # noqa: E402
 from t2ibench.images import GEOMETRY_KEYS  # noqa: E402
 from t2ibench.model import DiffusionModel  # noqa: E402
 from t2ibench.norms import set_norm_precision  # noqa: E402
-from t2ibench.parallel import FSDP_CHOICES, resolve_mode  # noqa: E402
+from t2ibench.parallel import FSDP_CHOICES, enable_block_checkpointing, resolve_mode  # noqa: E402
 from t2ibench.precomputed import LATENT_KEYS, TEXT_FORMATS, TEXT_STATES, TOKENS, batch_text_format  # noqa: E402
 from t2ibench.weight_casts import (WEIGHT_CAST_CHOICES, CastWeightsOncePerStep, resolve_weight_casts,  # noqa: E402
                                   weight_casts_problem)
@@ -140,7 +140,7 @@ def measure_cpu_step(model_config: str, image_size: int, microbatch: int, precis
         model.cpu_autocast_dtype = torch.bfloat16
         set_norm_precision(model, norm_precision)
     if activation_checkpointing:
-        model.denoiser.enable_gradient_checkpointing()
+        enable_block_checkpointing(model.denoiser)
     model.train()
     trained = [p for p in model.parameters() if p.requires_grad]
     if weight_casts == "step":  # the denoiser computes with its bf16 copies, as benchmark.py's step does

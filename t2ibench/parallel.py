@@ -4,14 +4,19 @@
 full_shard for a model whose training state does not fit one GPU, such as Flux.1; DDP otherwise);
 `fsdp_parallelism` is the config handed to Composer's Trainer; `average_gradients_over_gloo` fixes
 gloo's reduce-scatter on CPU where it sums (torch 2.7), so that the CPU tests compute the gradients
-the GPUs do.
+the GPUs do; `enable_block_checkpointing` turns on the denoiser's activation checkpointing so that it
+composes with FSDP2's mixed precision.
 """
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from composer.utils import FSDP2Config, ParallelismConfig, dist
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.utils._pytree import tree_map
 
 FSDP_MODES = ("none", "shard_grad_op", "full_shard")  # what a run applies: DDP, ZeRO-2, ZeRO-3
 FSDP_CHOICES = ("auto", *FSDP_MODES)  # --fsdp; auto: the family's default (resolve_mode)
@@ -92,3 +97,53 @@ def average_gradients_over_gloo(denoiser: torch.nn.Module) -> None:
     for module in denoiser.modules():
         if isinstance(module, FSDPModule):
             module.set_all_reduce_hook(lambda shard: shard.div_(world_size))
+
+
+def fsdp_input_casts(block: torch.nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`inputs` as FSDP2's pre-forward hook hands them to `block`'s forward: floating-point tensors
+    (also inside tuples, such as Flux.1's rotary embedding) cast to the unit's `param_dtype` when its
+    mixed precision policy casts forward inputs, as Composer's does; unchanged for a module that is
+    not an FSDP unit."""
+    if not isinstance(block, FSDPModule):
+        return inputs
+    policy = fully_shard.state(block)._mp_policy
+    if not (policy.cast_forward_inputs and policy.param_dtype):
+        return inputs
+    dtype = policy.param_dtype
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and torch.is_floating_point(x) and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, inputs)
+
+
+def checkpoint_block(block: torch.nn.Module, *inputs: Any) -> Any:
+    """diffusers' `_gradient_checkpointing_func`: run `block` under non-reentrant
+    `torch.utils.checkpoint`, casting its inputs as FSDP2 does inside the checkpointed region.
+
+    diffusers checkpoints a block from outside (`checkpoint(block.__call__, *inputs)`), so where the
+    block is an FSDP2 unit (Flux.1's blocks, `Family.fsdp_blocks`) its pre-forward hook runs inside
+    the region. In the forward that hook casts the inputs to the policy's `param_dtype`; in
+    backward's recomputation it returns at once (the unit is in its PRE_BACKWARD state, the gathering
+    is its pre-backward hook's job), so the recomputation would run on the uncast inputs and
+    checkpoint's check stops the step on tensors saved in another dtype (on a GPU: the fp32 rotary
+    embedding, cast to bf16 in the forward; on a CPU, where Composer is given fp32: bf16 activations,
+    cast to fp32). Casting here, in the recomputed function, gives both passes the inputs the forward
+    saw; FSDP's own cast then finds nothing left to do. The casts' copies are freed with the region's
+    other intermediates, so the checkpoint keeps what diffusers' own function keeps.
+    """
+
+    def run(*args: Any) -> Any:
+        return block(*fsdp_input_casts(block, args))
+
+    return torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False)
+
+
+def enable_block_checkpointing(denoiser: torch.nn.Module) -> None:
+    """`--activation_checkpointing`: diffusers' per-block checkpointing, with `checkpoint_block` as its
+    function (identical to diffusers' own where no block is an FSDP unit: DDP, one rank, a UNet's
+    FSDP units, which hold their checkpointed resnets and transformers whole). Call it before or after
+    FSDP wraps the blocks: `checkpoint_block` asks the block at each call."""
+    denoiser.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_block)

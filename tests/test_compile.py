@@ -104,13 +104,11 @@ def test_seconds_compiling_inside_the_window_are_left_out_of_it(one_thread):
 
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
-    """flux1-tiny on two ranks under full_shard with checkpointing, compiled (aot_eager) and eager, side by side.
-    In fp32: under amp_bf16 the eager run itself stops on a CPU (FSDP2 casts a block's inputs to bf16 in its
-    forward but not in checkpointing's recomputation, whose saved tensors then differ in dtype), a fault of
-    FSDP with checkpointing that compiling neither causes nor changes."""
+    """flux1-tiny on two ranks under full_shard with checkpointing and amp_bf16, compiled (aot_eager) and
+    eager, side by side (the checkpointed blocks are FSDP units: t2ibench.parallel.checkpoint_block)."""
     tmp = tmp_path_factory.mktemp("compile-fsdp")
     flags = ["--model_config", "flux1-tiny", *RUN, "--image_size", "32", "--fsdp", "full_shard",
-             "--activation_checkpointing", "--precision", "fp32"]
+             "--activation_checkpointing"]
     launches = {name: Launch(two_ranks("tests/fault_run.py", "--report", str(tmp / f"{name}-report"), *flags, *extra,
                                        "--results_json", str(tmp / f"{name}.json")), tmp / f"{name}.log")
                 for name, extra in (("compiled", ["--compile", "--compile_backend", "aot_eager"]), ("eager", []))}

@@ -14,6 +14,10 @@ and EMA export equal the reference's bit for bit, which holds only if resuming i
 shard_grad_op computes what full_shard computes (the same gathers and reductions, kept longer), and
 if sampling between steps leaves training untouched (FSDP2 keeps gathered weights after a forward
 that no backward follows; sample.py frees them, or the next step would train on the EMA's weights).
+
+A second fixture runs Flux.1's GPU default, --fsdp shard_grad_op with --activation_checkpointing,
+under amp_bf16 next to DDP with checkpointing; one more test applies FSDP2 with a GPU's mixed
+precision (bf16 weights, inputs cast to bf16) to the tiny Flux denoiser on one gloo rank, in process.
 """
 from __future__ import annotations
 
@@ -26,7 +30,10 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY_RANKS, Launch, assert_tensors_equal, ema_state, kill_at, load, supervise, two_ranks
+from t2ibench.families.flux import FLUX1_TINY
+from t2ibench.parallel import enable_block_checkpointing
+from tests.helpers import (TINY_RANKS, Launch, assert_tensors_equal, ema_state, free_port, kill_at, load, supervise,
+                           two_ranks)
 
 # Sampling at batch 2 is followed by training, not by a checkpoint: a checkpoint's state_dict call
 # would reshard FSDP2's gathered weights itself and hide a sampler that leaves them gathered.
@@ -215,3 +222,91 @@ def test_fsdp_on_one_rank_or_with_channels_last_is_refused_in_one_line():
     message = str(stop.value)
     assert message.startswith("benchmark.py: error: --channels_last with --fsdp shard_grad_op") and "\n" not in message
     benchmark.validate(benchmark.parse_args(TINY_RANKS + ["--fsdp", "shard_grad_op"]), world_size=2)  # accepted
+
+
+# Flux.1 with its blocks checkpointed under amp_bf16, 3 batches of 4 at 32 px (each block an FSDP unit).
+CHECKPOINTED = ["--model_config", "flux1-tiny", "--use_synth_data", "--precomputed", "--batch_size", "4",
+                "--image_size", "32", "--num_workers", "0", "--max_duration", "3ba", "--warmup_batches", "1",
+                "--precision", "amp_bf16", "--seed", "3", "--activation_checkpointing"]
+
+
+@pytest.fixture(scope="module")
+def checkpointed_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp-checkpointing")
+    launches = {name: Launch(two_ranks("tests/fault_run.py", "--report", str(tmp / f"{name}-report"),
+                                       *CHECKPOINTED, *extra), tmp / f"{name}.log")
+                for name, extra in (("ddp", []), ("shard_grad_op", ["--fsdp", "shard_grad_op"]))}
+    supervise(list(launches.values()))
+    return tmp, launches
+
+
+@pytest.mark.multirank
+def test_checkpointed_flux_blocks_train_under_fsdp_and_amp_bf16_as_under_ddp(checkpointed_runs):
+    # FSDP2's pre-forward hook casts a unit's inputs in the forward but not in checkpointing's
+    # recomputation: with diffusers' own checkpointing function this run stopped in its first backward.
+    tmp, launches = checkpointed_runs
+    for launch in launches.values():
+        assert launch.proc.returncode == 0, launch.tail()
+    ddp, sharded = ({int(b): loss for b, loss in json.loads((tmp / f"{name}-report" / "rank0.json").read_text())
+                     ["losses"].items()} for name in launches)
+    assert sorted(ddp) == sorted(sharded) == [1, 2, 3]
+    assert all(np.isfinite(loss) for loss in sharded.values()), sharded
+    for batch in ddp:
+        assert sharded[batch] == pytest.approx(ddp[batch], rel=LOSS_RTOL), (batch, sharded, ddp)
+
+
+@pytest.fixture
+def one_gloo_rank(monkeypatch):
+    """A default process group of one gloo rank for this test (or the one this process already has)."""
+    if torch.distributed.is_initialized():
+        yield
+        return
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def flux_step_under_gpu_mixed_precision(checkpointing: str) -> tuple[float, list[torch.Tensor]]:
+    """One forward and backward of the tiny Flux denoiser with each block and the whole a `fully_shard`
+    unit under the policy Composer builds for amp_bf16 on a GPU (weights gathered and inputs cast to bf16,
+    gradients reduced in fp32), in bf16 autocast: the loss and the gradients. On a CPU Composer is told
+    fp32 (it refuses AMP there), so benchmark.py's CPU runs cast to fp32 instead; this is the GPU's cast.
+    `checkpointing`: "off", "diffusers" (its own function) or "project" (benchmark.py's)."""
+    from diffusers import FluxTransformer2DModel
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    denoiser = FluxTransformer2DModel(**FLUX1_TINY["transformer"])
+    if checkpointing == "diffusers":
+        denoiser.enable_gradient_checkpointing()
+    elif checkpointing == "project":
+        enable_block_checkpointing(denoiser)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in [*denoiser.transformer_blocks, *denoiser.single_transformer_blocks, denoiser]:
+        fully_shard(block, mp_policy=policy)
+    generator = torch.Generator().manual_seed(1)
+    image_ids = torch.stack([torch.zeros(16), torch.arange(16.0) // 4, torch.arange(16.0) % 4], dim=1)  # 4x4 tokens
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = denoiser(hidden_states=torch.randn(2, 16, 64, generator=generator),
+                       encoder_hidden_states=torch.randn(2, 8, 64, generator=generator),
+                       pooled_projections=torch.randn(2, 64, generator=generator), timestep=torch.tensor([0.3, 0.7]),
+                       img_ids=image_ids, txt_ids=torch.zeros(8, 3), return_dict=False)[0]
+    loss = out.float().pow(2).mean()
+    loss.backward()
+    return loss.item(), [p.grad.full_tensor() for p in denoiser.parameters()]
+
+
+def test_checkpointing_recomputes_fsdp_units_with_the_inputs_cast_as_on_a_gpu(one_gloo_rank):
+    # Flux.1's rotary embedding is fp32: FSDP2 casts it to bf16 for a block's forward but, in backward's
+    # recomputation, hands it on uncast; diffusers' function then fails checkpoint's dtype check.
+    with pytest.raises(torch.utils.checkpoint.CheckpointError, match="dtype"):
+        flux_step_under_gpu_mixed_precision("diffusers")
+    loss, grads = flux_step_under_gpu_mixed_precision("project")
+    reference_loss, reference_grads = flux_step_under_gpu_mixed_precision("off")
+    # The recomputation runs on what the forward ran on: the same numbers as no checkpointing, to the bit.
+    assert loss == reference_loss
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference_grads))
