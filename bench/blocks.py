@@ -341,10 +341,13 @@ def saved_parts(args: argparse.Namespace) -> tuple[dict[str, dict], dict[str, fl
         measured[label] = {
             "blocks": [{**b, "seconds": scale * b["seconds"],
                         # a peak measured at another microbatch is not this one's
-                        "peak_memory_bytes": b.get("peak_memory_bytes") if scale == 1 else None}
+                        "peak_memory_bytes": b.get("peak_memory_bytes") if scale == 1 else None,
+                        # nor is its compile (lines written before --compile have none)
+                        "compile_seconds": b.get("compile_seconds") if scale == 1 else None}
                        for b in times["blocks"]],
             "rest_seconds": scale * times["rest_seconds"],
             "rest_peak_memory_bytes": times.get("rest_peak_memory_bytes") if scale == 1 else None,
+            "rest_compile_seconds": times.get("rest_compile_seconds") if scale == 1 else None,
             "composed_microbatch_seconds": scale * times["composed_microbatch_seconds"]}
     # Lines written before `per_parameter` (7e20acc) keep the updates beside the times.
     per_parameter = line.get("per_parameter") or next(iter(line["measured"].values()))
