@@ -239,7 +239,7 @@ def test_auto_microbatch_divides_the_per_device_batch_and_grows_with_memory():
 def _run_args(**overrides) -> argparse.Namespace:
     """benchmark.py's flags as safe_auto_microbatch reads them (after t2ibench.checks resolved them)."""
     flags = dict(model_config="tiny", image_size=64, batch_size=8 * 1024, norm_precision="autocast",
-                 precomputed=False, use_ema=True, fsdp="none", activation_checkpointing="off", fp8="off")
+                 precomputed=False, use_ema=True, fsdp="none", activation_checkpointing="off", fp8="off", buckets=None)
     return argparse.Namespace(**{**flags, **overrides})
 
 
