@@ -106,8 +106,9 @@ def fsdp_input_casts(block: torch.nn.Module, inputs: tuple[Any, ...]) -> tuple[A
     not an FSDP unit."""
     if not isinstance(block, FSDPModule):
         return inputs
-    policy = fully_shard.state(block)._mp_policy
-    if not (policy.cast_forward_inputs and policy.param_dtype):
+    # A private field (torch 2.7 to today's FSDPState): a torch without it gets diffusers' behavior.
+    policy = getattr(fully_shard.state(block), "_mp_policy", None)
+    if policy is None or not (policy.cast_forward_inputs and policy.param_dtype):
         return inputs
     dtype = policy.param_dtype
 
