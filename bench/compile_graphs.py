@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from t2ibench import errors, memory  # noqa: E402
 from t2ibench.cli import Parser, Range  # noqa: E402
+from t2ibench.flags import checked_image_size  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
 from t2ibench.memory.autocast import CUDA_AUTOCAST, AutocastPolicy  # noqa: E402
 from t2ibench.precomputed import TEXT_FORMATS, batch_text_format  # noqa: E402
@@ -51,13 +52,8 @@ def build_parser() -> Parser:
 
 def validate(args: argparse.Namespace) -> argparse.Namespace:
     """The flags with the defaults resolved, in a new namespace (the parsed one is left as it was parsed)."""
-    if args.model_config not in MODEL_CONFIGS:
-        errors.fail(f"--model_config '{args.model_config}' is unknown; choose one of {sorted(MODEL_CONFIGS)}")
-    family = family_of(args.model_config)
-    image_size = args.image_size or family.default_image_size(args.model_config)
-    pixels = family.latent_downsample * family.patch_size
-    if image_size % pixels:
-        errors.fail(f"--image_size {image_size} must be a multiple of {pixels} for {args.model_config}")
+    family = family_of(args.model_config)  # one line for an unknown --model_config
+    image_size = checked_image_size(family, args.model_config, args.image_size)
     if args.precomputed_format and not args.precomputed:
         errors.fail("--precomputed_format needs --precomputed")
     return argparse.Namespace(**{**vars(args), "image_size": image_size})

@@ -64,13 +64,8 @@ def build_parser() -> Parser:
 
 def validate(args: argparse.Namespace) -> argparse.Namespace:
     """The flags with the defaults resolved, in a new namespace (the parsed one is left as it was parsed)."""
-    if args.model_config not in MODEL_CONFIGS:
-        errors.fail(f"--model_config '{args.model_config}' is unknown; choose one of {sorted(MODEL_CONFIGS)}")
-    family = family_of(args.model_config)
-    image_size = args.image_size or family.default_image_size(args.model_config)
-    pixels = family.latent_downsample * family.patch_size
-    if image_size % pixels:
-        errors.fail(f"--image_size {image_size} must be a multiple of {pixels} for {args.model_config}")
+    family = family_of(args.model_config)  # one line for an unknown --model_config
+    image_size = flags.checked_image_size(family, args.model_config, args.image_size)
     if args.precomputed_format and not args.precomputed:
         errors.fail("--precomputed_format needs --precomputed")
     batch_size = args.batch_size or 2048

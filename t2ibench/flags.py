@@ -135,17 +135,24 @@ def add_aspect_buckets(group: argparse._ActionsContainer, what: str) -> None:
                             "HEIGHTxWIDTH a line")
 
 
-def shared_values(args: argparse.Namespace) -> tuple[ModelFamily, str, int]:
-    """The shared groups' values checked (one line naming the flag for a bad one): the model's family,
-    and --model_name and --image_size with the family's defaults where they were left out."""
-    family = family_of(args.model_config)
-    model_name = family.default_model_name if args.model_name is None else args.model_name
-    image_size = family.default_image_size(args.model_config) if args.image_size is None else args.image_size
+def checked_image_size(family: ModelFamily, model_config: str, image_size: int | None) -> int:
+    """--image_size, or the family's default where it was left out, checked against the family's
+    latent grid (one line naming the flag)."""
+    image_size = family.default_image_size(model_config) if image_size is None else image_size
     multiple = family.latent_downsample * family.patch_size
     if image_size % multiple:
         fail(f"--image_size {image_size} must be a positive multiple of {multiple} (the VAE downsamples by "
              f"{family.latent_downsample}" + (f", and latents are cut into {family.patch_size}x{family.patch_size} "
                                               "patches)" if family.patch_size > 1 else ")"))
+    return image_size
+
+
+def shared_values(args: argparse.Namespace) -> tuple[ModelFamily, str, int]:
+    """The shared groups' values checked (one line naming the flag for a bad one): the model's family,
+    and --model_name and --image_size with the family's defaults where they were left out."""
+    family = family_of(args.model_config)
+    model_name = family.default_model_name if args.model_name is None else args.model_name
+    image_size = checked_image_size(family, args.model_config, args.image_size)
     if args.cache_limit is not None:
         from streaming.base.util import bytes_to_int
         try:
