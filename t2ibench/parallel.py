@@ -127,8 +127,8 @@ def checkpoint_block(block: torch.nn.Module, *inputs: Any) -> Any:
     diffusers checkpoints a block from outside (`checkpoint(block.__call__, *inputs)`), so where the
     block is an FSDP2 unit (Flux.1's blocks, `Family.fsdp_blocks`) its pre-forward hook runs inside
     the region. In the forward that hook casts the inputs to the policy's `param_dtype`; in
-    backward's recomputation it returns at once (the unit is in its PRE_BACKWARD state, the gathering
-    is its pre-backward hook's job), so the recomputation would run on the uncast inputs and
+    backward's recomputation torch 2.7's hook returns at once (the unit is in its PRE_BACKWARD state,
+    the gathering is its pre-backward hook's job; torch 2.14 casts there too), so the recomputation would run on the uncast inputs and
     checkpoint's check stops the step on tensors saved in another dtype (on a GPU: the fp32 rotary
     embedding, cast to bf16 in the forward; on a CPU, where Composer is given fp32: bf16 activations,
     cast to fp32). Casting here, in the recomputed function, gives both passes the inputs the forward
