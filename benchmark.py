@@ -348,7 +348,8 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
             model.family, load_prompts(settings.sample_prompts),
             settings.samples_dir or os.path.join(settings.save_folder, "samples"),
             settings.sample_interval, encoders=encoders,
-            image_size=settings.image_size, pauses=pauses, average=measured.ema, sampler=settings.sampler,
+            height=settings.sample_shape.height, width=settings.sample_shape.width, pauses=pauses,
+            average=measured.ema, sampler=settings.sampler,
             num_steps=settings.sample_steps, guidance_scale=settings.guidance_scale, seed=settings.seed))
     fsdp = parallel.fsdp_parallelism(settings.fsdp)
     if fsdp is not None:

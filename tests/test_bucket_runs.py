@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from composer.core import Callback
+from PIL import Image
 
 import benchmark
 import convert
@@ -225,6 +226,39 @@ def test_buckets_are_refused_in_one_line_where_they_do_not_apply(shards, tmp_pat
     assert "--synthetic_bucket_weights needs --aspect_buckets" in message
     message = error_of(benchmark.main, [*XL, "--synthetic_bucket_weights", "64x64=1", *local])
     assert "--synthetic_bucket_weights applies to --use_synth_data only" in message
+
+
+SAMPLING = ["--sample_steps", "2", "--sample_interval", "2ba"]  # + --sample_prompts, --samples_dir
+
+
+@pytest.mark.parametrize("model_config", ["sdxl-tiny", "flux1-tiny"])
+def test_samples_are_drawn_at_sample_size(model_config, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square\na blue circle\n")
+    benchmark.main(["--model_config", model_config, "--image_size", "64", "--use_synth_data", "--batch_size", "2",
+                    "--num_workers", "0", "--max_duration", "2ba", "--warmup_batches", "1", "--aspect_buckets",
+                    "--sample_prompts", str(prompts), "--samples_dir", str(tmp_path / "samples"), *SAMPLING,
+                    "--sample_size", "32x96"])
+    grid = Image.open(tmp_path / "samples" / "2.png")
+    assert grid.size == (2 * 96, 32)  # two prompts side by side, each 96 px wide and 32 px high
+
+
+@pytest.mark.parametrize("model_config, extra, size, expected", [
+    ("sdxl-tiny", [], "64", "--sample_size 64: not HEIGHTxWIDTH in pixels"),
+    ("sdxl-tiny", [], "64x-8", "--sample_size 64x-8: not HEIGHTxWIDTH in pixels"),
+    ("sdxl-tiny", [], "60x64", "--sample_size 60x64: 60x64 must have both sides multiples of 8"),
+    ("flux1-tiny", [], "40x64", "--sample_size 40x64: 40x64 must have both sides multiples of 16"),
+    ("sdxl-tiny", [], "64x72", "--sample_size 64x72: 4,608 pixels, more than training's largest shape 64x64"),
+    ("sdxl-tiny", ["--aspect_buckets"], "72x72", "more than training's largest shape 64x64 (4,096)"),
+    ("tiny", [], "32x32", "--sample_size needs --sample_prompts"),
+])
+def test_a_bad_sample_size_is_one_line(model_config, extra, size, expected, tmp_path):
+    sampling = ["--sample_prompts", "shapes", "--samples_dir", str(tmp_path / "samples")] if model_config != "tiny" else []
+    argv = ["--model_config", model_config, "--image_size", "64", "--use_synth_data", "--batch_size", "2",
+            "--max_duration", "1ba", *extra, *sampling, "--sample_size", size]
+    message = error_of(benchmark.main, argv)
+    assert expected in message, message
+    assert not (tmp_path / "samples").exists()
 
 
 def test_a_users_list_is_what_the_run_trains_on(shards, tmp_path):
