@@ -19,7 +19,7 @@ from composer.core import Time
 from composer.utils import dist
 
 from t2ibench import fp8
-from t2ibench.buckets import UNIFORM, Bucket, parse_size, resolve_buckets, synthetic_weights
+from t2ibench.buckets import EXPORT_FILE, UNIFORM, Bucket, parse_size, resolve_buckets, synthetic_weights
 from t2ibench.callbacks.profile import profile_fits
 from t2ibench.checkpoints import LATEST, gone_latest, resume_from, resume_point
 from t2ibench.cli import check_workers
@@ -394,7 +394,8 @@ def check_recipe(settings: Settings) -> tuple[str, str | None]:
         # What a killed export left (a preempted job) is taken over when the pipeline is written (staged_folder).
         entries = set(os.listdir(export_dir)) - killed_writer_leftovers(export_dir)
         # A resumed or retried job finds the pipeline it exported before: that one it may rewrite.
-        own_export = entries <= {"model_index.json", *family.pipeline_parts} and (settings.autoresume or settings.load_path)
+        own_export = entries <= {"model_index.json", EXPORT_FILE, *family.pipeline_parts} and (
+            settings.autoresume or settings.load_path)
         if entries and not own_export:
             fail(f"--ema_export_dir {settings.ema_export_dir} is not empty; choose a new folder (nothing is overwritten)")
     return sampler, precomputed_format
