@@ -327,7 +327,8 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
                  StopOnNonFiniteLoss(settings.load_path, settings.save_folder), StopOnEmptyEpoch(),
                  RunRecord({"model_config": settings.model_config, "model_name": settings.model_name,
                             "encoders_seed": settings.encoders_seed,
-                            "image_size": settings.image_size, "precomputed": settings.precomputed}),
+                            "image_size": settings.image_size, "precomputed": settings.precomputed,
+                            "aspect_buckets": [bucket.name for bucket in settings.buckets]}),
                  ConsoleProgress(settings.log_interval, validation=measured.validation), restore_rng,
                  measured.cpu_threads]
     if settings.buckets:  # before the sampling callback: its pause at BATCH_END is not a bucket's time
@@ -348,7 +349,8 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
             model.family, load_prompts(settings.sample_prompts),
             settings.samples_dir or os.path.join(settings.save_folder, "samples"),
             settings.sample_interval, encoders=encoders,
-            image_size=settings.image_size, pauses=pauses, average=measured.ema, sampler=settings.sampler,
+            height=settings.sample_shape.height, width=settings.sample_shape.width, pauses=pauses,
+            average=measured.ema, sampler=settings.sampler,
             num_steps=settings.sample_steps, guidance_scale=settings.guidance_scale, seed=settings.seed))
     fsdp = parallel.fsdp_parallelism(settings.fsdp)
     if fsdp is not None:
@@ -485,7 +487,8 @@ def export_average(settings: Settings, run: Runtime, trainer: Trainer, built: Mo
             if run.is_rank_zero:
                 averaged = type(model.denoiser).from_pretrained(staging / name)
                 write_pipeline(staging, model.family, dataclasses.replace(
-                    built.encoders, denoiser=averaged, noise_scheduler=model.noise_scheduler))
+                    built.encoders, denoiser=averaged, noise_scheduler=model.noise_scheduler),
+                    buckets=settings.buckets)
     except OSError as error:
         errors.fail(write_error(f"--ema_export_dir {folder}", error) + "; the results were written before it")
 

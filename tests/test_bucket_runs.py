@@ -14,14 +14,16 @@ import threading
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from composer.core import Callback
+from PIL import Image
 
 import benchmark
 import convert
 import latents
-from t2ibench.buckets import Bucket, default_buckets, nearest_bucket
+from t2ibench.buckets import Bucket, default_buckets, nearest_bucket, read_buckets
 from tests.helpers import MIXED_ASPECT_PHOTOS, Launch, error_of, kill_at, mixed_aspect_folder, supervise, two_ranks
 
 NUM_PHOTOS = 64
@@ -225,6 +227,56 @@ def test_buckets_are_refused_in_one_line_where_they_do_not_apply(shards, tmp_pat
     assert "--synthetic_bucket_weights needs --aspect_buckets" in message
     message = error_of(benchmark.main, [*XL, "--synthetic_bucket_weights", "64x64=1", *local])
     assert "--synthetic_bucket_weights applies to --use_synth_data only" in message
+
+
+SAMPLING = ["--sample_steps", "2", "--sample_interval", "2ba"]  # + --sample_prompts, --samples_dir
+
+
+@pytest.mark.parametrize("model_config", ["sdxl-tiny", "flux1-tiny"])
+def test_samples_at_sample_size_and_exported_pipelines_generate_at_a_bucket(model_config, tmp_path, monkeypatch):
+    from diffusers import DiffusionPipeline
+
+    import export
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square\na blue circle\n")
+    benchmark.main(["--model_config", model_config, "--image_size", "64", "--use_synth_data", "--batch_size", "2",
+                    "--num_workers", "0", "--max_duration", "2ba", "--warmup_batches", "1", "--aspect_buckets",
+                    "--sample_prompts", str(prompts), "--samples_dir", str(tmp_path / "samples"), *SAMPLING,
+                    "--sample_size", "32x96", "--use_ema", "--ema_export_dir", str(tmp_path / "ema"),
+                    "--save_folder", str(tmp_path / "run"), "--save_interval", "2ba"])
+    grid = Image.open(tmp_path / "samples" / "2.png")
+    assert grid.size == (2 * 96, 32)  # two prompts side by side, each 96 px wide and 32 px high
+    # The EMA export at the end of the run and export.py on its checkpoint: both list the trained buckets
+    # (readable as --aspect_buckets FILE) and generate at a bucket that is not square.
+    export.main([str(tmp_path / "run" / "ep0-ba2-rank0.pt"), "--out", str(tmp_path / "export")])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    patch_px = 16 if model_config == "flux1-tiny" else 8
+    for folder in (tmp_path / "ema", tmp_path / "export"):
+        assert read_buckets(str(folder / "aspect_buckets.txt"), 64, patch_px) == default_buckets(64, patch_px)
+        pipeline = DiffusionPipeline.from_pretrained(folder, local_files_only=True)
+        flux = {"max_sequence_length": pipeline.tokenizer_2.model_max_length} if model_config == "flux1-tiny" else {}
+        images = pipeline("a red square", height=32, width=128, num_inference_steps=2, output_type="np",
+                          generator=torch.Generator().manual_seed(0), **flux).images
+        assert images.shape == (1, 32, 128, 3) and np.isfinite(images).all()
+
+
+@pytest.mark.parametrize("model_config, extra, size, expected", [
+    ("sdxl-tiny", [], "64", "--sample_size 64: not HEIGHTxWIDTH in pixels"),
+    ("sdxl-tiny", [], "64x-8", "--sample_size 64x-8: not HEIGHTxWIDTH in pixels"),
+    ("sdxl-tiny", [], "60x64", "--sample_size 60x64: 60x64 must have both sides multiples of 8"),
+    ("flux1-tiny", [], "40x64", "--sample_size 40x64: 40x64 must have both sides multiples of 16"),
+    ("sdxl-tiny", [], "64x72", "--sample_size 64x72: 4,608 pixels, more than training's largest shape 64x64"),
+    ("sdxl-tiny", ["--aspect_buckets"], "72x72", "more than training's largest shape 64x64 (4,096)"),
+    ("tiny", [], "32x32", "--sample_size needs --sample_prompts"),
+])
+def test_a_bad_sample_size_is_one_line(model_config, extra, size, expected, tmp_path):
+    sampling = ["--sample_prompts", "shapes", "--samples_dir", str(tmp_path / "samples")] if model_config != "tiny" else []
+    argv = ["--model_config", model_config, "--image_size", "64", "--use_synth_data", "--batch_size", "2",
+            "--max_duration", "1ba", *extra, *sampling, "--sample_size", size]
+    message = error_of(benchmark.main, argv)
+    assert expected in message, message
+    assert not (tmp_path / "samples").exists()
 
 
 def test_a_users_list_is_what_the_run_trains_on(shards, tmp_path):
