@@ -235,4 +235,4 @@ def test_table_outputs_agree(tmp_path):
     assert "| 256 | 3,054.0 | 10.90 | 66,765 | 133,530 | predicted |" in markdown and markdown.endswith("caption\n")
     cost_table.write_csv(rows, str(tmp_path / "t.csv"))
     with open(tmp_path / "t.csv", newline="") as f:
-        assert list(csv.reader(f))[2] == ["256", "3054.00", "10.9000", "66764.8", "133529.60", "predicted"]
+        assert list(csv.reader(f))[2] == ["256", "3054.00", "10.9000", "66764.8", "133529.60", "predicted", "square", ""]
