@@ -479,7 +479,7 @@ def describe(measurements: list[Measurement]) -> tuple[str, str | None]:
         return what, (f"the table prices {what}, trained from scratch on --samples images (by default the 2023 SD2 "
                       "run's 2.87 billion; SDXL's own schedule was not published in samples): not Stable Diffusion 2 "
                       "base")
-    if (model, size) != SD2_BASE:  # (SD2 trains on squares: a bucketed run is another model)
+    if (model, size) != SD2_BASE:
         return what, (f"these results are for {what}, not SD2 base at 512x512: the table is the time and cost "
                       "of training that model, not Stable Diffusion 2 base")
     if precomputed:
