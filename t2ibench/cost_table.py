@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import textwrap
 from dataclasses import dataclass
 
 from t2ibench.files import atomic_file
@@ -21,6 +22,7 @@ class Row:
 
 
 
+TITLE_CHARACTERS = 100  # characters a line of the plot's title: its 12-inch width holds about 110
 COLUMNS = ("GPUs", "images/s", "days", "GPU-hours", "cost ($)", "source")
 
 
@@ -113,7 +115,8 @@ def plot(rows: list[Row], path: str, title: str) -> None:
     ax_days.set_title("days to train (log scale)", fontsize=10)
     ax_cost.set_ylim(bottom=0, top=max(r.cost_usd for r in rows) / 1000 * 1.15)
     ax_cost.set_title("cost of the run", fontsize=10)
-    fig.suptitle(title)
+    # A longer title (a bucketed run's names its list) is wrapped rather than cut at the figure's edges.
+    fig.suptitle(textwrap.fill(title, TITLE_CHARACTERS))
     fig.tight_layout()
     try:
         with atomic_file(path, "wb") as f:  # the format from the name's suffix, as savefig(path) takes it
