@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from t2ibench import errors
 from t2ibench.buckets import DEFAULT as DEFAULT_BUCKETS
-from t2ibench.buckets import parse_bucket
+from t2ibench.buckets import parse_bucket, synthetic_weights
 from t2ibench.cli import GPU_COUNT, MAX_GPUS, MAX_IMAGE_SIZE, POSITIVE_FLOAT, Parser
 from t2ibench.cost_table import Row, format_table, plot, write_csv, write_markdown
 from t2ibench.errors import fail
@@ -83,6 +83,17 @@ class BucketList:
 SQUARE = BucketList()
 
 
+@dataclass(frozen=True)
+class BucketWeights:
+    """--synthetic_bucket_weights as a run recorded it, compared by the shares it gives each bucket of the
+    list (`40x96=3,64x64=1` and `64x64=2,40x96=6` are one mix); its repr is the flag's value."""
+    identity: tuple  # each bucket's share of the list (to 1e-9); (the value as written,) without the list
+    spec: str = field(compare=False)
+
+    def __repr__(self) -> str:
+        return repr(self.spec)
+
+
 @dataclass
 class Measurement:
     """One throughput measurement: `images_per_sec` is global (all `num_gpus` GPUs together)."""
@@ -96,7 +107,7 @@ class Measurement:
     # A results file without 'aspect_buckets' was written before buckets existed (or by hand): square.
     aspect_buckets: BucketList = SQUARE
     # How often synthetic batches came from each bucket (--synthetic_bucket_weights); None for real data.
-    synthetic_bucket_weights: str | None = None
+    synthetic_bucket_weights: BucketWeights | None = None
     images_per_bucket: dict[str, int] = field(default_factory=dict)  # the mix trained: {"HxW": images}
     largest_bucket: str | None = None  # the bucket the memory model sized the microbatch for
 
@@ -175,7 +186,7 @@ def load_results(path: str) -> Measurement:
                        data.get("precomputed"), *load_buckets(path, data))
 
 
-def load_buckets(path: str, data: dict) -> tuple[BucketList, str | None, dict[str, int], str | None]:
+def load_buckets(path: str, data: dict) -> tuple[BucketList, BucketWeights | None, dict[str, int], str | None]:
     """A results file's buckets: (the list, --synthetic_bucket_weights, the images trained per bucket, the
     largest bucket); square when it has no 'aspect_buckets'. Raises ValueError naming the file."""
     spec = data.get("aspect_buckets")
@@ -203,6 +214,10 @@ def load_buckets(path: str, data: dict) -> tuple[BucketList, str | None, dict[st
     largest = largest.get("bucket") if isinstance(largest, dict) else None
     identity = tuple(names) if names else ("--aspect_buckets", spec)
     listed = BucketList(identity, spec, data.get("image_size"), len(names) if names else None)
+    if weights is not None:  # benchmark.py's own rule reads them (a bad value: one line naming the file)
+        shares = synthetic_weights(weights, tuple(parse_bucket(name) for name in names),
+                                   f"{path}: 'synthetic_bucket_weights'") if names else None
+        weights = BucketWeights(tuple(round(share, 9) for share in shares) if shares else (weights,), weights)
     return listed, weights, images, largest if isinstance(largest, str) and parse_bucket(largest) else None
 
 
@@ -248,7 +263,7 @@ def describe_mix(measurements: list[Measurement], image_size: int) -> tuple[str,
     condition of the images/s measured, as the image size is a square run's."""
     listed, mix = measurements[0].aspect_buckets, bucket_mix(measurements)
     weights = next((m.synthetic_bucket_weights for m in measurements if m.synthetic_bucket_weights), None)
-    drawn = f", synthetic batches drawn by --synthetic_bucket_weights {weights}" if weights else ""
+    drawn = f", synthetic batches drawn by --synthetic_bucket_weights {weights.spec}" if weights else ""
     total = sum(mix.values())
     if not total:
         return f"aspect-ratio buckets: {listed!r}{drawn}; the results do not record the mix trained", None

@@ -335,7 +335,14 @@ def test_results_of_two_bucket_lists_are_refused_in_one_line_naming_both(tmp_pat
     uniform = bucketed_json(tmp_path / "u.json", synthetic_bucket_weights="uniform")
     weighted = bucketed_json(tmp_path / "w.json", synthetic_bucket_weights="64x64=1", world_size=2)
     message = error_of(cost.main, [uniform, weighted], "cost.py")
-    assert "mix different 'synthetic_bucket_weights' values" in message and uniform in message and weighted in message
+    assert "mix different 'synthetic_bucket_weights' values ('uniform' in" in message
+    assert uniform in message and f"'64x64=1' in {weighted}" in message
+    # ...and one mix however its weights are written: read by benchmark.py's own rule
+    same = bucketed_json(tmp_path / "s.json", synthetic_bucket_weights="64x64=2,32x128=0", world_size=4)
+    assert len(cost.main([weighted, same, "--num_gpus", "2", "4"])) == 2
+    bad = bucketed_json(tmp_path / "bad.json", synthetic_bucket_weights="60x60=1")
+    assert f"{bad}: 'synthetic_bucket_weights' 60x60=1: 60x60 is not one of the run's buckets" in error_of(
+        cost.main, [bad], "cost.py")
 
 
 @pytest.mark.parametrize("fields, expected", [
