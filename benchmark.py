@@ -426,6 +426,8 @@ def train(settings: Settings, run: Runtime, trainer: Trainer, built: Model, meas
         "loss_by_timestep_bin": measured.loss_by_timestep.summary() if measured.loss_by_timestep else [],
         "timestep_sampling": settings.timestep_sampling,
         "aspect_buckets": settings.aspect_buckets,
+        # The list itself ("HxW" names): runs of one list are compared by it (cost.py), whatever file held it.
+        "bucket_list": [bucket.name for bucket in settings.buckets] if settings.buckets else None,
         "bucket_crop": settings.bucket_crop if settings.buckets and not settings.use_synth_data else None,
         "synthetic_bucket_weights": settings.synthetic_bucket_weights if settings.buckets and settings.use_synth_data
         else None,
