@@ -156,8 +156,8 @@ def test_the_collectives_decide_where_fewer_microbatches_send_less_over_a_slow_l
     assert "of checkpointing's arithmetic and one microbatch's collectives alone" in nvlink.reason
     (plain,) = nvlink.candidates
     flops = family_of("flux1-tiny").flops_per_image("flux1-tiny", 2048, vae=False, text_encoders=False)
-    fewest = (flops["total"] + flops["denoiser_fwd"]
-              + _sent_per_step("flux1-tiny", "full_shard", 8, 1) / (NVLINK4_GB_PER_SEC * 1e9) / 64 * FITTED_FLOPS_PER_SEC)
+    one_microbatch = _sent_per_step("flux1-tiny", "full_shard", 8, 1) / (NVLINK4_GB_PER_SEC * 1e9) / 64
+    fewest = flops["total"] + flops["denoiser_fwd"] + one_microbatch * FITTED_FLOPS_PER_SEC
     assert _step_cost(plain, _sent_per_step("flux1-tiny", "full_shard", 8, 4), 64) < MIN_CHECKPOINTING_GAIN * fewest
     ethernet = choose_setup("flux1-tiny", 2048, gpu_bytes, 64, link_gb_per_sec=0.125, **options)
     assert (ethernet.activation_checkpointing, ethernet.microbatch) == (True, 64)
