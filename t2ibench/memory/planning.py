@@ -131,14 +131,15 @@ def _meta_parts(model_config: str):
 
 def fsdp_unit_params(model_config: str) -> dict[str, int]:
     """Parameters of the denoiser's FSDP units as the run wraps them (`ModelFamily.fsdp_blocks`, which
-    `DiffusionModel.mark_fsdp_units` hands Composer): the largest block, and the root unit (what no
+    `DiffusionModel.mark_fsdp_units` hands Composer): the largest block, the root unit (what no
     block holds: embeddings, input and output layers), which FSDP2 keeps gathered from the root's
-    forward to the end of its backward."""
+    forward to the end of its backward, and the whole denoiser (what DDP reduces and FSDP gathers)."""
     denoiser = _meta_parts(model_config).denoiser
     blocks = family_of(model_config).fsdp_blocks(denoiser)
     in_blocks = {id(p) for block in blocks for p in block.parameters()}
     return {"largest_block": max(sum(p.numel() for p in block.parameters()) for block in blocks),
-            "root": sum(p.numel() for p in denoiser.parameters() if id(p) not in in_blocks)}
+            "root": sum(p.numel() for p in denoiser.parameters() if id(p) not in in_blocks),
+            "denoiser": sum(p.numel() for p in denoiser.parameters())}
 
 
 def fixed_bytes(model_config: str, *, precision: str = "amp_bf16", precomputed: bool = False,
