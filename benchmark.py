@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -45,7 +46,7 @@ from t2ibench.buckets import Bucket, largest_bucket
 from t2ibench.checkpoints import write_whole
 from t2ibench.compiling import compile_step_parts
 from t2ibench.data_checks import SYNTHETIC_EVAL_SAMPLES
-from t2ibench.families import Parts, build_aside, require_pretrained
+from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
 from t2ibench.files import STAGING_FOLDER, no_room, hold_output, staged_folder, write_error, write_text
 from t2ibench.grad_norm import GradientNorm
 from t2ibench.model import DiffusionModel, vae_overflows_in
@@ -217,8 +218,17 @@ def build_model(settings: Settings, run: Runtime, training_data: TrainingData) -
 def step_flops(settings: Settings, text_format: str | None, image_size: int | tuple[int, int]) -> dict[str, float]:
     """FLOPs per image of the run's step at `image_size` (the square's side, or a bucket's (height,
     width)): the family's count with the encoders that run in it (none whose outputs are precomputed)."""
-    return settings.family.flops_per_image(settings.model_config, image_size, vae=not settings.precomputed,
-                                           text_encoders=text_format != TEXT_STATES)
+    return dict(counted_flops(settings.family, settings.model_config, image_size, not settings.precomputed,
+                              text_format != TEXT_STATES))
+
+
+@functools.lru_cache(maxsize=None)
+def counted_flops(family: ModelFamily, model_config: str, image_size: int | tuple[int, int], vae: bool,
+                  text_encoders: bool) -> dict[str, float]:
+    """`family.flops_per_image`, counted once per process: a count takes about a second for a tiny
+    model and 5 s for SDXL base on the meta device, and runs in the same process (the tests, a bucket
+    list) ask for the same ones again. Callers copy the dict they change."""
+    return family.flops_per_image(model_config, image_size, vae=vae, text_encoders=text_encoders)
 
 
 def trained_network_flops(flops: dict[str, float]) -> float:

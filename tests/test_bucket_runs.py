@@ -356,6 +356,9 @@ def test_two_ranks_resume_mid_epoch_after_sigkill_to_the_uninterrupted_weights_a
     assert all(torch.equal(ema_ref[k], ema_res[k]) for k in ema_ref), "EMA differs"
     summary = [json.loads((runs.tmp / f"{name}.json").read_text()) for name in ("reference", "resumed")]
     assert summary[0]["world_size"] == 2 and summary[0]["final_loss"] == summary[1]["final_loss"]
+    # Each rank counted half the list's FLOPs; both hold all of them, and the resumed run the same.
+    assert list(summary[0]["flops_per_image_by_bucket"]) == summary[0]["bucket_list"]
+    assert summary[1]["flops_per_image_by_bucket"] == summary[0]["flops_per_image_by_bucket"]
 
 
 # -----------------------------------------------------------------------------------------------
