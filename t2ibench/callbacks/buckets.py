@@ -37,7 +37,7 @@ class BucketFlops:
 
     `count(bucket)` is the run's count of one image at the bucket's (height, width) (benchmark.py: the
     family's `flops_per_image` on the meta device, 5 to 7 s a bucket for SDXL base or Flux.1 schnell on
-    one CPU core, minutes for a default list of 40). `count_shared()`, called once before the first
+    one CPU core, minutes for a default list of 41). `count_shared()`, called once before the first
     batch (`Throughput.fit_start`, when the ranks can gather), has each rank count its share of the
     buckets and gathers them all, so a node of 8 counts a list in an eighth of the time.
     """
