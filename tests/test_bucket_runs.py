@@ -194,6 +194,50 @@ def test_synthetic_batches_are_drawn_from_the_bucket_weights(model_config):
     assert len(uniform["images_per_bucket"]) >= 4  # the list's buckets alike: most of them in 12 batches
 
 
+SYNTHETIC = ["--image_size", "64", "--use_synth_data", "--batch_size", "2", "--num_workers", "0",
+             "--max_duration", "8ba", "--warmup_batches", "2", "--peak_tflops", "0.5"]
+
+
+@pytest.mark.parametrize("model_config", ["sdxl-tiny", "flux1-tiny"])
+def test_flops_per_image_and_mfu_are_those_of_the_buckets_the_window_trained(model_config, tmp_path):
+    from t2ibench.families import MODEL_CONFIGS
+
+    family = MODEL_CONFIGS[model_config]
+    buckets = tmp_path / "buckets.txt"
+    buckets.write_text("32x64\n64x64\n")  # half the square's pixels, and the square
+    batches = Batches()
+    results = benchmark.main(["--model_config", model_config, *SYNTHETIC, "--aspect_buckets", str(buckets),
+                              "--synthetic_bucket_weights", "32x64=3,64x64=1"], extra_callbacks=[batches])
+    counted = {name: family.flops_per_image(model_config, (height, width))
+               for name, height, width in (("32x64", 32, 64), ("64x64", 64, 64))}
+    assert results["flops_per_image_by_bucket"] == {name: flops["total"] for name, flops in counted.items()}
+    assert counted["32x64"]["total"] < 0.9 * counted["64x64"]["total"]
+    # The window: the batches after the warm-up, each of one bucket, each image at its bucket's FLOPs.
+    window = Counter(f"{batch['shape'][2]}x{batch['shape'][3]}" for batch in batches.seen[results["warmup_batches"]:])
+    assert set(window) == {"32x64", "64x64"}, window  # both buckets in the window (this seed's draw)
+    images = 2 * sum(window.values())
+    mean = sum(2 * n * counted[name]["total"] for name, n in window.items()) / images
+    trained = sum(2 * n * counted[name]["denoiser_fwd_bwd"] for name, n in window.items()) / images
+    assert results["flops_per_image"] == pytest.approx(mean, rel=1e-12)
+    assert results["flops_per_image_trained_network"] == pytest.approx(trained, rel=1e-12)
+    assert results["mfu"] == pytest.approx(results["images_per_sec_per_device"] * mean / 0.5e12, rel=1e-12)
+    assert results["mfu_trained_network"] == pytest.approx(
+        results["images_per_sec_per_device"] * trained / 0.5e12, rel=1e-12)
+    assert results["flops_per_image_breakdown"] == counted["64x64"]  # the square's (--image_size), as before
+
+
+def test_a_square_runs_flops_per_image_and_mfu_are_the_squares():
+    from t2ibench.families import MODEL_CONFIGS
+
+    results = benchmark.main(["--model_config", "sdxl-tiny", *SYNTHETIC])
+    flops = MODEL_CONFIGS["sdxl-tiny"].flops_per_image("sdxl-tiny", 64)
+    assert results["flops_per_image_breakdown"] == flops and results["flops_per_image_by_bucket"] is None
+    assert results["flops_per_image"] == flops["total"]  # as counted, not a mean
+    assert results["flops_per_image_trained_network"] == flops["denoiser_fwd_bwd"]
+    assert results["mfu"] == results["images_per_sec_per_device"] * flops["total"] / 0.5e12
+    assert results["mfu_trained_network"] == results["images_per_sec_per_device"] * flops["denoiser_fwd_bwd"] / 0.5e12
+
+
 @pytest.mark.parametrize("weights, expected", [
     ("64x64", "'64x64' is not HEIGHTxWIDTH=WEIGHT"),
     ("64x64=-1", "'64x64=-1' is not HEIGHTxWIDTH=WEIGHT"),
@@ -312,6 +356,9 @@ def test_two_ranks_resume_mid_epoch_after_sigkill_to_the_uninterrupted_weights_a
     assert all(torch.equal(ema_ref[k], ema_res[k]) for k in ema_ref), "EMA differs"
     summary = [json.loads((runs.tmp / f"{name}.json").read_text()) for name in ("reference", "resumed")]
     assert summary[0]["world_size"] == 2 and summary[0]["final_loss"] == summary[1]["final_loss"]
+    # Each rank counted half the list's FLOPs; both hold all of them, and the resumed run the same.
+    assert list(summary[0]["flops_per_image_by_bucket"]) == summary[0]["bucket_list"]
+    assert summary[1]["flops_per_image_by_bucket"] == summary[0]["flops_per_image_by_bucket"]
 
 
 # -----------------------------------------------------------------------------------------------

@@ -232,9 +232,10 @@ def largest_microbatch(fixed_total_bytes: float, activations: ActivationModel, g
 
 
 @functools.lru_cache(maxsize=None)
-def train_flops_per_image(model_config: str, image_size: int) -> float:
-    """FLOPs of the trained network alone (the denoiser's forward and backward) per image, the
-    family's count with the encoders left out (recomputation under checkpointing not included)."""
+def train_flops_per_image(model_config: str, image_size: int | tuple[int, int]) -> float:
+    """FLOPs of the trained network alone (the denoiser's forward and backward) per image (`image_size`
+    a square's side or a bucket's (height, width)), the family's count with the encoders left out
+    (recomputation under checkpointing not included)."""
     return family_of(model_config).flops_per_image(model_config, image_size, vae=False, text_encoders=False)["total"]
 
 
