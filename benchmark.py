@@ -239,7 +239,8 @@ def trained_network_flops(flops: dict[str, float]) -> float:
 def bucket_flops(settings: Settings, text_format: str | None) -> BucketFlops | None:
     """A bucketed run's FLOPs per image of each bucket it may train (synthetic batches: those of a
     positive weight), counted as the square's are (`build_model`) at the bucket's (height, width),
-    when the throughput callback starts (`BucketFlops.count_shared`); None for square images."""
+    when the throughput callback starts (`BucketFlops.count_shared`: a few of them, the rest from the
+    quadratic in the pixel count they fit); None for square images."""
     if not settings.buckets:
         return None
     trained = tuple(bucket for bucket, weight in zip(settings.buckets, settings.bucket_weights)
@@ -249,7 +250,8 @@ def bucket_flops(settings: Settings, text_format: str | None) -> BucketFlops | N
         flops = step_flops(settings, text_format, (bucket.height, bucket.width))
         return flops["total"], trained_network_flops(flops)
 
-    return BucketFlops(trained, count, settings.family.latent_downsample)
+    return BucketFlops(trained, count, settings.family.latent_downsample,
+                       settings.family.flops_exact_multiple(settings.model_config))
 
 
 def apply_speed_settings(settings: Settings, run: Runtime, model: DiffusionModel) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from fractions import Fraction
 from typing import Callable
 
 import torch
@@ -31,31 +32,112 @@ def batch_images(batch: dict[str, torch.Tensor]) -> int:
     return int(batch["sample_index"].shape[0])
 
 
+# How close the counted check bucket must come to the quadratic through the other three for the fit to
+# stand for the rest of the list: the quadratic is exact (only the floats' last bits differ), and one
+# rounded side anywhere in the network is off by far more than this.
+FIT_TOLERANCE = 1e-9
+FIT_COUNTS = 4  # buckets counted when the list can be fitted: three fix the quadratic, the fourth checks it
+
+
+def quadratic_through(points: list[tuple[int, float]]) -> Callable[[int], float]:
+    """The quadratic a + b P + c P^2 through three (P, value) points, evaluated in exact fractions."""
+    exact = [(Fraction(pixels), Fraction(value)) for pixels, value in points]
+
+    def at(pixels: int) -> float:
+        total = Fraction(0)
+        for i, (p_i, value) in enumerate(exact):  # Lagrange's form: no matrix to solve
+            term = value
+            for j, (p_j, _) in enumerate(exact):
+                if j != i:
+                    term *= (pixels - p_j) / (p_i - p_j)
+            total += term
+        return float(total)
+
+    return at
+
+
+def fit_counts(buckets: tuple[Bucket, ...], exact_multiple: int) -> tuple[Bucket, ...] | None:
+    """The few buckets to count when the rest can come from a quadratic in the pixel count: the smallest,
+    the largest and the middle pixel count fit it, the one a quarter of the way checks it. None when the
+    list cannot be fitted: a side that is not a multiple of `exact_multiple` (some level rounds it) or
+    fewer than FIT_COUNTS distinct pixel counts."""
+    if any(bucket.height % exact_multiple or bucket.width % exact_multiple for bucket in buckets):
+        return None
+    first = {}  # pixel count -> the list's first bucket of it
+    for bucket in buckets:
+        first.setdefault(bucket.pixels, bucket)
+    pixels = sorted(first)
+    if len(pixels) < FIT_COUNTS:
+        return None
+    return tuple(first[pixels[i]] for i in (0, -1, len(pixels) // 2, len(pixels) // 4))
+
+
 class BucketFlops:
     """FLOPs of one training image in each bucket a run may train, of the whole step and of the
     trained network alone, and those of a batch by its bucket.
 
     `count(bucket)` is the run's count of one image at the bucket's (height, width) (benchmark.py: the
     family's `flops_per_image` on the meta device, 5 to 7 s a bucket for SDXL base or Flux.1 schnell on
-    one CPU core, minutes for a default list of 41). `count_shared()`, called once before the first
-    batch (`Throughput.fit_start`, when the ranks can gather), has each rank count its share of the
-    buckets and gathers them all, so a node of 8 counts a list in an eighth of the time.
+    one CPU core). `count_shared()`, called once before the first batch (`Throughput.fit_start`, when the
+    ranks can gather), counts only four buckets of a list whose sides are all multiples of
+    `exact_multiple` (the family's `flops_exact_multiple`): at such sides every level's size is the
+    image's pixel count P over a fixed factor, so convolutions and linears scale with P, self-attention's
+    scores with P^2 and attention to a fixed text with both, and each count is exactly a + b P + c P^2.
+    Three counts fix the quadratic, the fourth must agree with it to FIT_TOLERANCE, and then every other
+    bucket's counts (step and trained network, each its own quadratic) come from it: SDXL base's default
+    list at 1024 in 26 s instead of 4 min 18 s, Flux.1 schnell's at 256 in 44 s instead of 5 min 21 s,
+    on one core of a shared 2-core VM (docs/data.md). A list that cannot be fitted, or whose check
+    disagrees, has every bucket counted. The ranks share the counts, each counting its part.
     """
 
     def __init__(self, buckets: tuple[Bucket, ...], count: Callable[[Bucket], tuple[float, float]],
-                 latent_downsample: int):
+                 latent_downsample: int, exact_multiple: int):
         self.buckets, self.count, self.latent_downsample = buckets, count, latent_downsample
+        self.exact_multiple = exact_multiple
         self.step: dict[str, float] = {}  # "HxW": FLOPs of one image's step (the results' flops_per_image)
         self.trained_network: dict[str, float] = {}  # "HxW": the denoiser's forward and backward alone
 
     def count_shared(self) -> None:
         if self.step:
             return  # counted already (a second fit of the same Trainer)
+        few = fit_counts(self.buckets, self.exact_multiple)
+        if few is None:
+            say(f"counting the FLOPs per image of the {len(self.buckets)} buckets on the meta device")
+            self._count(self.buckets)
+            return
+        say(f"counting the FLOPs per image of {len(few)} of the {len(self.buckets)} buckets on the meta device; "
+            f"the other {len(self.buckets) - len(few)} come from the quadratic in the pixel count that they fit")
+        self._count(few)
+        if not self._fit(few):
+            rest = tuple(bucket for bucket in self.buckets if bucket.name not in self.step)
+            say(f"the FLOPs of {few[-1].name} are not on the quadratic through {', '.join(b.name for b in few[:-1])}: "
+                f"counting the other {len(rest)} buckets too")
+            self._count(rest)
+
+    def _count(self, buckets: tuple[Bucket, ...]) -> None:
+        """Counts `buckets`, each rank its share, and gathers every count on every rank."""
         rank, ranks = dist.get_global_rank(), dist.get_world_size()
-        mine = {bucket.name: self.count(bucket) for bucket in self.buckets[rank::ranks]}
+        mine = {bucket.name: self.count(bucket) for bucket in buckets[rank::ranks]}
         for counted in (dist.all_gather_object(mine) if ranks > 1 else [mine]):
             for name, (step, trained) in counted.items():
                 self.step[name], self.trained_network[name] = step, trained
+
+    def _fit(self, few: tuple[Bucket, ...]) -> bool:
+        """Fills in every other bucket from the quadratics through `few[:3]` when `few[3]` lies on both."""
+        fitted = []
+        for counts in (self.step, self.trained_network):
+            quadratic = quadratic_through([(bucket.pixels, counts[bucket.name]) for bucket in few[:3]])
+            check = few[3]
+            if abs(quadratic(check.pixels) - counts[check.name]) > FIT_TOLERANCE * abs(counts[check.name]):
+                return False
+            fitted.append((counts, quadratic))
+        for counts, quadratic in fitted:
+            # A bucket of a counted one's pixel count takes that count (the same P, the same quadratic).
+            counted = {bucket.pixels: counts[bucket.name] for bucket in few}
+            for bucket in self.buckets:
+                if bucket.name not in counts:
+                    counts[bucket.name] = counted[bucket.pixels] if bucket.pixels in counted else quadratic(bucket.pixels)
+        return True
 
     def of_batch(self, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
         """(step, trained network) FLOPs of this rank's batch: its images times their bucket's."""
@@ -143,6 +225,12 @@ class BucketThroughput(Callback):
 
     def summary(self) -> dict:
         return self.gathered or {"images_per_bucket": {}, "images_per_sec_per_device_by_bucket": {}}
+
+
+def say(message: str) -> None:
+    """A set-up line on rank 0's stdout, as the run's others."""
+    if dist.get_global_rank() == 0:
+        print(message, flush=True)
 
 
 def by_shape(name: str) -> tuple[float, int]:

@@ -122,6 +122,12 @@ class ModelFamily(ABC):
     # MDS columns of token ids stored under another name than their batch key (SD2: captions -> token_ids).
     token_columns: ClassVar[dict[str, str]] = {}
 
+    def flops_exact_multiple(self, config: str) -> int:
+        """Pixels per side at which `flops_per_image` is exactly a quadratic in the pixel count: sides of
+        this multiple divide evenly at every level (the VAE's, the patches'), so no level rounds a side;
+        `BucketFlops` fits the others of a bucket list only at such sides."""
+        return self.latent_downsample * self.patch_size
+
     @property
     def configs(self) -> tuple[str, ...]:
         """Its --model_config values; the first is the full-size one."""

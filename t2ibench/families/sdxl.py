@@ -157,6 +157,10 @@ class SDXL(ModelFamily):
     def default_image_size(self, config: str) -> int:
         return self.architectures[config]["unet"]["sample_size"] * self.latent_downsample  # 1024; sdxl-tiny 64
 
+    def flops_exact_multiple(self, config: str) -> int:
+        # The UNet halves the latent between its levels: 4 latent pixels a side for SDXL's 3 (32 px).
+        return self.latent_downsample * 2 ** (len(self.architectures[config]["unet"]["block_out_channels"]) - 1)
+
     def build_tokenizers(self, config: str, model_name: str | None) -> tuple[dict[str, Any], list[str]]:
         found = {name: load_pretrained(CLIPTokenizer, model_name, name) for name in ("tokenizer", "tokenizer_2")}
         if all(found.values()):
