@@ -85,7 +85,7 @@ class BucketFlops:
     scores with P^2 and attention to a fixed text with both, and each count is exactly a + b P + c P^2.
     Three counts fix the quadratic, the fourth must agree with it to FIT_TOLERANCE, and then every other
     bucket's counts (step and trained network, each its own quadratic) come from it: SDXL base's default
-    list at 1024 in 26 s instead of 4 min 18 s, Flux.1 schnell's at 256 in 44 s instead of 5 min 21 s,
+    list at 1024 in 30 s instead of 256 s, Flux.1 schnell's at 256 in 35 s instead of 214 s,
     on one core of a shared 2-core VM (docs/data.md). A list that cannot be fitted, or whose check
     disagrees, has every bucket counted. The ranks share the counts, each counting its part.
     """
