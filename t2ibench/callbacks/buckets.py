@@ -35,7 +35,7 @@ def batch_images(batch: dict[str, torch.Tensor]) -> int:
 # How close the counted check bucket must come to the quadratic through the other three for the fit to
 # stand for the rest of the list: the quadratic is exact (only the floats' last bits differ), and one
 # rounded side anywhere in the network is off by far more than this.
-FIT_TOLERANCE = 1e-9
+FIT_RELATIVE_TOLERANCE = 1e-9
 FIT_COUNTS = 4  # buckets counted when the list can be fitted: three fix the quadratic, the fourth checks it
 
 
@@ -63,7 +63,7 @@ def fit_counts(buckets: tuple[Bucket, ...], exact_multiple: int) -> tuple[Bucket
     fewer than FIT_COUNTS distinct pixel counts."""
     if any(bucket.height % exact_multiple or bucket.width % exact_multiple for bucket in buckets):
         return None
-    first = {}  # pixel count -> the list's first bucket of it
+    first: dict[int, Bucket] = {}  # pixel count -> the list's first bucket of it
     for bucket in buckets:
         first.setdefault(bucket.pixels, bucket)
     pixels = sorted(first)
@@ -83,7 +83,7 @@ class BucketFlops:
     `exact_multiple` (the family's `flops_exact_multiple`): at such sides every level's size is the
     image's pixel count P over a fixed factor, so convolutions and linears scale with P, self-attention's
     scores with P^2 and attention to a fixed text with both, and each count is exactly a + b P + c P^2.
-    Three counts fix the quadratic, the fourth must agree with it to FIT_TOLERANCE, and then every other
+    Three counts fix the quadratic, the fourth must agree with it to FIT_RELATIVE_TOLERANCE, and then every other
     bucket's counts (step and trained network, each its own quadratic) come from it: SDXL base's default
     list at 1024 in 30 s instead of 256 s, Flux.1 schnell's at 256 in 35 s instead of 214 s,
     on one core of a shared 2-core VM (docs/data.md). A list that cannot be fitted, or whose check
@@ -128,15 +128,16 @@ class BucketFlops:
         for counts in (self.step, self.trained_network):
             quadratic = quadratic_through([(bucket.pixels, counts[bucket.name]) for bucket in few[:3]])
             check = few[3]
-            if abs(quadratic(check.pixels) - counts[check.name]) > FIT_TOLERANCE * abs(counts[check.name]):
+            if abs(quadratic(check.pixels) - counts[check.name]) > FIT_RELATIVE_TOLERANCE * abs(counts[check.name]):
                 return False
             fitted.append((counts, quadratic))
         for counts, quadratic in fitted:
             # A bucket of a counted one's pixel count takes that count (the same P, the same quadratic).
             counted = {bucket.pixels: counts[bucket.name] for bucket in few}
             for bucket in self.buckets:
-                if bucket.name not in counts:
-                    counts[bucket.name] = counted[bucket.pixels] if bucket.pixels in counted else quadratic(bucket.pixels)
+                if bucket.name in counts:
+                    continue
+                counts[bucket.name] = counted[bucket.pixels] if bucket.pixels in counted else quadratic(bucket.pixels)
         return True
 
     def of_batch(self, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
