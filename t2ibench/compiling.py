@@ -55,8 +55,9 @@ def mark_spatial_sizes(value: Any) -> None:
     """Mark the dimensions of a block's input that an aspect-ratio bucket changes as dynamic, so that one
     graph serves every bucket: the height and width of a feature map or an image (N, C, H, W), the length
     of a sequence (N, L, C: an SDXL transformer block's image tokens, Flux.1's image and joint tokens),
-    and the tokens of Flux.1's rotary embedding (cos, sin: L x D each). A text sequence is marked too;
-    its length does not change, so the graph holds it as a symbol of one value. The mark is dynamo's weak
+    and the tokens of Flux.1's rotary embedding (cos, sin: L x D each). A text sequence is marked too:
+    its length does not change, but in Flux.1's single-stream blocks it is a slice of the joint sequence,
+    whose strides change with the image tokens (left static, it compiled again per token count). The mark is dynamo's weak
     one (`maybe_mark_dynamic`): a size the block's code needs as a constant (a side of 1 px) is guarded,
     not refused."""
     if isinstance(value, torch.Tensor):
