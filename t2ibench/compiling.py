@@ -57,9 +57,9 @@ def mark_spatial_sizes(value: Any) -> None:
     of a sequence (N, L, C: an SDXL transformer block's image tokens, Flux.1's image and joint tokens),
     and the tokens of Flux.1's rotary embedding (cos, sin: L x D each). A text sequence is marked too:
     its length does not change, but in Flux.1's single-stream blocks it is a slice of the joint sequence,
-    whose strides change with the image tokens (left static, it compiled again per token count). The mark is dynamo's weak
-    one (`maybe_mark_dynamic`): a size the block's code needs as a constant (a side of 1 px) is guarded,
-    not refused."""
+    whose strides change with the image tokens (left static, it compiled again per token count). The
+    mark is dynamo's weak one (`maybe_mark_dynamic`): a size the block's code needs as a constant (a
+    side of 1) is guarded, not refused."""
     if isinstance(value, torch.Tensor):
         for dim in {4: (2, 3), 3: (1,)}.get(value.dim(), ()):
             torch._dynamo.maybe_mark_dynamic(value, dim)

@@ -122,7 +122,9 @@ def first_batches(buckets_file: str, image_size: int, num_batches: int, seed: in
     return first
 
 
-def test_bucketed_run_compiles_each_block_once_for_every_bucket(aot_eager, one_thread, tmp_path, capsys):
+def test_bucketed_run_compiles_each_block_once_for_every_bucket(aot_eager, one_thread, tmp_path, capsys, monkeypatch):
+    # The run turns duck sizing off for the process (t2ibench.compiling): on again after this test.
+    monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", torch.fx.experimental._config.use_duck_shape)
     buckets_file = tmp_path / "buckets.txt"
     buckets_file.write_text(BUCKETS)
     first = first_batches(str(buckets_file), 32, 6, seed=4)
