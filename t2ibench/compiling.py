@@ -164,7 +164,7 @@ def watch_recompile_limits() -> None:
 
 def recompile_limit_hits() -> list[str]:
     """Every function that has reached one of dynamo's recompile limits in this process so far (and runs
-    eagerly for shapes it has no graph for), with the limit: "'forward' (resnet.py:320) reached
+    eagerly for shapes it has no graph for), with the limit: "'forward' (.../resnet.py:320) reached
     recompile_limit (8)"."""
     return list(_LIMIT_HITS.hits)
 
