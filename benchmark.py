@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -29,7 +30,7 @@ from torch.utils.data import DataLoader
 
 import data
 from t2ibench import checks, errors, flags, fp8, memory, parallel, stack
-from t2ibench.callbacks.buckets import BucketThroughput
+from t2ibench.callbacks.buckets import BucketFlops, BucketThroughput
 from t2ibench.callbacks.empty_epoch import EmptyEpochError, StopOnEmptyEpoch
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
 from t2ibench.callbacks.nonfinite_loss import NonFiniteLossError, StopOnNonFiniteLoss
@@ -41,11 +42,11 @@ from t2ibench.callbacks.run_record import RunRecord
 from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
 from t2ibench.callbacks.validation import EVAL_LABEL, ValidationLog
-from t2ibench.buckets import largest_bucket
+from t2ibench.buckets import Bucket, largest_bucket
 from t2ibench.checkpoints import write_whole
 from t2ibench.compiling import compile_step_parts
 from t2ibench.data_checks import SYNTHETIC_EVAL_SAMPLES
-from t2ibench.families import Parts, build_aside, require_pretrained
+from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
 from t2ibench.files import STAGING_FOLDER, no_room, hold_output, staged_folder, write_error, write_text
 from t2ibench.grad_norm import GradientNorm
 from t2ibench.model import DiffusionModel, vae_overflows_in
@@ -206,13 +207,49 @@ def build_model(settings: Settings, run: Runtime, training_data: TrainingData) -
         rows = memory.linear_rows_per_sample(settings.model_config, settings.image_size, text_format)
         conversion = fp8.convert(model.denoiser, settings.fp8, rows)
     apply_speed_settings(settings, run, model)
-    flops = family.flops_per_image(settings.model_config, settings.image_size, vae=not settings.precomputed,
-                                   text_encoders=text_format != TEXT_STATES)
+    flops = step_flops(settings, text_format, settings.image_size)
     if conversion:
         flops["fp8_fwd_bwd"] = fp8.linear_flops_per_sample(model.denoiser, rows, conversion.converted)
     model.flops_per_image = flops["total"]
     return Model(model, dataclasses.replace(encoders, latent_scale=model.latent_scale), flops, text_format,
                  conversion)
+
+
+def step_flops(settings: Settings, text_format: str | None, image_size: int | tuple[int, int]) -> dict[str, float]:
+    """FLOPs per image of the run's step at `image_size` (the square's side, or a bucket's (height,
+    width)): the family's count with the encoders that run in it (none whose outputs are precomputed)."""
+    return dict(counted_flops(settings.family, settings.model_config, image_size, not settings.precomputed,
+                              text_format != TEXT_STATES))
+
+
+@functools.lru_cache(maxsize=None)
+def counted_flops(family: ModelFamily, model_config: str, image_size: int | tuple[int, int], vae: bool,
+                  text_encoders: bool) -> dict[str, float]:
+    """`family.flops_per_image`, counted once per process: a count takes about a second for a tiny
+    model and 5 s for SDXL base on the meta device, and runs in the same process (the tests, a bucket
+    list) ask for the same ones again. Callers copy the dict they change."""
+    return family.flops_per_image(model_config, image_size, vae=vae, text_encoders=text_encoders)
+
+
+def trained_network_flops(flops: dict[str, float]) -> float:
+    """The denoiser's forward and backward alone, of a `family.flops_per_image` count (`mfu_trained_network`'s)."""
+    return flops["total"] - flops["vae_encoder"] - flops["text_encoder"]
+
+
+def bucket_flops(settings: Settings, text_format: str | None) -> BucketFlops | None:
+    """A bucketed run's FLOPs per image of each bucket it may train (synthetic batches: those of a
+    positive weight), counted as the square's are (`build_model`) at the bucket's (height, width),
+    when the throughput callback starts (`BucketFlops.count_shared`); None for square images."""
+    if not settings.buckets:
+        return None
+    trained = tuple(bucket for bucket, weight in zip(settings.buckets, settings.bucket_weights)
+                    if weight > 0 or not settings.use_synth_data)
+
+    def count(bucket: Bucket) -> tuple[float, float]:
+        flops = step_flops(settings, text_format, (bucket.height, bucket.width))
+        return flops["total"], trained_network_flops(flops)
+
+    return BucketFlops(trained, count, settings.family.latent_downsample)
 
 
 def apply_speed_settings(settings: Settings, run: Runtime, model: DiffusionModel) -> None:
@@ -290,10 +327,14 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
                           if settings.lr_schedule == "cosine" else ConstantWithWarmupScheduler(t_warmup=warmup))
     peak_flops = settings.peak_tflops * 1e12 if settings.peak_tflops else None
     pauses = Pauses()
-    trained_flops = flops["total"] - flops["vae_encoder"] - flops["text_encoder"]  # the denoiser's forward and backward
+    # A bucketed run's FLOPs are those of the buckets its batches hold (the square's otherwise), in the
+    # throughput window and in Composer's rolling MFU alike.
+    by_bucket = bucket_flops(settings, built.text_format)
+    if by_bucket is not None:
+        model.flops_of_batch = lambda batch: by_bucket.of_batch(batch)[0]
     # Profiled batches (slowed by the profiler) come right after the warm-up, before the measured window.
     measured = Measured(Throughput(settings.warmup_batches + settings.profile_batches, flops["total"], peak_flops, pauses,
-                                   trained_flops),
+                                   trained_network_flops(flops), by_bucket),
                         LossByTimestep(settings.log_interval) if settings.loss_bins else None, None,
                         GradientNorm(clip_norm=settings.grad_clip_norm),
                         KeepCpuThreadsOnResume(run.cpu_threads, dist.get_local_world_size()))
@@ -327,7 +368,8 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
                  StopOnNonFiniteLoss(settings.load_path, settings.save_folder), StopOnEmptyEpoch(),
                  RunRecord({"model_config": settings.model_config, "model_name": settings.model_name,
                             "encoders_seed": settings.encoders_seed,
-                            "image_size": settings.image_size, "precomputed": settings.precomputed}),
+                            "image_size": settings.image_size, "precomputed": settings.precomputed,
+                            "aspect_buckets": [bucket.name for bucket in settings.buckets]}),
                  ConsoleProgress(settings.log_interval, validation=measured.validation), restore_rng,
                  measured.cpu_threads]
     if settings.buckets:  # before the sampling callback: its pause at BATCH_END is not a bucket's time
@@ -348,7 +390,8 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
             model.family, load_prompts(settings.sample_prompts),
             settings.samples_dir or os.path.join(settings.save_folder, "samples"),
             settings.sample_interval, encoders=encoders,
-            image_size=settings.image_size, pauses=pauses, average=measured.ema, sampler=settings.sampler,
+            height=settings.sample_shape.height, width=settings.sample_shape.width, pauses=pauses,
+            average=measured.ema, sampler=settings.sampler,
             num_steps=settings.sample_steps, guidance_scale=settings.guidance_scale, seed=settings.seed))
     fsdp = parallel.fsdp_parallelism(settings.fsdp)
     if fsdp is not None:
@@ -424,6 +467,8 @@ def train(settings: Settings, run: Runtime, trainer: Trainer, built: Model, meas
         "loss_by_timestep_bin": measured.loss_by_timestep.summary() if measured.loss_by_timestep else [],
         "timestep_sampling": settings.timestep_sampling,
         "aspect_buckets": settings.aspect_buckets,
+        # The list itself ("HxW" names): runs of one list are compared by it (cost.py), whatever file held it.
+        "bucket_list": [bucket.name for bucket in settings.buckets] if settings.buckets else None,
         "bucket_crop": settings.bucket_crop if settings.buckets and not settings.use_synth_data else None,
         "synthetic_bucket_weights": settings.synthetic_bucket_weights if settings.buckets and settings.use_synth_data
         else None,
@@ -485,7 +530,8 @@ def export_average(settings: Settings, run: Runtime, trainer: Trainer, built: Mo
             if run.is_rank_zero:
                 averaged = type(model.denoiser).from_pretrained(staging / name)
                 write_pipeline(staging, model.family, dataclasses.replace(
-                    built.encoders, denoiser=averaged, noise_scheduler=model.noise_scheduler))
+                    built.encoders, denoiser=averaged, noise_scheduler=model.noise_scheduler),
+                    buckets=settings.buckets)
     except OSError as error:
         errors.fail(write_error(f"--ema_export_dir {folder}", error) + "; the results were written before it")
 

@@ -14,9 +14,11 @@ import argparse
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from t2ibench import errors
+from t2ibench.buckets import DEFAULT as DEFAULT_BUCKETS
+from t2ibench.buckets import parse_bucket, synthetic_weights
 from t2ibench.cli import GPU_COUNT, MAX_GPUS, MAX_IMAGE_SIZE, POSITIVE_FLOAT, Parser
 from t2ibench.cost_table import Row, format_table, plot, write_csv, write_markdown
 from t2ibench.errors import fail
@@ -38,13 +40,58 @@ VAE_ENCODER_FLOPS = PRICED_MODELS["sd2-base"][2]
 PRECOMPUTE_PEAK_FLOPS, PRECOMPUTE_MFU = 312e12, 0.40
 PRECOMPUTE_IMAGES_PER_SEC = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / VAE_ENCODER_FLOPS  # per GPU
 # Flux.1-schnell at 256x256 (families/flux.py's count): VAE encoder 272.9, CLIP-L 13.3, T5-XXL
-# (256 tokens) 2,396.6 GFLOP per image; its pass encodes MLPerf's training set once.
-FLUX_PRECOMPUTE_FLOPS = (272.9 + 13.3 + 2_396.6) * 1e9
+# (256 tokens) 2,396.6 GFLOP per image; its pass encodes MLPerf's training set once. Only the VAE's
+# part grows with an image's pixels (a bucketed run's mix), the text encoders' is per caption.
+FLUX_VAE_ENCODER_FLOPS, FLUX_TEXT_ENCODER_FLOPS = 272.9e9, (13.3 + 2_396.6) * 1e9
+FLUX_PRECOMPUTE_FLOPS = FLUX_VAE_ENCODER_FLOPS + FLUX_TEXT_ENCODER_FLOPS
 FLUX_PRECOMPUTE_IMAGES_PER_SEC = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / FLUX_PRECOMPUTE_FLOPS
 # Configurations with a table of their own: (name in titles, resolution MLPerf / the 2023 table use).
 NAMED_MODELS = {"sd2-base": ("SD2 base", 512), "flux1-schnell": ("Flux.1-schnell (MLPerf Training v5.1's model)", 256)}
 # What --model_config may name for --gpus/--images_per_sec pairs: (name, the size they are taken at).
 PAIR_MODELS = {**{config: (name, size) for config, (name, size, _) in PRICED_MODELS.items()}, **NAMED_MODELS}
+
+
+@dataclass(frozen=True)
+class BucketList:
+    """The aspect-ratio buckets a result trained on (benchmark.py --aspect_buckets), or none: square images.
+
+    Two results are of one list when they name the same buckets (`bucket_list`), whatever file held them;
+    a result that records only the flag (`aspect_buckets`, written before the list was) is compared by the
+    flag as given. `repr` is how the refusals and the table name it."""
+    identity: tuple[str, ...] = ()  # the "HxW" names; ("--aspect_buckets", spec) when only the flag is known
+    spec: str | None = field(default=None, compare=False)  # --aspect_buckets as given: "default" or a file
+    image_size: int | None = field(default=None, compare=False)  # the size the default list is scaled to
+    count: int | None = field(default=None, compare=False)  # buckets in the list, when it is recorded
+
+    @property
+    def bucketed(self) -> bool:
+        return self.spec is not None
+
+    def __repr__(self) -> str:
+        if not self.bucketed:
+            return "square"
+        listed = f"the default list at {self.image_size}" if self.spec == DEFAULT_BUCKETS else f"the list {self.spec}"
+        return listed + (f" ({self.count} buckets)" if self.count else " (its buckets not recorded)")
+
+    def label(self, image_size: int) -> str:
+        """How titles and captions name a bucketed run's images: '41 aspect-ratio buckets around
+        1024x1024 (the default list)'."""
+        listed = "the default list" if self.spec == DEFAULT_BUCKETS else f"the list {self.spec}"
+        return (f"{self.count} " if self.count else "") + f"aspect-ratio buckets around {image_size}x{image_size} ({listed})"
+
+
+SQUARE = BucketList()
+
+
+@dataclass(frozen=True)
+class BucketWeights:
+    """--synthetic_bucket_weights as a run recorded it, compared by the shares it gives each bucket of the
+    list (`40x96=3,64x64=1` and `64x64=2,40x96=6` are one mix); its repr is the flag's value."""
+    identity: tuple  # each bucket's share of the list (to 1e-9); (the value as written,) without the list
+    spec: str = field(compare=False)
+
+    def __repr__(self) -> str:
+        return repr(self.spec)
 
 
 @dataclass
@@ -57,6 +104,12 @@ class Measurement:
     image_size: int | None = None
     model_config: str | None = None
     precomputed: bool | None = None  # trained from precomputed latents (no VAE/text encoder in the step)
+    # A results file without 'aspect_buckets' was written before buckets existed (or by hand): square.
+    aspect_buckets: BucketList = SQUARE
+    # How often synthetic batches came from each bucket (--synthetic_bucket_weights); None for real data.
+    synthetic_bucket_weights: BucketWeights | None = None
+    images_per_bucket: dict[str, int] = field(default_factory=dict)  # the mix trained: {"HxW": images}
+    largest_bucket: str | None = None  # the bucket the memory model sized the microbatch for
 
 
 @dataclass
@@ -130,12 +183,53 @@ def load_results(path: str) -> Measurement:
                 isinstance(value, bool) or not 0 < value <= MAX_IMAGE_SIZE))):
             raise ValueError(f"{path}: '{key}' must be {what}, got {str(value)[:40]!r}")
     return Measurement(n, float(ips), path, data.get("device"), data.get("image_size"), data.get("model_config"),
-                       data.get("precomputed"))
+                       data.get("precomputed"), *load_buckets(path, data))
 
 
-def check_consistent(measurements: list[Measurement]) -> None:
-    """Refuse to fit one scaling curve through different GPUs, image sizes, models or latents modes."""
-    for key in ("device", "image_size", "model_config", "precomputed"):
+def load_buckets(path: str, data: dict) -> tuple[BucketList, BucketWeights | None, dict[str, int], str | None]:
+    """A results file's buckets: (the list, --synthetic_bucket_weights, the images trained per bucket, the
+    largest bucket); square when it has no 'aspect_buckets'. Raises ValueError naming the file."""
+    spec = data.get("aspect_buckets")
+    if spec is None:
+        return SQUARE, None, {}, None
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"{path}: 'aspect_buckets' must be \"default\", a file name or null, got {str(spec)[:40]!r}")
+    names = data.get("bucket_list")
+    if names is not None and (not isinstance(names, list) or not names or not all(
+            isinstance(name, str) and parse_bucket(name) for name in names)):
+        raise ValueError(f"{path}: 'bucket_list' must be a list of \"HxW\" buckets, got {str(names)[:40]!r}")
+    images = data.get("images_per_bucket") or {}
+    if not isinstance(images, dict) or not all(
+            isinstance(name, str) and parse_bucket(name) and isinstance(count, int) and not isinstance(count, bool)
+            and count >= 0 for name, count in images.items()):
+        raise ValueError(f"{path}: 'images_per_bucket' must map \"HxW\" buckets to image counts, "
+                         f"got {str(images)[:40]!r}")
+    strays = sorted(set(images) - set(names or images))
+    if strays:
+        raise ValueError(f"{path}: 'images_per_bucket' names {', '.join(strays)}, not in its 'bucket_list'")
+    weights, largest = data.get("synthetic_bucket_weights"), data.get("largest_bucket")
+    if weights is not None and not isinstance(weights, str):
+        raise ValueError(f"{path}: 'synthetic_bucket_weights' must be \"uniform\", HxW=WEIGHT,... or null, "
+                         f"got {str(weights)[:40]!r}")
+    largest = largest.get("bucket") if isinstance(largest, dict) else None
+    identity = tuple(names) if names else ("--aspect_buckets", spec)
+    listed = BucketList(identity, spec, data.get("image_size"), len(names) if names else None)
+    if weights is not None:  # benchmark.py's own rule reads them (a bad value: one line naming the file)
+        shares = synthetic_weights(weights, tuple(parse_bucket(name) for name in names),
+                                   f"{path}: 'synthetic_bucket_weights'") if names else None
+        weights = BucketWeights(tuple(round(share, 9) for share in shares) if shares else (weights,), weights)
+    return listed, weights, images, largest if isinstance(largest, str) and parse_bucket(largest) else None
+
+
+# What results must share to be fitted into one curve: the GPU, the model at its size, the latents mode,
+# and the aspect-ratio buckets with the shares synthetic batches drew them in (the mix is the throughput's
+# condition, as the size is a square run's).
+CONSISTENT_KEYS = ("device", "image_size", "model_config", "precomputed", "aspect_buckets", "synthetic_bucket_weights")
+
+
+def check_consistent(measurements: list[Measurement], keys: tuple[str, ...] = CONSISTENT_KEYS) -> None:
+    """Refuse to fit one scaling curve through different GPUs, image sizes, models, latents modes or buckets."""
+    for key in keys:
         seen = {}
         for m in measurements:
             value = getattr(m, key)
@@ -144,6 +238,43 @@ def check_consistent(measurements: list[Measurement]) -> None:
         if len(seen) > 1:
             detail = ", ".join(f"{v!r} in {src}" for v, src in seen.items())
             raise ValueError(f"results mix different '{key}' values ({detail}); give one at a time")
+
+
+def bucket_mix(measurements: list[Measurement]) -> dict[str, int]:
+    """The images the results trained in each bucket, all of them together (one list: check_consistent)."""
+    mix: dict[str, int] = {}
+    for m in measurements:
+        for name, images in m.images_per_bucket.items():
+            mix[name] = mix.get(name, 0) + images
+    return mix
+
+
+def pixel_fraction(mix: dict[str, int], image_size: int) -> float | None:
+    """An image's pixels in the mix, on average, as a fraction of image_size^2 (the square run's); None
+    without a mix. What an image costs the VAE encoder scales with it (a convolutional network)."""
+    total = sum(mix.values())
+    if not total:
+        return None
+    return sum(parse_bucket(name).pixels * images for name, images in mix.items()) / total / image_size ** 2
+
+
+def describe_mix(measurements: list[Measurement], image_size: int) -> tuple[str, float | None]:
+    """(a line on the buckets a bucketed run trained, the share of its largest bucket): the mix is the
+    condition of the images/s measured, as the image size is a square run's."""
+    listed, mix = measurements[0].aspect_buckets, bucket_mix(measurements)
+    weights = next((m.synthetic_bucket_weights for m in measurements if m.synthetic_bucket_weights), None)
+    drawn = f", synthetic batches drawn by --synthetic_bucket_weights {weights.spec}" if weights else ""
+    total = sum(mix.values())
+    if not total:
+        return f"aspect-ratio buckets: {listed!r}{drawn}; the results do not record the mix trained", None
+    largest = next((m.largest_bucket for m in measurements if m.largest_bucket), None)
+    share = mix.get(largest, 0) / total if largest else None
+    line = (f"aspect-ratio buckets: {listed!r}{drawn}; the mix trained: {total:,} images in {len(mix)}"
+            + (f" of the {listed.count}" if listed.count else "") + " buckets"
+            + (f", {share:.0%} in the largest ({largest})" if largest else "")
+            + f", {pixel_fraction(mix, image_size):.1%} of {image_size}x{image_size}'s pixels an image on average; "
+            "images/s is this mix's (another mix, from other data or weights, trains at another speed)")
+    return line, share
 
 
 def average_by_gpus(measurements: list[Measurement]) -> tuple[dict[int, float], list[str]]:
@@ -352,7 +483,9 @@ def describe(measurements: list[Measurement]) -> tuple[str, str | None]:
     precomputed = any(m.precomputed for m in measurements)
     name = (PRICED_MODELS[model][0] if model in PRICED_MODELS else NAMED_MODELS[model][0] if model in NAMED_MODELS
             else f"model '{model}'")
-    what = f"{name} at {size}x{size}" + (" from precomputed latents" if precomputed else "")
+    listed = measurements[0].aspect_buckets  # one list for all (check_consistent)
+    what = (f"{name} in {listed.label(size)}" if listed.bucketed else f"{name} at {size}x{size}") + (
+        " from precomputed latents" if precomputed else "")
     if model == "flux1-schnell":
         return what, None if not any(m.precomputed is False for m in measurements) else (
             "these results encode images and captions in the training step (T5-XXL, CLIP, VAE); MLPerf's set-up "
@@ -419,21 +552,30 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
                            model_config=pairs_model, image_size=pairs_size)
                for n, x in zip(parsed.gpus, parsed.images_per_sec)]
     try:
-        check_consistent(measurements + flagged)
-    except ValueError as e:  # the pairs can only differ in model or size: say how to name theirs
+        check_consistent(measurements + flagged, ("image_size", "model_config"))
+    except ValueError as e:  # the pairs differ in model or size: say how to name theirs
         fail(f"{e} (--model_config sets the model of --gpus/--images_per_sec: {', '.join(sorted(PAIR_MODELS))})")
+    try:
+        check_consistent(measurements + flagged)
+    except ValueError as e:  # ...or in the buckets: the pairs are taken as square runs' figures
+        fail(f"{e}; --gpus/--images_per_sec pairs are taken as square images, so price a bucketed run from its "
+             "results files alone")
     measurements += flagged
     if not measurements:
         fail("no measurements: give results JSON files or --gpus N --images_per_sec X")
     flux = measured_model(measurements)[0] == "flux1-schnell"  # the first result that names its model
+    model, size = measured_model(measurements)
+    # A bucketed run's images are its mix's sizes, not size x size: the VAE encoder's part of the pass
+    # scales with their pixels (the default list's hold 90% to 100% of the square's).
+    fraction = pixel_fraction(bucket_mix(measurements), size) if measurements[0].aspect_buckets.bucketed else None
     precompute_images_per_sec = parsed.precompute_images_per_sec
     if precompute_images_per_sec is None and flux:
-        precompute_images_per_sec = FLUX_PRECOMPUTE_IMAGES_PER_SEC
+        precompute_images_per_sec = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / (
+            FLUX_VAE_ENCODER_FLOPS * (fraction or 1.0) + FLUX_TEXT_ENCODER_FLOPS)
     if precompute_images_per_sec is None:  # a priced model's VAE encoder at its size; else SD2's at 512
-        model, size = measured_model(measurements)
         priced = PRICED_MODELS.get(model)
         vae_flops = priced[2] if priced and priced[1] == size else VAE_ENCODER_FLOPS
-        precompute_images_per_sec = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / vae_flops
+        precompute_images_per_sec = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / (vae_flops * (fraction or 1.0))
     resolved = {
         "files": files, "results": results, **paths,
         "samples": (MLPERF_FLUX_TRAIN_SAMPLES if flux else SAMPLES) if parsed.samples is None else parsed.samples,
@@ -441,6 +583,8 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
                               if parsed.precompute_images is None else parsed.precompute_images),
         "precompute_images_per_sec": precompute_images_per_sec,
         "measurements": measurements, "flux": flux,
+        # The mix's pixels the pass's default speed counts (None: square images, or the speed was given).
+        "precompute_pixel_fraction": fraction if parsed.precompute_images_per_sec is None else None,
     }
     return argparse.Namespace(**{**vars(parsed), **resolved})
 
@@ -452,6 +596,10 @@ def table(args: argparse.Namespace) -> list[Row]:
     measured, notes = average_by_gpus(measurements)
     model = fit_scaling(measured)
     notes += model_notes(model)
+    listed = measurements[0].aspect_buckets
+    mix, largest_share = describe_mix(measurements, measured_model(measurements)[1]) if listed.bucketed else (None, None)
+    if mix:
+        notes.append(mix)
     num_gpus = args.num_gpus or default_num_gpus(measured)
     rows = cost_table(measured, num_gpus, args.samples, args.usd_per_gpu_hour)
     if args.precompute:
@@ -460,13 +608,17 @@ def table(args: argparse.Namespace) -> list[Row]:
         notes.append(f"includes the one-time latents.py pass: {args.precompute_images:,.0f} images at "
                      f"{args.precompute_images_per_sec:,.1f} images/s per GPU = {pass_hours:,.0f} GPU-hours "
                      f"(${pass_hours * args.usd_per_gpu_hour:,.0f})")
+        if args.precompute_pixel_fraction is not None:
+            notes.append(f"the pass's images/s counts the VAE encoder at the mix's {args.precompute_pixel_fraction:.1%} "
+                         "of the square's pixels an image, each image encoded in its bucket")
     if flux:
         if args.samples == MLPERF_FLUX_TRAIN_SAMPLES:
             notes.append(f"{args.samples:,.0f} samples: one pass over MLPerf's training set; a run to its quality "
                          "target takes more (pass --samples)")
         rows = rows + mlperf_rows(sorted(measured), args.samples, args.usd_per_gpu_hour)
         notes.append("MLPerf v5.1 rows: per-GPU samples/s of the published Flux.1 results times the GPU count "
-                     "(MXFP8, CUDA graphs; published elsewhere, not measured here)")
+                     "(MXFP8, CUDA graphs; published elsewhere, not measured here)"
+                     + ("; they train square 256x256 images, these results aspect-ratio buckets" if mix else ""))
 
     device = next((m.device for m in measurements if m.device), None)
     caption = (f"{what}: {args.samples:,.0f} images at ${args.usd_per_gpu_hour:,.2f} per GPU-hour"
@@ -483,8 +635,9 @@ def table(args: argparse.Namespace) -> list[Row]:
     print(format_table(rows))
 
     # Each file is replaced whole or left as it was (files.atomic_file); a full disk is one line.
-    writes = [("--csv", args.csv, lambda: write_csv(rows, args.csv)),
-              ("--markdown", args.markdown, lambda: write_markdown(rows, args.markdown, caption)),
+    writes = [("--csv", args.csv, lambda: write_csv(rows, args.csv, repr(listed), largest_share)),
+              ("--markdown", args.markdown, lambda: write_markdown(
+                  rows, args.markdown, caption + (f" {mix[0].upper()}{mix[1:]}." if mix else ""))),
               ("--plot", args.plot, lambda: plot([r for r in rows if r.source in ("measured", "predicted")],
                                                   args.plot, title))]  # not the references
     for flag, path, write in writes:

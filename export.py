@@ -9,7 +9,8 @@ SDXL: StableDiffusionXLPipeline; Flux.1: FluxPipeline).
     python export.py runs/flux/latest-rank0.pt --out flux-pipeline             # Flux: transformer/, text_encoder_2/...
 
 The folder holds unet/ (Flux: transformer/), vae/, text_encoder/, tokenizer/ (SDXL and Flux also
-text_encoder_2/, tokenizer_2/), scheduler/ and model_index.json. The
+text_encoder_2/, tokenizer_2/), scheduler/ and model_index.json, and after a run with --aspect_buckets
+aspect_buckets.txt, the sizes it trained at (the pipeline generates at any: height=, width=). The
 model's configuration is recognised from the denoiser's weight shapes. The VAE and text encoders
 are the ones in the checkpoint when the run trained with them; after a run on precomputed latents
 they are loaded from the run's `--model_name` (or, for the tiny models, rebuilt from the seed the run
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from t2ibench import errors
+from t2ibench.buckets import Bucket, parse_bucket
 from t2ibench.cli import SEED, Parser
 from t2ibench.errors import fail
 from t2ibench.families import FAMILIES, MODEL_CONFIGS, build_aside, detect_config
@@ -84,6 +86,11 @@ def recorded_settings(state: dict) -> dict:
     if recorded.get("encoders_seed") is None and isinstance(state.get("rank_zero_seed"), int):
         recorded["encoders_seed"] = state["rank_zero_seed"]
     return recorded
+
+
+def trained_buckets(recorded: dict) -> tuple[Bucket, ...]:
+    """The --aspect_buckets list the run recorded (none for a square run or an older checkpoint)."""
+    return tuple(parse_bucket(name) for name in recorded.get("aspect_buckets") or ())  # RunRecord's own names
 
 
 def ema_shadow(state: dict) -> dict[str, torch.Tensor]:
@@ -218,7 +225,8 @@ def export_held(args: argparse.Namespace, checkpoint: str, out: Path) -> Path:
     # leaves --out as it was.
     try:
         with staged_folder(out, last="model_index.json") as staging:
-            write_pipeline(staging, family, dataclasses.replace(parts, denoiser=denoiser), args.scheduler)
+            write_pipeline(staging, family, dataclasses.replace(parts, denoiser=denoiser), args.scheduler,
+                           buckets=trained_buckets(recorded))
     except OSError as error:  # probed above; a disk that fills up while writing
         fail(write_error(f"--out {out}: the pipeline", error))
     print(f"wrote a {family.pipeline_class} ({config}, {'EMA' if args.ema else 'trained'} "

@@ -34,13 +34,14 @@ The step of the full model, per GPU of `G`, per-GPU batch `B/G` in microbatches 
 
     compute = (B/G / m) x (rest + sum over blocks of count x block)
               + params per GPU x (AdamW + EMA [+ weight casts, one GPU]) + harness
-    traffic = the bytes the run sends per GPU per step (ring collectives, each GPU sending (G-1)/G of
+    traffic = the bytes the run sends per GPU per step (t2ibench.parallel.traffic_bytes_per_gpu, which
+              gpu_setup's choice of set-up weighs too; ring collectives, each GPU sending (G-1)/G of
               the buffer): DDP one fp32 all-reduce of the gradients per step (2x); under Composer
               0.32.1's FSDP2 every microbatch gathers the weights again and reduce-scatters its
               gradients in fp32: full_shard two all-gathers of the weights in the autocast dtype
               (forward, backward; the root unit's one), shard_grad_op one (kept from forward to
-              backward). One microbatch
-              per step (microbatch = per-GPU batch) sends each once: the Flux.1 set-up of docs/flux.md
+              backward). One microbatch per step (microbatch = per-GPU batch) sends each once: the
+              Flux.1 set-up of docs/flux.md
     predicted samples/s per GPU = (B/G) / (compute + traffic / --link_gbps)   (not overlapped; the JSON's)
                                 = (B/G) / max(compute, traffic / --link_gbps)  (fully overlapped)
 
@@ -90,14 +91,14 @@ from t2ibench.compiling import compile_blocks, compile_seconds, compile_step_par
 from t2ibench.errors import fail  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
 from t2ibench.norms import NORM_PRECISIONS, set_norm_precision  # noqa: E402
-from t2ibench.parallel import FSDP_CHOICES, resolve_mode  # noqa: E402
+from t2ibench.parallel import (FSDP_CHOICES, NVLINK4_GB_PER_SEC, resolve_mode,  # noqa: E402
+                               traffic_bytes_per_gpu)
 from t2ibench.precision import PRECISION_CHOICES, resolve_precision  # noqa: E402
 from t2ibench.precomputed import TEXT_FORMATS  # noqa: E402
 from t2ibench.scale import MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU  # noqa: E402
 from t2ibench.weight_casts import (WEIGHT_CAST_CHOICES, CastWeightsOncePerStep, resolve_weight_casts,  # noqa: E402
                                    weight_casts_problem)
 
-NVLINK4_GB_PER_SEC = 450.0  # H100 SXM NVLink 4: 900 GB/s both directions, 450 each way
 OPTIMIZER_PROBE_PARAMS = 2**22  # at least this many parameters per optimizer, EMA and weight-cast timing (4M)
 # fp16 is left out: fp8 refuses it and MLPerf's reference runs bf16.
 PRECISIONS = tuple(p for p in PRECISION_CHOICES if p != "amp_fp16")
@@ -928,29 +929,6 @@ def harness_seconds_per_step(args: argparse.Namespace, per_device_batch: int) ->
     summary = throughput.summary
     trainer.close()
     return summary["measured_seconds"] / summary["measured_batches"]
-
-
-def traffic_bytes_per_gpu(mode: str, gpus: int, params: int, root_params: int, precision: str
-                          ) -> tuple[float, float]:
-    """Bytes each GPU sends for the sharding `mode`, (once per step, per microbatch), as the run sends
-    them (ring collectives: (G-1)/G of the buffer, twice for an all-reduce; weights gathered in the
-    autocast dtype, gradients reduced in fp32, Composer's FSDP2 mixed precision).
-
-    Composer 0.32.1 runs a FSDP2 step's microbatches with the gradients synchronised in each (no_sync
-    is DDP's only; FSDP2's `set_requires_gradient_sync` is never called) and lets FSDP2 reshard after
-    each backward (its default), so every microbatch gathers the weights again and reduce-scatters
-    its gradients: full_shard gathers each block for its forward and again for its backward (with
-    checkpointing too: the recompute runs inside the backward's gather) and the root unit
-    (`root_params`: what no block holds, which FSDP2 keeps from the root's forward to its backward)
-    once, shard_grad_op every unit once. DDP all-reduces once per step (Composer syncs on the last
-    microbatch only). tests/test_blocks.py counts what two CPU ranks send (tests/traffic_run.py)."""
-    if gpus == 1:
-        return 0.0, 0.0
-    share, weight_bytes = (gpus - 1) / gpus, 4 if precision == "fp32" else 2
-    if mode == "none":
-        return 2 * share * 4 * params, 0.0
-    gathered = 2 * params - root_params if mode == "full_shard" else params
-    return 0.0, share * (weight_bytes * gathered + 4 * params)
 
 
 def compose(args: argparse.Namespace, measured: dict[str, dict], updates: dict[str, float],

@@ -28,8 +28,8 @@ class Tally:
         self.forward += flops
         self.backward += flops * (int(has_weight) + int(input_needs_grad))
 
-    def conv(self, c_in: int, c_out: int, kernel: int, out_side: int, input_needs_grad: bool = True) -> None:
-        self.add(2 * c_in * c_out * kernel * kernel * out_side * out_side, input_needs_grad)
+    def conv(self, c_in: int, c_out: int, kernel: int, out: tuple[int, int], input_needs_grad: bool = True) -> None:
+        self.add(2 * c_in * c_out * kernel * kernel * out[0] * out[1], input_needs_grad)
 
     def linear(self, n_in: int, n_out: int, tokens: int, input_needs_grad: bool = True) -> None:
         self.add(2 * n_in * n_out * tokens, input_needs_grad)
@@ -39,7 +39,7 @@ class Tally:
         self.add(2 * 2 * queries * keys * width, input_needs_grad=True, has_weight=True)
 
 
-def resnet(t: Tally, c_in: int, c_out: int, side: int, temb: int) -> None:
+def resnet(t: Tally, c_in: int, c_out: int, side: tuple[int, int], temb: int) -> None:
     t.conv(c_in, c_out, 3, side)
     t.linear(temb, c_out, 1)  # the timestep embedding projected to a per-channel shift
     t.conv(c_out, c_out, 3, side)
@@ -47,9 +47,9 @@ def resnet(t: Tally, c_in: int, c_out: int, side: int, temb: int) -> None:
         t.conv(c_in, c_out, 1, side)  # shortcut
 
 
-def transformer(t: Tally, channels: int, side: int, depth: int, cross_dim: int, text_tokens: int,
+def transformer(t: Tally, channels: int, side: tuple[int, int], depth: int, cross_dim: int, text_tokens: int,
                 linear_projection: bool) -> None:
-    tokens = side * side
+    tokens = side[0] * side[1]
     if linear_projection:
         t.linear(channels, channels, tokens)
     else:
@@ -78,8 +78,9 @@ def per_level(value, levels: int) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value] * levels
 
 
-def unet_flops(config: dict, latent_side: int, text_tokens: int = TEXT_TOKENS) -> tuple[int, int]:
-    """(forward, forward + backward) FLOPs of one image through the UNet that `config` describes.
+def unet_flops(config: dict, latent_side: int | tuple[int, int], text_tokens: int = TEXT_TOKENS) -> tuple[int, int]:
+    """(forward, forward + backward) FLOPs of one image through the UNet that `config` describes, at
+    `latent_side` latent pixels a side, or (height, width) of an aspect-ratio bucket.
 
     Covers the configurations of this project (SD2, SDXL): DownBlock2D / CrossAttnDownBlock2D,
     their up counterparts, UNetMidBlock2DCrossAttn, positional time embedding, optional
@@ -107,7 +108,8 @@ def unet_flops(config: dict, latent_side: int, text_tokens: int = TEXT_TOKENS) -
     elif config.get("addition_embed_type") is not None:
         raise ValueError(f"unet_flops does not count addition_embed_type {config['addition_embed_type']}")
 
-    side = latent_side
+    side = (latent_side, latent_side) if isinstance(latent_side, int) else tuple(latent_side)
+    sizes = []  # the size before each downsampling, which the up path's upsampling restores
     t.conv(config["in_channels"], channels[0], 3, side, input_needs_grad=False)
     skips = [channels[0]]  # channels of each tensor the down path hands to the up path
     c_prev = channels[0]
@@ -119,8 +121,10 @@ def unet_flops(config: dict, latent_side: int, text_tokens: int = TEXT_TOKENS) -
             skips.append(channels[i])
         c_prev = channels[i]
         if i < levels - 1:
-            side //= 2
-            t.conv(channels[i], channels[i], 3, side)  # strided downsampling convolution
+            sizes.append(side)
+            # A strided 3x3 convolution padded by 1: an odd side rounds up.
+            side = ((side[0] + 1) // 2, (side[1] + 1) // 2)
+            t.conv(channels[i], channels[i], 3, side)
             skips.append(channels[i])
 
     resnet(t, channels[-1], channels[-1], side, temb)
@@ -137,8 +141,10 @@ def unet_flops(config: dict, latent_side: int, text_tokens: int = TEXT_TOKENS) -
             if kind.startswith("CrossAttn"):
                 transformer(t, c_out, side, reversed_depth[i], cross, text_tokens, linear_projection)
         if i < levels - 1:
-            side *= 2
-            t.conv(c_out, c_out, 3, side)  # nearest upsampling, then a convolution at the new size
+            # Nearest upsampling to the skip's size (diffusers passes it: 2x, less one after an odd side),
+            # then a convolution at that size.
+            side = sizes.pop()
+            t.conv(c_out, c_out, 3, side)
     assert not skips, skips
     t.conv(channels[0], config["out_channels"], 3, side)
     return t.forward, t.forward + t.backward

@@ -19,6 +19,8 @@ MAX_ASPECT = 4.0  # the default list spans 1:4 to 4:1, as SDXL's
 MIN_FILL = 0.9  # ... and holds 90% to 100% of image_size^2 pixels (SDXL's smallest: 576x1664, 91.4%)
 # Sides step by image_size / 16 (SDXL's 64 px at 1024), never finer than the family's latent patch.
 STEPS_PER_SIDE = 16
+# Beside an exported pipeline of a bucketed run: the sizes it trained at, in the format of --aspect_buckets FILE.
+EXPORT_FILE = "aspect_buckets.txt"
 CROPS = ("random", "center")  # --bucket_crop: training's default is random (SDXL's), latents.py stores center crops
 # Two aspect ratios closer than this (in log ratio) are a tie, broken by the larger bucket: floating noise
 # must not pick a bucket.
@@ -53,6 +55,26 @@ def parse_bucket(text: str) -> Bucket | None:
         return None
     height, width = (int(part) for part in parts)
     return Bucket(height, width) if height > 0 and width > 0 else None
+
+
+def sides_problem(bucket: Bucket, multiple: int) -> str | None:
+    """Why `bucket` cannot be a latent grid's size: a side that is not a multiple of `multiple` pixels
+    (the family's latent patch), or None. The one rule of a bucket's file and of --sample_size."""
+    if bucket.height % multiple or bucket.width % multiple:
+        return (f"{bucket.name} must have both sides multiples of {multiple} (the model's latent patch in pixels)")
+    return None
+
+
+def parse_size(text: str, multiple: int, flag: str) -> Bucket:
+    """A flag's HEIGHTxWIDTH in pixels (--sample_size 768x1344), both sides multiples of `multiple`;
+    one line naming the flag otherwise."""
+    size = parse_bucket(text)
+    if size is None:
+        fail(f"{flag} {text}: not HEIGHTxWIDTH in pixels (e.g. 768x1344)")
+    problem = sides_problem(size, multiple)
+    if problem:
+        fail(f"{flag} {text}: {problem}")
+    return size
 
 
 def bucket_step(image_size: int, multiple: int) -> int:
@@ -101,9 +123,9 @@ def read_buckets(path: str, image_size: int, multiple: int, flag: str = "--aspec
         bucket = parse_bucket(text)
         if bucket is None:
             fail(f"{flag} {path}, line {number}: {text!r} is not HEIGHTxWIDTH in pixels (e.g. 768x1344)")
-        if bucket.height % multiple or bucket.width % multiple:
-            fail(f"{flag} {path}, line {number}: {bucket.name} must have both sides multiples of {multiple} "
-                 "(the model's latent patch in pixels)")
+        problem = sides_problem(bucket, multiple)
+        if problem:
+            fail(f"{flag} {path}, line {number}: {problem}")
         if bucket in buckets:
             fail(f"{flag} {path}, line {number}: {bucket.name} is listed twice")
         buckets.append(bucket)
@@ -113,6 +135,11 @@ def read_buckets(path: str, image_size: int, multiple: int, flag: str = "--aspec
         fail(f"{flag} {path}: no bucket fits in {image_size}x{image_size} (--image_size), so small images would be "
              f"upscaled more than the square path does; add one, e.g. {image_size}x{image_size}")
     return tuple(sorted(buckets, key=lambda b: (b.aspect, -b.pixels)))
+
+
+def buckets_text(buckets: tuple[Bucket, ...], heading: str) -> str:
+    """The list as a file `read_buckets` reads back (one HEIGHTxWIDTH a line), `heading` as # comments."""
+    return "".join(f"# {line}\n" for line in heading.splitlines()) + "".join(f"{b.name}\n" for b in buckets)
 
 
 def resolve_buckets(spec: str | None, image_size: int, multiple: int, flag: str = "--aspect_buckets"

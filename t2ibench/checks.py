@@ -19,7 +19,7 @@ from composer.core import Time
 from composer.utils import dist
 
 from t2ibench import fp8
-from t2ibench.buckets import UNIFORM, Bucket, resolve_buckets, synthetic_weights
+from t2ibench.buckets import EXPORT_FILE, UNIFORM, Bucket, parse_size, resolve_buckets, synthetic_weights
 from t2ibench.callbacks.profile import profile_fits
 from t2ibench.checkpoints import LATEST, gone_latest, resume_from, resume_point
 from t2ibench.cli import check_workers
@@ -55,6 +55,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Settings:
     buckets, bucket_weights = check_buckets(settings)
     settings = dataclasses.replace(settings, sampler=sampler, precomputed_format=precomputed_format,
                                    buckets=buckets, bucket_weights=bucket_weights)
+    settings = dataclasses.replace(settings, sample_shape=check_sample_size(settings))
     check_outputs(settings)
     check_checkpoint(settings)
     samples_per_epoch, recorded_seed = check_data(settings)
@@ -75,7 +76,8 @@ def resolve(args: argparse.Namespace) -> Settings:
     return Settings.from_args(args, **locations, family=family, model_name=model_name, image_size=image_size,
                               sources=tuple(parse_sources(args.remote, args.local)),
                               eval_sources=tuple(parse_sources(args.eval_remote, args.eval_local)),
-                              encoders_seed=args.seed, buckets=(), bucket_weights=())
+                              encoders_seed=args.seed, buckets=(), bucket_weights=(),
+                              sample_shape=Bucket(image_size, image_size))
 
 
 def check_run(settings: Settings, world_size: int) -> int | str:
@@ -392,7 +394,8 @@ def check_recipe(settings: Settings) -> tuple[str, str | None]:
         # What a killed export left (a preempted job) is taken over when the pipeline is written (staged_folder).
         entries = set(os.listdir(export_dir)) - killed_writer_leftovers(export_dir)
         # A resumed or retried job finds the pipeline it exported before: that one it may rewrite.
-        own_export = entries <= {"model_index.json", *family.pipeline_parts} and (settings.autoresume or settings.load_path)
+        own_export = entries <= {"model_index.json", EXPORT_FILE, *family.pipeline_parts} and (
+            settings.autoresume or settings.load_path)
         if entries and not own_export:
             fail(f"--ema_export_dir {settings.ema_export_dir} is not empty; choose a new folder (nothing is overwritten)")
     return sampler, precomputed_format
@@ -414,6 +417,26 @@ def check_buckets(settings: Settings) -> tuple[tuple[Bucket, ...], tuple[float, 
     if settings.synthetic_bucket_weights != UNIFORM and not settings.use_synth_data:
         fail("--synthetic_bucket_weights applies to --use_synth_data only: real data has the buckets its images have")
     return buckets, synthetic_weights(settings.synthetic_bucket_weights, buckets)
+
+
+def check_sample_size(settings: Settings) -> Bucket:
+    """--sample_size as height x width in pixels, after --aspect_buckets' list (check_buckets); without
+    it, the square at --image_size, bucketed run or not (grids comparable across runs and with the
+    square path's). Any shape on the latent grid is taken, a bucket of the list or not, up to as many
+    pixels as training's largest shape: samples are drawn in the training microbatch, which the memory
+    model sized for that shape, so a larger one might not fit where training did."""
+    square = Bucket(settings.image_size, settings.image_size)
+    if settings.sample_size is None:
+        return square
+    if not settings.sample_prompts:
+        fail("--sample_size needs --sample_prompts (a prompt file or a built-in set: default, shapes)")
+    family = settings.family
+    size = parse_size(settings.sample_size, family.latent_downsample * family.patch_size, "--sample_size")
+    largest = max((square, *settings.buckets), key=lambda bucket: bucket.pixels)
+    if size.pixels > largest.pixels:
+        fail(f"--sample_size {settings.sample_size}: {size.pixels:,} pixels, more than training's largest shape "
+             f"{largest.name} ({largest.pixels:,}), whose microbatch samples are drawn in; give at most that many")
+    return size
 
 
 def run_batches(settings: Settings, samples_per_epoch: int) -> int:

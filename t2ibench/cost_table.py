@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import textwrap
 from dataclasses import dataclass
 
 from t2ibench.files import atomic_file
@@ -21,6 +22,7 @@ class Row:
 
 
 
+TITLE_CHARACTERS = 100  # characters a line of the plot's title: its 12-inch width holds about 110
 COLUMNS = ("GPUs", "images/s", "days", "GPU-hours", "cost ($)", "source")
 
 
@@ -41,14 +43,20 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def write_csv(rows: list[Row], path: str) -> None:
-    """Machine-readable table: unformatted numbers, one row per GPU count."""
+def write_csv(rows: list[Row], path: str, aspect_buckets: str = "square",
+              largest_bucket_share: float | None = None) -> None:
+    """Machine-readable table: unformatted numbers, one row per GPU count. The measured and predicted
+    rows carry the images they are for: `aspect_buckets` ("square", or the bucket list) and the share
+    of the images trained in the largest bucket; the reference rows (MLPerf's) train square images."""
     with atomic_file(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["num_gpus", "images_per_sec", "days", "gpu_hours", "cost_usd", "source"])
+        w.writerow(["num_gpus", "images_per_sec", "days", "gpu_hours", "cost_usd", "source", "aspect_buckets",
+                    "largest_bucket_share"])
         for r in rows:
-            w.writerow([r.num_gpus, f"{r.images_per_sec:.2f}", f"{r.days:.4f}",
-                        f"{r.gpu_hours:.1f}", f"{r.cost_usd:.2f}", r.source])
+            ours = r.source in ("measured", "predicted")
+            share = "" if largest_bucket_share is None or not ours else f"{largest_bucket_share:.4f}"
+            w.writerow([r.num_gpus, f"{r.images_per_sec:.2f}", f"{r.days:.4f}", f"{r.gpu_hours:.1f}",
+                        f"{r.cost_usd:.2f}", r.source, aspect_buckets if ours else "square", share])
 
 
 def write_markdown(rows: list[Row], path: str, caption: str) -> None:
@@ -107,7 +115,8 @@ def plot(rows: list[Row], path: str, title: str) -> None:
     ax_days.set_title("days to train (log scale)", fontsize=10)
     ax_cost.set_ylim(bottom=0, top=max(r.cost_usd for r in rows) / 1000 * 1.15)
     ax_cost.set_title("cost of the run", fontsize=10)
-    fig.suptitle(title)
+    # A longer title (a bucketed run's names its list) is wrapped rather than cut at the figure's edges.
+    fig.suptitle(textwrap.fill(title, TITLE_CHARACTERS))
     fig.tight_layout()
     try:
         with atomic_file(path, "wb") as f:  # the format from the name's suffix, as savefig(path) takes it

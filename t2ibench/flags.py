@@ -293,6 +293,10 @@ def benchmark_parser(description: str) -> Parser:
                    help="draw these prompts while training: a text file (one per line) or a built-in set: default, shapes")
     g.add_argument("--sample_interval", type=str, default="1000ba", help="sample every this long (and at the end)")
     g.add_argument("--samples_dir", type=str, default=None, help="where sample grids go (default: <--save_folder>/samples)")
+    g.add_argument("--sample_size", type=str, default=None, metavar="HxW",
+                   help="height x width of the samples in pixels, e.g. 768x1344: both multiples of the latent patch "
+                        "(8 px; Flux.1 16), at most as many pixels as training's largest shape (default: square at "
+                        "--image_size, with --aspect_buckets too)")
     g.add_argument("--sampler", type=str, default=None, choices=("ddim", "euler"),
                    help="diffusers sampler for samples: ddim (SD2's default) or euler (for Flux: flow-matching Euler, "
                         "FluxPipeline's)")

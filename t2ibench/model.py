@@ -9,6 +9,7 @@ the loss with optional min-SNR-gamma weighting, and its sums by timestep (`LossB
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 from composer.models import ComposerModel
@@ -84,6 +85,8 @@ class DiffusionModel(ComposerModel):
         self.vae_in_fp32 = False  # set under fp16 autocast for a VAE that overflows in fp16 (vae_overflows_in)
         self.cpu_autocast_dtype: torch.dtype | None = None  # set for --precision amp_bf16 on CPU
         self.flops_per_image = 0.0  # set by the benchmark from the family's count
+        # A bucketed run's FLOPs of a batch by its bucket (set by the benchmark; None: flops_per_image's).
+        self.flops_of_batch: Callable[[dict], float] | None = None
         self.snr_gamma, self.offset_noise = snr_gamma, offset_noise
         self.loss_bins = LossBins(self.objective, num_loss_bins)
         self.validation_seed = validation_seed  # fixes the noise of every held-out sample (t2ibench.validation)
@@ -302,6 +305,8 @@ class DiffusionModel(ComposerModel):
 
     def flops_per_batch(self, batch: dict) -> float:
         """Model FLOPs of one training step on `batch` (read by Composer's SpeedMonitor for MFU)."""
+        if self.flops_of_batch is not None:
+            return self.flops_of_batch(batch)
         key = "latent_mean" if "latent_mean" in batch else "image"
         return self.flops_per_image * batch[key].shape[0]
 

@@ -2,7 +2,9 @@
 
 `FSDP_CHOICES` are the flag's values; `resolve_mode` turns `auto` into the family's default (FSDP
 full_shard for a model whose training state does not fit one GPU, such as Flux.1; DDP otherwise);
-`fsdp_parallelism` is the config handed to Composer's Trainer; `average_gradients_over_gloo` fixes
+`fsdp_parallelism` is the config handed to Composer's Trainer; `traffic_bytes_per_gpu` counts what a
+step of each mode sends per GPU (bench/blocks.py's prediction, gpu_setup's choice of microbatch and
+checkpointing); `average_gradients_over_gloo` fixes
 gloo's reduce-scatter on CPU where it sums (torch 2.7), so that the CPU tests compute the gradients
 the GPUs do; `enable_block_checkpointing` turns on the denoiser's activation checkpointing so that it
 composes with FSDP2's mixed precision.
@@ -20,6 +22,11 @@ from torch.utils._pytree import tree_map
 
 FSDP_MODES = ("none", "shard_grad_op", "full_shard")  # what a run applies: DDP, ZeRO-2, ZeRO-3
 FSDP_CHOICES = ("auto", *FSDP_MODES)  # --fsdp; auto: the family's default (resolve_mode)
+# The rate a GPU's collectives are timed at, in gigabytes per second per direction per GPU: an H100
+# SXM's NVLink 4 (900 GB/s both directions, 450 each way), the GPU the speed figures were fitted on.
+# bench/blocks.py's --link_gbps default and what gpu_setup's weighing assumes; a multi-node run's
+# collectives go at its slower inter-node rate.
+NVLINK4_GB_PER_SEC = 450.0
 
 
 def resolve_mode(mode: str, parallelism: str, world_size: int) -> str:
@@ -52,6 +59,31 @@ def fsdp_parallelism(mode: str) -> ParallelismConfig | None:
         warnings.simplefilter("ignore", UserWarning)
         config = FSDP2Config(reshard_after_forward=mode == "full_shard", state_dict_type="full")
     return ParallelismConfig(fsdp2=config)
+
+
+def traffic_bytes_per_gpu(mode: str, gpus: int, params: int, root_params: int, precision: str
+                          ) -> tuple[float, float]:
+    """Bytes each GPU sends for the sharding `mode` of a denoiser of `params` parameters, (once per
+    step, per microbatch), as the run sends them (ring collectives: (G-1)/G of the buffer, twice for
+    an all-reduce; weights gathered in the autocast dtype, gradients reduced in fp32, Composer's FSDP2
+    mixed precision, `fsdp_parallelism`).
+
+    Composer 0.32.1 runs a FSDP2 step's microbatches with the gradients synchronised in each (no_sync
+    is DDP's only; FSDP2's `set_requires_gradient_sync` is never called) and lets FSDP2 reshard after
+    each backward (its default), so every microbatch gathers the weights again and reduce-scatters
+    its gradients: full_shard gathers each block for its forward and again for its backward (with
+    checkpointing too: the recompute runs inside the backward's gather) and the root unit
+    (`root_params`: what no block holds, which FSDP2 keeps from the root's forward to its backward)
+    once, shard_grad_op every unit once. DDP all-reduces once per step: Composer's default
+    `DDPSyncStrategy.SINGLE_AUTO_SYNC` runs every microbatch but the last under DDP's `no_sync`.
+    One GPU sends nothing. tests/test_blocks.py counts what two CPU ranks send (tests/traffic_run.py)."""
+    if gpus == 1:
+        return 0.0, 0.0
+    share, weight_bytes = (gpus - 1) / gpus, 4 if precision == "fp32" else 2
+    if mode == "none":
+        return 2 * share * 4 * params, 0.0
+    gathered = 2 * params - root_params if mode == "full_shard" else params
+    return 0.0, share * (weight_bytes * gathered + 4 * params)
 
 
 def gloo_reduce_scatter_sums() -> bool:
@@ -127,8 +159,8 @@ def checkpoint_block(block: torch.nn.Module, *inputs: Any) -> Any:
     diffusers checkpoints a block from outside (`checkpoint(block.__call__, *inputs)`), so where the
     block is an FSDP2 unit (Flux.1's blocks, `Family.fsdp_blocks`) its pre-forward hook runs inside
     the region. In the forward that hook casts the inputs to the policy's `param_dtype`; in
-    backward's recomputation it returns at once (the unit is in its PRE_BACKWARD state, the gathering
-    is its pre-backward hook's job), so the recomputation would run on the uncast inputs and
+    backward's recomputation torch 2.7's hook returns at once (the unit is in its PRE_BACKWARD state,
+    the gathering is its pre-backward hook's job; torch 2.14 casts there too), so the recomputation would run on the uncast inputs and
     checkpoint's check stops the step on tensors saved in another dtype (on a GPU: the fp32 rotary
     embedding, cast to bf16 in the forward; on a CPU, where Composer is given fp32: bf16 activations,
     cast to fp32). Casting here, in the recomputed function, gives both passes the inputs the forward

@@ -94,8 +94,9 @@ class Runtime:
                     settings, self.world_size, self.precision, text_format, self.weight_casts))
             if self.is_rank_zero:
                 print(f"--activation_checkpointing auto: {'on' if setup.activation_checkpointing else 'off'}, "
-                      f"microbatch {setup.microbatch} ({setup.reason}; counted by t2ibench.memory and "
-                      f"t2ibench.kernels for this GPU's memory and these settings{at}, docs/speed.md)", flush=True)
+                      f"microbatch {setup.microbatch} ({setup.reason}; counted by t2ibench.memory, t2ibench.kernels "
+                      f"and, on several GPUs, t2ibench.parallel's collectives for this GPU's memory and these "
+                      f"settings{at}, docs/speed.md)", flush=True)
             return replace(self, microbatch=setup.microbatch, activation_checkpointing=setup.activation_checkpointing,
                            activation_checkpointing_reason=setup.reason)
         if self.microbatch != "auto" or self.world_size == 1:

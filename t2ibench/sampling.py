@@ -11,7 +11,9 @@ import torch
 from diffusers import DDIMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 from PIL import Image
 
+from t2ibench.buckets import EXPORT_FILE, Bucket, buckets_text
 from t2ibench.families import ModelFamily, Parts
+from t2ibench.files import write_text
 
 SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler}  # SD2's (families.sd2.SD2.samplers)
 # Classifier-free guidance scales in use are 1-20; far above, the guided prediction leaves the range
@@ -119,9 +121,18 @@ def image_grid(images: np.ndarray, columns: int | None = None) -> Image.Image:
     return Image.fromarray(grid)
 
 
-def write_pipeline(out: str | os.PathLike, family: ModelFamily, parts: Parts, sampler: str | None = None) -> None:
+def write_pipeline(out: str | os.PathLike, family: ModelFamily, parts: Parts, sampler: str | None = None,
+                   buckets: tuple[Bucket, ...] = ()) -> None:
     """Save a complete diffusers pipeline folder of `parts` (the family's pipeline class); its
-    scheduler is `sampler` (default: the family's first) on the training schedule."""
+    scheduler is `sampler` (default: the family's first) on the training schedule. With `buckets` (the
+    run's --aspect_buckets list), the sizes it trained at go beside it in `EXPORT_FILE`: the pipeline
+    itself generates at any height and width on the latent grid (none of its configs pins a size;
+    the UNet's sample_size is only the default one), so the file says which ones the model has seen."""
     sampler = sampler or next(iter(family.samplers))
     pipeline = family.make_pipeline(parts, make_sampler(sampler, parts.noise_scheduler.config, family))
     pipeline.save_pretrained(out, safe_serialization=True)
+    if buckets:
+        write_text(Path(out, EXPORT_FILE), buckets_text(buckets, (
+            f"The sizes (height x width, pixels) this {family.pipeline_class} trained at (benchmark.py "
+            "--aspect_buckets).\nGenerate at one: pipeline(prompt, height=H, width=W). Read back by "
+            "--aspect_buckets FILE.")))

@@ -119,6 +119,7 @@ class Settings:
     sample_prompts: str | None  # prompt file or built-in set
     sample_interval: str  # Composer time string (ba or ep)
     samples_dir: str | None  # local folder (default: <save_folder>/samples)
+    sample_size: str | None  # as given: HxW, None: square at image_size; `sample_shape` holds it resolved
     sampler: str  # resolved: the family's first sampler unless --sampler names another
     sample_steps: int  # sampler steps per sample
     guidance_scale: float  # classifier-free guidance scale
@@ -130,6 +131,7 @@ class Settings:
     encoders_seed: int  # seeds random frozen encoders: precompute.json's seed on its latents, else --seed
     buckets: tuple[Bucket, ...]  # --aspect_buckets' list (empty: square images), from checks.check_buckets
     bucket_weights: tuple[float, ...]  # synthetic batches' share per bucket (sum 1), from checks.check_buckets
+    sample_shape: Bucket  # samples' height x width in pixels, from checks.check_sample_size
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **resolved: object) -> Settings:

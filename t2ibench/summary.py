@@ -29,6 +29,10 @@ def print_summary(r: dict) -> None:
     grad_norm = f"{r['grad_norm']:.6g}" if r.get("grad_norm") is not None else "n/a"
     mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_flops_per_device'] / 1e12:.0f} TFLOP/s peak per device" if r.get("mfu")
            else "n/a (unknown device peak; pass --peak_tflops)")
+    # A bucketed run's FLOPs per image: the mean over the images of the window, bucket by bucket.
+    buckets = r.get("flops_per_image_by_bucket")
+    mean = (f" (the mean over the window's images, each at its bucket's: {len(buckets)} buckets of "
+            f"{min(buckets.values()) / 1e9:.1f} to {max(buckets.values()) / 1e9:.1f})" if buckets else "")
     trained = (f"; trained network alone (denoiser forward + backward, "
                f"{r['flops_per_image_trained_network'] / 1e9:.1f} GFLOP/image): {100 * r['mfu_trained_network']:.1f}%"
                if r.get("mfu_trained_network") else "")
@@ -57,7 +61,7 @@ def print_summary(r: dict) -> None:
         f"{cpu_threads(r)}{allocator(r)}\n"
         f"throughput   {r['images_per_sec']:.2f} images/s ({r['images_per_sec_per_device']:.2f} per device) "
         f"over {r['measured_batches']} batches after {r['warmup_batches']} warm-up\n"
-        f"MFU          {mfu} at {r['flops_per_image'] / 1e9:.1f} GFLOP/image{trained}\n"
+        f"MFU          {mfu} at {r['flops_per_image'] / 1e9:.1f} GFLOP/image{mean}{trained}\n"
         f"{compiled}"
         f"data wait    {wait} of measured time in the loader's next() (max over ranks; mean {wait_mean})\n"
         f"checkpoints  {r['checkpoint_seconds_in_window']:.1f} s saving inside the measured "

@@ -14,14 +14,16 @@ import threading
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from composer.core import Callback
+from PIL import Image
 
 import benchmark
 import convert
 import latents
-from t2ibench.buckets import Bucket, default_buckets, nearest_bucket
+from t2ibench.buckets import Bucket, default_buckets, nearest_bucket, read_buckets
 from tests.helpers import MIXED_ASPECT_PHOTOS, Launch, error_of, kill_at, mixed_aspect_folder, supervise, two_ranks
 
 NUM_PHOTOS = 64
@@ -192,6 +194,50 @@ def test_synthetic_batches_are_drawn_from_the_bucket_weights(model_config):
     assert len(uniform["images_per_bucket"]) >= 4  # the list's buckets alike: most of them in 12 batches
 
 
+SYNTHETIC = ["--image_size", "64", "--use_synth_data", "--batch_size", "2", "--num_workers", "0",
+             "--max_duration", "8ba", "--warmup_batches", "2", "--peak_tflops", "0.5"]
+
+
+@pytest.mark.parametrize("model_config", ["sdxl-tiny", "flux1-tiny"])
+def test_flops_per_image_and_mfu_are_those_of_the_buckets_the_window_trained(model_config, tmp_path):
+    from t2ibench.families import MODEL_CONFIGS
+
+    family = MODEL_CONFIGS[model_config]
+    buckets = tmp_path / "buckets.txt"
+    buckets.write_text("32x64\n64x64\n")  # half the square's pixels, and the square
+    batches = Batches()
+    results = benchmark.main(["--model_config", model_config, *SYNTHETIC, "--aspect_buckets", str(buckets),
+                              "--synthetic_bucket_weights", "32x64=3,64x64=1"], extra_callbacks=[batches])
+    counted = {name: family.flops_per_image(model_config, (height, width))
+               for name, height, width in (("32x64", 32, 64), ("64x64", 64, 64))}
+    assert results["flops_per_image_by_bucket"] == {name: flops["total"] for name, flops in counted.items()}
+    assert counted["32x64"]["total"] < 0.9 * counted["64x64"]["total"]
+    # The window: the batches after the warm-up, each of one bucket, each image at its bucket's FLOPs.
+    window = Counter(f"{batch['shape'][2]}x{batch['shape'][3]}" for batch in batches.seen[results["warmup_batches"]:])
+    assert set(window) == {"32x64", "64x64"}, window  # both buckets in the window (this seed's draw)
+    images = 2 * sum(window.values())
+    mean = sum(2 * n * counted[name]["total"] for name, n in window.items()) / images
+    trained = sum(2 * n * counted[name]["denoiser_fwd_bwd"] for name, n in window.items()) / images
+    assert results["flops_per_image"] == pytest.approx(mean, rel=1e-12)
+    assert results["flops_per_image_trained_network"] == pytest.approx(trained, rel=1e-12)
+    assert results["mfu"] == pytest.approx(results["images_per_sec_per_device"] * mean / 0.5e12, rel=1e-12)
+    assert results["mfu_trained_network"] == pytest.approx(
+        results["images_per_sec_per_device"] * trained / 0.5e12, rel=1e-12)
+    assert results["flops_per_image_breakdown"] == counted["64x64"]  # the square's (--image_size), as before
+
+
+def test_a_square_runs_flops_per_image_and_mfu_are_the_squares():
+    from t2ibench.families import MODEL_CONFIGS
+
+    results = benchmark.main(["--model_config", "sdxl-tiny", *SYNTHETIC])
+    flops = MODEL_CONFIGS["sdxl-tiny"].flops_per_image("sdxl-tiny", 64)
+    assert results["flops_per_image_breakdown"] == flops and results["flops_per_image_by_bucket"] is None
+    assert results["flops_per_image"] == flops["total"]  # as counted, not a mean
+    assert results["flops_per_image_trained_network"] == flops["denoiser_fwd_bwd"]
+    assert results["mfu"] == results["images_per_sec_per_device"] * flops["total"] / 0.5e12
+    assert results["mfu_trained_network"] == results["images_per_sec_per_device"] * flops["denoiser_fwd_bwd"] / 0.5e12
+
+
 @pytest.mark.parametrize("weights, expected", [
     ("64x64", "'64x64' is not HEIGHTxWIDTH=WEIGHT"),
     ("64x64=-1", "'64x64=-1' is not HEIGHTxWIDTH=WEIGHT"),
@@ -227,6 +273,56 @@ def test_buckets_are_refused_in_one_line_where_they_do_not_apply(shards, tmp_pat
     assert "--synthetic_bucket_weights applies to --use_synth_data only" in message
 
 
+SAMPLING = ["--sample_steps", "2", "--sample_interval", "2ba"]  # + --sample_prompts, --samples_dir
+
+
+@pytest.mark.parametrize("model_config", ["sdxl-tiny", "flux1-tiny"])
+def test_samples_at_sample_size_and_exported_pipelines_generate_at_a_bucket(model_config, tmp_path, monkeypatch):
+    from diffusers import DiffusionPipeline
+
+    import export
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square\na blue circle\n")
+    benchmark.main(["--model_config", model_config, "--image_size", "64", "--use_synth_data", "--batch_size", "2",
+                    "--num_workers", "0", "--max_duration", "2ba", "--warmup_batches", "1", "--aspect_buckets",
+                    "--sample_prompts", str(prompts), "--samples_dir", str(tmp_path / "samples"), *SAMPLING,
+                    "--sample_size", "32x96", "--use_ema", "--ema_export_dir", str(tmp_path / "ema"),
+                    "--save_folder", str(tmp_path / "run"), "--save_interval", "2ba"])
+    grid = Image.open(tmp_path / "samples" / "2.png")
+    assert grid.size == (2 * 96, 32)  # two prompts side by side, each 96 px wide and 32 px high
+    # The EMA export at the end of the run and export.py on its checkpoint: both list the trained buckets
+    # (readable as --aspect_buckets FILE) and generate at a bucket that is not square.
+    export.main([str(tmp_path / "run" / "ep0-ba2-rank0.pt"), "--out", str(tmp_path / "export")])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    patch_px = 16 if model_config == "flux1-tiny" else 8
+    for folder in (tmp_path / "ema", tmp_path / "export"):
+        assert read_buckets(str(folder / "aspect_buckets.txt"), 64, patch_px) == default_buckets(64, patch_px)
+        pipeline = DiffusionPipeline.from_pretrained(folder, local_files_only=True)
+        flux = {"max_sequence_length": pipeline.tokenizer_2.model_max_length} if model_config == "flux1-tiny" else {}
+        images = pipeline("a red square", height=32, width=128, num_inference_steps=2, output_type="np",
+                          generator=torch.Generator().manual_seed(0), **flux).images
+        assert images.shape == (1, 32, 128, 3) and np.isfinite(images).all()
+
+
+@pytest.mark.parametrize("model_config, extra, size, expected", [
+    ("sdxl-tiny", [], "64", "--sample_size 64: not HEIGHTxWIDTH in pixels"),
+    ("sdxl-tiny", [], "64x-8", "--sample_size 64x-8: not HEIGHTxWIDTH in pixels"),
+    ("sdxl-tiny", [], "60x64", "--sample_size 60x64: 60x64 must have both sides multiples of 8"),
+    ("flux1-tiny", [], "40x64", "--sample_size 40x64: 40x64 must have both sides multiples of 16"),
+    ("sdxl-tiny", [], "64x72", "--sample_size 64x72: 4,608 pixels, more than training's largest shape 64x64"),
+    ("sdxl-tiny", ["--aspect_buckets"], "72x72", "more than training's largest shape 64x64 (4,096)"),
+    ("tiny", [], "32x32", "--sample_size needs --sample_prompts"),
+])
+def test_a_bad_sample_size_is_one_line(model_config, extra, size, expected, tmp_path):
+    sampling = ["--sample_prompts", "shapes", "--samples_dir", str(tmp_path / "samples")] if model_config != "tiny" else []
+    argv = ["--model_config", model_config, "--image_size", "64", "--use_synth_data", "--batch_size", "2",
+            "--max_duration", "1ba", *extra, *sampling, "--sample_size", size]
+    message = error_of(benchmark.main, argv)
+    assert expected in message, message
+    assert not (tmp_path / "samples").exists()
+
+
 def test_a_users_list_is_what_the_run_trains_on(shards, tmp_path):
     listed = tmp_path / "two.txt"
     listed.write_text("# tall and wide only\n96x40\n40x96\n64x64\n")
@@ -260,6 +356,9 @@ def test_two_ranks_resume_mid_epoch_after_sigkill_to_the_uninterrupted_weights_a
     assert all(torch.equal(ema_ref[k], ema_res[k]) for k in ema_ref), "EMA differs"
     summary = [json.loads((runs.tmp / f"{name}.json").read_text()) for name in ("reference", "resumed")]
     assert summary[0]["world_size"] == 2 and summary[0]["final_loss"] == summary[1]["final_loss"]
+    # Each rank counted half the list's FLOPs; both hold all of them, and the resumed run the same.
+    assert list(summary[0]["flops_per_image_by_bucket"]) == summary[0]["bucket_list"]
+    assert summary[1]["flops_per_image_by_bucket"] == summary[0]["flops_per_image_by_bucket"]
 
 
 # -----------------------------------------------------------------------------------------------

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+import benchmark
 import cost
 from t2ibench import cost_table
-from tests.helpers import ROOT
+from t2ibench.buckets import parse_bucket
+from tests.helpers import ROOT, error_of
 
 # The 2023 table: GPUs -> (images/s, days, A100-hours, cost in $) as printed.
 TABLE_2023 = {
@@ -235,4 +237,124 @@ def test_table_outputs_agree(tmp_path):
     assert "| 256 | 3,054.0 | 10.90 | 66,765 | 133,530 | predicted |" in markdown and markdown.endswith("caption\n")
     cost_table.write_csv(rows, str(tmp_path / "t.csv"))
     with open(tmp_path / "t.csv", newline="") as f:
-        assert list(csv.reader(f))[2] == ["256", "3054.00", "10.9000", "66764.8", "133529.60", "predicted"]
+        assert list(csv.reader(f))[2] == ["256", "3054.00", "10.9000", "66764.8", "133529.60", "predicted", "square", ""]
+
+
+# -----------------------------------------------------------------------------------------------
+# A bucketed run (--aspect_buckets): priced from its own images/s, named as such, never mixed.
+# -----------------------------------------------------------------------------------------------
+
+WEIGHTS = "40x96=3,64x64=1"  # synthetic batches: three in a wide bucket of 94% of the pixels for one square
+
+
+@pytest.fixture(scope="module")
+def bucketed(tmp_path_factory) -> tuple[Path, dict]:
+    """A real sdxl-tiny run in the default list's buckets at 64 px (synthetic batches in WEIGHTS' shares):
+    its results JSON and what benchmark.main returned."""
+    path = tmp_path_factory.mktemp("bucketed") / "bucketed.json"
+    results = benchmark.main(["--model_config", "sdxl-tiny", "--image_size", "64", "--use_synth_data", "--batch_size",
+                              "2", "--num_workers", "0", "--max_duration", "6ba", "--warmup_batches", "1",
+                              "--aspect_buckets", "--synthetic_bucket_weights", WEIGHTS, "--results_json", str(path)])
+    assert results["bucket_list"] and results["images_per_bucket"], results
+    return path, results
+
+
+def test_a_bucketed_run_is_priced_from_its_images_per_sec_and_names_its_buckets(bucketed, tmp_path, capsys):
+    path, results = bucketed
+    mix = results["images_per_bucket"]
+    share = mix.get("64x64", 0) / sum(mix.values())  # the largest bucket of the list at 64: the square
+    csv_path, md = tmp_path / "cost.csv", tmp_path / "cost.md"
+    rows = cost.main([str(path), "--num_gpus", "1", "8", "--csv", str(csv_path), "--markdown", str(md)])
+    out = capsys.readouterr().out
+    assert rows[0].source == "measured" and rows[0].images_per_sec == pytest.approx(results["images_per_sec"])
+    assert rows[0].days == pytest.approx(2_867_200_000 / results["images_per_sec"] / 86_400)
+    listed = f"the default list at 64 ({len(results['bucket_list'])} buckets)"
+    assert out.startswith(f"model 'sdxl-tiny' in {len(results['bucket_list'])} aspect-ratio buckets around 64x64 "
+                          "(the default list):")
+    mix_line = next(line for line in out.splitlines() if line.startswith("note: aspect-ratio buckets"))
+    assert listed in mix_line and f"--synthetic_bucket_weights {WEIGHTS}" in mix_line
+    assert f"{sum(mix.values())} images in {len(mix)} of the {len(results['bucket_list'])} buckets" in mix_line
+    assert f"{share:.0%} in the largest (64x64)" in mix_line
+    assert listed in md.read_text() and f"{share:.0%} in the largest (64x64)" in md.read_text()
+    with open(csv_path, newline="") as f:
+        written = list(csv.DictReader(f))
+    assert [r["aspect_buckets"] for r in written] == [listed, listed]
+    assert [float(r["largest_bucket_share"]) for r in written] == [pytest.approx(share, abs=1e-4)] * 2
+
+
+def test_a_bucketed_runs_precompute_pass_counts_its_mixs_pixels(bucketed, capsys):
+    path, results = bucketed
+    mix = results["images_per_bucket"]
+    fraction = sum(parse_bucket(name).pixels * n for name, n in mix.items()) / sum(mix.values()) / 64 ** 2
+    assert 0.9 < fraction < 1  # 40x96 holds 3,840 pixels, 64x64 4,096
+    images_per_sec = cost.PRECOMPUTE_PEAK_FLOPS * cost.PRECOMPUTE_MFU / (cost.VAE_ENCODER_FLOPS * fraction)
+    plain = cost.main([str(path), "--num_gpus", "1"])
+    rows = cost.main([str(path), "--num_gpus", "1", "--precompute"])
+    out = capsys.readouterr().out
+    assert rows[0].gpu_hours - plain[0].gpu_hours == pytest.approx(cost.PRECOMPUTE_IMAGES / images_per_sec / 3600)
+    assert f"{images_per_sec:,.1f} images/s per GPU" in out and f"the mix's {fraction:.1%}" in out
+    given = cost.main([str(path), "--num_gpus", "1", "--precompute", "--precompute_images_per_sec", "100"])
+    assert given[0].gpu_hours - plain[0].gpu_hours == pytest.approx(cost.PRECOMPUTE_IMAGES / 100 / 3600)
+    assert "the mix's" not in capsys.readouterr().out  # a speed given is taken as measured
+
+
+def bucketed_json(path: Path, spec: str = "default", names: tuple[str, ...] = ("128x32", "64x64", "32x128"),
+                  **fields) -> str:
+    """A hand-written bucketed result, for the refusals."""
+    return write_json(path, **{"images_per_sec": 10.0, "world_size": 1, "device": "cpu", "model_config": "sdxl-tiny",
+                               "image_size": 64, "precomputed": False, "aspect_buckets": spec, "bucket_list": list(names),
+                               "images_per_bucket": {name: 4 for name in names}, **fields})
+
+
+def test_bucketed_and_square_results_are_refused_in_one_line_naming_both(bucketed, tmp_path):
+    path, _ = bucketed
+    square = write_json(tmp_path / "square.json", images_per_sec=12.0, world_size=2, device="cpu",
+                        model_config="sdxl-tiny", image_size=64, precomputed=False, aspect_buckets=None)
+    message = error_of(cost.main, [str(path), square], "cost.py")
+    assert "results mix different 'aspect_buckets' values" in message
+    assert f"the default list at 64 (11 buckets) in {path}" in message and f"square in {square}" in message
+    # --gpus/--images_per_sec figures are square runs': SDXL base's in its buckets is priced from its results alone
+    sdxl = bucketed_json(tmp_path / "sdxl.json", model_config="sdxl-base", image_size=1024, device="NVIDIA H100")
+    message = error_of(cost.main, [sdxl, "--model_config", "sdxl-base", "--gpus", "8", "--images_per_sec", "100"],
+                       "cost.py")
+    assert f"the default list at 1024 (3 buckets) in {sdxl}" in message and "square in --gpus/--images_per_sec" in message
+    assert cost.main([sdxl, "--num_gpus", "1"])[0].images_per_sec == 10.0
+
+
+def test_results_of_two_bucket_lists_are_refused_in_one_line_naming_both(tmp_path):
+    default = bucketed_json(tmp_path / "default.json")
+    mine = bucketed_json(tmp_path / "mine.json", "mine.txt", ("64x64", "32x128"), world_size=2)
+    message = error_of(cost.main, [default, mine], "cost.py")
+    assert "results mix different 'aspect_buckets' values" in message
+    assert f"the default list at 64 (3 buckets) in {default}" in message
+    assert f"the list mine.txt (2 buckets) in {mine}" in message
+    # One list is one list whatever file held it: the same buckets from a file are priced with the default's.
+    same = bucketed_json(tmp_path / "same.json", "same.txt", world_size=2)
+    assert [r.source for r in cost.main([default, same, "--num_gpus", "1", "2"])] == ["measured", "measured"]
+    # The same list drawn in other shares is another mix, hence another throughput.
+    uniform = bucketed_json(tmp_path / "u.json", synthetic_bucket_weights="uniform")
+    weighted = bucketed_json(tmp_path / "w.json", synthetic_bucket_weights="64x64=1", world_size=2)
+    message = error_of(cost.main, [uniform, weighted], "cost.py")
+    assert "mix different 'synthetic_bucket_weights' values ('uniform' in" in message
+    assert uniform in message and f"'64x64=1' in {weighted}" in message
+    # ...and one mix however its weights are written: read by benchmark.py's own rule
+    same = bucketed_json(tmp_path / "s.json", synthetic_bucket_weights="64x64=2,32x128=0", world_size=4)
+    assert len(cost.main([weighted, same, "--num_gpus", "2", "4"])) == 2
+    bad = bucketed_json(tmp_path / "bad.json", synthetic_bucket_weights="60x60=1")
+    assert f"{bad}: 'synthetic_bucket_weights' 60x60=1: 60x60 is not one of the run's buckets" in error_of(
+        cost.main, [bad], "cost.py")
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"aspect_buckets": 3}, "'aspect_buckets' must be"),
+    ({"bucket_list": ["64x64", "wide"]}, "'bucket_list' must be a list of \"HxW\" buckets"),
+    ({"images_per_bucket": {"64x64": -1}}, "'images_per_bucket' must map"),
+    ({"images_per_bucket": {"48x80": 2}}, "'images_per_bucket' names 48x80, not in its 'bucket_list'"),
+])
+def test_a_bucketed_result_with_absurd_fields_is_one_line(tmp_path, fields, expected):
+    path = tmp_path / "r.json"
+    data = {"images_per_sec": 10.0, "world_size": 1, "image_size": 64, "aspect_buckets": "default",
+            "bucket_list": ["64x64", "32x128"], **fields}
+    path.write_text(json.dumps(data))
+    message = error_of(cost.main, [str(path)], "cost.py")
+    assert expected in message and str(path) in message

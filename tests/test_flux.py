@@ -70,6 +70,19 @@ def test_flux1_schnell_flops_per_256px_sample_against_an_independent_count():
     assert flops["total"] == flops["denoiser_fwd_bwd"]  # precomputed: no encoder in the step
 
 
+@pytest.mark.parametrize("height, width", [(32, 128), (128, 32), (48, 80)])
+def test_flops_of_a_bucket_against_an_independent_count(height, width):
+    flops = FLUX.flops_per_image("flux1-tiny", (height, width), vae=False, text_encoders=False)
+    analytic = flux.analytic_transformer_flops("flux1-tiny", (height, width))
+    assert flops["denoiser_fwd"] == pytest.approx(analytic["forward"], rel=0.001)
+    # As many tokens as the square of the same pixels, so the same FLOPs; fewer tokens, fewer FLOPs.
+    square = FLUX.flops_per_image("flux1-tiny", 64, vae=False, text_encoders=False)
+    if height * width == 64 * 64:
+        assert flops == square
+    else:
+        assert flops["denoiser_fwd"] < square["denoiser_fwd"]
+
+
 def test_pack_and_image_ids_match_flux_pipeline():
     latents = torch.randn(2, 16, 8, 6)
     packed = flux.pack_latents(latents)

@@ -1,7 +1,8 @@
 """The set-up the GPU defaults pick (t2ibench.gpu_setup, issue 36): `--activation_checkpointing
 auto|on|off` with its bare form, the rule on real meta-device counts, the run's summary and results
-JSON, the runtime on a GPU, and the choice for SDXL, SD2 and Flux.1 on an 80 GB H100 through
-bench/memory.py and bench/step_ops.py."""
+JSON, the runtime on a GPU, the collectives several GPUs send (DDP once per step, FSDP every
+microbatch), and the choice for SDXL, SD2 and Flux.1 on an 80 GB H100 through bench/memory.py and
+bench/step_ops.py."""
 from __future__ import annotations
 
 import json
@@ -17,7 +18,8 @@ import benchmark
 import step_ops
 from t2ibench import kernels, memory
 from t2ibench.families import family_of
-from t2ibench.gpu_setup import MIN_CHECKPOINTING_GAIN, choose_setup
+from t2ibench.gpu_setup import FITTED_FLOPS_PER_SEC, LAUNCH_COST_FLOPS, MIN_CHECKPOINTING_GAIN, choose_setup
+from t2ibench.parallel import NVLINK4_GB_PER_SEC
 from t2ibench.runtime import Runtime
 from tests.helpers import ROOT, TINY_2BA, bench_script, error_of, offline_env
 
@@ -83,6 +85,11 @@ def test_auto_weighs_the_largest_microbatch_without_and_with_checkpointing():
                                          activation_checkpointing=True)
     assert with_it.kernels_per_image == pytest.approx(sum(counted.per_image().values()))
     assert with_it.kernels_per_image < without.kernels_per_image  # the same launches over more images
+    # One GPU sends nothing: the cost is the launches and the arithmetic, as before collectives were weighed.
+    for candidate in setup.candidates:
+        assert candidate.traffic_bytes_per_step == candidate.traffic_flops_per_image == 0
+        assert candidate.cost_flops_per_image == candidate.kernels_per_image * LAUNCH_COST_FLOPS + \
+            candidate.flops_per_image
     flops = family_of("tiny").flops_per_image("tiny", 64)
     assert without.flops_per_image == flops["total"]
     assert with_it.flops_per_image == flops["total"] + flops["denoiser_fwd"]
@@ -95,6 +102,74 @@ def test_auto_weighs_the_largest_microbatch_without_and_with_checkpointing():
     small = choose_setup("tiny", 64, TINY_GPU_BYTES, plain["microbatch"], **TINY_STEP)
     assert not small.activation_checkpointing and small.microbatch == plain["microbatch"]
     assert small.reason == f"auto: it fits no larger microbatch than {plain['microbatch']}"
+
+
+def _sent_per_step(model_config: str, fsdp: str, num_gpus: int, microbatches: int) -> float:
+    """Bytes each GPU sends per step in bf16, written out here from the collectives the run makes
+    (docs/flux.md, "What the run sends"): ring collectives send (G-1)/G of a buffer; DDP all-reduces the
+    fp32 gradients once per step (twice that); FSDP2 under Composer gathers bf16 weights and
+    reduce-scatters fp32 gradients every microbatch, full_shard gathering all but the root unit twice."""
+    params = sum(p.numel() for p in family_of(model_config).meta_parts(model_config).denoiser.parameters())
+    root = memory.fsdp_unit_params(model_config)["root"]
+    share = (num_gpus - 1) / num_gpus
+    if fsdp == "none":
+        return share * 2 * 4 * params
+    gathered = {"shard_grad_op": params, "full_shard": 2 * params - root}[fsdp]
+    return microbatches * share * (2 * gathered + 4 * params)
+
+
+def _step_cost(candidate, sent: float, per_device_batch: int, link_gb_per_sec: float = NVLINK4_GB_PER_SEC) -> float:
+    """A candidate's predicted time per image in FLOPs: launches, arithmetic, and `sent` bytes at the link rate."""
+    return (candidate.kernels_per_image * LAUNCH_COST_FLOPS + candidate.flops_per_image
+            + sent / (link_gb_per_sec * 1e9) / per_device_batch * FITTED_FLOPS_PER_SEC)
+
+
+@pytest.mark.parametrize("fsdp", ["none", "shard_grad_op", "full_shard"])
+def test_several_gpus_weigh_the_collectives_each_step_sends(fsdp):
+    setup = choose_setup("tiny", 64, TINY_GPU_BYTES, 1024, precision="amp_bf16", fsdp=fsdp, num_gpus=8)
+    assert setup.candidates
+    for candidate in setup.candidates:
+        # DDP once per step whatever the microbatch; FSDP once per microbatch of the per-GPU batch.
+        sent = _sent_per_step("tiny", fsdp, 8, 1024 // candidate.microbatch)
+        assert candidate.traffic_bytes_per_step == pytest.approx(sent) and sent > 0
+        assert candidate.cost_flops_per_image == pytest.approx(_step_cost(candidate, sent, 1024))
+    if len(setup.candidates) == 2:  # the choice follows the costs, collectives included
+        plain, checkpointed = setup.candidates
+        gain = _step_cost(plain, plain.traffic_bytes_per_step, 1024) / \
+            _step_cost(checkpointed, checkpointed.traffic_bytes_per_step, 1024)
+        assert setup.activation_checkpointing is (gain >= MIN_CHECKPOINTING_GAIN)
+        assert f"{gain:.2f}x" in setup.reason
+    if fsdp == "none":  # DDP's all-reduce is the same for every microbatch
+        assert len({c.traffic_bytes_per_step for c in setup.candidates}) == 1
+
+
+def test_the_collectives_decide_where_fewer_microbatches_send_less_over_a_slow_link():
+    # flux1-tiny at 2048x2048 is arithmetic-bound (1.9 TFLOP per image, 87 launches at microbatch 16):
+    # a GPU of 10 GiB beside the context fits 16 images without checkpointing, 64 (the per-GPU batch,
+    # one microbatch) with it. Over NVLink the collectives are small and the plain step stays,
+    # without counting the checkpointed one; over 1 Gbit/s Ethernet (0.125 GB/s) four microbatches'
+    # gathers cost more than the recomputed forward, and the reason says the collectives decided it.
+    options = dict(precision="amp_bf16", fsdp="full_shard", num_gpus=8, use_ema=False, precomputed=True)
+    gpu_bytes = memory.CUDA_CONTEXT_BYTES + 10 * memory.GIB
+    nvlink = choose_setup("flux1-tiny", 2048, gpu_bytes, 64, **options)
+    assert (nvlink.activation_checkpointing, nvlink.microbatch) == (False, 16)
+    assert "of checkpointing's arithmetic and one microbatch's collectives alone" in nvlink.reason
+    (plain,) = nvlink.candidates
+    flops = family_of("flux1-tiny").flops_per_image("flux1-tiny", 2048, vae=False, text_encoders=False)
+    one_microbatch = _sent_per_step("flux1-tiny", "full_shard", 8, 1) / (NVLINK4_GB_PER_SEC * 1e9) / 64
+    fewest = flops["total"] + flops["denoiser_fwd"] + one_microbatch * FITTED_FLOPS_PER_SEC
+    assert _step_cost(plain, _sent_per_step("flux1-tiny", "full_shard", 8, 4), 64) < MIN_CHECKPOINTING_GAIN * fewest
+    ethernet = choose_setup("flux1-tiny", 2048, gpu_bytes, 64, link_gb_per_sec=0.125, **options)
+    assert (ethernet.activation_checkpointing, ethernet.microbatch) == (True, 64)
+    plain, checkpointed = ethernet.candidates
+    assert (plain.microbatch, checkpointed.microbatch) == (16, 64)
+    costs = [_step_cost(c, _sent_per_step("flux1-tiny", "full_shard", 8, 64 // c.microbatch), 64, 0.125)
+             for c in (plain, checkpointed)]
+    without_collectives = [_step_cost(c, 0.0, 64) for c in (plain, checkpointed)]
+    gain, compute_gain = costs[0] / costs[1], without_collectives[0] / without_collectives[1]
+    assert compute_gain < MIN_CHECKPOINTING_GAIN <= gain
+    assert f"predicted {gain:.2f}x" in ethernet.reason
+    assert "the collectives decided it" in ethernet.reason and f"{compute_gain:.2f}x without them" in ethernet.reason
 
 
 def test_the_flag_and_a_given_microbatch_are_respected():
@@ -151,7 +226,7 @@ def _last_json(command: list[str]) -> dict:
 
 
 @pytest.mark.multirank
-def test_defaults_on_an_80gb_h100_checkpoint_sdxl_and_not_sd2_or_flux():
+def test_defaults_on_an_80gb_h100_checkpoint_sdxl_and_flux_and_not_sd2():
     # Counted on the meta device for a GPU of 79.1 GiB (an 80 GB H100 as torch reports it), as the
     # bench scripts do: the issue's targets and the set-up keys of both scripts' --json.
     sdxl = _last_json(["bench/step_ops.py", "--model_config", "sdxl-base", "--precomputed", "--precomputed_format",
@@ -165,8 +240,16 @@ def test_defaults_on_an_80gb_h100_checkpoint_sdxl_and_not_sd2_or_flux():
     assert (sd2["activation_checkpointing"], sd2["microbatch"], sd2["weight_casts"]) == (False, 32, "step")
     assert "under 1.10x the" in sd2["activation_checkpointing_reason"]
     # Flux.1-schnell as MLPerf trains it, 8 GPUs under full_shard: microbatch 8 fits without checkpointing,
-    # which would gain less than it must.
+    # 64 with it. Launches and arithmetic alone would gain less than checkpointing must; eight
+    # microbatches' gathers and reduce-scatters (665 GB per GPU against one microbatch's 83 GB) decide it.
     flux = _last_json(["bench/memory.py", "--model_config", "flux1-schnell", "--precomputed", "--no_ema",
                        "--per_device_batch", "64", "--json"])
-    assert (flux["activation_checkpointing"], flux["microbatch"], flux["weight_casts"]) == (False, 8, "microbatch")
-    assert "predicted only" in flux["activation_checkpointing_reason"]
+    plain, checkpointed = (SimpleNamespace(**c) for c in flux["setup_candidates"])
+    assert (plain.microbatch, checkpointed.microbatch) == (8, 64)
+    sent = [_sent_per_step("flux1-schnell", "full_shard", 8, 64 // c.microbatch) for c in (plain, checkpointed)]
+    assert [c.traffic_bytes_per_step for c in (plain, checkpointed)] == pytest.approx(sent)
+    gain = _step_cost(plain, sent[0], 64) / _step_cost(checkpointed, sent[1], 64)
+    assert _step_cost(plain, 0.0, 64) / _step_cost(checkpointed, 0.0, 64) < MIN_CHECKPOINTING_GAIN <= gain
+    assert (flux["activation_checkpointing"], flux["microbatch"], flux["weight_casts"]) == (True, 64, "microbatch")
+    assert f"predicted {gain:.2f}x" in flux["activation_checkpointing_reason"]
+    assert "the collectives decided it" in flux["activation_checkpointing_reason"]

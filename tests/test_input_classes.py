@@ -99,6 +99,8 @@ NUMBER_STRINGS = [
     ("benchmark.py", "--eval_interval", ["nan", "0ba", "5sp"], []),
     ("benchmark.py", "--sample_interval", ["nan", "0ba", "-2ba", "5sp"], ["--sample_prompts", "shapes",
                                                                          "--samples_dir", "/tmp/unused-samples"]),
+    ("benchmark.py", "--sample_size", ["nan", "infxinf", "0x32", "32x-8", "32x36", "64x64"],
+     ["--sample_prompts", "shapes", "--samples_dir", "/tmp/unused-samples"]),
     ("convert.py", "--size_limit", ["nan", "0", "5gb"], []),
     ("convert.py", "--compression", ["lzma"], []),
     ("convert.py", "--hashes", ["sha999"], []),

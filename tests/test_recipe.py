@@ -241,9 +241,11 @@ def test_precomputed_text_states_run_with_dropout_samples_and_export(tmp_path):
     the sampler's encoders and the exported pipeline's come from encoders built aside under --seed."""
     benchmark.main(TINY + ["--precomputed", "--max_duration", "2ba", "--caption_drop_prob", "0.5",
                            "--sample_prompts", "shapes", "--samples_dir", str(tmp_path / "samples"),
-                           "--sample_steps", "2", "--use_ema", "--ema_export_dir", str(tmp_path / "pipe")])
+                           "--sample_steps", "2", "--sample_size", "16x32", "--use_ema",
+                           "--ema_export_dir", str(tmp_path / "pipe")])
     assert (tmp_path / "samples" / "2.png").is_file()
-    assert Image.open(tmp_path / "samples" / "2.png").size == (96, 96)  # 8 prompts of 32 px, 3 x 3
+    # SD2 trains on squares and samples at any --sample_size: 8 prompts of 16 x 32 px, 3 x 3
+    assert Image.open(tmp_path / "samples" / "2.png").size == (96, 48)
     assert {"unet", "vae", "text_encoder", "tokenizer", "scheduler", "model_index.json"} <= {
         p.name for p in (tmp_path / "pipe").iterdir()}
 

@@ -95,6 +95,15 @@ def test_sdxl_base_flops_per_1024_image_equal_a_count_by_hand():
     assert counted["total"] == counted["denoiser_fwd_bwd"]  # precomputed: no encoder runs
 
 
+@pytest.mark.parametrize("height, width", [(32, 128), (128, 32), (48, 80), (40, 56)])
+def test_flops_of_a_bucket_equal_a_count_by_hand(height, width):
+    # Aspect-ratio buckets: (height, width), odd latent sides (6 x 10 down to 3 x 5, then 2 x 3) included.
+    counted = FAMILY.flops_per_image("sdxl-tiny", (height, width), vae=False, text_encoders=False)
+    by_hand = unet_flops.unet_flops(sdxl.SDXL_TINY["unet"], (height // 8, width // 8))
+    assert (counted["denoiser_fwd"], counted["denoiser_fwd_bwd"]) == by_hand
+    assert counted["total"] == counted["denoiser_fwd_bwd"]
+
+
 def test_cost_table_is_labelled_for_sdxl_base_at_1024(tmp_path, capsys):
     import json
 

@@ -1,16 +1,19 @@
 """Images per aspect-ratio bucket and each bucket's images/s (`--aspect_buckets`): what a bucketed run
-trained, shape by shape. The keys and their units: docs/metrics.md.
+trained, shape by shape; the FLOPs of one image in each bucket, which the throughput window adds up
+(`BucketFlops`). The keys and their units: docs/metrics.md.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Callable
 
 import torch
 from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from t2ibench.buckets import Bucket
 from t2ibench.compiling import compile_seconds
 from t2ibench.errors import fail
 
@@ -22,6 +25,47 @@ def batch_bucket(batch: dict[str, torch.Tensor], latent_downsample: int) -> str:
     else:
         height, width = (side * latent_downsample for side in batch["latent_mean"].shape[-2:])
     return f"{height}x{width}"
+
+
+def batch_images(batch: dict[str, torch.Tensor]) -> int:
+    """Images in a batch (this rank's)."""
+    return int(batch["sample_index"].shape[0])
+
+
+class BucketFlops:
+    """FLOPs of one training image in each bucket a run may train, of the whole step and of the
+    trained network alone, and those of a batch by its bucket.
+
+    `count(bucket)` is the run's count of one image at the bucket's (height, width) (benchmark.py: the
+    family's `flops_per_image` on the meta device, 5 to 7 s a bucket for SDXL base or Flux.1 schnell on
+    one CPU core, minutes for a default list of 41). `count_shared()`, called once before the first
+    batch (`Throughput.fit_start`, when the ranks can gather), has each rank count its share of the
+    buckets and gathers them all, so a node of 8 counts a list in an eighth of the time.
+    """
+
+    def __init__(self, buckets: tuple[Bucket, ...], count: Callable[[Bucket], tuple[float, float]],
+                 latent_downsample: int):
+        self.buckets, self.count, self.latent_downsample = buckets, count, latent_downsample
+        self.step: dict[str, float] = {}  # "HxW": FLOPs of one image's step (the results' flops_per_image)
+        self.trained_network: dict[str, float] = {}  # "HxW": the denoiser's forward and backward alone
+
+    def count_shared(self) -> None:
+        if self.step:
+            return  # counted already (a second fit of the same Trainer)
+        rank, ranks = dist.get_global_rank(), dist.get_world_size()
+        mine = {bucket.name: self.count(bucket) for bucket in self.buckets[rank::ranks]}
+        for counted in (dist.all_gather_object(mine) if ranks > 1 else [mine]):
+            for name, (step, trained) in counted.items():
+                self.step[name], self.trained_network[name] = step, trained
+
+    def of_batch(self, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """(step, trained network) FLOPs of this rank's batch: its images times their bucket's."""
+        name, images = batch_bucket(batch, self.latent_downsample), batch_images(batch)
+        return images * self.step[name], images * self.trained_network[name]
+
+    def by_bucket(self) -> dict[str, float]:
+        """`{"HxW": FLOPs}` of one image's step, from the tallest bucket to the widest."""
+        return {name: self.step[name] for name in sorted(self.step, key=by_shape)}
 
 
 class BucketThroughput(Callback):
@@ -72,7 +116,7 @@ class BucketThroughput(Callback):
 
     def after_dataloader(self, state: State, logger: Logger) -> None:
         bucket = batch_bucket(state.batch, self.latent_downsample)
-        count = int(state.batch["sample_index"].shape[0])
+        count = batch_images(state.batch)
         self.images[bucket] += count
         self.current = (bucket, count)
 

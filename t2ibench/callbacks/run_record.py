@@ -7,7 +7,8 @@ from composer.core import Callback
 class RunRecord(Callback):
     """What a checkpoint's weights do not say, saved in every checkpoint for export.py: the model
     configuration and --model_name, the seed the encoders were built from (the --seed, or the one
-    precompute.json recorded for random encoders), the image size and whether it trained on latents."""
+    precompute.json recorded for random encoders), the image size, whether it trained on latents, and
+    --aspect_buckets' list ("HxW" names; empty: square), which the exported pipeline lists beside it."""
 
     def __init__(self, settings: dict):
         self.settings = settings

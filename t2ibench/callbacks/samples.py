@@ -47,18 +47,19 @@ class SampleImages(Callback):
         encoders: the parts used to encode prompts and decode latents (tokenizers, text encoders,
             VAE, latent scale and shift): the model's own, or separately built copies when the
             model trains without them (precomputed).
-        image_size: pixels.
+        height, width: the samples' size in pixels (`--sample_size`; by default --image_size square).
         pauses: where the seconds spent sampling are recorded (the Throughput callback's).
         average: the weight average to sample with once it has started, or None.
         sampler: "ddim" or "euler". num_steps, guidance_scale, seed: as for diffusers pipelines.
     """
 
     def __init__(self, family: ModelFamily, prompts: list[str], folder: str, interval: str, *, encoders: Parts,
-                 image_size: int, pauses: Pauses, average: WeightAverage | None = None, sampler: str = "ddim",
+                 height: int, width: int, pauses: Pauses, average: WeightAverage | None = None, sampler: str = "ddim",
                  num_steps: int = 50, guidance_scale: float = 7.5, seed: int = 0):
         self.family, self.prompts, self.folder = family, prompts, Path(folder)
         self.interval = Time.from_timestring(interval)
-        self.encoders, self.image_size, self.pauses, self.average = encoders, image_size, pauses, average
+        self.encoders, self.pauses, self.average = encoders, pauses, average
+        self.height, self.width = height, width
         self.sampler_name, self.num_steps, self.guidance_scale, self.seed = sampler, num_steps, guidance_scale, seed
         self.written: list[Path] = []
         self._last_batch = -1
@@ -156,7 +157,8 @@ class SampleImages(Callback):
         for encoder in self.encoders.text_encoders.values():
             encoder.to(device)
         vae.to(device)
-        size = self.image_size // self.family.latent_downsample
+        latent_shape = (vae.config.latent_channels, self.height // self.family.latent_downsample,
+                        self.width // self.family.latent_downsample)
         images: list[np.ndarray] = []
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             empty = self._encode([""], device)  # guidance's "no caption", once for every batch
@@ -166,7 +168,7 @@ class SampleImages(Callback):
                 sampler = make_sampler(self.sampler_name, noise_scheduler.config, self.family)  # fresh state per batch
                 latents = sample_latents(self.family, denoiser, self._encode([self.prompts[i] for i in chunk], device),
                                          unconditional, sampler, self.num_steps, self.guidance_scale,
-                                         [self.seed + i for i in chunk], (vae.config.latent_channels, size, size))
+                                         [self.seed + i for i in chunk], latent_shape)
                 images += [image.numpy() for image in
                            decode(vae, latents, self.encoders.latent_scale, self.encoders.latent_shift)]
         vae.decoder.to(decoder_device)

@@ -15,6 +15,7 @@ from composer.core import Callback, State, TimeUnit
 from composer.loggers import Logger
 from composer.utils import dist
 
+from t2ibench.callbacks.buckets import BucketFlops
 from t2ibench.compiling import compile_seconds, graphs_compiled, recompile_limit_hits, watch_recompile_limits
 
 
@@ -131,14 +132,22 @@ class Throughput(Callback):
         trained_flops_per_image: FLOPs of the trained network alone (the denoiser's forward and
             backward) per image, for `mfu_trained_network`: the MFU MLPerf and MosaicML report,
             which leaves out the frozen encoders' forward passes that `mfu` counts.
+        bucket_flops: a bucketed run's FLOPs per image of each bucket (`--aspect_buckets`), counted
+            at fit start; the window's FLOPs are then those of the images it trained, bucket by
+            bucket, and `flops_per_image` (and the trained network's) their mean over those images,
+            instead of the two figures above (the square's).
     """
 
     def __init__(self, warmup_batches: int = 5, flops_per_image: float = 0.0, peak_flops_per_device: float | None = None,
-                 pauses: Pauses | None = None, trained_flops_per_image: float = 0.0):
+                 pauses: Pauses | None = None, trained_flops_per_image: float = 0.0,
+                 bucket_flops: BucketFlops | None = None):
         self.pauses = pauses if pauses is not None else Pauses()
         self.warmup_batches = warmup_batches
         self.flops_per_image = flops_per_image
         self.trained_flops_per_image = trained_flops_per_image
+        self.bucket_flops = bucket_flops
+        # A bucketed run: (step, trained network) FLOPs of this rank's images, cumulative at every batch end.
+        self._flops_done: list[tuple[float, float]] = []
         self.peak_flops_per_device = peak_flops_per_device
         self.summary: dict[str, Any] = {}
         self._batch_times: list[float] = []  # wall clock at the end of every batch, seconds
@@ -190,6 +199,8 @@ class Throughput(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         if self.peak_flops_per_device is None:
             self.peak_flops_per_device = float(get_gpu_flops_available(state))
+        if self.bucket_flops is not None:
+            self.bucket_flops.count_shared()  # before the clock: seconds on one rank, none in the window
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
         self._loader = state.dataloader if time_loader_next(state.dataloader) else None
@@ -230,6 +241,10 @@ class Throughput(Callback):
         compiled = compile_seconds()
         in_batch = compiled - self._compile_at_batch_start if compiled is not None else 0.0
         self._compiling.append((self._compiling[-1] if self._compiling else 0.0) + in_batch)
+        if self.bucket_flops is not None:  # state.batch is the whole batch again here (Composer 0.32.1)
+            step, trained = self._flops_done[-1] if self._flops_done else (0.0, 0.0)
+            batch_step, batch_trained = self.bucket_flops.of_batch(state.batch)
+            self._flops_done.append((step + batch_step, trained + batch_trained))
         self.window_end = now
 
     def fit_end(self, state: State, logger: Logger) -> None:
@@ -250,22 +265,32 @@ class Throughput(Callback):
         saves_in = self._save_seconds[-1] - (self._save_seconds[warmup - 1] if warmup > 0 else 0.0)
         saves_after = self._saves - self._save_seconds[-1]  # so far: FIT_END work is timed by the caller
         memory = peak_memory_bytes()
+        # A bucketed run: the FLOPs of the images this rank trained in the window (bucket by bucket).
+        window_flops = [0.0, 0.0]
+        if self.bucket_flops is not None:
+            before = self._flops_done[warmup - 1] if warmup > 0 else (0.0, 0.0)
+            window_flops = [self._flops_done[-1][i] - before[i] for i in range(2)]
         # Every rank waits for data on its own: the slowest loader sets the pace (max), the mean
-        # says whether that is one rank or all. Peak memory: the fullest device.
+        # says whether that is one rank or all. Peak memory: the fullest device. FLOPs: summed.
         values = torch.tensor([wait, wait, float(memory["peak_memory_bytes"]),
-                               float(memory["peak_memory_reserved_bytes"] or 0)], dtype=torch.float64)
+                               float(memory["peak_memory_reserved_bytes"] or 0), *window_flops], dtype=torch.float64)
         if world_size > 1:
             values = state.device.tensor_to_device(values)
             summed = values.clone()
             dist.all_reduce(values, reduce_operation="MAX")
             dist.all_reduce(summed, reduce_operation="SUM")
             values[1] = summed[1] / world_size
+            values[4:] = summed[4:]
             values = values.cpu()
+        flops_per_image, trained_flops_per_image = self.flops_per_image, self.trained_flops_per_image
+        if self.bucket_flops is not None and samples > 0:
+            # The mean over the window's images, all ranks: each bucket weighs as the images it trained.
+            flops_per_image, trained_flops_per_image = float(values[4]) / samples, float(values[5]) / samples
         per_device = images_per_sec / world_size
         peak_flops = self.peak_flops_per_device or 0.0
-        mfu = per_device * self.flops_per_image / peak_flops if peak_flops and self.flops_per_image else None
-        mfu_trained = (per_device * self.trained_flops_per_image / peak_flops
-                       if peak_flops and self.trained_flops_per_image else None)
+        mfu = per_device * flops_per_image / peak_flops if peak_flops and flops_per_image else None
+        mfu_trained = (per_device * trained_flops_per_image / peak_flops
+                       if peak_flops and trained_flops_per_image else None)
         timed = self._loader is not None
         self.summary = {
             "images_per_sec": images_per_sec,
@@ -281,11 +306,12 @@ class Throughput(Callback):
             "peak_memory_bytes": int(values[2]),
             "peak_memory_reserved_bytes": int(values[3]) if memory["peak_memory_reserved_bytes"] is not None else None,
             "peak_memory_kind": memory["peak_memory_kind"],
-            "flops_per_image": self.flops_per_image,
+            "flops_per_image": flops_per_image,
             "peak_flops_per_device": peak_flops or None,
             "mfu": mfu,
-            "flops_per_image_trained_network": self.trained_flops_per_image,
+            "flops_per_image_trained_network": trained_flops_per_image,
             "mfu_trained_network": mfu_trained,
+            "flops_per_image_by_bucket": self.bucket_flops.by_bucket() if self.bucket_flops is not None else None,
         }
         logger.log_metrics({f"benchmark/{k}": v for k, v in self.summary.items()
                             if isinstance(v, (int, float)) and v is not None})

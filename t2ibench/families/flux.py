@@ -18,6 +18,7 @@ from transformers.models.t5.modeling_t5 import T5Block
 from t2ibench.errors import fail
 from t2ibench.families.family import TINY_VAE_LOGVAR_BIAS, ModelFamily, Parts, load_pretrained, new_text_encoder
 from t2ibench.flops import count_flops
+from t2ibench.images import image_shape
 from t2ibench.objectives import RectifiedFlowObjective
 from t2ibench.tokenizer import MAX_LENGTH as CLIP_MAX_LENGTH
 from t2ibench.tokenizer import VOCAB_SIZE as CLIP_VOCAB_SIZE
@@ -166,9 +167,9 @@ def measure_tiny_vae(seeds: tuple[int, ...] = (0, 1, 17, 42), image_size: int = 
     return sum(shifts) / len(shifts), sum(scales) / len(scales)
 
 
-def analytic_transformer_flops(config: str, image_size: int) -> dict[str, float]:
+def analytic_transformer_flops(config: str, image_size: int | tuple[int, int]) -> dict[str, float]:
     """An independent forward count of the transformer from its architecture alone (2 FLOPs per
-    multiply-add), to check the flop counter's.
+    multiply-add), to check the flop counter's; `image_size` a square's side or (height, width) of a bucket.
 
     Per double-stream block, each stream (image tokens, text tokens) has its own q, k, v, output and
     4x MLP weights (12 d^2 multiply-adds per token) and AdaLN modulation (6 d x d, once per sample);
@@ -179,7 +180,8 @@ def analytic_transformer_flops(config: str, image_size: int) -> dict[str, float]
     """
     c, length = CONFIGS[config]["transformer"], CONFIGS[config]["max_sequence_length"]
     d = c["num_attention_heads"] * c["attention_head_dim"]
-    n_img = (image_size // VAE_DOWNSAMPLE // PATCH_SIZE) ** 2
+    height, width = image_shape(image_size)
+    n_img = (height // VAE_DOWNSAMPLE // PATCH_SIZE) * (width // VAE_DOWNSAMPLE // PATCH_SIZE)
     s = n_img + length
     macs_linear = (
         n_img * c["in_channels"] * d + length * c["joint_attention_dim"] * d  # x_embedder, context_embedder
@@ -295,7 +297,7 @@ class Flux(ModelFamily):
         return [*denoiser.transformer_blocks, *denoiser.single_transformer_blocks]
 
     # -- figures -----------------------------------------------------------------------------------
-    def flops_per_image(self, config: str, image_size: int, *, vae: bool = True,
+    def flops_per_image(self, config: str, image_size: int | tuple[int, int], *, vae: bool = True,
                         text_encoders: bool = True) -> dict[str, float]:
         """`ModelFamily.flops_per_image`, with CLIP-L's and T5-XXL's shares of `text_encoder` apart (`clip`, `t5`)."""
         flops = super().flops_per_image(config, image_size, vae=vae, text_encoders=False)

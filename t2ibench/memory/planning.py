@@ -131,14 +131,15 @@ def _meta_parts(model_config: str):
 
 def fsdp_unit_params(model_config: str) -> dict[str, int]:
     """Parameters of the denoiser's FSDP units as the run wraps them (`ModelFamily.fsdp_blocks`, which
-    `DiffusionModel.mark_fsdp_units` hands Composer): the largest block, and the root unit (what no
+    `DiffusionModel.mark_fsdp_units` hands Composer): the largest block, the root unit (what no
     block holds: embeddings, input and output layers), which FSDP2 keeps gathered from the root's
-    forward to the end of its backward."""
+    forward to the end of its backward, and the whole denoiser (what DDP reduces and FSDP gathers)."""
     denoiser = _meta_parts(model_config).denoiser
     blocks = family_of(model_config).fsdp_blocks(denoiser)
     in_blocks = {id(p) for block in blocks for p in block.parameters()}
     return {"largest_block": max(sum(p.numel() for p in block.parameters()) for block in blocks),
-            "root": sum(p.numel() for p in denoiser.parameters() if id(p) not in in_blocks)}
+            "root": sum(p.numel() for p in denoiser.parameters() if id(p) not in in_blocks),
+            "denoiser": sum(p.numel() for p in denoiser.parameters())}
 
 
 def fixed_bytes(model_config: str, *, precision: str = "amp_bf16", precomputed: bool = False,
@@ -231,9 +232,10 @@ def largest_microbatch(fixed_total_bytes: float, activations: ActivationModel, g
 
 
 @functools.lru_cache(maxsize=None)
-def train_flops_per_image(model_config: str, image_size: int) -> float:
-    """FLOPs of the trained network alone (the denoiser's forward and backward) per image, the
-    family's count with the encoders left out (recomputation under checkpointing not included)."""
+def train_flops_per_image(model_config: str, image_size: int | tuple[int, int]) -> float:
+    """FLOPs of the trained network alone (the denoiser's forward and backward) per image (`image_size`
+    a square's side or a bucket's (height, width)), the family's count with the encoders left out
+    (recomputation under checkpointing not included)."""
     return family_of(model_config).flops_per_image(model_config, image_size, vae=False, text_encoders=False)["total"]
 
 
