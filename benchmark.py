@@ -291,7 +291,7 @@ def apply_speed_settings(settings: Settings, run: Runtime, model: DiffusionModel
         # Every part that runs per step, block by block (t2ibench.compiling). After the float8
         # conversion (build_model), so the converted layers run compiled, and before FSDP wraps the
         # blocks (the Trainer), whose hooks stay outside the graphs.
-        compile_step_parts(model, settings.family.compile_blocks)
+        compile_step_parts(model, settings.family.compile_blocks, num_buckets=len(settings.buckets))
 
 
 @dataclasses.dataclass

@@ -42,6 +42,11 @@ def print_summary(r: dict) -> None:
         inside = r["compile_seconds_in_window"]
         compiled = (f"compile      {r['compiled_graphs']} graphs in {spent}, before the measured window"
                     + (f" but {inside:.1f} s inside it, left out of it" if inside else "") + "\n")
+    hits = r.get("recompile_limit_hits") or []  # results before it: none
+    if hits:  # dynamo ran those functions eagerly from then on, for every shape they had no graph for
+        compiled += (f"compile      WARNING: {len(hits)} compiled functions reached dynamo's recompile limit and ran "
+                     f"eagerly for new shapes from then on ({'; '.join(hits[:3])}{'; ...' if len(hits) > 3 else ''}): "
+                     "the figures above are partly eager\n")
     print(
         "\n=== Stable Diffusion benchmark ===\n"
         f"model {r['model_config']} at {r['image_size']}x{r['image_size']}, {r['precision']}, "

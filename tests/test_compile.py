@@ -1,8 +1,10 @@
 """--compile (t2ibench.compiling): each family's blocks compiled in place, as many graphs as
 bench/compile_graphs.py counts distinct blocks, none compiled after the first batch (so none per step
 from the weight casts or from checkpointing's recomputation), the losses of the eager run; the seconds
-spent compiling in the results, and those inside the measured window left out of it; two ranks under
-FSDP full_shard (multirank).
+spent compiling in the results, and those inside the measured window left out of it; with aspect-ratio
+buckets, each block compiled once for every bucket, and compiling or a recompile limit reached inside a
+bucket's batch left out of its images/s or said in the summary; two ranks under FSDP full_shard
+(multirank).
 
 Compiled runs trace with dynamo and AOT autograd but skip inductor's code generation (backend
 aot_eager, as tests/fault_run.py): on two busy cores inductor compiles C++ for minutes.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 
 import benchmark
+from t2ibench.buckets import read_buckets, synthetic_bucket
 from t2ibench.compiling import graphs_compiled
 from t2ibench.memory.autocast import probe_cpu_autocast
 from tests.helpers import TINY_2BA, Launch, bench_script, supervise, two_ranks
@@ -100,6 +104,85 @@ def test_seconds_compiling_inside_the_window_are_left_out_of_it(one_thread):
     assert results["compile_seconds"] >= results["compile_seconds_in_window"] >= 1.0
     window = probe.ends[-1] - probe.ends[0]  # after the one warm-up batch, to the end of the last
     assert results["measured_seconds"] == pytest.approx(window - results["compile_seconds_in_window"], abs=0.2)
+
+
+# Three buckets of flux1-tiny at 32 px: two token counts (4 and 3), three VAE inputs.
+BUCKETS = "32x32\n16x48\n48x16\n"
+BUCKET_RUN = ["--use_synth_data", "--image_size", "32", "--batch_size", "2", "--num_workers", "0", "--max_duration",
+              "6ba", "--warmup_batches", "1", "--precision", "amp_bf16", "--seed", "4", "--aspect_buckets"]
+
+
+def first_batches(buckets_file: str, image_size: int, num_batches: int, seed: int) -> dict[str, int]:
+    """The batch (1-based) in which each bucket of a one-rank synthetic run first comes (uniform weights)."""
+    buckets = read_buckets(buckets_file, image_size, 16)
+    weights = tuple(1 / len(buckets) for _ in buckets)
+    first: dict[str, int] = {}
+    for batch in range(num_batches):
+        first.setdefault(buckets[synthetic_bucket(weights, seed, 0, 0, batch)].name, batch + 1)
+    return first
+
+
+def test_bucketed_run_compiles_each_block_once_for_every_bucket(aot_eager, one_thread, tmp_path, capsys, monkeypatch):
+    # The run turns duck sizing off for the process (t2ibench.compiling): on again after this test.
+    monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", torch.fx.experimental._config.use_duck_shape)
+    buckets_file = tmp_path / "buckets.txt"
+    buckets_file.write_text(BUCKETS)
+    first = first_batches(str(buckets_file), 32, 6, seed=4)
+    assert len(first) == 3 and max(first.values()) > 1  # buckets first seen inside the window
+    compiled = Batches()
+    results = benchmark.main(["--model_config", "flux1-tiny", *BUCKET_RUN, str(buckets_file), "--compile"],
+                             extra_callbacks=[compiled])
+    assert set(results["images_per_bucket"]) == set(first)
+    counted = COUNT.count_graphs("flux1-tiny", 32, precomputed=False, precomputed_format=None, microbatch=2,
+                                 policy=probe_cpu_autocast(), device_type="cpu")
+    # The graphs of one shape, all compiled in the first batch: the spatial sizes are dynamic, so the
+    # buckets first seen later compile nothing (static graphs would compile again per bucket).
+    assert results["compiled_graphs"] == sum(part["graphs"] for part in counted.values())
+    assert compiled.graphs[0] == compiled.graphs[-1]
+    assert results["compile_seconds"] > 0 and results["compile_seconds_in_window"] == 0
+    assert results["recompile_limit_hits"] == []  # no block ran eagerly
+    assert len(results["images_per_sec_per_device_by_bucket"]) == 3
+    out = capsys.readouterr().out
+    assert f"compile      {results['compiled_graphs']} graphs in" in out and "WARNING" not in out
+
+
+class CompileAndLimitInBatch(CompileInBatch):
+    """From outside: besides the slow compile in batch `batch`, a function compiled for two shapes under
+    a recompile limit of 1 in the same batch, which dynamo then runs eagerly; and each batch's bucket."""
+
+    def __init__(self, batch: int, seconds: float) -> None:
+        super().__init__(batch, seconds)
+        self.buckets: list[str] = []
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        self.buckets.append("x".join(str(side) for side in state.batch["image"].shape[-2:]))
+
+    def after_forward(self, state: State, logger: Logger) -> None:
+        super().after_forward(state, logger)
+        if int(state.timestamp.batch) + 1 == self.batch:
+            torch._dynamo.config.recompile_limit = 1
+            double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+            double(torch.ones(3))
+            double(torch.ones(4))
+
+
+def test_a_buckets_images_per_sec_leave_compiling_out_and_a_limit_reached_is_said(one_thread, tmp_path, monkeypatch,
+                                                                                   capsys):
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
+    buckets_file = tmp_path / "buckets.txt"
+    buckets_file.write_text(BUCKETS)
+    probe = CompileAndLimitInBatch(batch=3, seconds=2.0)
+    results = benchmark.main(["--model_config", "sdxl-tiny", *BUCKET_RUN, str(buckets_file)], extra_callbacks=[probe])
+    assert results["compile_seconds_in_window"] >= 2.0
+    # Each bucket's seconds are those of its batches inside the window (the warm-up batch is not): with
+    # the 2 s of compiling left out, as the window leaves them out, they add up to no more than it.
+    rates = results["images_per_sec_per_device_by_bucket"]
+    measured = Counter(probe.buckets[results["warmup_batches"]:])
+    assert set(rates) == set(measured)
+    bucket_seconds = sum(2 * batches / rates[name] for name, batches in measured.items())
+    assert bucket_seconds <= results["measured_seconds"]
+    assert any("<lambda>" in hit and "recompile_limit (1)" in hit for hit in results["recompile_limit_hits"])
+    assert "compile      WARNING: 1 compiled functions reached dynamo's recompile limit" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

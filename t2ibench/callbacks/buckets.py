@@ -15,6 +15,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from t2ibench.buckets import Bucket
+from t2ibench.compiling import compile_seconds
 from t2ibench.errors import fail
 
 
@@ -154,8 +155,10 @@ class BucketThroughput(Callback):
     """Counts every trained image by its bucket and times each bucket's batches after `warmup_batches`
     (the throughput window's start), from the start of the batch to its end (CUDA synchronized at both,
     which a bucketed run's per-batch clock needs; the optimizer step and every callback's BATCH_END
-    listed before this one are inside, checkpoints and sample grids after it are not). Under DDP a
-    batch also waits for the slowest rank's: a bucket's figure is that of the steps it was in.
+    listed before this one are inside, checkpoints and sample grids after it are not), less the seconds
+    torch spent compiling inside it (`--compile`: a bucket's first batch may compile graphs; the
+    throughput window leaves them out too). Under DDP a batch also waits for the slowest rank's: a
+    bucket's figure is that of the steps it was in.
 
     `summary()`, after fit (every rank has gathered at FIT_END): `images_per_bucket` (all ranks) and
     `images_per_sec_per_device_by_bucket` (images of the bucket's measured batches over their seconds,
@@ -173,6 +176,7 @@ class BucketThroughput(Callback):
         self.measured_seconds: Counter[str] = Counter()
         self.current: tuple[str, int] | None = None
         self.started = 0.0
+        self.compiled_at_start: float | None = None  # compile seconds at the batch's start (None: no timers)
         self.gathered: dict | None = None
 
     def state_dict(self) -> dict:
@@ -202,6 +206,7 @@ class BucketThroughput(Callback):
     def batch_start(self, state: State, logger: Logger) -> None:
         self._sync()
         self.started = time.perf_counter()
+        self.compiled_at_start = compile_seconds()
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self.current is None or int(state.timestamp.batch) <= self.warmup_batches:
@@ -209,7 +214,11 @@ class BucketThroughput(Callback):
         self._sync()
         bucket, count = self.current
         self.measured_images[bucket] += count
-        self.measured_seconds[bucket] += time.perf_counter() - self.started
+        seconds = time.perf_counter() - self.started
+        compiled = compile_seconds()
+        if compiled is not None and self.compiled_at_start is not None:
+            seconds -= compiled - self.compiled_at_start
+        self.measured_seconds[bucket] += seconds
 
     def fit_end(self, state: State, logger: Logger) -> None:
         ranks = dist.all_gather_object((dict(self.images), dict(self.measured_images), dict(self.measured_seconds)))

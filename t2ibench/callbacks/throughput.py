@@ -16,7 +16,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from t2ibench.callbacks.buckets import BucketFlops
-from t2ibench.compiling import compile_seconds, graphs_compiled
+from t2ibench.compiling import compile_seconds, graphs_compiled, recompile_limit_hits, watch_recompile_limits
 
 
 class Pauses:
@@ -155,7 +155,7 @@ class Throughput(Callback):
         self._save_seconds: list[float] = []  # cumulative checkpoint-save seconds at the end of every batch
         self._samples_seen: list[int] = []  # global samples trained at the end of every batch
         self._compiling: list[float] = []  # cumulative seconds compiling inside training batches, at every batch end
-        self._compile_at_start: tuple[float | None, int] = (None, 0)  # (compile seconds, graphs) at fit start
+        self._compile_at_start: tuple[float | None, int, int] = (None, 0, 0)  # (compile seconds, graphs, limit hits)
         self._compile_at_batch_start: float | None = None
         self._loader: Any = None
         self._fit_start = 0.0
@@ -206,7 +206,8 @@ class Throughput(Callback):
         self._loader = state.dataloader if time_loader_next(state.dataloader) else None
         self._fit_start = time.perf_counter()
         self._fit_start_samples = int(state.timestamp.sample.value)  # nonzero after a resume
-        self._compile_at_start = (compile_seconds(), graphs_compiled())
+        watch_recompile_limits()  # whatever compiled it: a function gone eager is said in the summary
+        self._compile_at_start = (compile_seconds(), graphs_compiled(), len(recompile_limit_hits()))
 
     def batch_start(self, state: State, logger: Logger) -> None:
         self._compile_at_batch_start = compile_seconds()
@@ -317,9 +318,12 @@ class Throughput(Callback):
 
     def _compile_summary(self, in_window: float) -> dict[str, Any]:
         """Seconds compiling from the start of fit to its end (evaluations' graphs included), those left
-        out of the window, and the graphs compiled; seconds None where torch keeps no compile timers."""
-        seconds_at_start, graphs_at_start = self._compile_at_start
+        out of the window, the graphs compiled, and the functions that reached one of dynamo's recompile
+        limits during fit (they ran eagerly for shapes they had no graph for); seconds None where torch
+        keeps no compile timers."""
+        seconds_at_start, graphs_at_start, hits_at_start = self._compile_at_start
         now = compile_seconds()
         return {"compile_seconds": now - seconds_at_start if now is not None and seconds_at_start is not None else None,
                 "compile_seconds_in_window": in_window if now is not None else None,
-                "compiled_graphs": graphs_compiled() - graphs_at_start}
+                "compiled_graphs": graphs_compiled() - graphs_at_start,
+                "recompile_limit_hits": recompile_limit_hits()[hits_at_start:]}
