@@ -34,7 +34,8 @@ from t2ibench.precomputed import (BUCKET_KEY, DEFAULT_FAMILY, LATENT_KEYS, TEXT_
                                   TEXT_STATES_KEY, TOKENS,
                                   column_arrays, stored_shapes, text_format, token_column)
 from t2ibench.sources import Source, parse_sources
-from t2ibench.streaming import BAD_CHECK_AFTER, MAX_BAD_FRACTION, StreamingSettings
+from t2ibench.streaming import (BAD_CHECK_AFTER, MAX_BAD_FRACTION, StreamingSettings,
+                                register_shm_prefixes_one_job_at_a_time)
 from t2ibench.tokenizer import MAX_LENGTH
 
 T = TypeVar("T")
@@ -175,6 +176,7 @@ def use_compact_spanner() -> None:
 
 
 use_compact_spanner()  # every dataset of this project, from the first one built
+register_shm_prefixes_one_job_at_a_time()  # two jobs started together on one node (t2ibench.streaming)
 
 
 _PREPARING = _ShardState.PREPARING  # Streaming's state of a shard being downloaded or decompressed

@@ -45,3 +45,54 @@ class StreamingSettings:
     def dataset_kwargs(self, seed: int) -> dict[str, Any]:
         """Keyword arguments of `StreamingDataset`; `seed` seeds the shuffle (the same on every rank)."""
         return {**dataclasses.asdict(self), "shuffle_seed": seed}
+
+
+# Streaming 0.13 names a dataset's shared memory by the first prefix number not in use on the node: each
+# rank scans /dev/shm, then the local leader creates `<prefix>_locals`. Two jobs starting together on a
+# node (two users' runs, a test suite's parallel workers) can scan at once, pick the same number, and the
+# second leader fails with `FileExistsError: [Errno 17] File exists: '/000374_locals'`. Leaders of
+# different jobs therefore pick and create one at a time under a node-wide file lock; the other local
+# ranks of a job scan only once their leader holds it (a barrier), so all of them see the same /dev/shm.
+# Streaming's own scan already steps over prefixes a killed job left behind. A job holds the lock for as
+# long as its ranks take to reach the dataset; the wait is bounded so a stuck job stops another one with
+# a message, not a hang.
+SHM_PREFIX_LOCK_NAME = "t2ibench-streaming-shm-prefix.lock"
+SHM_PREFIX_LOCK_TIMEOUT_S = 600
+
+
+def register_shm_prefixes_one_job_at_a_time() -> None:
+    """Make Streaming's `get_shm_prefix` (in this process) pick and create under the node-wide lock."""
+    import os
+    import tempfile
+
+    import streaming.base.dataset
+    import torch.distributed
+    from filelock import FileLock, Timeout
+
+    from t2ibench.errors import fail
+
+    pick = streaming.base.dataset.get_shm_prefix
+    if getattr(pick, "one_job_at_a_time", False):
+        return
+
+    def get_shm_prefix(streams_local, streams_remote, world, retry=100):
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not world.is_local_leader:
+            if distributed:
+                torch.distributed.barrier()  # the leader holds the lock from here
+            return pick(streams_local, streams_remote, world, retry)
+        lock = FileLock(os.path.join(tempfile.gettempdir(), SHM_PREFIX_LOCK_NAME))
+        try:
+            lock.acquire(timeout=SHM_PREFIX_LOCK_TIMEOUT_S)
+        except Timeout:
+            fail(f"another job on this node has held {lock.lock_file} for {SHM_PREFIX_LOCK_TIMEOUT_S} s while "
+                 "registering its Streaming dataset: end that job (or start this one after it)")
+        try:
+            if distributed:
+                torch.distributed.barrier()
+            return pick(streams_local, streams_remote, world, retry)
+        finally:
+            lock.release()
+
+    get_shm_prefix.one_job_at_a_time = True
+    streaming.base.dataset.get_shm_prefix = get_shm_prefix

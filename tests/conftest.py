@@ -16,6 +16,25 @@ import torch  # noqa: E402
 
 from tests.helpers import free_port
 
+# pytest.ini gives every test TEST_TIMEOUT_S (pytest-timeout: a hang fails that test, not the whole run);
+# a test that launches ranks gets MULTIRANK_TIMEOUT_S: its module's fixture (charged to the first test
+# that asks for it) supervises launches of up to LAUNCH_TIMEOUT_S each, and beside the other worker's
+# tests a two-rank launch takes 2-4 minutes on 2 cores. A test may set its own with @pytest.mark.timeout.
+MULTIRANK_TIMEOUT_S = 900
+# `-n auto` (pytest.ini): one worker per core, at most this many (each holds torch and a model, and a
+# multirank test starts two more processes).
+MAX_TEST_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_TEST_WORKERS))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.get_closest_marker("multirank") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(MULTIRANK_TIMEOUT_S))
+
 
 @pytest.fixture(scope="module")
 def one_thread():
@@ -39,14 +58,26 @@ def s3_endpoint():
     server.stop()
 
 
+def compiling_with(monkeypatch, backend: str):
+    """Make every `Module.compile` of the test use `backend`, dynamo's caches emptied before and after, so
+    that a test's graph count is not lowered by graphs an earlier test compiled for blocks of the same shapes."""
+    monkeypatch.setattr(torch.nn.Module, "compile", functools.partialmethod(torch.nn.Module.compile, backend=backend))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture
 def aot_eager(monkeypatch):
     """`--compile` tracing with dynamo and AOT autograd but without inductor's code generation (the
     aot_eager backend, as tests/fault_run.py's --compile_backend): on two busy cores inductor compiles
-    C++ for minutes. Dynamo's caches are emptied before and after, so that a test's graph count is not
-    lowered by graphs an earlier test compiled for blocks of the same shapes."""
-    monkeypatch.setattr(torch.nn.Module, "compile",
-                        functools.partialmethod(torch.nn.Module.compile, backend="aot_eager"))
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+    C++ for minutes."""
+    yield from compiling_with(monkeypatch, "aot_eager")
+
+
+@pytest.fixture
+def dynamo_eager(monkeypatch):
+    """`--compile` with dynamo's graphs run as they are (the eager backend), the cheapest compiled path:
+    what a test checks of the graphs' contents (the float8 layers in them, their count) needs no AOT
+    autograd, which takes 2.3x the time (tiny at 64 px in float8: 14 s against 33 s a run)."""
+    yield from compiling_with(monkeypatch, "eager")

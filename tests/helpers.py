@@ -45,10 +45,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The folder of the interpreter running the tests, first on a command's PATH: a script a test runs that
+# calls `python` or `composer` (scripts/slurm.sbatch, a documented command) gets this environment's, even
+# when its venv is not activated or another environment's `composer` comes first on the user's PATH.
+INTERPRETER_BIN = os.path.dirname(sys.executable)
+
+
 def offline_env(**extra: str) -> dict[str, str]:
-    """This environment for a command of the repository: offline, no W&B, the repository importable."""
+    """This environment for a command of the repository: offline, no W&B, the repository importable, this
+    interpreter's folder first on PATH."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": path, **extra}
+    search = os.pathsep.join(filter(None, [INTERPRETER_BIN, os.environ.get("PATH")]))
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": path, "PATH": search,
+            **extra}
 
 
 def rank_env(**extra: str) -> dict[str, str]:
@@ -57,12 +66,14 @@ def rank_env(**extra: str) -> dict[str, str]:
 
 
 def composer_launcher(ranks: int = 2) -> list[str]:
-    """Composer's launcher for `ranks` processes on this machine, on a port of their own."""
-    return ["composer", "-n", str(ranks), "--master_port", str(free_port())]
+    """Composer's launcher for `ranks` processes on this machine, on a port of their own, run by the
+    interpreter running the tests (whose ranks it starts with the same one), not by whichever `composer`
+    comes first on PATH."""
+    return [sys.executable, "-m", "composer.cli.launcher", "-n", str(ranks), "--master_port", str(free_port())]
 
 
 def two_ranks(script: str, *args: str) -> list[str]:
-    """`composer -n 2 ROOT/script args...`."""
+    """`python -m composer.cli.launcher -n 2 ROOT/script args...`."""
     return [*composer_launcher(2), str(ROOT / script), *args]
 
 

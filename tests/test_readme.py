@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from flag_reference import COMMANDS, reference
-from tests.helpers import ROOT
+from tests.helpers import INTERPRETER_BIN, ROOT
 
 MARKER = "<!-- cpu-test -->"
 INSTALL = "pip install -r requirements.txt && "
@@ -68,7 +68,9 @@ def test_documented_cpu_command_runs(document: str, block: str, tmp_path: Path):
     shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", "results",
                                                               "wandb", "*.egg-info"))
     script = block.replace(INSTALL, "").replace("python ", f"{sys.executable} ")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(work)}
+    # `composer` in a block is this interpreter's (its folder first on PATH), as `python` is.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(work),
+           "PATH": os.pathsep.join([INTERPRETER_BIN, os.environ["PATH"]])}
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=work, env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, f"{document} block failed:\n{block}\n--- stdout\n{result.stdout[-3000:]}\n" \

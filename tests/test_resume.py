@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import (ROOT, TINY_RANKS, Launch, after_exit, assert_tensors_equal, ema_state, free_port,
-                           kill_at, latest, load, rank_env, supervise, two_ranks)
+from tests.helpers import (INTERPRETER_BIN, ROOT, TINY_RANKS, Launch, after_exit, assert_tensors_equal, ema_state,
+                           free_port, kill_at, latest, load, rank_env, supervise, two_ranks)
 
 RESUME_RUN = TINY_RANKS + ["--max_duration", "8ba", "--save_interval", "2ba", "--run_name", "resume-test",
                            "--autoresume"]
@@ -69,7 +69,7 @@ def slurm_job(tmp: Path) -> Launch:
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = rank_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2",
+    env = rank_env(PATH=os.pathsep.join([str(bin_dir), INTERPRETER_BIN, os.environ["PATH"]]), SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2",
                    SLURM_JOB_NODELIST="node[1-2]", SLURM_CPUS_ON_NODE="1", GPUS_PER_NODE="1",
                    MASTER_PORT=str(free_port()), RUN_NAME=SLURM_RUN_NAME, SAVE_FOLDER=str(tmp / "slurm"))
     args = SLURM_RUN + ["--results_json", str(tmp / "slurm.json")]
