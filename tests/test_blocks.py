@@ -137,10 +137,11 @@ def test_prediction_is_the_sum_of_its_timed_parts_and_compares_with_the_run(meas
         assert row == pytest.approx(before)
 
 
-def test_compiled_blocks_are_timed_apart_from_their_compile_and_compared_with_a_compiled_run(measured_run, aot_eager,
+def test_compiled_blocks_are_timed_apart_from_their_compile_and_compared_with_a_compiled_run(measured_run, dynamo_eager,
                                                                                             tmp_path, capsys):
-    # --compile compiles each part as the run's --compile compiles the model (t2ibench.compiling; aot_eager
-    # here, as tests/test_compile.py): a compiled run is its comparison, an eager one is refused.
+    # --compile compiles each part as the run's --compile compiles the model (t2ibench.compiling; dynamo's
+    # eager backend here: graphs and their compile seconds need no AOT autograd): a compiled run is its
+    # comparison, an eager one is refused.
     compiled_run = tmp_path / "compiled.json"
     benchmark.main(SETTINGS + ["--use_synth_data", "--batch_size", "8", "--device_train_microbatch_size", "4",
                                "--max_duration", "4ba", "--warmup_batches", "2", "--num_workers", "0", "--compile",

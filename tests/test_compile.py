@@ -7,7 +7,8 @@ bucket's batch left out of its images/s or said in the summary; two ranks under 
 (multirank).
 
 Compiled runs trace with dynamo and AOT autograd but skip inductor's code generation (backend
-aot_eager, as tests/fault_run.py): on two busy cores inductor compiles C++ for minutes.
+aot_eager, as tests/fault_run.py): on two busy cores inductor compiles C++ for minutes. The bucketed run,
+which counts graphs and compile seconds, runs dynamo's graphs on its eager backend, the cheapest.
 """
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def first_batches(buckets_file: str, image_size: int, num_batches: int, seed: in
     return first
 
 
-def test_bucketed_run_compiles_each_block_once_for_every_bucket(aot_eager, one_thread, tmp_path, capsys, monkeypatch):
+def test_bucketed_run_compiles_each_block_once_for_every_bucket(dynamo_eager, one_thread, tmp_path, capsys, monkeypatch):
     # The run turns duck sizing off for the process (t2ibench.compiling): on again after this test.
     monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", torch.fx.experimental._config.use_duck_shape)
     buckets_file = tmp_path / "buckets.txt"

@@ -109,7 +109,7 @@ def test_every_family_trains_in_float8(model_config, mode, precision, capsys, on
     assert results["compile"] and results["compiled_graphs"] > 0
 
 
-def test_blocks_py_times_sdxl_in_rowwise_float8_compiled(aot_eager):
+def test_blocks_py_times_sdxl_in_rowwise_float8_compiled(dynamo_eager):
     # bench/blocks.py converts with the same t2ibench.fp8 and compiles as the run: its UNet levels' blocks,
     # proj_in included, run compiled in float8, each level's compile seconds apart from its timed runs.
     import blocks  # bench/blocks.py
