@@ -6,9 +6,10 @@ bench/step_ops.py."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import contextlib
+import io
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from t2ibench.families import family_of
 from t2ibench.gpu_setup import FITTED_FLOPS_PER_SEC, LAUNCH_COST_FLOPS, MIN_CHECKPOINTING_GAIN, choose_setup
 from t2ibench.parallel import NVLINK4_GB_PER_SEC
 from t2ibench.runtime import Runtime
-from tests.helpers import ROOT, TINY_2BA, bench_script, error_of, offline_env
+from tests.helpers import TINY_2BA, bench_script, error_of
 
 H100_BYTES = memory.GPU_MEMORY_GIB["H100 80GB"] * memory.GIB
 # The tiny SD2 model at 64x64 beside the CUDA context: 64 images fit without checkpointing, 128 with it.
@@ -218,31 +219,40 @@ def test_the_runtime_takes_the_counted_setup_on_a_gpu(monkeypatch):
     assert kept.with_counted_setup(explicit, None) == kept
 
 
-def _last_json(command: list[str]) -> dict:
-    out = subprocess.run([sys.executable, *command], cwd=ROOT, env=offline_env(OMP_NUM_THREADS="1"),
-                         capture_output=True, text=True, timeout=1200)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _printed_json(main: Callable[[list[str]], object], argv: list[str]) -> dict:
+    """The JSON a bench script's --json prints last, run in this process as `python bench/NAME.py` runs it."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(argv)
+    return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
-@pytest.mark.multirank
-def test_defaults_on_an_80gb_h100_checkpoint_sdxl_and_flux_and_not_sd2():
+SDXL_DEFAULT = ["--model_config", "sdxl-base", "--precomputed", "--precomputed_format", "text_states", "--json"]
+
+
+@pytest.fixture(scope="module")
+def sdxl_step_ops() -> dict:
+    """bench/step_ops.py --json for SDXL's default on an 80 GB H100: counted once (a minute on a CPU) for
+    the tests that read it."""
+    return _printed_json(step_ops.main, SDXL_DEFAULT)
+
+
+def test_defaults_on_an_80gb_h100_checkpoint_sdxl_and_flux_and_not_sd2(sdxl_step_ops):
     # Counted on the meta device for a GPU of 79.1 GiB (an 80 GB H100 as torch reports it), as the
     # bench scripts do: the issue's targets and the set-up keys of both scripts' --json.
-    sdxl = _last_json(["bench/step_ops.py", "--model_config", "sdxl-base", "--precomputed", "--precomputed_format",
-                       "text_states", "--json"])
+    sdxl = sdxl_step_ops
     # 32, as the H100 ran: with fp32 gradient sums it fits through the allocator's expandable segments
     # (78.7 GiB counted with their 4% reserve, 83.2 with torch's default allocator's 10%: docs/speed.md).
     assert (sdxl["activation_checkpointing"], sdxl["microbatch"], sdxl["weight_casts"]) == (True, 32, "step")
     assert sdxl["activation_checkpointing_reason"].startswith("auto: microbatch 32 with it is predicted")
-    sd2 = _last_json(["bench/memory.py", "--model_config", "sd2-base", "--image_size", "512", "--precomputed",
+    sd2 = _printed_json(bench_script("memory").main, ["--model_config", "sd2-base", "--image_size", "512", "--precomputed",
                       "--num_gpus", "1", "--per_device_batch", "2048", "--json"])
     assert (sd2["activation_checkpointing"], sd2["microbatch"], sd2["weight_casts"]) == (False, 32, "step")
     assert "under 1.10x the" in sd2["activation_checkpointing_reason"]
     # Flux.1-schnell as MLPerf trains it, 8 GPUs under full_shard: microbatch 8 fits without checkpointing,
     # 64 with it. Launches and arithmetic alone would gain less than checkpointing must; eight
     # microbatches' gathers and reduce-scatters (665 GB per GPU against one microbatch's 83 GB) decide it.
-    flux = _last_json(["bench/memory.py", "--model_config", "flux1-schnell", "--precomputed", "--no_ema",
+    flux = _printed_json(bench_script("memory").main, ["--model_config", "flux1-schnell", "--precomputed", "--no_ema",
                        "--per_device_batch", "64", "--json"])
     plain, checkpointed = (SimpleNamespace(**c) for c in flux["setup_candidates"])
     assert (plain.microbatch, checkpointed.microbatch) == (8, 64)
@@ -253,3 +263,16 @@ def test_defaults_on_an_80gb_h100_checkpoint_sdxl_and_flux_and_not_sd2():
     assert (flux["activation_checkpointing"], flux["microbatch"], flux["weight_casts"]) == (True, 64, "microbatch")
     assert f"predicted {gain:.2f}x" in flux["activation_checkpointing_reason"]
     assert "the collectives decided it" in flux["activation_checkpointing_reason"]
+
+
+def test_step_ops_json_and_the_sdxl_default_casts_once_per_step(sdxl_step_ops):
+    result = sdxl_step_ops
+    assert result["weight_casts"] == "step" and result["microbatch"] >= 1
+    assert result["casts_per_image"] <= 230  # issue 28: an eighth of autocast's at microbatch 2
+    assert result["kernels_per_image"] == pytest.approx(sum(result["kernels_per_image_by_kind"].values()))
+    old_result = _printed_json(step_ops.main, [*SDXL_DEFAULT, "--microbatch", "2", "--batch_size", "2",
+                                               "--weight_casts", "microbatch"])
+    # Per microbatch at least one cast per weight tensor forward and one back.
+    num_tensors = sum(1 for _ in family_of("sdxl-base").meta_parts("sdxl-base").denoiser.parameters())
+    assert old_result["kernels_per_microbatch"]["casts"] >= 2 * num_tensors
+    assert old_result["casts_per_image"] > 7 * result["casts_per_image"]
