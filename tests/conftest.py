@@ -30,14 +30,15 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), MAX_TEST_WORKERS))
 
 
-# The files that take longest (pytest --durations=0, summed per file), longest first: each file runs on
-# one worker, and a long one handed out last leaves the other worker idle while it runs (a full run took
-# 15 min with test_fsdp.py starting in its last two minutes). Files not listed follow, those with a
-# multirank test first.
-SLOW_FILES = ("test_readme.py", "test_bucket_runs.py", "test_fsdp.py", "test_latents.py", "test_gpu_setup.py",
-              "test_compile.py", "test_bench_gpu.py", "test_fp8.py", "test_benchmark.py", "test_gpu_path.py",
-              "test_resume.py", "test_blocks.py", "test_input_faults.py", "test_flux_runs.py", "test_bad_input.py",
-              "test_sdxl_runs.py", "test_weight_casts.py", "test_memory.py", "test_data.py")
+# The files that take longest (pytest --durations=0 summed per file, a full run of 2026-11-27), longest
+# first: each file runs on one worker, and a long one handed out last leaves the other worker idle while it
+# runs (the first two-worker run took 19.4 min, test_fsdp.py starting in its last two minutes). Files not
+# listed follow, those with a multirank test first.
+SLOW_FILES = ("test_readme.py", "test_compile.py", "test_gpu_path.py", "test_fsdp.py", "test_input_faults.py",
+              "test_resume.py", "test_bucket_runs.py", "test_latents.py", "test_benchmark.py", "test_sdxl_runs.py",
+              "test_fp8.py", "test_gpu_setup.py", "test_flux_runs.py", "test_bench_gpu.py", "test_blocks.py",
+              "test_bad_input.py", "test_data.py", "test_weight_casts.py", "test_bench_scripts.py", "test_memory.py",
+              "test_gpu_report.py")
 
 
 def pytest_unconfigure(config) -> None:
