@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import pytest
 from filelock import FileLock
@@ -39,3 +40,23 @@ def test_a_dataset_is_registered_only_while_its_job_holds_the_nodes_lock(tmp_pat
         assert job.poll() is None, "the dataset was built while another job held the lock"
     out, err = job.communicate(timeout=120)
     assert job.returncode == 0 and out.strip() == "built", err[-3000:]
+
+
+def test_a_leader_that_waits_too_long_stops_in_one_line_and_other_ranks_never_wait(monkeypatch, tmp_path):
+    import streaming.base.dataset
+
+    import data  # noqa: F401  (installs the registration under the lock)
+    from t2ibench import streaming as settings
+    from t2ibench.errors import UserError
+
+    monkeypatch.setattr(settings, "SHM_PREFIX_LOCK_TIMEOUT_S", 0.2)
+    register = streaming.base.dataset.get_shm_prefix
+    with FileLock(os.path.join(tempfile.gettempdir(), SHM_PREFIX_LOCK_NAME)):  # a stuck job holds it
+        with pytest.raises(UserError) as stopped:
+            register([str(tmp_path)], [None], SimpleNamespace(is_local_leader=True))
+        message = str(stopped.value)
+        assert SHM_PREFIX_LOCK_NAME in message and "another job on this node" in message and "\n" not in message
+        # A rank that is not its node's leader only looks up what its leader registered (a leader of the
+        # same job waits for it at a barrier): here there is none, and Streaming says so at once.
+        with pytest.raises(RuntimeError, match="was not registered by local leader"):
+            register([str(tmp_path)], [None], SimpleNamespace(is_local_leader=False))
