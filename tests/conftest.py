@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from tests.helpers import free_port
 
-# pytest.ini gives every test TEST_TIMEOUT_S (pytest-timeout: a hang fails that test, not the whole run);
+# pytest.ini gives every test `timeout` seconds (pytest-timeout: a hang fails that test, not the whole run);
 # a test that launches ranks gets MULTIRANK_TIMEOUT_S: its module's fixture (charged to the first test
 # that asks for it) supervises launches of up to LAUNCH_TIMEOUT_S each, and beside the other worker's
 # tests a two-rank launch takes 2-4 minutes on 2 cores. A test may set its own with @pytest.mark.timeout.
