@@ -29,7 +29,7 @@ from composer.utils import dist
 from torch.utils.data import DataLoader
 
 import data
-from t2ibench import checks, errors, flags, fp8, memory, parallel, stack
+from t2ibench import allocator, checks, errors, flags, fp8, memory, parallel, stack
 from t2ibench.callbacks.buckets import BucketFlops, BucketThroughput
 from t2ibench.callbacks.empty_epoch import EmptyEpochError, StopOnEmptyEpoch
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
@@ -489,6 +489,7 @@ def train(settings: Settings, run: Runtime, trainer: Trainer, built: Model, meas
         "cuda_allocator_conf": run.allocator.conf if run.allocator else None,
         "cuda_allocator_conf_source": run.allocator.source if run.allocator else None,
         "cuda_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if run.on_gpu else None,
+        "cuda_memory_outside_torch_bytes": allocator.memory_outside_torch_bytes() if run.on_gpu else None,
         **(measured.profile.summary if measured.profile else {}),
         "fp8": settings.fp8,
         "fp8_conversion": built.float8.summary() if built.float8 else None,

@@ -683,7 +683,9 @@ def allocator_words(r: dict) -> str:
     if r.get("cuda_allocator_conf") is None:
         return ""
     return (f", allocator {r['cuda_allocator_conf'] or 'torch defaults'} ({r['cuda_allocator_conf_source']}), "
-            f"{r.get('cuda_alloc_retries')} allocation retries")
+            f"{r.get('cuda_alloc_retries')} allocation retries"
+            + (f", {r['cuda_memory_outside_torch_bytes'] / 2**30:.2f} GiB outside torch at the end"
+               if r.get("cuda_memory_outside_torch_bytes") is not None else ""))
 
 
 def blocks_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:

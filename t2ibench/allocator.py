@@ -76,3 +76,11 @@ def configure() -> AllocatorSetting | None:
         if setter is not None:
             setter(setting.conf)
     return setting
+
+
+def memory_outside_torch_bytes() -> int:
+    """Device memory in use that the caching allocator does not hold (the CUDA context and its kernels,
+    cuBLAS/cuDNN workspaces, NCCL's buffers): the driver's used bytes less what torch has reserved, now.
+    The memory model's CUDA_CONTEXT_BYTES is the budget this is measured against."""
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free - torch.cuda.memory_reserved())
