@@ -64,6 +64,24 @@ def test_busy_never_exceeds_the_window_however_the_work_overlaps():
     assert summarize([], 0, 100, on_device=True)["device_busy_fraction"] == 0.0
 
 
+@pytest.mark.parametrize("intervals, busy_us", [
+    ([(0, 5), (12, 15)], 5),  # one wholly after the window: nothing of it (once 3, less its clipped -2)
+    ([(0, 5), (30, 40)], 5),  # further after (once -15)
+    ([(-20, -10), (0, 5)], 5),  # one wholly before
+    ([(-20, -10), (2, 4), (30, 40), (10, 10)], 2),  # before, inside, after, and one of no length at the end
+    ([(-5, 3), (8, 14)], 5),  # across each end: the parts inside
+    ([(-5, 15)], 10),  # across both: the whole window
+    ([(1, 6), (2, 3), (4, 9), (9, 9.5)], 8.5),  # overlapping and nested, one touching the next
+    ([(11, 12), (-3, -1)], 0),  # none inside
+])
+def test_busy_counts_only_what_lies_inside_the_window(intervals, busy_us):
+    assert union_us(intervals, 0, 10) == busy_us
+    assert union_us(reversed(intervals), 0, 10) == busy_us  # the order the profiler lists them in does not matter
+    # The same through the summary: a kernel stamped after the window takes nothing from the busy time.
+    records = [Record(DEVICE, "k", begin, end) for begin, end in intervals]
+    assert summarize(records, 0, 10, on_device=True)["device_busy_fraction"] == pytest.approx(busy_us / 10)
+
+
 def test_on_a_cpu_busy_is_time_inside_ops_and_the_table_self_time():
     records = [
         Record(ANNOTATION, STEP, 0, 100, thread=1),

@@ -53,12 +53,15 @@ def profile_fits(warmup_batches: int, profile_batches: int, batches_to_train: in
 
 
 def union_us(intervals: Iterable[tuple[float, float]], start_us: float, end_us: float) -> float:
-    """Length of the union of `intervals`, each clipped to [start_us, end_us]: never more than that window."""
+    """Length of the union of `intervals`, each clipped to [start_us, end_us]: never more than that window,
+    never less than 0. An interval wholly before or after the window clips to nothing and is dropped (kept,
+    one after the window, (12, 15) in [0, 10], clipped to (12, 10), once counted as -2 us)."""
     total, reach = 0.0, start_us
     for begin, end in sorted((max(b, start_us), min(e, end_us)) for b, e in intervals):
-        if end <= reach:
+        begin = max(begin, reach)  # what an earlier interval covered is counted already
+        if end <= begin:
             continue
-        total += end - max(begin, reach)
+        total += end - begin
         reach = end
     return total
 
