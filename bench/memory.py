@@ -403,9 +403,11 @@ def main(argv: list[str] | None = None) -> dict | list | str:
     print(f"  fixed per GPU       {g(result['fixed_bytes']):7.2f} GiB")
     if result["microbatch"]:
         print(f"  microbatch          {result['microbatch']} (needs "
-              f"{g(result['predicted_bytes_at_microbatch']):.1f} of {args.gpu_memory_gib:g} GiB)")
+              f"{g(result['predicted_bytes_at_microbatch']):.1f} of the {g(result['usable_bytes']):.1f} GiB usable "
+              f"of {args.gpu_memory_gib:g}: {100 * result['headroom_fraction']:.0f}% is left as headroom)")
     else:
-        print(f"  microbatch          none fits in {args.gpu_memory_gib:g} GiB (one image needs "
+        print(f"  microbatch          none fits in the {g(result['usable_bytes']):.1f} GiB usable of "
+              f"{args.gpu_memory_gib:g} (one image needs "
               f"{g(memory.predicted_bytes(result, 1)):.1f})")
     denoiser = family_of(args.model_config).denoiser_name
     print(f"  trained network     {result['train_flops_per_image'] / 1e9:,.1f} GFLOP per image ({denoiser} forward + "

@@ -146,16 +146,18 @@ def choose_setup(model_config: str, image_size: int, gpu_memory_bytes: float, pe
     if activation_checkpointing != "auto":
         return done(activation_checkpointing == "on", f"--activation_checkpointing {activation_checkpointing}")
     gib = f"{memory.gib(gpu_memory_bytes):.1f} GiB"
+    # What a microbatch must fit in: the device less the plan's headroom (memory.HEADROOM_FRACTION).
+    usable = f"the {memory.gib(memory.usable_bytes(gpu_memory_bytes)):.1f} usable of {gib}"
     plain = planned(False)
     if microbatch is not None:
         need = memory.predicted_bytes(plain, microbatch)
-        if plain["microbatch"] and need <= gpu_memory_bytes:
-            return done(False, f"auto: microbatch {microbatch} fits without it ({memory.gib(need):.1f} of {gib})")
-        return done(True, f"auto: microbatch {microbatch} does not fit without it ({memory.gib(need):.1f} of {gib})")
+        if plain["microbatch"] and need <= memory.usable_bytes(gpu_memory_bytes):
+            return done(False, f"auto: microbatch {microbatch} fits without it ({memory.gib(need):.1f} of {usable})")
+        return done(True, f"auto: microbatch {microbatch} does not fit without it ({memory.gib(need):.1f} of {usable})")
     without = plain["microbatch"]
     if not without:
         return done(True, f"auto: no microbatch fits without it (1 image needs "
-                          f"{memory.gib(memory.predicted_bytes(plain, 1)):.1f} of {gib})")
+                          f"{memory.gib(memory.predicted_bytes(plain, 1)):.1f} of {usable})")
     # Without a batch, the step's once-per-step launches are spread over the largest microbatch counted.
     batch = per_device_batch or memory.MAX_MICROBATCH
     plain_step = _weighed(model_config, image_size, batch, plain, False, weighing)

@@ -8,10 +8,11 @@ step measured), `planning` (the microbatch). The method and its checks: docs/gpu
 from t2ibench.memory.autocast import (CUDA_AUTOCAST, AutocastPolicy, AutocastRules, autocast_dtype,
                                       probe_cpu_autocast)
 from t2ibench.memory.planning import (ALLOCATOR_RESERVE_FRACTION, CUDA_CONTEXT_BYTES,
-                                      EXPANDABLE_SEGMENTS_RESERVE_FRACTION, GIB, GPU_MEMORY_GIB, MAX_MICROBATCH,
+                                      EXPANDABLE_SEGMENTS_RESERVE_FRACTION, GIB, GPU_MEMORY_GIB, HEADROOM_FRACTION,
+                                      MAX_MICROBATCH,
                                       ActivationModel, activation_model, auto_microbatch, fixed_bytes, fsdp_unit_params,
                                       gib, largest_microbatch, plan, predicted_bytes, reserve_fraction,
-                                      train_flops_per_image)
+                                      train_flops_per_image, usable_bytes)
 from t2ibench.memory.saved import LiveBytes, SavedForBackward
 from t2ibench.memory.step import (COUNTED_MICROBATCHES, MetaStep, StepCount, build_meta_model, build_meta_step,
                                   count_step, linear_rows_per_sample, meta_batch, use_checkpointing, use_float8)
@@ -24,10 +25,11 @@ from t2ibench.weight_casts import WEIGHT_CASTS
 
 __all__ = [
     "ALLOCATOR_RESERVE_FRACTION", "COUNTED_MICROBATCHES", "CUDA_AUTOCAST", "CUDA_CONTEXT_BYTES",
-    "EXPANDABLE_SEGMENTS_RESERVE_FRACTION", "FSDP_MODES", "GIB", "GPU_MEMORY_GIB", "MAX_MICROBATCH", "NORM_PRECISIONS",
+    "EXPANDABLE_SEGMENTS_RESERVE_FRACTION", "FSDP_MODES", "GIB", "GPU_MEMORY_GIB", "HEADROOM_FRACTION", "MAX_MICROBATCH", "NORM_PRECISIONS",
     "PRECISIONS", "TEXT_FORMATS", "WEIGHT_CASTS", "ActivationModel",
     "AutocastPolicy", "AutocastRules", "LiveBytes", "MetaStep", "SavedForBackward", "StepCount", "activation_model",
     "auto_microbatch", "autocast_dtype", "build_meta_model", "build_meta_step", "count_step", "fixed_bytes",
     "fsdp_unit_params", "gib", "largest_microbatch", "linear_rows_per_sample", "meta_batch", "plan", "predicted_bytes",
-    "probe_cpu_autocast", "reserve_fraction", "train_flops_per_image", "use_checkpointing", "use_float8",
+    "probe_cpu_autocast", "reserve_fraction", "train_flops_per_image", "usable_bytes", "use_checkpointing",
+    "use_float8",
 ]

@@ -33,11 +33,16 @@ ALLOCATOR_RESERVE_FRACTION = 0.10
 # With expandable segments (the default on CUDA, t2ibench.allocator): one segment per stream grows in
 # 20 MiB pages (2 MiB for allocations under 1 MiB), and before it reports out of memory the allocator
 # unmaps every free page and retries, so a free hole costs no device memory at the limit. What stays
-# is what the steps above without recomputation or a second set of shapes showed (1.4-2.3%: blocks
-# rounded and split, part-used pages). 4% is the largest of those with three quarters again as margin;
-# it is not measured with the setting on a GPU: bench/gpu_report.py records allocated, reserved and
-# the allocator's retries of each row to check it (docs/speed.md, "The allocator's setting").
-EXPANDABLE_SEGMENTS_RESERVE_FRACTION = 0.04
+# is blocks rounded and split and part-used pages: measured on an H100 (results/h100-2026-11-27),
+# SDXL 1024 with checkpointing at microbatch 32 reserved 78.12 GiB over 74.63 allocated (4.7%, with 4
+# allocation retries: at the device's limit) and SD2 512 precomputed at 32, 0.6%. 5% is the larger.
+EXPANDABLE_SEGMENTS_RESERVE_FRACTION = 0.05
+# What a plan leaves free of the device beyond its prediction: the count's own error (SDXL's step
+# allocated 0.5% more than counted on 2026-11-27, 1.3% before) and how the allocator's reserve varies
+# with the set-up and the run. A microbatch fits when its prediction is within the rest
+# (`usable_bytes`); a run whose first batches still run out of memory halves its microbatch
+# (t2ibench.callbacks.oom_fallback).
+HEADROOM_FRACTION = 0.03
 # torch.cuda.get_device_properties(0).total_memory of common GPUs, GiB: what `auto` compares with.
 GPU_MEMORY_GIB = {"A100 40GB": 39.4, "A100 80GB": 79.1, "H100 80GB": 79.1, "H200 141GB": 139.8}
 MAX_MICROBATCH = 1024
@@ -214,16 +219,21 @@ def reserve_fraction(expandable_segments: bool) -> float:
     return EXPANDABLE_SEGMENTS_RESERVE_FRACTION if expandable_segments else ALLOCATOR_RESERVE_FRACTION
 
 
+def usable_bytes(gpu_memory_bytes: float) -> float:
+    """The device memory a plan may fill: all but HEADROOM_FRACTION of it."""
+    return gpu_memory_bytes * (1 - HEADROOM_FRACTION)
+
+
 def largest_microbatch(fixed_total_bytes: float, activations: ActivationModel, gpu_memory_bytes: float,
                        per_device_batch: int | None = None, reserve: float = ALLOCATOR_RESERVE_FRACTION) -> int:
     """Largest power of two b (dividing `per_device_batch` when given) with
-    (fixed + peak(b)) * (1 + reserve) + CUDA_CONTEXT_BYTES <= gpu memory; 0 if none."""
+    (fixed + peak(b)) * (1 + reserve) + CUDA_CONTEXT_BYTES <= the usable part of gpu memory; 0 if none."""
     best, size = 0, 1
     limit = per_device_batch or MAX_MICROBATCH
     while size <= limit:
         tensors = fixed_total_bytes + activations.peak_bytes(size)
         need = tensors * (1 + reserve) + CUDA_CONTEXT_BYTES
-        if need > gpu_memory_bytes:
+        if need > usable_bytes(gpu_memory_bytes):
             break
         if per_device_batch is None or per_device_batch % size == 0:
             best = size
@@ -279,7 +289,7 @@ def plan(model_config: str = "sd2-base", image_size: int | tuple[int, int] | Non
         activations, saved_per_microbatch=activations.saved_per_microbatch - activations.weight_cast_bytes,
         peak_per_microbatch=activations.peak_per_microbatch - activations.weight_cast_bytes)
     microbatch = largest_microbatch(tensors, activations_without_casts, gpu_memory_bytes, per_device_batch, reserve)
-    if step_end * (1 + reserve) + CUDA_CONTEXT_BYTES > gpu_memory_bytes:
+    if step_end * (1 + reserve) + CUDA_CONTEXT_BYTES > usable_bytes(gpu_memory_bytes):
         microbatch = 0
     fixed = tensors * (1 + reserve) + CUDA_CONTEXT_BYTES
     result = {
@@ -288,6 +298,8 @@ def plan(model_config: str = "sd2-base", image_size: int | tuple[int, int] | Non
         "use_ema": use_ema, "fsdp": fsdp, "num_gpus": num_gpus, "ddp_bucket_view": bucket_view,
         "activation_checkpointing": activation_checkpointing, "weight_casts": weight_casts, "fp8": fp8,
         "gpu_memory_bytes": int(gpu_memory_bytes),
+        "headroom_fraction": HEADROOM_FRACTION,
+        "usable_bytes": int(usable_bytes(gpu_memory_bytes)),
         "activation_bytes_per_image": int(activations.saved_per_image),
         "activation_bytes_per_microbatch": int(activations_without_casts.saved_per_microbatch),
         "peak_bytes_per_image": int(activations.peak_per_image),
