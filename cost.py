@@ -6,30 +6,28 @@
 
 Turns images/s on some GPU counts into days, GPU-hours and dollars for the whole training run, as
 the 2023 MosaicML table did, and predicts the counts not measured. The arithmetic, the scaling
-model and which results may be mixed are in docs/cost.md.
+model and which results may be mixed are in docs/cost.md. Its parts, in t2ibench: cost_results (the
+results files read), cost_scaling (the arithmetic and the scaling model), cost_table (the table and
+its files); here the flags, their checks and the story the table tells.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
-from dataclasses import dataclass, field
 
 from t2ibench import errors
-from t2ibench.buckets import DEFAULT as DEFAULT_BUCKETS
-from t2ibench.buckets import parse_bucket, synthetic_weights
-from t2ibench.cli import GPU_COUNT, MAX_GPUS, MAX_IMAGE_SIZE, POSITIVE_FLOAT, Parser
+from t2ibench.cli import GPU_COUNT, POSITIVE_FLOAT, Parser
+from t2ibench.cost_results import (Measurement, average_by_gpus, bucket_mix, check_consistent, describe_mix,
+                                   load_results, pixel_fraction)
+from t2ibench.cost_scaling import add_precompute, cost_table, default_num_gpus, fit_scaling, mlperf_rows, model_notes
 from t2ibench.cost_table import Row, format_table, plot, write_csv, write_markdown
 from t2ibench.errors import fail
 from t2ibench.files import write_error
 from t2ibench.locations import check_output, check_outputs_apart, normalise
-from t2ibench.scale import (MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU, MLPERF_FLUX_TRAIN_SAMPLES, PRICED_MODELS,
+from t2ibench.scale import (MLPERF_FLUX_TRAIN_SAMPLES, PRICED_MODELS,
                             SAMPLES,  # 2023: 1.4M x 2048
                             USD_PER_GPU_HOUR)  # $2 per A100-hour
-SECONDS_PER_DAY = 86_400
-# The default table runs at least to this count, the largest one in the 2023 table.
-DEFAULT_MAX_GPUS = 256
+
 # The one-time pass of a run on precomputed latents (cost.py --precompute): latents.py encodes each
 # distinct image once. Its default speed comes from the encoders' FLOPs (the family's count, per
 # 512x512 image: VAE encoder 1,117 GFLOP; the text encoder's 45 only with --store_text_states) on an
@@ -50,333 +48,6 @@ NAMED_MODELS = {"sd2-base": ("SD2 base", 512), "flux1-schnell": ("Flux.1-schnell
 # What --model_config may name for --gpus/--images_per_sec pairs: (name, the size they are taken at).
 PAIR_MODELS = {**{config: (name, size) for config, (name, size, _) in PRICED_MODELS.items()}, **NAMED_MODELS}
 
-
-@dataclass(frozen=True)
-class BucketList:
-    """The aspect-ratio buckets a result trained on (benchmark.py --aspect_buckets), or none: square images.
-
-    Two results are of one list when they name the same buckets (`bucket_list`), whatever file held them;
-    a result that records only the flag (`aspect_buckets`, written before the list was) is compared by the
-    flag as given. `repr` is how the refusals and the table name it."""
-    identity: tuple[str, ...] = ()  # the "HxW" names; ("--aspect_buckets", spec) when only the flag is known
-    spec: str | None = field(default=None, compare=False)  # --aspect_buckets as given: "default" or a file
-    image_size: int | None = field(default=None, compare=False)  # the size the default list is scaled to
-    count: int | None = field(default=None, compare=False)  # buckets in the list, when it is recorded
-
-    @property
-    def bucketed(self) -> bool:
-        return self.spec is not None
-
-    def __repr__(self) -> str:
-        if not self.bucketed:
-            return "square"
-        listed = f"the default list at {self.image_size}" if self.spec == DEFAULT_BUCKETS else f"the list {self.spec}"
-        return listed + (f" ({self.count} buckets)" if self.count else " (its buckets not recorded)")
-
-    def label(self, image_size: int) -> str:
-        """How titles and captions name a bucketed run's images: '41 aspect-ratio buckets around
-        1024x1024 (the default list)'."""
-        listed = "the default list" if self.spec == DEFAULT_BUCKETS else f"the list {self.spec}"
-        return (f"{self.count} " if self.count else "") + f"aspect-ratio buckets around {image_size}x{image_size} ({listed})"
-
-
-SQUARE = BucketList()
-
-
-@dataclass(frozen=True)
-class BucketWeights:
-    """--synthetic_bucket_weights as a run recorded it, compared by the shares it gives each bucket of the
-    list (`40x96=3,64x64=1` and `64x64=2,40x96=6` are one mix); its repr is the flag's value."""
-    identity: tuple  # each bucket's share of the list (to 1e-9); (the value as written,) without the list
-    spec: str = field(compare=False)
-
-    def __repr__(self) -> str:
-        return repr(self.spec)
-
-
-@dataclass
-class Measurement:
-    """One throughput measurement: `images_per_sec` is global (all `num_gpus` GPUs together)."""
-    num_gpus: int
-    images_per_sec: float
-    source: str = "--images_per_sec"  # the results file it came from, or the flag
-    device: str | None = None
-    image_size: int | None = None
-    model_config: str | None = None
-    precomputed: bool | None = None  # trained from precomputed latents (no VAE/text encoder in the step)
-    # A results file without 'aspect_buckets' was written before buckets existed (or by hand): square.
-    aspect_buckets: BucketList = SQUARE
-    # How often synthetic batches came from each bucket (--synthetic_bucket_weights); None for real data.
-    synthetic_bucket_weights: BucketWeights | None = None
-    images_per_bucket: dict[str, int] = field(default_factory=dict)  # the mix trained: {"HxW": images}
-    largest_bucket: str | None = None  # the bucket the memory model sized the microbatch for
-
-
-@dataclass
-class ScalingModel:
-    """Per-GPU throughput model. `measured` maps GPU count -> global images/s (averaged);
-    `per_doubling` is the factor applied to per-GPU images/s for each doubling of the GPU count
-    outside the measured range (already clamped to [0.5, 1])."""
-    measured: dict[int, float]
-    per_doubling: float
-    fitted_per_doubling: float  # before clamping, for the report
-
-
-# -----------------------------------------------------------------------------
-# arithmetic
-
-def days_to_train(samples: float, images_per_sec: float) -> float:
-    """Wall-clock days to push `samples` images through at `images_per_sec` (global)."""
-    return samples / images_per_sec / SECONDS_PER_DAY
-
-
-def make_row(num_gpus: int, images_per_sec: float, samples: float, usd_per_gpu_hour: float,
-             source: str) -> Row:
-    """Days, GPU-hours (days * 24 * num_gpus) and dollars (GPU-hours * price) for one GPU count."""
-    days = days_to_train(samples, images_per_sec)
-    gpu_hours = days * 24 * num_gpus
-    return Row(num_gpus, images_per_sec, days, gpu_hours, gpu_hours * usd_per_gpu_hour, source)
-
-
-def add_precompute(rows: list[Row], images: float, images_per_sec_per_gpu: float, usd_per_gpu_hour: float) -> list[Row]:
-    """The rows with the one-time latents.py pass added, run on the same GPUs before training:
-    GPU-hours = images / (images/s per GPU) / 3600, whatever the GPU count (it scales linearly:
-    every GPU encodes its own chunks), so days grow by GPU-hours / 24 / GPUs."""
-    gpu_hours = images / images_per_sec_per_gpu / 3600
-    return [Row(r.num_gpus, r.images_per_sec, r.days + gpu_hours / 24 / r.num_gpus, r.gpu_hours + gpu_hours,
-                r.cost_usd + gpu_hours * usd_per_gpu_hour, r.source) for r in rows]
-
-
-# -----------------------------------------------------------------------------
-# inputs
-
-def load_results(path: str) -> Measurement:
-    """Read one results JSON file. Raises ValueError with a message that names the file."""
-    if not os.path.isfile(path):
-        raise ValueError(f"{path}: no such file")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot read ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object with 'images_per_sec' and 'world_size'")
-    if data.get("already_complete"):
-        raise ValueError(f"{path}: written by a retried run that was already complete, so nothing was measured; "
-                         "use the results of the run that trained")
-    for key in ("images_per_sec", "world_size"):
-        if key not in data:
-            raise ValueError(f"{path}: missing '{key}' (need 'images_per_sec' and 'world_size')")
-    ips, n = data["images_per_sec"], data["world_size"]
-    # bool is an int in Python, and a JSON true is never a GPU count
-    if isinstance(ips, bool) or not isinstance(ips, (int, float)) or not math.isfinite(ips) or ips <= 0:
-        raise ValueError(f"{path}: 'images_per_sec' must be a positive number, got {ips!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_GPUS:
-        shown = repr(n) if len(repr(n)) <= 40 else f"a number of {len(str(n))} digits"
-        raise ValueError(f"{path}: 'world_size' must be a positive integer (GPUs, at most {MAX_GPUS:,}), got {shown}")
-    for key, kind, what in (("device", str, "a device name"), ("model_config", str, "a model configuration name"),
-                            ("image_size", int, "a size in pixels"), ("precomputed", bool, "true or false")):
-        value = data.get(key)
-        if value is not None and (not isinstance(value, kind) or (kind is int and (
-                isinstance(value, bool) or not 0 < value <= MAX_IMAGE_SIZE))):
-            raise ValueError(f"{path}: '{key}' must be {what}, got {str(value)[:40]!r}")
-    return Measurement(n, float(ips), path, data.get("device"), data.get("image_size"), data.get("model_config"),
-                       data.get("precomputed"), *load_buckets(path, data))
-
-
-def load_buckets(path: str, data: dict) -> tuple[BucketList, BucketWeights | None, dict[str, int], str | None]:
-    """A results file's buckets: (the list, --synthetic_bucket_weights, the images trained per bucket, the
-    largest bucket); square when it has no 'aspect_buckets'. Raises ValueError naming the file."""
-    spec = data.get("aspect_buckets")
-    if spec is None:
-        return SQUARE, None, {}, None
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(f"{path}: 'aspect_buckets' must be \"default\", a file name or null, got {str(spec)[:40]!r}")
-    names = data.get("bucket_list")
-    if names is not None and (not isinstance(names, list) or not names or not all(
-            isinstance(name, str) and parse_bucket(name) for name in names)):
-        raise ValueError(f"{path}: 'bucket_list' must be a list of \"HxW\" buckets, got {str(names)[:40]!r}")
-    images = data.get("images_per_bucket") or {}
-    if not isinstance(images, dict) or not all(
-            isinstance(name, str) and parse_bucket(name) and isinstance(count, int) and not isinstance(count, bool)
-            and count >= 0 for name, count in images.items()):
-        raise ValueError(f"{path}: 'images_per_bucket' must map \"HxW\" buckets to image counts, "
-                         f"got {str(images)[:40]!r}")
-    strays = sorted(set(images) - set(names or images))
-    if strays:
-        raise ValueError(f"{path}: 'images_per_bucket' names {', '.join(strays)}, not in its 'bucket_list'")
-    weights, largest = data.get("synthetic_bucket_weights"), data.get("largest_bucket")
-    if weights is not None and not isinstance(weights, str):
-        raise ValueError(f"{path}: 'synthetic_bucket_weights' must be \"uniform\", HxW=WEIGHT,... or null, "
-                         f"got {str(weights)[:40]!r}")
-    largest = largest.get("bucket") if isinstance(largest, dict) else None
-    identity = tuple(names) if names else ("--aspect_buckets", spec)
-    listed = BucketList(identity, spec, data.get("image_size"), len(names) if names else None)
-    if weights is not None:  # benchmark.py's own rule reads them (a bad value: one line naming the file)
-        shares = synthetic_weights(weights, tuple(parse_bucket(name) for name in names),
-                                   f"{path}: 'synthetic_bucket_weights'") if names else None
-        weights = BucketWeights(tuple(round(share, 9) for share in shares) if shares else (weights,), weights)
-    return listed, weights, images, largest if isinstance(largest, str) and parse_bucket(largest) else None
-
-
-# What results must share to be fitted into one curve: the GPU, the model at its size, the latents mode,
-# and the aspect-ratio buckets with the shares synthetic batches drew them in (the mix is the throughput's
-# condition, as the size is a square run's).
-CONSISTENT_KEYS = ("device", "image_size", "model_config", "precomputed", "aspect_buckets", "synthetic_bucket_weights")
-
-
-def check_consistent(measurements: list[Measurement], keys: tuple[str, ...] = CONSISTENT_KEYS) -> None:
-    """Refuse to fit one scaling curve through different GPUs, image sizes, models, latents modes or buckets."""
-    for key in keys:
-        seen = {}
-        for m in measurements:
-            value = getattr(m, key)
-            if value is not None:
-                seen.setdefault(value, m.source)
-        if len(seen) > 1:
-            detail = ", ".join(f"{v!r} in {src}" for v, src in seen.items())
-            raise ValueError(f"results mix different '{key}' values ({detail}); give one at a time")
-
-
-def bucket_mix(measurements: list[Measurement]) -> dict[str, int]:
-    """The images the results trained in each bucket, all of them together (one list: check_consistent)."""
-    mix: dict[str, int] = {}
-    for m in measurements:
-        for name, images in m.images_per_bucket.items():
-            mix[name] = mix.get(name, 0) + images
-    return mix
-
-
-def pixel_fraction(mix: dict[str, int], image_size: int) -> float | None:
-    """An image's pixels in the mix, on average, as a fraction of image_size^2 (the square run's); None
-    without a mix. What an image costs the VAE encoder scales with it (a convolutional network)."""
-    total = sum(mix.values())
-    if not total:
-        return None
-    return sum(parse_bucket(name).pixels * images for name, images in mix.items()) / total / image_size ** 2
-
-
-def describe_mix(measurements: list[Measurement], image_size: int) -> tuple[str, float | None]:
-    """(a line on the buckets a bucketed run trained, the share of its largest bucket): the mix is the
-    condition of the images/s measured, as the image size is a square run's."""
-    listed, mix = measurements[0].aspect_buckets, bucket_mix(measurements)
-    weights = next((m.synthetic_bucket_weights for m in measurements if m.synthetic_bucket_weights), None)
-    drawn = f", synthetic batches drawn by --synthetic_bucket_weights {weights.spec}" if weights else ""
-    total = sum(mix.values())
-    if not total:
-        return f"aspect-ratio buckets: {listed!r}{drawn}; the results do not record the mix trained", None
-    largest = next((m.largest_bucket for m in measurements if m.largest_bucket), None)
-    share = mix.get(largest, 0) / total if largest else None
-    line = (f"aspect-ratio buckets: {listed!r}{drawn}; the mix trained: {total:,} images in {len(mix)}"
-            + (f" of the {listed.count}" if listed.count else "") + " buckets"
-            + (f", {share:.0%} in the largest ({largest})" if largest else "")
-            + f", {pixel_fraction(mix, image_size):.1%} of {image_size}x{image_size}'s pixels an image on average; "
-            "images/s is this mix's (another mix, from other data or weights, trains at another speed)")
-    return line, share
-
-
-def average_by_gpus(measurements: list[Measurement]) -> tuple[dict[int, float], list[str]]:
-    """Average global images/s per GPU count. Returns {num_gpus: images/s} and notes on averaging."""
-    groups: dict[int, list[float]] = {}
-    for m in measurements:
-        groups.setdefault(m.num_gpus, []).append(m.images_per_sec)
-    notes = []
-    for n, values in sorted(groups.items()):
-        if len(values) > 1:
-            listed = ", ".join(f"{v:,.1f}" for v in values)
-            notes.append(f"averaged {len(values)} measurements at {n} GPUs "
-                         f"({listed}) -> {sum(values) / len(values):,.1f} images/s")
-    return {n: sum(v) / len(v) for n, v in sorted(groups.items())}, notes
-
-
-# -----------------------------------------------------------------------------
-# scaling model
-
-def fit_scaling(measured: dict[int, float]) -> ScalingModel:
-    """Least-squares fit of ln(per-GPU images/s) against log2(num_gpus) over the measured counts.
-    With a single count the slope is 0, i.e. linear scaling."""
-    xs = [math.log2(n) for n in measured]
-    ys = [math.log(ips / n) for n, ips in measured.items()]
-    slope = 0.0
-    if len(xs) > 1:
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    fitted = math.exp(slope)
-    return ScalingModel(dict(sorted(measured.items())), min(max(fitted, 0.5), 1.0), fitted)
-
-
-def predict_images_per_sec(model: ScalingModel, num_gpus: int) -> float:
-    """Global images/s predicted at `num_gpus` (equal to the measurement at a measured count)."""
-    if num_gpus in model.measured:
-        return model.measured[num_gpus]
-    counts = list(model.measured)
-    per_gpu = {n: ips / n for n, ips in model.measured.items()}
-    x = math.log2(num_gpus)
-    below = [n for n in counts if n < num_gpus]
-    above = [n for n in counts if n > num_gpus]
-    if below and above:  # interpolate between the two measured neighbours
-        lo, hi = below[-1], above[0]
-        w = (x - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
-        log_t = (1 - w) * math.log(per_gpu[lo]) + w * math.log(per_gpu[hi])
-    else:  # extrapolate from the nearest measured count by the fitted factor per doubling
-        anchor = below[-1] if below else above[0]
-        log_t = math.log(per_gpu[anchor]) + math.log(model.per_doubling) * (x - math.log2(anchor))
-    t = math.exp(log_t)
-    if below:
-        # never beat linear scaling from the nearest measured count below (noisy data can
-        # make the interpolation rise)...
-        t = min(t, per_gpu[below[-1]])
-        # ...and never let extra GPUs make the whole job slower than a smaller measured count
-        t = max(t, max(model.measured[n] for n in below) / num_gpus)
-    return t * num_gpus
-
-
-def cost_table(measured: dict[int, float], num_gpus: list[int], samples: float = SAMPLES,
-               usd_per_gpu_hour: float = USD_PER_GPU_HOUR) -> list[Row]:
-    """Rows for each requested GPU count: measured ones from `measured` ({gpus: images/s}),
-    the rest predicted by `fit_scaling`. samples in images, price in USD per GPU-hour."""
-    model = fit_scaling(measured)
-    rows = []
-    for n in sorted(set(num_gpus)):
-        source = "measured" if n in measured else "predicted"
-        rows.append(make_row(n, predict_images_per_sec(model, n), samples, usd_per_gpu_hour, source))
-    return rows
-
-
-def default_num_gpus(measured: dict[int, float]) -> list[int]:
-    """The measured counts, plus powers of two from the smallest measured count up to twice the
-    largest one (and at least to 256, to line up with the 2023 table)."""
-    top = max(2 * max(measured), DEFAULT_MAX_GPUS)
-    n = 1 << (min(measured) - 1).bit_length()  # smallest power of two >= the smallest count
-    counts = set(measured)
-    while n <= top:
-        counts.add(n)
-        n *= 2
-    return sorted(counts)
-
-
-def model_notes(model: ScalingModel) -> list[str]:
-    """Human-readable lines about what the prediction assumes."""
-    counts = list(model.measured)
-    if len(counts) == 1:
-        return [f"only one measured GPU count ({counts[0]}): predictions assume linear scaling "
-                f"(constant images/s per GPU), an upper bound on real throughput"]
-    line = (f"scaling fit over {len(counts)} measured counts ({counts[0]}..{counts[-1]} GPUs): "
-            f"per-GPU images/s x{model.fitted_per_doubling:.3f} per doubling")
-    if model.per_doubling != model.fitted_per_doubling:
-        line += f", clamped to x{model.per_doubling:.3f}"
-    doublings = [(a, b) for a, b in zip(counts, counts[1:]) if b == 2 * a]
-    if doublings:
-        per_gpu = {n: ips / n for n, ips in model.measured.items()}
-        kept = ", ".join(f"{b}: {per_gpu[b] / per_gpu[a]:.3f}" for a, b in doublings)
-        line += f" (measured doublings -> {kept})"
-    return [line]
-
-
-# -----------------------------------------------------------------------------
-# command line
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
@@ -434,12 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
                         f"at 1024 (4,879), {FLUX_PRECOMPUTE_IMAGES_PER_SEC:.1f} for Flux (T5-XXL, CLIP and the VAE, "
                         "2,683 GFLOP/image)")
     return p
-
-
-def mlperf_rows(num_gpus: list[int], samples: float, usd_per_gpu_hour: float) -> list[Row]:
-    """Reference rows at each GPU count: MLPerf v5.1's per-GPU Flux.1 throughputs, scaled linearly."""
-    return [make_row(n, per_gpu * n, samples, usd_per_gpu_hour, f"MLPerf v5.1 {gpu} (published elsewhere)")
-            for n in num_gpus for gpu, per_gpu in MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU.items()]
 
 
 # The model the 2023 table is for: results of anything else are labeled as such.

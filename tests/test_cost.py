@@ -10,7 +10,7 @@ import pytest
 
 import benchmark
 import cost
-from t2ibench import cost_table
+from t2ibench import cost_scaling, cost_table
 from t2ibench.buckets import parse_bucket
 from tests.helpers import ROOT, error_of
 
@@ -41,7 +41,7 @@ def test_2023_table_is_not_self_consistent():
 
 
 def test_reproduces_2023_table():
-    rows = cost.cost_table(MEASURED_2023, list(MEASURED_2023))  # default samples and price
+    rows = cost_scaling.cost_table(MEASURED_2023, list(MEASURED_2023))  # default samples and price
     assert [r.num_gpus for r in rows] == list(MEASURED_2023)
     for r in rows:
         _, days_printed, hours_printed, cost_printed = TABLE_2023[r.num_gpus]
@@ -56,8 +56,8 @@ def test_reproduces_2023_table():
 
 
 def test_256_prediction_between_last_measurement_and_linear():
-    model = cost.fit_scaling(MEASURED_2023)
-    ips = cost.predict_images_per_sec(model, 256)
+    model = cost_scaling.fit_scaling(MEASURED_2023)
+    ips = cost_scaling.predict_images_per_sec(model, 256)
     assert 1618.4 < ips < 2 * 1618.4
     # one more doubling from the 128-GPU measurement at the fitted efficiency per doubling
     assert 0.9 < model.per_doubling < 1.0
@@ -67,19 +67,19 @@ def test_256_prediction_between_last_measurement_and_linear():
 
 
 def test_interpolation_passes_through_measurements():
-    model = cost.fit_scaling({8: 128.0, 32: 448.0})
-    assert cost.predict_images_per_sec(model, 8) == 128.0
+    model = cost_scaling.fit_scaling({8: 128.0, 32: 448.0})
+    assert cost_scaling.predict_images_per_sec(model, 8) == 128.0
     # per-GPU throughput log-linear in log2(n): 16 GPUs sits at the geometric mean of 16 and 14
-    assert cost.predict_images_per_sec(model, 16) == pytest.approx(16 * math.sqrt(16 * 14))
+    assert cost_scaling.predict_images_per_sec(model, 16) == pytest.approx(16 * math.sqrt(16 * 14))
 
 
 def test_clamps_never_superlinear_never_slower():
-    superlinear = cost.fit_scaling({8: 100.0, 16: 220.0})  # per-GPU rises: noise, not physics
+    superlinear = cost_scaling.fit_scaling({8: 100.0, 16: 220.0})  # per-GPU rises: noise, not physics
     assert superlinear.fitted_per_doubling > 1 and superlinear.per_doubling == 1.0
-    assert cost.predict_images_per_sec(superlinear, 32) == pytest.approx(440.0)  # linear from 16
-    collapsing = cost.fit_scaling({8: 100.0, 16: 60.0})  # total throughput falls with more GPUs
+    assert cost_scaling.predict_images_per_sec(superlinear, 32) == pytest.approx(440.0)  # linear from 16
+    collapsing = cost_scaling.fit_scaling({8: 100.0, 16: 60.0})  # total throughput falls with more GPUs
     assert collapsing.per_doubling == 0.5
-    assert cost.predict_images_per_sec(collapsing, 32) >= 100.0
+    assert cost_scaling.predict_images_per_sec(collapsing, 32) >= 100.0
 
 
 def test_single_point_is_linear_and_says_so(capsys):

@@ -1,0 +1,217 @@
+"""What cost.py reads: benchmark.py results JSON files (or hand-written ones with images/s and a GPU count)
+as `Measurement`s, with the aspect-ratio buckets a run trained and the mix of images it trained in them;
+the rule that keeps one curve to one GPU, model, size, latents mode and bucket mix; and the measurements
+averaged per GPU count. A bad file is a ValueError naming it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+from t2ibench.buckets import DEFAULT as DEFAULT_BUCKETS
+from t2ibench.buckets import parse_bucket, synthetic_weights
+from t2ibench.cli import MAX_GPUS, MAX_IMAGE_SIZE
+
+
+@dataclass(frozen=True)
+class BucketList:
+    """The aspect-ratio buckets a result trained on (benchmark.py --aspect_buckets), or none: square images.
+
+    Two results are of one list when they name the same buckets (`bucket_list`), whatever file held them;
+    a result that records only the flag (`aspect_buckets`, written before the list was) is compared by the
+    flag as given. `repr` is how the refusals and the table name it."""
+    identity: tuple[str, ...] = ()  # the "HxW" names; ("--aspect_buckets", spec) when only the flag is known
+    spec: str | None = field(default=None, compare=False)  # --aspect_buckets as given: "default" or a file
+    image_size: int | None = field(default=None, compare=False)  # the size the default list is scaled to
+    count: int | None = field(default=None, compare=False)  # buckets in the list, when it is recorded
+
+    @property
+    def bucketed(self) -> bool:
+        return self.spec is not None
+
+    def __repr__(self) -> str:
+        if not self.bucketed:
+            return "square"
+        listed = f"the default list at {self.image_size}" if self.spec == DEFAULT_BUCKETS else f"the list {self.spec}"
+        return listed + (f" ({self.count} buckets)" if self.count else " (its buckets not recorded)")
+
+    def label(self, image_size: int) -> str:
+        """How titles and captions name a bucketed run's images: '41 aspect-ratio buckets around
+        1024x1024 (the default list)'."""
+        listed = "the default list" if self.spec == DEFAULT_BUCKETS else f"the list {self.spec}"
+        return (f"{self.count} " if self.count else "") + f"aspect-ratio buckets around {image_size}x{image_size} ({listed})"
+
+
+SQUARE = BucketList()
+
+
+@dataclass(frozen=True)
+class BucketWeights:
+    """--synthetic_bucket_weights as a run recorded it, compared by the shares it gives each bucket of the
+    list (`40x96=3,64x64=1` and `64x64=2,40x96=6` are one mix); its repr is the flag's value."""
+    identity: tuple  # each bucket's share of the list (to 1e-9); (the value as written,) without the list
+    spec: str = field(compare=False)
+
+    def __repr__(self) -> str:
+        return repr(self.spec)
+
+
+@dataclass
+class Measurement:
+    """One throughput measurement: `images_per_sec` is global (all `num_gpus` GPUs together)."""
+    num_gpus: int
+    images_per_sec: float
+    source: str = "--images_per_sec"  # the results file it came from, or the flag
+    device: str | None = None
+    image_size: int | None = None
+    model_config: str | None = None
+    precomputed: bool | None = None  # trained from precomputed latents (no VAE/text encoder in the step)
+    # A results file without 'aspect_buckets' was written before buckets existed (or by hand): square.
+    aspect_buckets: BucketList = SQUARE
+    # How often synthetic batches came from each bucket (--synthetic_bucket_weights); None for real data.
+    synthetic_bucket_weights: BucketWeights | None = None
+    images_per_bucket: dict[str, int] = field(default_factory=dict)  # the mix trained: {"HxW": images}
+    largest_bucket: str | None = None  # the bucket the memory model sized the microbatch for
+
+
+def load_results(path: str) -> Measurement:
+    """Read one results JSON file. Raises ValueError with a message that names the file."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such file")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object with 'images_per_sec' and 'world_size'")
+    if data.get("already_complete"):
+        raise ValueError(f"{path}: written by a retried run that was already complete, so nothing was measured; "
+                         "use the results of the run that trained")
+    for key in ("images_per_sec", "world_size"):
+        if key not in data:
+            raise ValueError(f"{path}: missing '{key}' (need 'images_per_sec' and 'world_size')")
+    ips, n = data["images_per_sec"], data["world_size"]
+    # bool is an int in Python, and a JSON true is never a GPU count
+    if isinstance(ips, bool) or not isinstance(ips, (int, float)) or not math.isfinite(ips) or ips <= 0:
+        raise ValueError(f"{path}: 'images_per_sec' must be a positive number, got {ips!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_GPUS:
+        shown = repr(n) if len(repr(n)) <= 40 else f"a number of {len(str(n))} digits"
+        raise ValueError(f"{path}: 'world_size' must be a positive integer (GPUs, at most {MAX_GPUS:,}), got {shown}")
+    for key, kind, what in (("device", str, "a device name"), ("model_config", str, "a model configuration name"),
+                            ("image_size", int, "a size in pixels"), ("precomputed", bool, "true or false")):
+        value = data.get(key)
+        if value is not None and (not isinstance(value, kind) or (kind is int and (
+                isinstance(value, bool) or not 0 < value <= MAX_IMAGE_SIZE))):
+            raise ValueError(f"{path}: '{key}' must be {what}, got {str(value)[:40]!r}")
+    return Measurement(n, float(ips), path, data.get("device"), data.get("image_size"), data.get("model_config"),
+                       data.get("precomputed"), *load_buckets(path, data))
+
+
+def load_buckets(path: str, data: dict) -> tuple[BucketList, BucketWeights | None, dict[str, int], str | None]:
+    """A results file's buckets: (the list, --synthetic_bucket_weights, the images trained per bucket, the
+    largest bucket); square when it has no 'aspect_buckets'. Raises ValueError naming the file."""
+    spec = data.get("aspect_buckets")
+    if spec is None:
+        return SQUARE, None, {}, None
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"{path}: 'aspect_buckets' must be \"default\", a file name or null, got {str(spec)[:40]!r}")
+    names = data.get("bucket_list")
+    if names is not None and (not isinstance(names, list) or not names or not all(
+            isinstance(name, str) and parse_bucket(name) for name in names)):
+        raise ValueError(f"{path}: 'bucket_list' must be a list of \"HxW\" buckets, got {str(names)[:40]!r}")
+    images = data.get("images_per_bucket") or {}
+    if not isinstance(images, dict) or not all(
+            isinstance(name, str) and parse_bucket(name) and isinstance(count, int) and not isinstance(count, bool)
+            and count >= 0 for name, count in images.items()):
+        raise ValueError(f"{path}: 'images_per_bucket' must map \"HxW\" buckets to image counts, "
+                         f"got {str(images)[:40]!r}")
+    strays = sorted(set(images) - set(names or images))
+    if strays:
+        raise ValueError(f"{path}: 'images_per_bucket' names {', '.join(strays)}, not in its 'bucket_list'")
+    weights, largest = data.get("synthetic_bucket_weights"), data.get("largest_bucket")
+    if weights is not None and not isinstance(weights, str):
+        raise ValueError(f"{path}: 'synthetic_bucket_weights' must be \"uniform\", HxW=WEIGHT,... or null, "
+                         f"got {str(weights)[:40]!r}")
+    largest = largest.get("bucket") if isinstance(largest, dict) else None
+    identity = tuple(names) if names else ("--aspect_buckets", spec)
+    listed = BucketList(identity, spec, data.get("image_size"), len(names) if names else None)
+    if weights is not None:  # benchmark.py's own rule reads them (a bad value: one line naming the file)
+        shares = synthetic_weights(weights, tuple(parse_bucket(name) for name in names),
+                                   f"{path}: 'synthetic_bucket_weights'") if names else None
+        weights = BucketWeights(tuple(round(share, 9) for share in shares) if shares else (weights,), weights)
+    return listed, weights, images, largest if isinstance(largest, str) and parse_bucket(largest) else None
+
+
+# What results must share to be fitted into one curve: the GPU, the model at its size, the latents mode,
+# and the aspect-ratio buckets with the shares synthetic batches drew them in (the mix is the throughput's
+# condition, as the size is a square run's).
+CONSISTENT_KEYS = ("device", "image_size", "model_config", "precomputed", "aspect_buckets", "synthetic_bucket_weights")
+
+
+def check_consistent(measurements: list[Measurement], keys: tuple[str, ...] = CONSISTENT_KEYS) -> None:
+    """Refuse to fit one scaling curve through different GPUs, image sizes, models, latents modes or buckets."""
+    for key in keys:
+        seen = {}
+        for m in measurements:
+            value = getattr(m, key)
+            if value is not None:
+                seen.setdefault(value, m.source)
+        if len(seen) > 1:
+            detail = ", ".join(f"{v!r} in {src}" for v, src in seen.items())
+            raise ValueError(f"results mix different '{key}' values ({detail}); give one at a time")
+
+
+def bucket_mix(measurements: list[Measurement]) -> dict[str, int]:
+    """The images the results trained in each bucket, all of them together (one list: check_consistent)."""
+    mix: dict[str, int] = {}
+    for m in measurements:
+        for name, images in m.images_per_bucket.items():
+            mix[name] = mix.get(name, 0) + images
+    return mix
+
+
+def pixel_fraction(mix: dict[str, int], image_size: int) -> float | None:
+    """An image's pixels in the mix, on average, as a fraction of image_size^2 (the square run's); None
+    without a mix. What an image costs the VAE encoder scales with it (a convolutional network)."""
+    total = sum(mix.values())
+    if not total:
+        return None
+    return sum(parse_bucket(name).pixels * images for name, images in mix.items()) / total / image_size ** 2
+
+
+def describe_mix(measurements: list[Measurement], image_size: int) -> tuple[str, float | None]:
+    """(a line on the buckets a bucketed run trained, the share of its largest bucket): the mix is the
+    condition of the images/s measured, as the image size is a square run's."""
+    listed, mix = measurements[0].aspect_buckets, bucket_mix(measurements)
+    weights = next((m.synthetic_bucket_weights for m in measurements if m.synthetic_bucket_weights), None)
+    drawn = f", synthetic batches drawn by --synthetic_bucket_weights {weights.spec}" if weights else ""
+    total = sum(mix.values())
+    if not total:
+        return f"aspect-ratio buckets: {listed!r}{drawn}; the results do not record the mix trained", None
+    largest = next((m.largest_bucket for m in measurements if m.largest_bucket), None)
+    share = mix.get(largest, 0) / total if largest else None
+    line = (f"aspect-ratio buckets: {listed!r}{drawn}; the mix trained: {total:,} images in {len(mix)}"
+            + (f" of the {listed.count}" if listed.count else "") + " buckets"
+            + (f", {share:.0%} in the largest ({largest})" if largest else "")
+            + f", {pixel_fraction(mix, image_size):.1%} of {image_size}x{image_size}'s pixels an image on average; "
+            "images/s is this mix's (another mix, from other data or weights, trains at another speed)")
+    return line, share
+
+
+def average_by_gpus(measurements: list[Measurement]) -> tuple[dict[int, float], list[str]]:
+    """Average global images/s per GPU count. Returns {num_gpus: images/s} and notes on averaging."""
+    groups: dict[int, list[float]] = {}
+    for m in measurements:
+        groups.setdefault(m.num_gpus, []).append(m.images_per_sec)
+    notes = []
+    for n, values in sorted(groups.items()):
+        if len(values) > 1:
+            listed = ", ".join(f"{v:,.1f}" for v in values)
+            notes.append(f"averaged {len(values)} measurements at {n} GPUs "
+                         f"({listed}) -> {sum(values) / len(values):,.1f} images/s")
+    return {n: sum(v) / len(v) for n, v in sorted(groups.items())}, notes
