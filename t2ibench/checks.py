@@ -18,7 +18,7 @@ import torch
 from composer.core import Time
 from composer.utils import dist
 
-from t2ibench import fp8
+from t2ibench import cpu_threads, fp8
 from t2ibench.buckets import EXPORT_FILE, UNIFORM, Bucket, parse_size, resolve_buckets, synthetic_weights
 from t2ibench.callbacks.profile import profile_fits
 from t2ibench.checkpoints import LATEST, gone_latest, resume_from, resume_point
@@ -111,6 +111,9 @@ def check_run(settings: Settings, world_size: int) -> int | str:
     too_many = check_workers("--num_workers", settings.num_workers, dist.get_local_world_size())
     if too_many:
         fail(too_many)
+    threads_problem = cpu_threads.flag_problem(settings.cpu_threads, torch.cuda.is_available())
+    if threads_problem:
+        fail(threads_problem)
     for flag in ("max_duration", "save_interval", "log_interval"):
         try:
             Time.from_timestring(getattr(settings, flag))

@@ -1,18 +1,22 @@
-"""Intra-op threads for a training run on the CPU: the cores this process may use, shared among the
-ranks of this node, less the cores other programs keep busy and one per loader worker; the user's
-OMP_NUM_THREADS (or a count set in-process) wins, and a run resuming from a checkpoint takes the
-count of the run it resumes (`resume`). Measured: docs/speed.md, "CPU threads"."""
+"""Intra-op threads for a training run on the CPU: a rule of the machine alone (the cores this process
+may use, shared among the node's ranks, less one per loader worker), or the user's count
+(`--cpu_threads`, else OMP_NUM_THREADS or a count set in-process). The machine's load is sampled only
+to warn: the count never follows it, so one command computes the same sums in every run. A run
+resuming from a checkpoint takes each rank's count of the run it resumes (`resume`). Measured:
+docs/speed.md, "CPU threads"."""
 from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from composer.utils import dist
 
-# How long the CPUs' busy time is sampled before the count is chosen. /proc/stat counts in ticks of
+# How long the CPUs' busy time is sampled for the busy-machine warning. /proc/stat counts in ticks of
 # 10 ms, so 0.1 s tells a busy core (about 10 ticks) from an idle one (0 or 1) on each CPU.
 LOAD_SAMPLE_SECONDS = 0.1
 USER_THREADS_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch takes its default from these
@@ -21,12 +25,14 @@ USER_THREADS_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch takes i
 THREADS_AT_IMPORT = torch.get_num_threads()
 _chosen: list[int] = []
 RESUMED = "as the run it resumes: "  # how a resumed run's rule begins, before the rule that first chose the count
+FLAG = "--cpu_threads"
 
 
 @dataclass(frozen=True)
 class CpuThreads:
     threads: int  # intra-op threads this process computes with
     rule: str  # why, in words (the summary's set-up line, the results JSON's `cpu_threads_rule`)
+    users: bool = False  # the user chose the count (the flag, a variable, in-process), not the machine's rule
 
 
 def usable_cores() -> int:
@@ -84,8 +90,8 @@ def cores_busy_elsewhere(seconds: float = LOAD_SAMPLE_SECONDS) -> int:
 
 
 def user_choice() -> str | None:
-    """The user's thread count, in words, where they set one: a variable torch reads, or
-    torch.set_num_threads called before the run (in-process)."""
+    """The user's thread count, in words, where they set one outside the flag: a variable torch reads,
+    or torch.set_num_threads called before the run (in-process)."""
     for variable in USER_THREADS_VARIABLES:
         if os.environ.get(variable):
             return f"{variable}={os.environ[variable]}"
@@ -95,37 +101,96 @@ def user_choice() -> str | None:
     return None
 
 
-def choose(num_workers: int, ranks_on_node: int) -> CpuThreads:
-    """Set this process's intra-op threads for a CPU run, and say why.
+def rule_threads(cores: int, ranks_on_node: int, num_workers: int) -> int:
+    """The machine's rule: max(1, cores // ranks on this node - loader workers). Loader workers are
+    single-threaded (PyTorch's DataLoader sets one thread in each) and get a core each. Ranks of one
+    node find the same inputs, so they take the same count, in every run of the command."""
+    return max(1, cores // max(1, ranks_on_node) - num_workers)
 
-    max(1, cores for this rank - loader workers), where the cores for a rank are the usable cores less
-    those busy elsewhere, shared among the node's ranks. torch's default is one thread per core: on a
-    machine whose cores other work also uses, OpenMP's threads wait at every op's barrier for the one
-    the scheduler took off its core, and a tiny model's step ran 32x slower (docs/speed.md). Loader
-    workers are single-threaded (PyTorch's DataLoader sets one thread in each) and get a core each.
-    Ranks sample the load at the same moment, each asleep while it samples, so they do not count
-    each other."""
+
+def by_rule(cores: int, busy: int, ranks_on_node: int, num_workers: int) -> tuple[CpuThreads, str | None]:
+    """The count of a machine with `cores` usable cores, and the warning where other programs keep
+    `busy` of them that the run needs (None where they leave enough). The count does not depend on
+    `busy`: a count that followed the load changed a run's sums from one start to the next."""
+    threads = rule_threads(cores, ranks_on_node, num_workers)
+    shared = f" / {ranks_on_node} ranks" if ranks_on_node > 1 else ""
+    chosen = CpuThreads(threads, f"{cores} cores{shared}, {num_workers} loader workers")
+    ranks = max(1, ranks_on_node)
+    needed = ranks * (threads + num_workers)
+    if busy <= 0 or cores - busy >= needed:
+        return chosen, None
+    per_rank = f"{threads} threads and {num_workers} loader workers"
+    per_rank += f" per rank, {ranks} ranks" if ranks > 1 else ""
+    fewer = f"{FLAG} N takes fewer threads" if threads > 1 else "fewer --num_workers leave more cores"
+    return chosen, (f"CPU threads: other programs kept {busy} of this machine's {cores} cores busy at the start, where "
+                    f"this run uses {needed} ({per_rank}); the count is the machine's rule, not the load's (a count "
+                    "that followed the load would change the run's sums from one start to the next), so the run may "
+                    f"be many times slower than on an idle machine; {fewer} (docs/speed.md#cpu-threads)")
+
+
+def warn(line: str) -> None:
+    """One warning line per node (its local rank 0): the ranks of a node share its cores and flags."""
+    if dist.get_local_rank() == 0:
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def set_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+    _chosen.append(threads)  # ours, not the caller's (user_choice)
+
+
+def flag_problem(requested: int | None, on_gpu: bool) -> str | None:
+    """Why `--cpu_threads requested` cannot be used here (one line naming the flag), or None. Its type
+    (a positive integer) is the parser's; more threads than this process's usable cores would each
+    wait for a core."""
+    if requested is None:
+        return None
+    if on_gpu:
+        return (f"{FLAG} sets a CPU run's intra-op threads, and this run trains on a GPU, where benchmark.py sets "
+                "none: drop the flag (OMP_NUM_THREADS limits the CPU threads of any run)")
+    cores = usable_cores()
+    if requested > cores:
+        return f"{FLAG} {requested} is more than the {cores} cores this process may use: give at most {cores}"
+    return None
+
+
+def choose(num_workers: int, ranks_on_node: int, requested: int | None = None) -> CpuThreads:
+    """Set this process's intra-op threads for a CPU run, and say why: `--cpu_threads` (`requested`),
+    else OMP_NUM_THREADS / MKL_NUM_THREADS or a count set in-process, else the machine's rule
+    (`by_rule`), with a warning (not another count) where other programs keep the cores busy.
+
+    torch's default is one thread per core, and Composer's launcher leaves every rank at it, which
+    oversubscribes the node's cores with several ranks or loader workers; on a machine whose cores other
+    work also uses, OpenMP's threads wait at every op's barrier for the one the scheduler took off its
+    core (docs/speed.md). Ranks sample the load at the same moment, each asleep while it samples, so
+    they do not count each other."""
+    if requested is not None:
+        set_threads(requested)
+        return CpuThreads(requested, f"{FLAG} {requested}, the user's", users=True)
     user = user_choice()
     if user:
-        return CpuThreads(torch.get_num_threads(), f"{user}, the user's")
-    cores, busy = usable_cores(), cores_busy_elsewhere()
-    per_rank = max(0, cores - busy) // max(1, ranks_on_node)
-    threads = max(1, per_rank - num_workers)
-    torch.set_num_threads(threads)
-    _chosen.append(threads)
-    shared = f" / {ranks_on_node} ranks" if ranks_on_node > 1 else ""
-    return CpuThreads(threads, f"{cores} cores, {busy} busy elsewhere{shared}, {num_workers} loader workers")
+        return CpuThreads(torch.get_num_threads(), f"{user}, the user's", users=True)
+    cores = usable_cores()
+    chosen, warning = by_rule(cores, cores_busy_elsewhere(), ranks_on_node, num_workers)
+    set_threads(chosen.threads)
+    if warning:
+        warn(warning)
+    return chosen
 
 
-def resume(recorded: CpuThreads, ranks_on_node: int) -> CpuThreads | None:
-    """The count a run resuming from a checkpoint computes with: the count of the run that saved it,
-    `recorded`, set here. The thread count changes the order of a CPU op's partial sums, so the same
-    count keeps the resumed weights those of the uninterrupted run, whatever load the machine has now.
-    None (this run's count stays) where the user chose this run's count, or where `recorded` is more
-    than the cores this machine has for a rank (another machine: its own rule)."""
-    if user_choice() is not None or recorded.threads > max(1, usable_cores() // max(1, ranks_on_node)):
-        return None
-    torch.set_num_threads(recorded.threads)
-    _chosen.append(recorded.threads)
-    return CpuThreads(recorded.threads, recorded.rule if recorded.rule.startswith(RESUMED)
-                      else RESUMED + recorded.rule)
+def resume(recorded: CpuThreads, current: CpuThreads, ranks_on_node: int) -> CpuThreads:
+    """The count a rank resuming from a checkpoint computes with: its own count in the run that saved
+    it, `recorded`, set here, whatever this run would choose (`current`). The thread count changes the
+    order of a CPU op's partial sums, so the same count keeps the resumed weights those of the
+    uninterrupted run. Where the user asks for another count now, one warning line says the checkpoint's
+    is kept. `current` stays only where `recorded` is more than the cores this machine has for a rank
+    (another machine: its sums differ anyway, and oversubscribing is slow)."""
+    if recorded.threads > max(1, usable_cores() // max(1, ranks_on_node)):
+        return current
+    set_threads(recorded.threads)
+    if current.users and current.threads != recorded.threads:
+        asked = current.rule.removesuffix(", the user's")
+        warn(f"{asked} asks for {current.threads} CPU threads, and this rank computed with {recorded.threads} before "
+             f"the checkpoint it resumes: it computes with {recorded.threads}, so that the resumed run sums as the "
+             "uninterrupted one (a fresh run, not resumed, takes the new count)")
+    return CpuThreads(recorded.threads, recorded.rule if recorded.rule.startswith(RESUMED) else RESUMED + recorded.rule)

@@ -236,6 +236,10 @@ def benchmark_parser(description: str) -> Parser:
                         "full_shard (weights gathered block by block in forward and again in backward), "
                         "shard_grad_op (gathered once per microbatch, kept until its backward ends); none: DDP; "
                         "auto: full_shard for Flux.1 on several ranks, else none")
+    g.add_argument("--cpu_threads", type=POSITIVE_INT, default=None, metavar="N",
+                   help="on a CPU: intra-op threads per rank (default: the machine's cores per rank on this node less "
+                        "--num_workers, at least 1, whatever its load; OMP_NUM_THREADS where set). A resumed run "
+                        "keeps each rank's count of the run it resumes (docs/speed.md#cpu-threads)")
     g.add_argument("--fused_adamw", type=str, default="auto", choices=("auto", "on", "off"),
                    help="fused AdamW kernel; auto: on with CUDA")
     g.add_argument("--xformers", action="store_true", help="use xFormers attention in the UNet (default: PyTorch SDPA)")

@@ -50,8 +50,9 @@ class Runtime:
         setting = allocator.configure()
         on_gpu = torch.cuda.is_available()
         # Composer's launcher leaves every CPU rank using all cores, and torch's default ignores the
-        # loader workers and other programs' load: see cpu_threads.choose.
-        threads = None if on_gpu else cpu_threads.choose(settings.num_workers, dist.get_local_world_size())
+        # loader workers: see cpu_threads.choose (a rule of the machine, not of its load).
+        threads = None if on_gpu else cpu_threads.choose(settings.num_workers, dist.get_local_world_size(),
+                                                           settings.cpu_threads)
         if on_gpu:
             # Before anything touches CUDA: otherwise every rank creates a context on GPU 0.
             torch.cuda.set_device(dist.get_local_rank())

@@ -87,6 +87,7 @@ class Settings:
     compile: bool  # torch.compile every module that runs per step
     norm_precision: str  # norms under AMP: "autocast" or "fp32"
     fsdp: str  # resolved: "none", "shard_grad_op" or "full_shard" (never "auto")
+    cpu_threads: int | None  # a CPU run's intra-op threads per rank (None: t2ibench.cpu_threads' rule)
     fused_adamw: str  # "auto", "on" or "off"
     xformers: bool  # xFormers attention in the UNet
     weight_casts: str  # as given: "auto" is resolved by runtime.Runtime, which knows the device

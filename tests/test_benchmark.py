@@ -11,10 +11,11 @@ import torch
 from composer.core import Callback
 
 from t2ibench import cpu_threads
+from t2ibench.callbacks.resume_threads import saved_count
 from t2ibench.families import MODEL_CONFIGS
 from t2ibench.model import DiffusionModel, count_parameters
 from t2ibench.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize
-from tests.helpers import ROOT, TINY_2BA, TINY_SYNTH, composer_launcher, offline_env, run_cli
+from tests.helpers import ROOT, TINY_2BA, TINY_SYNTH, composer_launcher, error_of, offline_env, run_cli
 
 SD2 = MODEL_CONFIGS["sd2-base"]
 
@@ -56,7 +57,23 @@ def test_tiny_synthetic_run_writes_results(tmp_path, use_ema):
     assert "throughput" in result.stdout and "images/s" in result.stdout
 
 
-def test_cpu_threads_leave_a_core_per_loader_worker_and_keep_the_users_count(tmp_path, monkeypatch, capsys):
+def test_the_cpu_thread_rule_is_the_machines_cores_per_rank_less_loader_workers():
+    assert cpu_threads.rule_threads(cores=2, ranks_on_node=1, num_workers=0) == 2
+    assert cpu_threads.rule_threads(cores=16, ranks_on_node=2, num_workers=3) == 5
+    assert cpu_threads.rule_threads(cores=2, ranks_on_node=2, num_workers=0) == 1
+    assert cpu_threads.rule_threads(cores=4, ranks_on_node=1, num_workers=8) == 1  # never below one
+    idle, quiet = cpu_threads.by_rule(cores=16, busy=0, ranks_on_node=2, num_workers=3)
+    assert idle == cpu_threads.CpuThreads(5, "16 cores / 2 ranks, 3 loader workers") and quiet is None
+    # A busy machine: the same count, and a warning line that says what takes fewer.
+    busy, warning = cpu_threads.by_rule(cores=16, busy=12, ranks_on_node=2, num_workers=3)
+    assert busy == idle
+    assert "\n" not in warning and "12 of this machine's 16 cores" in warning and "--cpu_threads N" in warning
+    # The cores the rule leaves over (17 // 2 ranks) may be busy without a word.
+    assert cpu_threads.by_rule(cores=17, busy=1, ranks_on_node=2, num_workers=3) == (
+        cpu_threads.CpuThreads(5, "17 cores / 2 ranks, 3 loader workers"), None)
+
+
+def test_cpu_threads_follow_the_rule_the_flag_or_the_users_count(tmp_path, monkeypatch, capsys):
     import benchmark
 
     def setup_line() -> str:
@@ -65,12 +82,11 @@ def test_cpu_threads_leave_a_core_per_loader_worker_and_keep_the_users_count(tmp
     for variable in cpu_threads.USER_THREADS_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     before = torch.get_num_threads()
+    cores = cpu_threads.usable_cores()
     try:
         r = benchmark.main([*TINY_2BA, "--num_workers", "1"])
-        cores, busy = map(int, re.fullmatch(r"(\d+) cores, (\d+) busy elsewhere, 1 loader workers",
-                                            r["cpu_threads_rule"]).groups())
-        assert cores == cpu_threads.usable_cores() and busy <= cores
-        assert r["cpu_threads"] == max(1, cores - busy - 1) == torch.get_num_threads()
+        assert r["cpu_threads_rule"] == f"{cores} cores, 1 loader workers"
+        assert r["cpu_threads"] == max(1, cores - 1) == torch.get_num_threads()
         assert f"CPU threads {r['cpu_threads']} ({r['cpu_threads_rule']})" in setup_line()
         # A count the caller set in-process is theirs.
         mine = max(r["cpu_threads"], cpu_threads.THREADS_AT_IMPORT) + 1
@@ -78,9 +94,12 @@ def test_cpu_threads_leave_a_core_per_loader_worker_and_keep_the_users_count(tmp
         r = benchmark.main(TINY_2BA)
         assert (r["cpu_threads"], torch.get_num_threads()) == (mine, mine)
         assert f"CPU threads {mine} (torch.set_num_threads before the run, the user's)" in setup_line()
+        # The flag wins over a count set otherwise.
+        r = benchmark.main([*TINY_2BA, "--cpu_threads", "1"])
+        assert (r["cpu_threads"], r["cpu_threads_rule"], torch.get_num_threads()) == (1, "--cpu_threads 1, the user's", 1)
     finally:
         torch.set_num_threads(before)
-    # OMP_NUM_THREADS wins, in a process of its own as a user starts it.
+    # OMP_NUM_THREADS is the user's too, in a process of its own as a user starts it.
     out = tmp_path / "results.json"
     result = run_cli([*TINY_2BA, "--num_workers", "1", "--results_json", str(out)], env=offline_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -89,7 +108,14 @@ def test_cpu_threads_leave_a_core_per_loader_worker_and_keep_the_users_count(tmp
     assert "CPU threads 1 (OMP_NUM_THREADS=1, the user's)" in result.stdout
 
 
-def test_a_resumed_cpu_run_takes_the_thread_count_of_the_run_it_resumes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "1.5", "100000"])
+def test_a_bad_cpu_thread_count_is_refused_in_one_line(value):
+    import benchmark
+
+    assert "--cpu_threads" in error_of(benchmark.main, [*TINY_2BA, "--cpu_threads", value])
+
+
+def test_a_resumed_cpu_run_takes_the_thread_count_of_the_run_it_resumes(tmp_path, monkeypatch, capsys):
     import benchmark
 
     for variable in cpu_threads.USER_THREADS_VARIABLES:
@@ -107,37 +133,45 @@ def test_a_resumed_cpu_run_takes_the_thread_count_of_the_run_it_resumes(tmp_path
     flags = [*TINY_SYNTH, "--warmup_batches", "0", "--save_folder", str(tmp_path / "run"), "--save_interval", "1ba",
              "--run_name", "threads", "--autoresume"]
     try:
-        # The first run finds every core but one busy elsewhere: 1 thread.
-        monkeypatch.setattr(cpu_threads, "cores_busy_elsewhere", lambda: cores - 1)
-        first = benchmark.main([*flags, "--max_duration", "1ba"], extra_callbacks=[RecordThreads()])
+        first = benchmark.main([*flags, "--max_duration", "1ba", "--cpu_threads", "1"], extra_callbacks=[RecordThreads()])
         assert (first["cpu_threads"], seen) == (1, [1])
-        assert first["cpu_threads_rule"] == f"{cores} cores, {cores - 1} busy elsewhere, 0 loader workers"
-        # Resumed on an idle machine, where the rule alone would take every core: the saved count.
-        monkeypatch.setattr(cpu_threads, "cores_busy_elsewhere", lambda: 0)
+        # Resumed where the rule takes every core: the saved count, without a word.
+        capsys.readouterr()
         resumed = benchmark.main([*flags, "--max_duration", "2ba"], extra_callbacks=[RecordThreads()])
         assert (resumed["cpu_threads"], seen) == (1, [1, 1])
-        assert resumed["cpu_threads_rule"] == "as the run it resumes: " + first["cpu_threads_rule"]
-        # A fresh run on the idle machine takes the rule's count.
+        assert resumed["cpu_threads_rule"] == "as the run it resumes: --cpu_threads 1, the user's"
+        assert "asks for" not in capsys.readouterr().err
+        # Resumed with the flag asking for another count: the saved count, and one warning line.
+        again = benchmark.main([*flags, "--max_duration", "3ba", "--cpu_threads", "2"], extra_callbacks=[RecordThreads()])
+        assert (again["cpu_threads"], seen) == (1, [1, 1, 1])
+        assert again["cpu_threads_rule"] == resumed["cpu_threads_rule"]  # not prefixed twice
+        warned = [line for line in capsys.readouterr().err.splitlines() if "--cpu_threads 2 asks for 2" in line]
+        assert len(warned) == 1 and "computes with 1" in warned[0], warned
+        # A fresh run takes the rule's count.
         fresh = benchmark.main([*TINY_2BA], extra_callbacks=[RecordThreads()])
         assert fresh["cpu_threads"] == cores == seen[-1]
     finally:
         torch.set_num_threads(before)
 
 
-def test_resuming_keeps_the_saved_count_unless_the_user_chose_or_the_machine_has_fewer_cores(monkeypatch):
-    for variable in cpu_threads.USER_THREADS_VARIABLES:
-        monkeypatch.delenv(variable, raising=False)
+def test_each_rank_resumes_with_its_own_saved_count_on_this_machine(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
-    saved = cpu_threads.CpuThreads(1, "8 cores, 7 busy elsewhere, 0 loader workers")
+    by_rank = [[1, "2 cores, 0 loader workers"], [2, "--cpu_threads 2, the user's"]]
+    state = {"threads": 1, "rule": by_rank[0][1], "by_rank": by_rank}
+    assert saved_count(state, rank=1, world_size=2) == cpu_threads.CpuThreads(2, by_rank[1][1])
+    assert saved_count(state, rank=0, world_size=2) == cpu_threads.CpuThreads(1, by_rank[0][1])
+    assert saved_count(state, rank=0, world_size=4) is None  # another number of ranks: its own rule
+    assert saved_count({"threads": 3, "rule": "r"}, rank=1, world_size=2) == cpu_threads.CpuThreads(3, "r")  # older
+    assert saved_count({}, rank=0, world_size=1) is None  # a GPU run's
+    current = cpu_threads.CpuThreads(1, "the rule")
     try:
-        resumed = cpu_threads.resume(saved, 1)
-        assert resumed == cpu_threads.CpuThreads(1, "as the run it resumes: " + saved.rule)
+        resumed = cpu_threads.resume(cpu_threads.CpuThreads(1, "8 cores, 0 loader workers"), current, 1)
+        assert resumed == cpu_threads.CpuThreads(1, "as the run it resumes: 8 cores, 0 loader workers")
         assert torch.get_num_threads() == 1
-        assert cpu_threads.resume(resumed, 1) == resumed  # resumed again: the rule is not prefixed twice
-        # A count saved on a machine with more cores than this one has for a rank: this run's rule stays.
-        assert cpu_threads.resume(cpu_threads.CpuThreads(cpu_threads.usable_cores() + 1, "elsewhere"), 1) is None
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        assert cpu_threads.resume(saved, 1) is None  # the user's count wins
+        # A count saved on a machine with more cores than this one has for a rank: this run's count stays.
+        assert cpu_threads.resume(cpu_threads.CpuThreads(cpu_threads.usable_cores() + 1, "elsewhere"), current,
+                                  1) is current
     finally:
         torch.set_num_threads(before)
 
