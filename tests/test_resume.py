@@ -157,6 +157,17 @@ def test_killed_run_resumes_to_the_same_weights_ema_and_loss(runs):
     assert all(res_losses[b] == ref_losses[b] for b in res_losses), (ref_losses, res_losses)
 
 
+@pytest.mark.multirank
+def test_each_rank_resumes_with_its_own_cpu_thread_count(runs):
+    # Rank 0 alone writes a checkpoint: it holds every rank's count (callbacks.resume_threads), and after
+    # the kill each rank computed with its own saved count (the resumed rule says so, rank 1's included).
+    users = "OMP_NUM_THREADS=1, the user's"  # the launches' environment (tests.helpers.rank_env)
+    before = load(runs["killed_dir"] / KILL_AFTER)["state"]["callbacks"]["KeepCpuThreadsOnResume"]
+    after = load(runs["killed_dir"] / FINAL)["state"]["callbacks"]["KeepCpuThreadsOnResume"]
+    assert before["by_rank"] == [[1, users], [1, users]], before
+    assert after["by_rank"] == [[1, "as the run it resumes: " + users]] * 2, after
+
+
 def logged_losses(console: str) -> dict[int, str]:
     """{batch: loss as printed} from the progress lines of rank 0 (console.ConsoleProgress)."""
     return {int(batch): loss for batch, loss in re.findall(r"^batch (\d+)/\d+ .*\| loss (\S+) \|", console, re.MULTILINE)}
