@@ -34,6 +34,7 @@ from t2ibench.callbacks.buckets import BucketFlops, BucketThroughput
 from t2ibench.callbacks.empty_epoch import EmptyEpochError, StopOnEmptyEpoch
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
 from t2ibench.callbacks.nonfinite_loss import NonFiniteLossError, StopOnNonFiniteLoss
+from t2ibench.callbacks.oom_fallback import HalveMicrobatchOnOom, oom_line, serves
 from t2ibench.callbacks.profile import ProfileBatches
 from t2ibench.callbacks.progress import ConsoleProgress
 from t2ibench.callbacks.resume_rng import RestoreRngOnStreamingResume
@@ -307,6 +308,7 @@ class Measured:
     validation: ValidationLog | None = None
     profile: ProfileBatches | None = None
     buckets: BucketThroughput | None = None  # --aspect_buckets: images and images/s per bucket
+    oom: HalveMicrobatchOnOom | None = None  # one rank without FSDP: the first batches halve on OOM
 
 
 def build_trainer(settings: Settings, run: Runtime, built: Model, training_data: TrainingData,
@@ -396,6 +398,10 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
             average=measured.ema, sampler=settings.sampler,
             num_steps=settings.sample_steps, guidance_scale=settings.guidance_scale, seed=settings.seed))
     fsdp = parallel.fsdp_parallelism(settings.fsdp)
+    if serves(run.world_size, sharded=fsdp is not None):
+        # Ended with the warm-up: the measured batches pay no search (t2ibench.callbacks.oom_fallback).
+        measured.oom = HalveMicrobatchOnOom(settings.warmup_batches)
+        callbacks.append(measured.oom)
     if fsdp is not None:
         model.mark_fsdp_units()
         if run.on_gpu:
@@ -448,6 +454,10 @@ def train(settings: Settings, run: Runtime, trainer: Trainer, built: Model, meas
         "image_size": settings.image_size,
         "global_batch_size": settings.batch_size,
         "device_train_microbatch_size": trainer.state.device_train_microbatch_size,
+        # The microbatch the run started with, and each halving of it by an OOM in the first batches
+        # (None: several ranks or FSDP, where no fallback runs).
+        **(measured.oom.summary() if measured.oom else
+           {"device_train_microbatch_size_planned": run.microbatch, "microbatch_fallbacks": None}),
         "model_config": settings.model_config,
         "data": "synthetic" if settings.use_synth_data else ",".join(source.spec for source in settings.sources),
         "use_ema": settings.use_ema,
@@ -562,7 +572,7 @@ def user_error(error: BaseException) -> str | None:
     if isinstance(error, (data.BadDataError, NonFiniteLossError, EmptyEpochError)):
         # From a loader worker, PyTorch re-raises the type with the worker's traceback as its message.
         return errors.worker_error(error, ("data.BadDataError",)) or (lines[-1] if lines else text)
-    line = errors.storage_error(error) or errors.worker_error(error, ("data.BadDataError",))
+    line = errors.storage_error(error) or errors.worker_error(error, ("data.BadDataError",)) or oom_line(error)
     if line:
         return line
     full = no_room(error)
