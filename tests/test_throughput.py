@@ -1,15 +1,28 @@
-"""FLOPs per image and the Throughput callback: warm-up excluded, data wait measured."""
+"""FLOPs per image and the Throughput callback: warm-up excluded, data wait measured; on two ranks, the
+seconds one rank compiles left out of every rank's window and bucket figures (multirank).
+
+This file is also the training script of that two-rank test: `composer -n 2 tests/test_throughput.py
+--rank-worker OUT <benchmark.py flags>` runs benchmark.py on each rank with rank 1 compiling a graph
+inside one batch of the window (`CompileOnOneRank`), and each rank writes `OUT/rank<R>.json`.
+"""
 from __future__ import annotations
 
+import json
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from composer import Trainer
+from composer.core import Callback, State
+from composer.loggers import Logger
 from composer.models import ComposerClassifier
+from composer.utils import dist
 
 from t2ibench.callbacks.throughput import Pauses, Throughput
 from t2ibench.families import MODEL_CONFIGS
+from tests.helpers import ROOT, Launch, composer_launcher, supervise
 
 
 def test_sd2_base_flops_per_512_image_match_the_reference():
@@ -118,3 +131,79 @@ def test_a_pause_after_the_last_batch_is_not_taken_from_the_window():
             progress_bar=False).fit()
     assert 0.0 < throughput.summary["measured_seconds"] < 0.4
     assert throughput.summary["images_per_sec"] > 0
+
+
+# -- Two ranks, one of which compiles ----------------------------------------------------------
+
+COMPILING_RANK, COMPILE_BATCH, COMPILE_S = 1, 3, 2.0  # rank 1 compiles for 2 s inside batch 3 (of 4; 1 warm-up)
+RANK_RUN = ["--model_config", "sdxl-tiny", "--use_synth_data", "--num_workers", "0", "--image_size", "32",
+            "--batch_size", "4", "--max_duration", "4ba", "--warmup_batches", "1", "--aspect_buckets", "default",
+            "--seed", "5"]
+
+
+class CompileOnOneRank(Callback):
+    """From outside: on rank `rank` only, a graph compiled inside batch `batch` by a backend that takes
+    `seconds` (the others wait for it at the step's gradient all-reduce); on every rank, the end of every
+    batch by this callback's clock and each batch's bucket."""
+
+    def __init__(self, rank: int, batch: int, seconds: float) -> None:
+        self.rank, self.batch, self.seconds = rank, batch, seconds
+        self.ends: list[float] = []
+        self.buckets: list[str] = []
+
+    def slow_backend(self, graph: torch.fx.GraphModule, inputs: list) -> object:
+        time.sleep(self.seconds)
+        return graph.forward
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        self.buckets.append("x".join(str(side) for side in state.batch["image"].shape[-2:]))
+
+    def after_forward(self, state: State, logger: Logger) -> None:
+        if int(state.timestamp.batch) + 1 == self.batch and dist.get_global_rank() == self.rank:
+            torch.compile(lambda x: x * 2 + 1, backend=self.slow_backend)(torch.ones(3))
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        self.ends.append(time.perf_counter())
+
+
+def rank_worker(out: str, *flags: str) -> None:
+    """One rank of the two-rank test: benchmark.py with `CompileOnOneRank`, its figures to OUT/rank<R>.json."""
+    import benchmark
+    probe = CompileOnOneRank(COMPILING_RANK, COMPILE_BATCH, COMPILE_S)
+    results = benchmark.main(list(flags), extra_callbacks=[probe])
+    kept = {key: results[key] for key in ("measured_seconds", "warmup_batches", "compile_seconds",
+                                          "compile_seconds_in_window", "images_per_sec_per_device_by_bucket")}
+    Path(out, f"rank{dist.get_global_rank()}.json").write_text(json.dumps({**kept, "ends": probe.ends,
+                                                                            "buckets": probe.buckets}))
+
+
+@pytest.mark.multirank
+def test_the_seconds_another_rank_compiles_are_left_out_of_rank_0s_window(tmp_path):
+    # Rank 0 compiles nothing in the window, but waits the 2 s rank 1 compiles in batch 3: its figures (the
+    # ones reported) leave out, batch by batch, the most any rank compiled, as rank 1's do.
+    launch = Launch([*composer_launcher(2), str(ROOT / "tests" / "test_throughput.py"), "--rank-worker",
+                     str(tmp_path), *RANK_RUN], tmp_path / "ranks.log")
+    supervise([launch])
+    assert launch.proc.returncode == 0, launch.tail()
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    first, second = ranks
+    assert first["compile_seconds_in_window"] >= COMPILE_S and first["compile_seconds"] < COMPILE_S  # not its own
+    assert first["compile_seconds_in_window"] == second["compile_seconds_in_window"]
+    warmup = first["warmup_batches"]
+    for rank in ranks:  # the window by the rank's own clock, less the seconds left out
+        window = rank["ends"][-1] - rank["ends"][warmup - 1]
+        assert rank["measured_seconds"] == pytest.approx(window - rank["compile_seconds_in_window"], abs=0.2)
+    # Each bucket's seconds, summed over the ranks, are parts of the batches inside each rank's window: with
+    # the compiling left out of both, no more than twice the window (rank 0 keeping its wait would exceed it).
+    rates = first["images_per_sec_per_device_by_bucket"]
+    images = {}
+    for rank in ranks:
+        for bucket in rank["buckets"][warmup:]:
+            images[bucket] = images.get(bucket, 0) + 2  # 4 images a batch, 2 a rank
+    assert set(rates) == set(images)
+    bucket_seconds = sum(count / rates[name] for name, count in images.items())
+    assert bucket_seconds <= first["measured_seconds"] + second["measured_seconds"]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--rank-worker"]:
+    rank_worker(*sys.argv[2:])

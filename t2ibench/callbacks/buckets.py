@@ -157,8 +157,9 @@ class BucketThroughput(Callback):
     which a bucketed run's per-batch clock needs; the optimizer step and every callback's BATCH_END
     listed before this one are inside, checkpoints and sample grids after it are not), less the seconds
     torch spent compiling inside it (`--compile`: a bucket's first batch may compile graphs; the
-    throughput window leaves them out too). Under DDP a batch also waits for the slowest rank's: a
-    bucket's figure is that of the steps it was in.
+    throughput window leaves them out too), the most any rank compiled in that batch, since every rank
+    waits for that one. Under DDP a batch also waits for the slowest rank's: a bucket's figure is that
+    of the steps it was in.
 
     `summary()`, after fit (every rank has gathered at FIT_END): `images_per_bucket` (all ranks) and
     `images_per_sec_per_device_by_bucket` (images of the bucket's measured batches over their seconds,
@@ -173,7 +174,11 @@ class BucketThroughput(Callback):
         self.order_depends_on = dict(order_depends_on or {})
         self.images: Counter[str] = Counter()  # every trained batch of this run, this rank
         self.measured_images: Counter[str] = Counter()
-        self.measured_seconds: Counter[str] = Counter()
+        self.measured_seconds: Counter[str] = Counter()  # this rank's, compiling still in (see seconds_less_compiling)
+        # The bucket of each measured batch, in order (every rank measures the same batches), and the
+        # seconds this rank compiled in those that compiled, by their place in that list.
+        self.measured_buckets: list[str] = []
+        self.compiling: dict[int, float] = {}
         self.current: tuple[str, int] | None = None
         self.started = 0.0
         self.compiled_at_start: float | None = None  # compile seconds at the batch's start (None: no timers)
@@ -214,14 +219,33 @@ class BucketThroughput(Callback):
         self._sync()
         bucket, count = self.current
         self.measured_images[bucket] += count
-        seconds = time.perf_counter() - self.started
+        self.measured_seconds[bucket] += time.perf_counter() - self.started
         compiled = compile_seconds()
-        if compiled is not None and self.compiled_at_start is not None:
-            seconds -= compiled - self.compiled_at_start
-        self.measured_seconds[bucket] += seconds
+        if compiled is not None and self.compiled_at_start is not None and compiled > self.compiled_at_start:
+            self.compiling[len(self.measured_buckets)] = compiled - self.compiled_at_start
+        self.measured_buckets.append(bucket)
+
+    def seconds_less_compiling(self) -> Counter[str]:
+        """This rank's seconds by bucket, less in each batch the most any rank compiled in it (every rank
+        waits for that one at the step's collectives; its own seconds alone would leave the wait in).
+
+        One gather at FIT_END, once per run, of the few batches that compiled: no collective or host
+        sync per step, compiled or not. It cannot ride with the gather of the figures that follows: which
+        bucket a batch another rank compiled in was on this rank is known here alone, and sending every
+        batch's bucket instead would gather a list as long as the run from every rank."""
+        by_rank = dist.all_gather_object(self.compiling)
+        most: dict[int, float] = {}
+        for compiling in by_rank:
+            for batch, seconds in compiling.items():
+                most[batch] = max(most.get(batch, 0.0), seconds)
+        left = Counter(self.measured_seconds)
+        for batch, seconds in most.items():
+            left[self.measured_buckets[batch]] -= seconds
+        return left
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        ranks = dist.all_gather_object((dict(self.images), dict(self.measured_images), dict(self.measured_seconds)))
+        seconds_less_compiling = dict(self.seconds_less_compiling())
+        ranks = dist.all_gather_object((dict(self.images), dict(self.measured_images), seconds_less_compiling))
         images, measured, seconds = Counter(), Counter(), Counter()
         for rank_images, rank_measured, rank_seconds in ranks:
             images.update(rank_images)

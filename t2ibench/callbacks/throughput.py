@@ -112,7 +112,8 @@ class Throughput(Callback):
     allocator growth happen in the first batches) and stops at the end of the last batch, so the
     final checkpoint, the EMA export and whatever else runs at the end of fit are not in it. The
     seconds torch spends compiling (`--compile`) are reported, and any that fall inside a training
-    batch of the window (a graph compiled late: a new shape) are left out of it, as pauses are. CUDA
+    batch of the window (a graph compiled late: a new shape) are left out of it, as pauses are: in each
+    batch the most any rank compiled, since every rank waits for that one. CUDA
     is synchronized at those two batch ends only, so the measurement does not slow the steps it
     measures. Peak device memory is reset at the start of the window: it is the steady state's.
     If the run is shorter than the warm-up, only the first batch is excluded (and `warmup_batches`
@@ -154,7 +155,7 @@ class Throughput(Callback):
         self._data_wait: list[float] = []  # cumulative loader next() seconds at the end of every batch
         self._save_seconds: list[float] = []  # cumulative checkpoint-save seconds at the end of every batch
         self._samples_seen: list[int] = []  # global samples trained at the end of every batch
-        self._compiling: list[float] = []  # cumulative seconds compiling inside training batches, at every batch end
+        self._compiling: list[float] = []  # seconds this rank compiled inside each training batch
         self._compile_at_start: tuple[float | None, int, int] = (None, 0, 0)  # (compile seconds, graphs, limit hits)
         self._compile_at_batch_start: float | None = None
         self._loader: Any = None
@@ -239,8 +240,7 @@ class Throughput(Callback):
         self._data_wait.append(self._loader.next_wait_seconds if self._loader is not None else 0.0)
         self._save_seconds.append(self._saves)
         compiled = compile_seconds()
-        in_batch = compiled - self._compile_at_batch_start if compiled is not None else 0.0
-        self._compiling.append((self._compiling[-1] if self._compiling else 0.0) + in_batch)
+        self._compiling.append(compiled - self._compile_at_batch_start if compiled is not None else 0.0)
         if self.bucket_flops is not None:  # state.batch is the whole batch again here (Composer 0.32.1)
             step, trained = self._flops_done[-1] if self._flops_done else (0.0, 0.0)
             batch_step, batch_trained = self.bucket_flops.of_batch(state.batch)
@@ -256,11 +256,8 @@ class Throughput(Callback):
         start = self._batch_times[warmup - 1] if warmup > 0 else self._fit_start
         seconds = self._batch_times[-1] - start
         seconds -= self.pauses.seconds_within(start, self._batch_times[-1])  # pauses in it are not training
-        compiling_in = self._compiling[-1] - (self._compiling[warmup - 1] if warmup > 0 else 0.0)
-        seconds -= compiling_in  # nor is compiling a graph first needed inside it (a new shape)
         samples = self._samples_seen[-1] - (self._samples_seen[warmup - 1] if warmup > 0 else self._fit_start_samples)
         world_size = dist.get_world_size()
-        images_per_sec = samples / seconds
         wait = self._data_wait[-1] - (self._data_wait[warmup - 1] if warmup > 0 else 0.0)
         saves_in = self._save_seconds[-1] - (self._save_seconds[warmup - 1] if warmup > 0 else 0.0)
         saves_after = self._saves - self._save_seconds[-1]  # so far: FIT_END work is timed by the caller
@@ -272,16 +269,26 @@ class Throughput(Callback):
             window_flops = [self._flops_done[-1][i] - before[i] for i in range(2)]
         # Every rank waits for data on its own: the slowest loader sets the pace (max), the mean
         # says whether that is one rank or all. Peak memory: the fullest device. FLOPs: summed.
+        # Compiling: a batch in which any rank compiles a graph (a new shape) lasts, on every rank, as
+        # long as the slowest rank's compiling, since the others wait for it at the step's collectives;
+        # so each batch of the window loses the most any rank compiled in it (rank 0's own seconds would
+        # leave in the wait for another's). Those seconds are known only here, once per run, in the
+        # reduction the figures above need anyway: one entry a batch of the window, and no collective or
+        # host sync per step, compiled or not (a per-batch reduction would cost every step a collective).
         values = torch.tensor([wait, wait, float(memory["peak_memory_bytes"]),
-                               float(memory["peak_memory_reserved_bytes"] or 0), *window_flops], dtype=torch.float64)
+                               float(memory["peak_memory_reserved_bytes"] or 0), *window_flops,
+                               *self._compiling[warmup:]], dtype=torch.float64)
         if world_size > 1:
             values = state.device.tensor_to_device(values)
             summed = values.clone()
             dist.all_reduce(values, reduce_operation="MAX")
             dist.all_reduce(summed, reduce_operation="SUM")
             values[1] = summed[1] / world_size
-            values[4:] = summed[4:]
+            values[4:6] = summed[4:6]
             values = values.cpu()
+        compiling_in = float(values[6:].sum())  # the window's batches, each the most any rank compiled in it
+        seconds -= compiling_in  # compiling a graph first needed inside the window (a new shape) is not training
+        images_per_sec = samples / seconds
         flops_per_image, trained_flops_per_image = self.flops_per_image, self.trained_flops_per_image
         if self.bucket_flops is not None and samples > 0:
             # The mean over the window's images, all ranks: each bucket weighs as the images it trained.
