@@ -4,11 +4,11 @@ from __future__ import annotations
 import functools
 import os
 
-# A CPU run picks its intra-op threads from the cores other programs leave free (t2ibench.cpu_threads),
-# and the thread count changes a step's float sums: runs a test compares bit for bit (resumed against
-# uninterrupted, one set-up against another) must not differ by the machine's load of the moment. The
-# user's count wins over that rule, so the suite, and every command it starts, sets one; the test of
-# the rule itself removes it.
+# A CPU run takes the machine's cores for its intra-op threads (t2ibench.cpu_threads' rule, shared among
+# a node's ranks): beside the suite's other worker that oversubscribes the cores, a step many times
+# slower. And the thread count changes a step's float sums: runs a test compares bit for bit (one set-up
+# against another, across machines) keep one count. The user's count wins over the rule, so the suite,
+# and every command it starts, sets one; the tests of the rule itself remove it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
