@@ -40,8 +40,10 @@ def print_summary(r: dict) -> None:
     if r["compile"]:  # t2ibench.compiling: seconds None where torch keeps no compile timers
         spent = f"{r['compile_seconds']:.1f} s" if r["compile_seconds"] is not None else "unknown seconds"
         inside = r["compile_seconds_in_window"]
-        compiled = (f"compile      {r['compiled_graphs']} graphs in {spent}, before the measured window"
-                    + (f" but {inside:.1f} s inside it, left out of it" if inside else "") + "\n")
+        # `inside` is the most any rank compiled in each measured batch, summed (it can exceed rank 0's own).
+        compiled = (f"compile      {r['compiled_graphs']} graphs in {spent} on rank 0, before the measured window"
+                    + (f"; {inside:.1f} s of compiling on the ranks inside it, left out of it" if inside else "")
+                    + "\n")
     hits = r.get("recompile_limit_hits") or []  # results before it: none
     if hits:  # dynamo ran those functions eagerly from then on, for every shape they had no graph for
         compiled += (f"compile      WARNING: {len(hits)} compiled functions reached dynamo's recompile limit and ran "
