@@ -76,7 +76,7 @@ def add_model(p: argparse.ArgumentParser) -> None:
 
 def add_fp8(group: argparse._ArgumentGroup) -> None:
     """--fp8: float8 training of the denoiser's Linear layers (t2ibench.fp8), for benchmark.py and the
-    benchmarks that predict or run its step (bench/blocks.py, bench/bench_gpu.py)."""
+    benchmarks that predict its step (bench/blocks.py)."""
     group.add_argument("--fp8", type=str, default="off", choices=FP8_MODES,
                        help="float8 training of the denoiser's Linear layers whose shapes float8 supports (torchao): "
                             "tensorwise or rowwise scales; the other layers keep the run's precision. Needs a GPU "

@@ -189,6 +189,12 @@ OTHER_SET_UPS = [
     ({"images_per_sec_per_device": float("inf")}, "images_per_sec_per_device is Infinity"),
     ({"images_per_sec_per_device": True}, "images_per_sec_per_device is true"),
     ({"images_per_sec_per_device": None}, "images_per_sec_per_device is null"),
+    # A run of aspect-ratio buckets (benchmark.py's keys): blocks.py times square images only.
+    ({"aspect_buckets": "default", "bucket_list": ["32x32", "24x40", "40x24"], "synthetic_bucket_weights": "uniform"},
+     "the run trained aspect-ratio buckets (--aspect_buckets default, 3 buckets from 32x32 to 40x24, synthetic "
+     "batches drawn by --synthetic_bucket_weights uniform), and blocks.py times square 32x32 images only; compare "
+     "with a run without --aspect_buckets"),
+    ({"already_complete": True}, "found its run complete, so it measured nothing"),
 ]
 
 
@@ -205,8 +211,13 @@ def test_a_run_it_cannot_stand_for_is_refused_in_one_line_before_timing(measured
     assert not calls.calls  # nothing was built or timed
 
 
-@pytest.mark.parametrize("content, expect", [(b"{", "not JSON"), (b"[1, 2]", "a list, not an object"),
-                                             (b"\xff\xfe", "cannot be read"), (None, "cannot be read")])
+@pytest.mark.parametrize("content, expect", [
+    (b"{", "not JSON"), (b"[1, 2]", "a list, not an object"), (b"\xff\xfe", "cannot be read"), (None, "cannot be read"),
+    (b'{"images_per_sec": 1.0, "model_config": "flux1-tiny"}',
+     "not a benchmark.py results JSON (it has no world_size, global_batch_size, device)"),
+    (json.dumps({"model_config": "flux1-tiny", "device": "cpu", "microbatch": 4, "measured": {}, "predicted": []}).encode(),
+     "a line blocks.py wrote with --json, not a benchmark.py results JSON; predict from it with --measured_json"),
+])
 def test_a_file_that_is_no_results_json_is_refused_in_one_line(tmp_path, content, expect):
     path = tmp_path / "r.json"
     if content is not None:

@@ -14,7 +14,7 @@ Two-rank launches through Composer's launcher (gloo), started together by one mo
 
 In-process: --compile compiling every module that runs per step (UNet, VAE encoder, text encoder) block by block,
 refusals (--xformers where absent, amp_fp16 on CPU) and uint8 images crossing from loader workers
-(the multi-rank `auto` microbatch: tests/test_memory.py; bench_gpu.py's plan: tests/test_bench_gpu.py).
+(the multi-rank `auto` microbatch: tests/test_memory.py; the GPU driver's plan: tests/test_gpu_report.py).
 """
 from __future__ import annotations
 
@@ -25,9 +25,7 @@ import math
 import pytest
 import torch
 
-import bench_gpu
 import benchmark
-import cost
 import data
 from t2ibench.families import MODEL_CONFIGS
 from t2ibench.model import scale_images
@@ -181,34 +179,3 @@ def test_images_cross_from_loader_workers_as_uint8():
     assert batch["image"].float().std() > 50  # random pixels over the whole byte range, not a constant
     scaled = scale_images(torch.tensor([0, 255], dtype=torch.uint8))
     assert scaled.tolist() == [-1.0, 1.0] and scaled.dtype == torch.float32
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal without a GPU")
-def test_bench_gpu_refuses_without_cuda(tmp_path):
-    local = tmp_path / "sd2"  # pretrained parts present (configs suffice for the check), so the GPU is what is missing
-    for part in ("vae", "text_encoder"):
-        (local / part).mkdir(parents=True)
-        (local / part / "config.json").write_text("{}")
-    with pytest.raises(SystemExit) as stop:
-        bench_gpu.main(["--out", str(tmp_path / "matrix"), "--model_name", str(local)])
-    assert str(stop.value).startswith("bench_gpu.py: error: no CUDA GPU visible") and "--smoke" in str(stop.value)
-    assert not (tmp_path / "matrix").exists()  # refused before writing anything
-
-
-@pytest.mark.multirank  # bench_gpu launches each setting through Composer's launcher: launcher and rank
-def test_bench_gpu_smoke_leaves_a_results_folder_that_cost_reads(tmp_path, capsys):
-    out = tmp_path / "matrix"
-    results_ = bench_gpu.main(["--smoke", "--out", str(out), "--only", "precomputed-bf16", "--batches", "2",
-                               "--warmup_batches", "1"])
-    assert [r["status"] for r in results_] == ["ok"], (out / "logs" / "precomputed-bf16.log").read_text()[-3000:]
-    setting = json.loads((out / "precomputed-bf16.json").read_text())
-    assert setting["precomputed"] and setting["use_ema"] and setting["precision"] == "amp_bf16"
-    assert setting["device_train_microbatch_size"] == 2 and setting["world_size"] == 1
-    assert setting["mfu_trained_network"] is None and setting["flops_per_image_trained_network"] > 0  # no CPU peak
-    env = json.loads((out / "environment.json").read_text())
-    assert env["versions"]["torch"] == torch.__version__.split("+")[0] and env["versions"]["mosaicml"] == "0.32.1"
-    assert env["date_utc"] and env["gpus"] == 1
-    table = (out / "table.md").read_text()
-    assert "| precomputed-bf16 |" in table and "torch" in table and "cost.py" in table
-    rows = cost.main([str(out / "precomputed-bf16.json")])  # cost.py reads a setting's JSON as written
-    assert rows and rows[0].images_per_sec > 0

@@ -1,24 +1,38 @@
-"""bench/gpu_report.py without a GPU: bad input refused before any row, the budget rule (a row the time
-left cannot hold is not started), the rows' blocks.py commands as blocks.py parses them, the match with
-earlier results of the same set-up and device (the project's own results/), and a --smoke run of two rows
-end to end with the files it writes."""
+"""bench/gpu_report.py, the one GPU driver, without a GPU: bad input refused before any row, the rows chosen
+(the report's, the matrix, both), the budget rule (a row the time left cannot hold is not started), the
+plan for an 8 x 80 GB node (every matrix row's microbatch from the memory model, for every family), the
+rows' blocks.py commands as blocks.py parses them, the timeout that ends a launch's whole process group,
+the match with earlier results of the same set-up and device (the project's own results/), and --smoke
+runs end to end with the files they write: two rows on one rank, a matrix row on two ranks through
+Composer's launcher, each read back by cost.py."""
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import cost
+import gpu_budget
+import gpu_launch
+import gpu_plan
+import gpu_record
 import gpu_report
+import gpu_rows
+from t2ibench import memory
+from t2ibench.gpu_setup import choose_setup
 from tests.helpers import ROOT, error_of
 
 H100 = "NVIDIA H100 80GB HBM3"
 
 
-def _run(argv: list[str]) -> list[gpu_report.Outcome]:
+def _run(argv: list[str]) -> list[gpu_record.Outcome]:
     return gpu_report.main(argv)
 
 
@@ -33,6 +47,8 @@ def _run(argv: list[str]) -> list[gpu_report.Outcome]:
     (None, ["--smoke", "--rows", "blocks-sdxl"], "--rows blocks-sdxl compares blocks.py with the run of row "
                                                  "sdxl-1024-compile: add it to --rows"),
     (None, ["--smoke", "--results_root", "{tmp}/nowhere"], "--results_root {tmp}/nowhere is not a folder"),
+    (None, ["--smoke", "--batches", "2", "--warmup_batches", "2"], "--batches 2 must exceed --warmup_batches 2"),
+    (None, ["--smoke", "--gpus", "0"], "--gpus 0 must be an integer from 1"),
 ])
 def test_bad_input_is_one_line_before_any_row(tmp_path, make, argv, expect):
     out = tmp_path / "report"
@@ -53,16 +69,37 @@ def test_bad_input_is_one_line_before_any_row(tmp_path, make, argv, expect):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal without a GPU")
-def test_without_a_gpu_it_refuses_unless_smoke(tmp_path):
+def test_without_a_gpu_it_refuses_unless_smoke_or_a_dry_run_of_a_named_node(tmp_path):
     message = error_of(gpu_report.main, ["--out", str(tmp_path / "report")], prog="gpu_report.py")
-    assert "no CUDA GPU visible" in message and "--smoke" in message and not (tmp_path / "report").exists()
+    assert "no CUDA GPU visible" in message and "--smoke" in message and "--dry_run" in message
+    message = error_of(gpu_report.main, ["--dry_run", "--gpus", "8"], prog="gpu_report.py")
+    assert "--dry_run without a visible GPU needs --gpu_memory_gib" in message
+    assert "--out is required" in error_of(gpu_report.main, ["--smoke"], prog="gpu_report.py")
+    assert not (tmp_path / "report").exists()
+
+
+def test_rows_by_name_or_group_run_in_one_order(tmp_path):
+    def chosen(*rows: str) -> list[str]:
+        args = gpu_report.validate(gpu_report.build_parser().parse_args(["--smoke", "--out", str(tmp_path / "r"),
+                                                                         "--rows", *rows]))
+        return [row.name for row in args.report_rows]
+
+    report = [row.name for row in gpu_rows.REPORT_ROWS]
+    assert chosen("report") == report == gpu_rows.ROW_GROUPS["report"] and len(report) == 8
+    assert chosen("matrix") == list(gpu_rows.MATRIX) and len(gpu_rows.MATRIX) == 21
+    assert chosen("all") == report + list(gpu_rows.MATRIX) == gpu_rows.ROW_NAMES
+    # A matrix row beside the report's rows runs after them, each once; names are unique across both.
+    assert chosen("online-bf16", "report", "sd2-512-online") == report + ["online-bf16"]
+    assert len(set(gpu_rows.ROW_NAMES)) == len(gpu_rows.ROW_NAMES)
+    for row in gpu_rows.MATRIX_ROWS:  # each matrix row trains its setting as named, described in its words
+        assert row.setting is gpu_rows.MATRIX[row.name] and row.setting.model_config in row.what
 
 
 def test_a_budget_that_holds_no_row_starts_none_and_still_writes_the_report(tmp_path, capsys):
     out = tmp_path / "report"
     outcomes = _run(["--smoke", "--out", str(out), "--budget_s", "5"])
     printed = capsys.readouterr().out
-    assert [o.name for o in outcomes] == gpu_report.ROW_NAMES  # every row, highest first
+    assert [o.name for o in outcomes] == gpu_rows.ROW_GROUPS["report"]  # the report's rows, highest first
     for outcome in outcomes:
         if outcome.name.startswith("blocks-"):  # comparisons need their measured run
             assert outcome.status.startswith("skipped: needs ") and outcome.estimate_s is None
@@ -81,24 +118,24 @@ def test_a_budget_that_holds_no_row_starts_none_and_still_writes_the_report(tmp_
 
 
 def test_the_budget_rule_learns_from_the_rows_before():
-    estimator = gpu_report.Estimator(first_flops_per_second=1e12)
+    estimator = gpu_budget.Estimator(first_flops_per_second=1e12)
     # --smoke's set-ups resolve checkpointing as their CPU run does (`auto`: off); left to `auto` (a GPU's
     # rows), checkpointing is counted on: the longer estimate.
-    assert gpu_report.run_setting(gpu_report.ROWS[0], smoke=True).activation_checkpointing == "off"
-    eager = dataclasses.replace(gpu_report.run_setting(gpu_report.ROWS[0], smoke=True), activation_checkpointing="auto")
-    compiled = gpu_report.run_setting(gpu_report.ROWS[1], smoke=True)
-    flops = gpu_report.flops_of(eager, True)
+    assert gpu_plan.run_setting(gpu_rows.REPORT_ROWS[0], smoke=True).activation_checkpointing == "off"
+    eager = dataclasses.replace(gpu_plan.run_setting(gpu_rows.REPORT_ROWS[0], smoke=True), activation_checkpointing="auto")
+    compiled = gpu_plan.run_setting(gpu_rows.REPORT_ROWS[1], smoke=True)
+    flops = gpu_budget.flops_of(eager, True)
     batches = 3
     # Before any row: the first estimates, the batches at the first FLOP/s.
     assert estimator.run_seconds(eager, batches) == pytest.approx(
-        gpu_report.FIRST_STARTUP_SECONDS + batches * eager.global_batch * flops / 1e12)
-    assert estimator.fixed_seconds(compiled) == gpu_report.FIRST_STARTUP_SECONDS + gpu_report.FIRST_COMPILE_SECONDS
-    assert estimator.blocks_seconds() == gpu_report.FIRST_BLOCKS_SECONDS
+        gpu_budget.FIRST_STARTUP_SECONDS + batches * eager.global_batch * flops / 1e12)
+    assert estimator.fixed_seconds(compiled) == gpu_budget.FIRST_STARTUP_SECONDS + gpu_budget.FIRST_COMPILE_SECONDS
+    assert estimator.blocks_seconds() == gpu_budget.FIRST_BLOCKS_SECONDS
     # An eager row of 40 s whose measured batches took 2 s each at 8 images/s: 34 s of start-up.
     # It ran without checkpointing: its FLOP/s are 8 images/s times the plain step's FLOPs.
     estimator.observe_run(eager, batches, 40.0, {"measured_seconds": 4.0, "measured_batches": 2, "images_per_sec": 8.0,
                                                  "activation_checkpointing": False})
-    seconds_per_batch = eager.global_batch * flops / (8 * gpu_report.flops_of(eager, False))
+    seconds_per_batch = eager.global_batch * flops / (8 * gpu_budget.flops_of(eager, False))
     assert estimator.run_seconds(eager, batches) == pytest.approx(34 + batches * seconds_per_batch)
     # A compiled row that reports its compilation: the rest of its overhead is start-up (the largest is kept).
     estimator.observe_run(compiled, batches, 100.0, {"measured_seconds": 2.0, "measured_batches": 2,
@@ -111,41 +148,39 @@ def test_the_budget_rule_learns_from_the_rows_before():
     estimator.observe_blocks(30.0)
     assert estimator.blocks_seconds() == 70.0
     # A row's own timeout: twice its estimate, a minute more at least, never past the budget.
-    assert gpu_report.row_timeout(100, 1000) == 200 and gpu_report.row_timeout(20, 1000) == 80
-    assert gpu_report.row_timeout(100, 150) == 150
+    assert gpu_budget.row_timeout(100, 1000) == 200 and gpu_budget.row_timeout(20, 1000) == 80
+    assert gpu_budget.row_timeout(100, 150) == 150
 
 
 @pytest.mark.parametrize("smoke", [False, True])
 def test_blocks_rows_are_commands_blocks_py_accepts(tmp_path, smoke):
     import argparse
-    import dataclasses
 
     import blocks
-    import bench_gpu
 
-    args = argparse.Namespace(out=tmp_path, smoke=smoke, model_name=bench_gpu.DEFAULT_MODEL_NAME)
+    args = argparse.Namespace(out=tmp_path, smoke=smoke, model_name=gpu_rows.DEFAULT_MODEL_NAME)
     gpu_memory_bytes = 79.1 * 2**30  # an H100's, as torch reports it
-    measured = {"sd2-512-precomputed": gpu_report.Outcome("sd2-512-precomputed", "run", "", status="ok", result={
+    measured = {"sd2-512-precomputed": {
         "model_config": "sd2-base", "image_size": 512, "precomputed": True, "precomputed_format": "tokens",
         "global_batch_size": 512, "device_train_microbatch_size": 32, "world_size": 1, "use_ema": True,
         "compile": False, "fsdp": "none", "weight_casts": "step", "norm_precision": "autocast",
-        "activation_checkpointing": False})}
-    rows = [row for row in gpu_report.ROWS if row.blocks_of or row.compare_with in measured]
+        "activation_checkpointing": False}}
+    rows = [row for row in gpu_rows.REPORT_ROWS if row.blocks_of or row.compare_with in measured]
     if not smoke:  # Flux.1-schnell's node planned on the meta device takes minutes here: its tiny model's
         rows = [dataclasses.replace(row, blocks_of=dataclasses.replace(row.blocks_of, model_config="flux1-tiny",
                                                                        image_size=32))
                 if row.blocks_of else row for row in rows]
-    compiles = "--compile" in gpu_report.blocks_options()
+    compiles = "--compile" in gpu_plan.blocks_options()
     for row in rows:
-        command, notes = gpu_report.blocks_command(row, measured, args, gpu_memory_bytes)
+        command, notes = gpu_plan.blocks_command(row, args, gpu_memory_bytes, measured.get(row.compare_with))
         assert command[1] == str(ROOT / "bench" / "blocks.py") and command[-1] == "--json"
         parsed = blocks.build_parser().parse_args(command[2:])  # blocks.py takes every flag as given
         if row.blocks_of:
             assert parsed.model_config == "flux1-tiny"
             assert parsed.fp8 == row.blocks_of.fp8 and parsed.precomputed_format == "text_states"
             assert parsed.fsdp == ("none" if smoke else row.blocks_of.fsdp) and not parsed.use_ema
-            if not smoke:  # the run bench_gpu.py launches on 8 of these GPUs: its checkpointing and microbatch
-                node = bench_gpu.plan_row(row.name, row.blocks_of, 8, gpu_memory_bytes, tmp_path, 1, 0, False, "")
+            if not smoke:  # the run of its set-up on 8 of these GPUs: its checkpointing and microbatch
+                node = gpu_plan.plan_row(row.name, row.blocks_of, 8, gpu_memory_bytes, tmp_path, 1, 0, False, "")
                 assert (parsed.activation_checkpointing, parsed.microbatch) == (node.activation_checkpointing,
                                                                                 node.microbatch)
                 assert parsed.gpus == [8] and parsed.global_batch == row.blocks_of.global_batch
@@ -159,47 +194,49 @@ def test_blocks_rows_are_commands_blocks_py_accepts(tmp_path, smoke):
             assert parsed.global_batch == 512 and parsed.use_ema and parsed.precomputed and "--compile" not in command
             assert parsed.weight_casts == "step" and not parsed.activation_checkpointing
     # A compiled run is predicted only where blocks.py compiles.
-    compiled = {"sdxl-1024-compile": gpu_report.Outcome("sdxl-1024-compile", "run", "", status="ok",
+    compiled = {"sdxl-1024-compile": gpu_record.Outcome("sdxl-1024-compile", "run", "", status="ok",
                                                         result={"compile": True})}
-    why = gpu_report.cannot_compare(gpu_report.ROWS[-1], compiled)
+    why = gpu_report.cannot_compare(gpu_rows.REPORT_ROWS[-1], compiled)
     assert why == (None if compiles else "blocks.py has no --compile to predict the compiled run sdxl-1024-compile")
 
 
-def _outcome(name: str, kind: str, result: dict) -> gpu_report.Outcome:
-    return gpu_report.Outcome(name, kind, "", status="ok", result=result)
+def _outcome(name: str, kind: str, result: dict) -> gpu_record.Outcome:
+    return gpu_record.Outcome(name, kind, "", status="ok", result=result)
 
 
 def test_earlier_results_of_the_same_set_up_and_device_give_the_ratio(tmp_path):
-    # The project's own results/: benchmark.py JSONs and blocks.py's JSON lines of earlier H100 runs.
-    earlier = gpu_report.earlier_results(ROOT / "results", tmp_path)
+    # The project's own results/: benchmark.py JSONs and blocks.py's JSON lines of earlier H100 runs (those of
+    # two days: a newer report of the same set-ups, committed later, would be the newest match).
+    earlier = [found for found in gpu_record.earlier_results(ROOT / "results", tmp_path)
+               if found.path.startswith(("h100-2026-11-25/", "h100-2026-11-26/"))]
     step = json.loads((ROOT / "results/h100-2026-11-26/sd2-pre-step.json").read_text())
     mine = _outcome("sd2-512-precomputed", "run", {**step, "images_per_sec": 2 * step["images_per_sec"],
                                                    "global_batch_size": 256})
-    found, ratio = gpu_report.earlier_match(mine, earlier)
+    found, ratio = gpu_record.earlier_match(mine, earlier)
     assert found.path == "h100-2026-11-26/sd2-pre-step.json" and ratio == pytest.approx(2.0)
-    assert "it had global_batch_size 512" in gpu_report.earlier_cells(mine, earlier)[0]
+    assert "it had global_batch_size 512" in gpu_record.earlier_cells(mine, earlier)[0]
     # Compiled, it matches the compiled run of 2026-11-25 (which cast its weights per microbatch) and
     # nothing eager; on another device, nothing.
     compiled = _outcome("sd2-512-precomputed-compile", "run", {**step, "compile": True})
-    found, ratio = gpu_report.earlier_match(compiled, earlier)
+    found, ratio = gpu_record.earlier_match(compiled, earlier)
     earlier_compiled = json.loads((ROOT / "results/h100-2026-11-25/sd2-pre-compile.json").read_text())
     assert found.path == "h100-2026-11-25/sd2-pre-compile.json"
     assert ratio == pytest.approx(step["images_per_sec"] / earlier_compiled["images_per_sec"])
-    assert "it had global_batch_size 256)" in gpu_report.earlier_cells(compiled, earlier)[0]
-    assert gpu_report.earlier_match(_outcome("x", "run", {**step, "device": "NVIDIA A100-SXM4-80GB"}), earlier) is None
-    assert gpu_report.earlier_match(_outcome("x", "run", {**step, "device_train_microbatch_size": 64}), earlier) is None
+    assert "it had global_batch_size 256)" in gpu_record.earlier_cells(compiled, earlier)[0]
+    assert gpu_record.earlier_match(_outcome("x", "run", {**step, "device": "NVIDIA A100-SXM4-80GB"}), earlier) is None
+    assert gpu_record.earlier_match(_outcome("x", "run", {**step, "device_train_microbatch_size": 64}), earlier) is None
     # blocks.py's SD2 line (blocks2.jsonl) against the same set-up, at the same GPU count.
     line = next(r.result for r in earlier if r.path == "h100-2026-11-26/blocks2.jsonl"
                 and r.result["model_config"] == "sd2-base")
     predicted = [{**p, "samples_per_sec_per_gpu": p["samples_per_sec_per_gpu"] / 2} for p in line["predicted"]]
-    found, ratio = gpu_report.earlier_match(_outcome("blocks-sd2", "blocks", {**line, "predicted": predicted}), earlier)
+    found, ratio = gpu_record.earlier_match(_outcome("blocks-sd2", "blocks", {**line, "predicted": predicted}), earlier)
     assert found.path == "h100-2026-11-26/blocks2.jsonl" and ratio == pytest.approx(0.5)
     # Flux.1's bf16 blocks: the JSON line at the end of the earlier run's log.
-    log = gpu_report.last_json_line((ROOT / "results/h100-2026-11-26/flux-blocks-bf16.log").read_text())
-    found, ratio = gpu_report.earlier_match(_outcome("flux-blocks-bf16", "blocks", log), earlier)
+    log = gpu_launch.last_json_line((ROOT / "results/h100-2026-11-26/flux-blocks-bf16.log").read_text())
+    found, ratio = gpu_record.earlier_match(_outcome("flux-blocks-bf16", "blocks", log), earlier)
     assert found.path == "h100-2026-11-26/flux-blocks-bf16.log" and ratio == pytest.approx(1.0)
     compiled_blocks = _outcome("flux-blocks-bf16", "blocks", {**log, "compile": True})
-    assert gpu_report.earlier_match(compiled_blocks, earlier) is None  # no earlier compiled blocks
+    assert gpu_record.earlier_match(compiled_blocks, earlier) is None  # no earlier compiled blocks
 
 
 @pytest.mark.multirank  # each row is a process of its own (benchmark.py on one rank, then blocks.py)
@@ -232,7 +269,7 @@ def test_smoke_two_rows_end_to_end_with_their_files_and_the_earlier_ratio(tmp_pa
         assert f"{outcome.name}: ok in {outcome.wall_s:.0f} s" in printed
         command = shlex.split((out / "logs" / f"{outcome.name}.log").read_text().splitlines()[0])
         assert str(ROOT / ("benchmark.py" if outcome.kind == "run" else "bench/blocks.py")) in command
-    assert run.estimate_s < 3600 and blocks.estimate_s == gpu_report.FIRST_BLOCKS_SECONDS
+    assert run.estimate_s < 3600 and blocks.estimate_s == gpu_budget.FIRST_BLOCKS_SECONDS
     # The training row: benchmark.py's results, the tiny model as --smoke runs it, the memory model's count.
     result = json.loads((out / "sd2-512-precomputed.json").read_text())
     assert (result["model_config"], result["image_size"], result["device_train_microbatch_size"]) == ("tiny", 32, 2)
@@ -261,34 +298,222 @@ def test_smoke_two_rows_end_to_end_with_their_files_and_the_earlier_ratio(tmp_pa
     env = json.loads((out / "environment.json").read_text())
     assert env["device"] == "cpu (--smoke)" and env["versions"]["torch"] == torch.__version__.split("+")[0]
     assert "nvidia_smi" in env and env["load_average"] and env["command"].startswith("python bench/gpu_report.py")
+    assert env["gpus"] == 1 and env["date_utc"] and env["versions"]["mosaicml"] == "0.32.1"
+    rows = cost.main([str(out / "sd2-512-precomputed.json")])  # cost.py reads a row's JSON as written
+    assert rows and rows[0].images_per_sec == pytest.approx(result["images_per_sec"])
 
 
 def test_rows_are_the_issues_in_priority_order():
     # SD2 precomputed eager then compiled, SDXL 1024, SD2 online, Flux.1's blocks, then the two comparisons.
     kinds = [(row.setting and (row.setting.model_config, row.setting.precomputed, row.setting.compile))
              or (row.blocks_of and (row.blocks_of.model_config, row.blocks_of.fp8)) or row.compare_with
-             for row in gpu_report.ROWS]
+             for row in gpu_rows.REPORT_ROWS]
     assert kinds == [("sd2-base", True, False), ("sd2-base", True, True), ("sdxl-base", True, True),
-                     ("sd2-base", False, False), ("flux1-schnell", "off"), ("flux1-schnell", gpu_report.FLUX_FP8),
+                     ("sd2-base", False, False), ("flux1-schnell", "off"), ("flux1-schnell", gpu_rows.FLUX_FP8),
                      "sd2-512-precomputed", "sdxl-1024-compile"]
-    assert all(row.blocks_of.compile for row in gpu_report.ROWS if row.blocks_of)
+    assert all(row.blocks_of.compile for row in gpu_rows.REPORT_ROWS if row.blocks_of)
 
 
 def test_smoke_runs_benchmark_py_on_one_rank_and_says_its_compiled_rows_ran_eager(tmp_path):
-    import bench_gpu
-
-    row = gpu_report.ROWS[1]  # sd2-512-precomputed-compile
-    planned = bench_gpu.plan_row(row.name, row.setting, 1, gpu_report.SMOKE_GPU_MEMORY_BYTES, tmp_path, 3, 1, True, "")
-    command = gpu_report.one_rank(planned.command)
-    # benchmark.py itself, with every flag of the launch (--compile among them), and no launcher before it.
-    assert command[:2] == [planned.command[0], str(ROOT / "benchmark.py")] and "--compile" in command
-    assert command[2:] == planned.command[planned.command.index(str(ROOT / "benchmark.py")) + 1:]
-    assert gpu_report.row_env(row, smoke=True, pretrained=False)["TORCH_COMPILE_DISABLE"] == "1"
-    assert "TORCH_COMPILE_DISABLE" not in gpu_report.row_env(row, smoke=False, pretrained=False)
-    ran = gpu_report.Outcome(row.name, "run", "", status="ok", result={"compile": True, "compile_seconds": 0.0},
+    row = gpu_rows.REPORT_ROWS[1]  # sd2-512-precomputed-compile
+    planned = gpu_plan.plan_row(row.name, row.setting, 1, gpu_report.SMOKE_GPU_MEMORY_BYTES, tmp_path, 3, 1, True, "")
+    # benchmark.py itself, with every flag of the row (--compile among them), and no launcher before it; two
+    # ranks go through Composer's launcher.
+    assert planned.command[:2] == [sys.executable, str(ROOT / "benchmark.py")] and "--compile" in planned.command
+    two = gpu_plan.plan_row(row.name, row.setting, 2, gpu_report.SMOKE_GPU_MEMORY_BYTES, tmp_path, 3, 1, True, "")
+    assert two.command[:5] == [sys.executable, "-m", "composer.cli.launcher", "-n", "2"]
+    assert two.command[5] == str(ROOT / "benchmark.py") and (planned.batch_size, two.batch_size) == (4, 8)
+    assert {**_flags(two.command), "--batch_size": "4"} == _flags(planned.command)  # two microbatches per rank
+    # The tiny step as it runs here, counted by the memory model (the README's counted column).
+    assert planned.plan["microbatch"] == 2 and planned.plan["predicted_bytes_at_microbatch"] > 0
+    assert gpu_launch.row_env(row, smoke=True, pretrained=False)["TORCH_COMPILE_DISABLE"] == "1"
+    assert "TORCH_COMPILE_DISABLE" not in gpu_launch.row_env(row, smoke=False, pretrained=False)
+    ran = gpu_record.Outcome(row.name, "run", "", status="ok", result={"compile": True, "compile_seconds": 0.0},
                              compiled_ran_eager=True)
-    assert gpu_report.compile_cell(ran) == "eager (--smoke)"
+    assert gpu_record.compile_cell(ran) == "eager (--smoke)"
     ran.compiled_ran_eager = False
-    assert gpu_report.compile_cell(ran) == "0"
+    assert gpu_record.compile_cell(ran) == "0"
     ran.result = {"compile": False, "compile_seconds": 0.0}  # an eager run: nothing compiled, no figure
-    assert gpu_report.compile_cell(ran) == "-"
+    assert gpu_record.compile_cell(ran) == "-"
+
+
+def test_sd2_rows_run_offline_with_random_encoders_unless_the_pretrained_ones_are_here(tmp_path):
+    # Only the SD2 rows whose step runs the VAE or the text encoder look for them (--model_name); without them
+    # every row runs offline (no rank tries the hub), with random parts, and the README says so.
+    online = next(row for row in gpu_rows.MATRIX_ROWS if row.name == "online-bf16")
+    states = next(row for row in gpu_rows.MATRIX_ROWS if row.name == "flux-precomputed-states-bf16-fsdp")
+    assert online.setting.needs_pretrained and not states.setting.needs_pretrained
+    assert not any(row.setting.needs_pretrained for row in gpu_rows.MATRIX_ROWS if row.setting.model_config != "sd2-base")
+    assert not gpu_launch.pretrained_available(str(tmp_path / "no-such-model"))
+    local = tmp_path / "sd2"  # a local diffusers folder (its configs are what is checked)
+    for part in ("vae", "text_encoder"):
+        (local / part).mkdir(parents=True)
+        (local / part / "config.json").write_text("{}")
+    assert gpu_launch.pretrained_available(str(local))
+    for row, pretrained in ((online, False), (states, True), (states, False)):
+        assert gpu_launch.row_env(row, smoke=False, pretrained=pretrained)["HF_HUB_OFFLINE"] == "1"
+    assert gpu_launch.row_env(online, smoke=False, pretrained=True).get("HF_HUB_OFFLINE") == os.environ.get(
+        "HF_HUB_OFFLINE")
+
+
+# -- the matrix: the plan for an 8 x 80 GB node, without a GPU ------------------------------------------------
+
+SD2_ROWS = [name for name, setting in gpu_rows.MATRIX.items() if setting.model_config == "sd2-base"]
+
+
+def _flags(command: list[str]) -> dict[str, str | bool]:
+    """A command's flags and values (True for a switch); a flag given twice keeps its last value, as argparse does."""
+    values = [*command[1:], "--"]  # what follows each item
+    return {item: True if following.startswith("--") else following
+            for item, following in zip(command, values) if item.startswith("--")}
+
+
+def _check_planned(rows: list[dict], printed: str) -> None:
+    """Every row of a dry run on 8 x 79.1 GiB: its global batch (2048; Flux.1: MLPerf's 512), EMA as the row
+    says, and the memory model's microbatch for its own settings."""
+    for row in rows:
+        setting = gpu_rows.MATRIX[row["name"]]
+        command = row["command"]
+        flag = _flags(command)
+        assert command[command.index("-n") + 1] == "8" and flag["--batch_size"] == str(setting.global_batch)
+        assert ("--use_ema" in flag) is setting.use_ema
+        assert (flag["--model_config"], int(flag["--image_size"])) == (setting.model_config, setting.resolution)
+        micro = int(flag["--device_train_microbatch_size"])
+        # Checkpointing as benchmark.py resolves the row's flag on this node (auto: the rule's choice).
+        options = dict(norm_precision=setting.norm_precision, precomputed=setting.precomputed,
+                       precomputed_format=setting.text_format, fsdp=setting.fsdp, num_gpus=8,
+                       use_ema=setting.use_ema)
+        setup = choose_setup(setting.model_config, setting.resolution, 79.1 * 2**30, setting.global_batch // 8,
+                             activation_checkpointing=setting.activation_checkpointing, **options)
+        checkpointing = setup.activation_checkpointing
+        assert row["activation_checkpointing"] is checkpointing is row["plan"]["activation_checkpointing"]
+        assert row["plan"]["activation_checkpointing_reason"] == setup.reason
+        # The memory model's largest microbatch for the row's own settings (halved where the row says).
+        plan = memory.plan(setting.model_config, setting.resolution, 79.1 * 2**30,
+                           per_device_batch=setting.global_batch // 8,
+                           activation_checkpointing=setup.activation_checkpointing, **options)
+        assert plan["microbatch"] >= 1, row["name"]  # every row fits the GPU
+        assert micro == plan["microbatch"] // setting.microbatch_divisor and (setting.global_batch // 8) % micro == 0
+        assert memory.predicted_bytes(plan, micro) <= 79.1 * 2**30
+        assert flag["--fsdp"] == setting.fsdp  # the run shards as the plan counted
+        # The row's flag as the row sets it; a row that leaves it out takes benchmark.py's auto, whose
+        # choice with this microbatch (on only when it does not fit without) is the planned one.
+        assert flag.get("--activation_checkpointing", "auto") == setting.activation_checkpointing
+        if setting.activation_checkpointing == "auto":
+            assert choose_setup(setting.model_config, setting.resolution, 79.1 * 2**30, setting.global_batch // 8,
+                                microbatch=micro, **options).activation_checkpointing is setup.activation_checkpointing
+        assert ("--model_name" in flag) is setting.needs_pretrained
+        assert shlex.join(command) in printed  # the full command, as a shell would run it
+        assert row["estimated_seconds"] > gpu_budget.FIRST_STARTUP_SECONDS
+
+
+def test_dry_run_plans_every_sd2_row_of_an_8_x_80gb_node_at_batch_2048(tmp_path, capsys):
+    out = tmp_path / "matrix"
+    rows = gpu_report.main(["--dry_run", "--gpus", "8", "--gpu_memory_gib", "79.1", "--out", str(out),
+                            "--rows", *SD2_ROWS])
+    printed = capsys.readouterr().out
+    assert not out.exists()  # nothing run, nothing written
+    assert [r["name"] for r in rows] == SD2_ROWS
+    assert "estimated time: about" in printed
+    _check_planned(rows, printed)
+    online = {r["name"]: r["microbatch"] for r in rows}
+    assert online["online-bf16"] == online["precomputed-bf16"]  # the same UNet activations (no doubling)
+
+
+def test_dry_run_plans_flux_sharded_from_the_memory_model(capsys):
+    # Flux.1-schnell's 11.9B parameters only train sharded; checkpointing its blocks fits more images.
+    names = ["flux-precomputed-states-bf16-fsdp", "flux-precomputed-states-bf16-fsdp-ckpt",
+             "flux-precomputed-states-bf16-fsdp-nockpt"]
+    rows = gpu_report.main(["--dry_run", "--gpus", "8", "--gpu_memory_gib", "79.1", "--rows", *names])
+    _check_planned(rows, capsys.readouterr().out)
+    default, checkpointed, plain = rows  # in the matrix's order
+    assert checkpointed["microbatch"] > plain["microbatch"]
+    assert checkpointed["activation_checkpointing"] and not plain["activation_checkpointing"]
+    assert plain["microbatch"] == 8 and checkpointed["microbatch"] == 64
+    # The default row (docs/flux.md): shard_grad_op with checkpointing, the per-GPU batch (512 / 8) in one
+    # microbatch, so each step gathers the weights once and reduce-scatters once.
+    assert _flags(default["command"])["--fsdp"] == "shard_grad_op" and default["activation_checkpointing"]
+    assert default["microbatch"] == 64 and default["plan"]["fsdp"] == "shard_grad_op"
+
+
+def test_fp8_goes_to_every_training_row_and_into_its_memory_plan(capsys):
+    # MLPerf's set-up with float8 on 8 x 80 GB: the command takes --fp8 and --compile, the microbatch is
+    # counted with float8.
+    name = "flux-precomputed-states-bf16-fsdp-nockpt"
+    (row,) = gpu_report.main(["--dry_run", "--gpus", "8", "--gpu_memory_gib", "79.1", "--rows", name,
+                              "--fp8", "tensorwise"])
+    assert _flags(row["command"])["--fp8"] == "tensorwise" and row["plan"]["fp8"] == "tensorwise"
+    assert "--compile" in row["command"]  # benchmark.py refuses float8 without it
+    plain = memory.plan("flux1-schnell", 256, 79.1 * 2**30, precomputed=True, fsdp="full_shard", use_ema=False,
+                        per_device_batch=64)
+    # Tensorwise keeps each Linear's float8 weight for backward: more bytes per microbatch than bf16.
+    assert row["plan"]["activation_bytes_per_microbatch"] > plain["activation_bytes_per_microbatch"]
+    assert 1 <= row["microbatch"] <= plain["microbatch"]
+
+
+def test_every_matrix_row_runs_as_planned_and_smoke_runs_each_familys_tiny_model():
+    # Commands are made from the same settings as the plan: check each row's flags without counting.
+    for name, setting in gpu_rows.MATRIX.items():
+        flag = _flags(["launcher", *setting.flags()])
+        assert flag["--fsdp"] == setting.fsdp and flag["--model_config"] == setting.model_config
+        assert ("--precomputed_format" in flag) is setting.precomputed
+        if setting.precomputed:
+            assert flag["--precomputed_format"] == setting.text_format
+        # --model_name is SD2's: the rows of other families must need no pretrained part.
+        assert setting.model_config == "sd2-base" or not setting.needs_pretrained, name
+        smoke = _flags(["launcher", *setting.flags(), *gpu_rows.smoke_flags(setting, gpus=1)])
+        assert smoke["--model_config"] == gpu_rows.SMOKE_CONFIGS[setting.model_config]
+        assert smoke["--fsdp"] == "none"  # one CPU rank: nothing to shard over
+
+
+@pytest.mark.multirank
+def test_timeout_ends_the_launchers_whole_process_group(tmp_path):
+    # A fake launcher that starts a rank, which starts a worker: all sleep and record their pids.
+    pids, script = tmp_path / "pids", tmp_path / "spawn.py"
+    script.write_text("import os, subprocess, sys, time\n"
+                      "open(sys.argv[1], 'a').write(f'{os.getpid()}\\n')\n"
+                      "if int(sys.argv[2]) > 0:\n"
+                      "    subprocess.Popen([sys.executable, __file__, sys.argv[1], str(int(sys.argv[2]) - 1)])\n"
+                      "time.sleep(600)\n")
+    command = [sys.executable, str(script), str(pids), "2"]
+    start = time.monotonic()
+    code = gpu_launch.run_command(command, tmp_path / "log.txt", timeout_s=10)  # all three started by then
+    assert code == "timeout" and time.monotonic() - start < 60
+    recorded = [int(line) for line in pids.read_text().split()]
+    assert len(recorded) == 3  # launcher, rank, worker
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in recorded):
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in recorded), recorded
+    assert "timeout after 10 s" in (tmp_path / "log.txt").read_text()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) holds nothing: count it as ended.
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
+
+
+@pytest.mark.multirank  # two CPU ranks through Composer's launcher
+def test_smoke_matrix_row_on_two_ranks_leaves_results_that_cost_reads(tmp_path):
+    out = tmp_path / "matrix"
+    (outcome,) = _run(["--smoke", "--out", str(out), "--rows", "precomputed-bf16", "--gpus", "2", "--batches", "2",
+                       "--warmup_batches", "1", "--budget_s", "3600"])
+    log = (out / "logs" / "precomputed-bf16.log").read_text()
+    assert outcome.status == "ok", log[-3000:]
+    assert shlex.split(log.splitlines()[0])[1:5] == ["-m", "composer.cli.launcher", "-n", "2"]
+    result = json.loads((out / "precomputed-bf16.json").read_text())
+    assert result["precomputed"] and result["use_ema"] and result["precision"] == "amp_bf16"
+    assert result["device_train_microbatch_size"] == 2 and result["world_size"] == 2
+    assert result["global_batch_size"] == 8 and result["memory_model"]["microbatch"] == 2
+    assert result["mfu_trained_network"] is None and result["flops_per_image_trained_network"] > 0  # no CPU peak
+    assert json.loads((out / "environment.json").read_text())["gpus"] == 2
+    readme = (out / "README.md").read_text()
+    assert readme.startswith("# GPU report: 2 x cpu (--smoke)") and "| precomputed-bf16 |" in readme
+    assert f"({result['images_per_sec_per_device']:.1f} per device)" in readme
+    rows = cost.main([str(out / "precomputed-bf16.json")])  # cost.py reads a row's JSON as written
+    assert rows[0].num_gpus == 2 and rows[0].images_per_sec == pytest.approx(result["images_per_sec"])

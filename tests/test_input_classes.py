@@ -36,8 +36,8 @@ from tests.helpers import (REAL_2BA, ROOT, TINY_2BA, bench_script, error_of, fre
 COMMANDS = {"benchmark.py": benchmark, "convert.py": convert, "latents.py": latents, "export.py": export,
             "cost.py": cost, "learns.py": learns, "index_scale.py": index_scale, "blocks.py": blocks,
             "step_ops.py": step_ops, **{f"{name}.py": bench_script(name) for name in (
-                "bench_gpu", "memory", "value_check", "cpu_speed", "bench_data", "bench_ema", "check_step",
-                "unet_flops", "gpu_report")}}
+                "memory", "value_check", "cpu_speed", "bench_data", "bench_ema", "check_step", "unet_flops",
+                "gpu_report")}}
 
 
 def parser_of(module) -> argparse.ArgumentParser:
@@ -69,7 +69,6 @@ NOT_NUMBERS = {
     "index_scale.py": {"--out", "--json", "--from_json", "--child", "--local"},
     "step_ops.py": {"--model_config"},
     "blocks.py": {"--compare_results_json", "--measured_json"},
-    "bench_gpu.py": {"--out", "--only", "--model_name"},
     "gpu_report.py": {"--out", "--rows", "--results_root", "--model_name"},
     "memory.py": {"--model_config"},
     "value_check.py": {"--workdir"},

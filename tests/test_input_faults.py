@@ -490,13 +490,13 @@ def test_cost_results_with_absurd_fields_are_one_line(tmp_path, field, value, ex
     assert expected in error_of(cost.main, [str(results)], "cost.py")
 
 
-def test_bench_gpu_out_naming_a_file_is_refused(tmp_path):
-    import bench_gpu
+def test_gpu_report_out_naming_a_file_is_refused(tmp_path):
+    import gpu_report
 
     existing = tmp_path / "results.txt"
     existing.write_text("mine")
-    message = error_of(bench_gpu.main, ["--dry_run", "--gpus", "8", "--gpu_memory_gib", "79.1", "--out", str(existing)],
-                       "bench_gpu.py")
+    message = error_of(gpu_report.main, ["--dry_run", "--gpus", "8", "--gpu_memory_gib", "79.1", "--out",
+                                         str(existing)], "gpu_report.py")
     assert "is a file, not a folder" in message and existing.read_text() == "mine"
 
 

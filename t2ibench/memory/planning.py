@@ -65,7 +65,7 @@ class ActivationModel:
         return self.peak_per_image * microbatch + self.peak_per_microbatch
 
 
-# Cached: a count runs two meta-device steps (seconds to a minute), and a matrix of plans (bench_gpu.py,
+# Cached: a count runs two meta-device steps (seconds to a minute), and a matrix of plans (gpu_report.py,
 # --table) asks for the same count under several GPU sizes, FSDP modes and EMA settings.
 @functools.lru_cache(maxsize=None)
 def activation_model(model_config: str, image_size: int, *, precision: str = "amp_bf16",
