@@ -11,19 +11,17 @@ import json
 import logging
 import os
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor, wait
-from threading import Event
 from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import torch
 from composer.utils import dist
 from streaming import Stream, StreamingDataLoader, StreamingDataset
-from streaming.base.dataset import _Iterator, _ShardState
+from streaming.base.dataset import _ShardState
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from t2ibench.buckets import (CROPS, Bucket, batches_before, bucket_batches, crop_generator, full_batches,
-                              nearest_bucket, place, synthetic_bucket)
+from t2ibench.bucketed_stream import BucketedStream, check_first_epoch
+from t2ibench.buckets import CROPS, Bucket, crop_generator, nearest_bucket, place, synthetic_bucket
 from t2ibench.errors import STORAGE_MODULES
 from t2ibench.families import FAMILIES, ModelFamily
 from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
@@ -100,7 +98,8 @@ class SyntheticBucketedImages(SyntheticImageCaptions):
 
 class BucketBatchSampler(DistributedSampler):
     """Composer's distributed sampler (each rank its shard of the shuffled indices), handing out batches
-    of `batch_size` indices, each batch paired with a bucket drawn from `weights` (`buckets.synthetic_bucket`).
+    of `batch_size` indices, each batch paired with a bucket drawn from `weights` (`buckets.synthetic_bucket`:
+    the same on every rank at every step).
 
     A DistributedSampler itself, so that Composer sets its epoch (it looks for one as the loader's
     batch sampler too) and spins it to a resumed batch like any sampler."""
@@ -115,7 +114,7 @@ class BucketBatchSampler(DistributedSampler):
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         indices = list(super().__iter__())
         for batch in range(len(self)):
-            position = synthetic_bucket(self.weights, self.draw_seed, self.epoch, self.rank, batch)
+            position = synthetic_bucket(self.weights, self.draw_seed, self.epoch, batch)
             yield [(index, position) for index in indices[batch * self.batch_size:(batch + 1) * self.batch_size]]
 
     def __len__(self) -> int:
@@ -449,69 +448,6 @@ class StreamingImageCaptions(NamedShardErrors, StreamingDataset):
                            f"(the first tried: sample {index} in {self.shard_name(index)})")
 
 
-class BucketedStream:
-    """A StreamingDataset mix-in (`--aspect_buckets`): every loader worker yields its part of the epoch in
-    runs of `batch_size` samples of one bucket, so that each batch (and microbatch) holds one.
-
-    Each worker takes its part of Streaming's shuffled epoch as the square loaders do, asks
-    `bucket_of(index)` for each sample's bucket (cheap: an image's header, a stored column) and emits a
-    bucket as soon as it holds a batch (`buckets.bucket_batches`: at most buckets x (batch_size - 1)
-    sample ids wait per worker), reading each sample in full then (`item_in`). The epoch has as many
-    batches as the square loader's, on every rank.
-
-    Resuming mid-epoch: a checkpoint records the samples trained (Streaming's state); a resumed worker
-    takes the same part of the epoch from its start and replays the bucketing (`bucket_of` only) past
-    the batches it had handed out, so it holds what the uninterrupted worker held and continues with the
-    same batches. Random access (`dataset[i]`) is the square loader's.
-    """
-
-    # Whether the epoch's leftovers are cut into batches in other buckets (images can be cropped into
-    # any); stored latents cannot change shape: their epoch has only full batches (`full_batches`).
-    regroup_leftovers = True
-
-    def bucket_of(self, index: int) -> tuple[Bucket, int]:
-        raise NotImplementedError
-
-    def item_in(self, index: int, bucket: Bucket, epoch: int) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        """This worker's samples of the epoch, in runs of one bucket (Streaming 0.13's __iter__, with
-        the epoch's part always taken from its start: see the class doc)."""
-        if hasattr(self, "_iterator"):
-            self._iterator.exit()
-        if not hasattr(self, "_executor"):
-            self._executor = ThreadPoolExecutor()
-        if not hasattr(self, "_event"):
-            self._event = Event()
-        elif self._event.is_set():
-            raise RuntimeError("Background thread failed. Check other traceback.")
-        self._unique_worker_world = self._unique_rank_world.detect_workers()
-        self._parallel_worker_world = world = self._parallel_rank_world.detect_workers()
-        epoch, sample_in_epoch = self._resume_incr_epoch()
-        sample_ids = self._get_work(epoch, 0)
-        assigned = int((sample_ids != -1).sum())  # this worker's samples of the epoch
-        num_batches = assigned // self.batch_size if self.regroup_leftovers else \
-            full_batches(assigned, len(self.buckets), self.batch_size)
-        skip = batches_before(sample_in_epoch, world.num_ranks, world.workers_per_rank, world.worker_of_rank,
-                              self.batch_size)
-        if skip >= num_batches:
-            return
-        self._iterator = it = _Iterator(sample_ids)
-        futures = [self._executor.submit(self._prepare_thread, it), self._executor.submit(self._ready_thread, it)]
-        for future in futures:
-            future.add_done_callback(self.on_exception)
-        samples = self._each_sample_id(it)
-        try:
-            for bucket, batch in bucket_batches(samples, self.bucket_of, self.batch_size, num_batches, skip):
-                for index in batch:
-                    yield self.item_in(index, bucket, epoch)
-        finally:
-            samples.close()
-            it.exit()  # the download threads stop, whether the epoch's samples ran out or not
-        wait(futures, return_when="FIRST_EXCEPTION")
-
-
 class BucketedImageCaptions(BucketedStream, StreamingImageCaptions):
     """Image-caption pairs in aspect-ratio buckets (`--aspect_buckets`, `BucketedStream`): a sample's
     bucket comes from its image's header (`t2ibench.buckets.nearest_bucket`); it is decoded when its
@@ -579,6 +515,8 @@ def laion_dataloader(remote: str | None = None, local: str | None = None, tokeni
         max_bad_fraction=max_bad_fraction, bad_check_after=bad_check_after,
         **{**(settings or StreamingSettings()).dataset_kwargs(seed), **streaming_kwargs})
     warn_about_large_epoch(dataset)
+    if buckets:
+        check_first_epoch(dataset, num_workers, show_progress=dist.get_global_rank() == 0)
     return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **loader_kwargs(num_workers))
 
 
@@ -699,10 +637,10 @@ class StreamingLatents(NamedShardErrors, StreamingDataset):
 
 
 class BucketedLatents(BucketedStream, StreamingLatents):
-    """Precomputed latents stored at each sample's bucket shape (`latents.py --aspect_buckets`), in runs of
-    one bucket (`BucketedStream`): a sample's bucket is its stored `bucket` column (height, width). Latents
-    keep their shape, so each worker's epoch holds only the batches its buckets are sure to fill (at most
-    buckets x (batch - 1) samples a worker are left out of an epoch: `buckets.full_batches`)."""
+    """Precomputed latents stored at each sample's bucket shape (`latents.py --aspect_buckets`), in batches
+    of one bucket (`BucketedStream`): a sample's bucket is its stored `bucket` column (height, width).
+    Latents keep their shape, so the epoch holds the full batches of one bucket every rank can fill
+    (`t2ibench.bucket_plan`): what is left in a bucket waits for the next epoch's order."""
 
     regroup_leftovers = False
 
@@ -798,4 +736,6 @@ def latents_dataloader(*, synthetic: bool, remote: str | None = None, local: str
                                image_size=image_size, text_dim=text_dim, family=family, config=config,
                                **{**settings.dataset_kwargs(seed), **streaming_kwargs})
     warn_about_large_epoch(dataset)
+    if buckets:
+        check_first_epoch(dataset, num_workers, show_progress=dist.get_global_rank() == 0)
     return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **kwargs)

@@ -11,7 +11,8 @@ the batch's last collective, so the other ranks wait for it in the next batch's 
 `DIR/rank<R>.json`: the perf_counter times at which saves started, and the Throughput callback's
 `window_end`, so a test can check which saves fell inside the measured window, and `losses`: each
 batch's loss as Composer all-reduced it, at full precision (the progress line rounds), and
-`grad_norms`: each step's gradient norm as this rank's run reads it (t2ibench.grad_norm). Other flags go to
+`grad_norms`: each step's gradient norm as this rank's run reads it (t2ibench.grad_norm), and
+`batch_shapes`: each batch's image (or latent) height and width on this rank. Other flags go to
 `benchmark.main` unchanged. `--compile_backend aot_eager` makes `--compile` trace with dynamo and AOT
 autograd (graphs, DDP, parameter names) but skip inductor's code generation, which on CPU compiles
 C++ with gcc for minutes on a busy two-core machine (and on a GPU generates Triton instead).
@@ -68,6 +69,12 @@ class Report(Callback):
         self.report = report
         self.losses: dict[int, float] = {}
         self.grad_norms: dict[int, float | None] = {}
+        self.batch_shapes: dict[int, list[int]] = {}  # each batch's image (or latent) height and width
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        pixels = state.batch.get("image", state.batch.get("latent_mean"))
+        if pixels is not None:
+            self.batch_shapes[int(state.timestamp.batch) + 1] = list(pixels.shape[-2:])
 
     def batch_end(self, state: State, logger: Logger) -> None:
         # Written every batch, so a run killed from outside leaves the losses of the batches it trained.
@@ -75,13 +82,13 @@ class Report(Callback):
         # Every rank reads it here, as benchmark.py does at the end (a collective under FSDP).
         norm = next(a for a in state.algorithms if isinstance(a, GradientNorm))
         self.grad_norms[int(state.timestamp.batch)] = norm.last_norm()
-        self.write({"losses": self.losses, "grad_norms": self.grad_norms})
+        self.write({"losses": self.losses, "grad_norms": self.grad_norms, "batch_shapes": self.batch_shapes})
 
     def fit_end(self, state: State, logger: Logger) -> None:
         throughput = next(cb for cb in state.callbacks if isinstance(cb, Throughput))
         ema = next((a for a in state.algorithms if hasattr(a, "shadow_nbytes")), None)
         self.write({"window_end": throughput.window_end, "save_starts": SAVE_STARTS, "losses": self.losses,
-                    "grad_norms": self.grad_norms,
+                    "grad_norms": self.grad_norms, "batch_shapes": self.batch_shapes,
                     "ema_shadow_bytes": ema.shadow_nbytes if ema is not None else None})
 
     def write(self, report: dict) -> None:

@@ -76,6 +76,9 @@ class TwoRankRuns:
             copy_of(self.shards, data_dir)
         args = RESUME + ["--local", str(data_dir), "--save_folder", str(self.tmp / folder),
                          "--results_json", str(self.tmp / f"{name}.json")]
+        if name == "reference":  # each rank's batch shapes (tests/fault_run.py's report)
+            return Launch(two_ranks("tests/fault_run.py", "--report", str(self.tmp / "report"), *args),
+                          self.tmp / f"{name}.log")
         return Launch(two_ranks("benchmark.py", *args), self.tmp / f"{name}.log")
 
     def resume(self) -> Launch:
@@ -354,6 +357,9 @@ def test_two_ranks_resume_mid_epoch_after_sigkill_to_the_uninterrupted_weights_a
     assert all(torch.equal(ref["model"][k], res["model"][k]) for k in ref["model"]), "weights differ"
     ema_ref, ema_res = dict(ref["algorithms"])["EMA"]["shadow"], dict(res["algorithms"])["EMA"]["shadow"]
     assert all(torch.equal(ema_ref[k], ema_res[k]) for k in ema_ref), "EMA differs"
+    # One bucket per step: both ranks trained the same bucket in every step.
+    shapes = [json.loads((runs.tmp / "report" / f"rank{rank}.json").read_text())["batch_shapes"] for rank in (0, 1)]
+    assert len(shapes[0]) == 6 and shapes[0] == shapes[1]
     summary = [json.loads((runs.tmp / f"{name}.json").read_text()) for name in ("reference", "resumed")]
     assert summary[0]["world_size"] == 2 and summary[0]["final_loss"] == summary[1]["final_loss"]
     # Each rank counted half the list's FLOPs; both hold all of them, and the resumed run the same.
@@ -406,12 +412,38 @@ def test_latents_are_stored_at_each_samples_bucket_and_train_one_bucket_a_batch(
             batches.append(tuple(state.batch["latent_mean"].shape))
 
     results = benchmark.main(["--model_config", "sdxl-tiny", "--precomputed", "--local",
-                              str(copy_of(tmp / "lat", tmp_path / "lat")), "--batch_size", "2", "--num_workers", "2",
+                              str(copy_of(tmp / "lat", tmp_path / "lat")), "--batch_size", "2", "--num_workers", "0",
                               "--max_duration", "1ep", "--warmup_batches", "1", "--aspect_buckets", str(listed)],
                              extra_callbacks=[Latents()])
-    # 32 samples a worker, 3 buckets: (32 - 3 x 1) // 2 = 14 full batches each, every one in one bucket.
-    assert len(batches) == 28 and {shape[2:] for shape in batches} <= {(12, 5), (8, 8), (5, 12)}
-    assert sum(results["images_per_bucket"].values()) == 56 and results["largest_bucket"]["bucket"] == "64x64"
+    # Every full batch the stored buckets hold (one rank, one loader): each bucket's count // 2, in one bucket each.
+    full = sum(count // 2 for count in names.values())
+    assert len(batches) == full and {shape[2:] for shape in batches} <= {(12, 5), (8, 8), (5, 12)}
+    assert sum(results["images_per_bucket"].values()) == 2 * full and results["largest_bucket"]["bucket"] == "64x64"
+
+
+def test_a_small_precomputed_set_trains_every_full_batch_or_is_refused_saying_what_it_holds(bucketed_latents,
+                                                                                           tmp_path):
+    tmp, listed = bucketed_latents
+    counts = sorted(Counter(f"{int(s[0])}x{int(s[1])}" for s in stored_buckets(tmp / "lat")).values())
+    data = copy_of(tmp / "lat", tmp_path / "lat")
+    run = ["--model_config", "sdxl-tiny", "--precomputed", "--local", str(data), "--num_workers", "0",
+           "--max_duration", "1ep", "--warmup_batches", "0", "--aspect_buckets", str(listed)]
+    # A batch as large as the smallest bucket: the worst case over the list (what an epoch held before) is
+    # no batch at all, but the stored column holds one batch or more in every bucket.
+    batch = counts[0]
+    results = benchmark.main([*run, "--batch_size", str(batch)])
+    assert sum(results["images_per_bucket"].values()) == batch * sum(count // batch for count in counts)
+    # Larger than every bucket: refused before training, saying what the data holds.
+    message = error_of(benchmark.main, [*run, "--batch_size", str(counts[-1] + 1)])
+    assert f"the data holds 0 full batch(es) of {counts[-1] + 1} samples in one bucket" in message
+    assert "use more data, a smaller --batch_size" in message
+
+
+def stored_buckets(folder: Path) -> list:
+    from streaming import StreamingDataset
+
+    stored = StreamingDataset(local=str(folder), batch_size=1, shuffle=False)
+    return [stored[i]["bucket"] for i in range(stored.num_samples)]
 
 
 def test_latents_of_other_buckets_are_refused_in_one_line(bucketed_latents, tmp_path):
@@ -428,13 +460,78 @@ def test_latents_of_other_buckets_are_refused_in_one_line(bucketed_latents, tmp_
     assert "--aspect_buckets does not apply to --model_config tiny: SD2 trains on squares" in message
 
 
-def test_a_resume_with_other_loader_workers_is_refused_in_one_line(shards, tmp_path):
-    # The bucketed order of real data depends on the ranks and on each rank's loader workers: resuming
-    # with another --num_workers would repeat some photos and skip others, so it is refused.
-    listed = tmp_path / "three.txt"
+# -----------------------------------------------------------------------------------------------
+# Resuming with settings that decide the samples of a step (t2ibench.data_order): refused mid-epoch,
+# with a note at an epoch's start.
+# -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved_mid_epoch(shards, tmp_path_factory) -> tuple[list[str], Path]:
+    """The flags of a run of a three-bucket list that saved a checkpoint 2 batches into an epoch of 16, and
+    its folder."""
+    tmp = tmp_path_factory.mktemp("bucket-saved")
+    listed = tmp / "three.txt"
     listed.write_text("96x40\n40x96\n64x64\n")
-    run = [*XL, str(listed), "--local", str(copy_of(shards, tmp_path / "mds")), "--batch_size", "4",
-           "--save_folder", str(tmp_path / "ckpt"), "--save_interval", "2ba", "--run_name", "workers"]
-    benchmark.main([*run, "--num_workers", "0", "--max_duration", "2ba"])
-    message = error_of(benchmark.main, [*run, "--num_workers", "1", "--max_duration", "4ba", "--autoresume"])
-    assert "--num_workers 0 then, 1 now" in message and "resume with the same ranks and --num_workers" in message
+    run = [*XL, str(listed), "--local", str(copy_of(shards, tmp / "mds")), "--batch_size", "4", "--num_workers", "0",
+           "--save_folder", str(tmp / "ckpt"), "--save_interval", "2ba", "--run_name", "order"]
+    benchmark.main([*run, "--max_duration", "2ba"])
+    return run, tmp
+
+
+@pytest.mark.parametrize("change, expected", [
+    # The bucketed order of real data depends on the ranks and on each rank's loader workers.
+    (["--num_workers", "1"], "--num_workers 0 then, 1 now"),
+    (["--batch_size", "8", "--bucket_crop", "center"], "--batch_size 4 then, 8 now; --bucket_crop random then, center now"),
+    (["--aspect_buckets"], "--aspect_buckets 96x40,64x64,40x96 then, 11 buckets, 128x32 ... 32x128 now"),
+    ([], "--aspect_buckets 96x40,64x64,40x96 then, none (square) now"),  # the flag left out
+    (["--image_size", "72"], "--image_size 64 then, 72 now"),
+])
+def test_a_mid_epoch_resume_that_would_change_the_samples_of_a_step_is_refused_in_one_line(saved_mid_epoch, change,
+                                                                                            expected):
+    run, tmp = saved_mid_epoch
+    if not change:
+        at = run.index("--aspect_buckets")
+        run = run[:at] + run[at + 2:]
+    saved = sorted(os.listdir(tmp / "ckpt"))
+    message = error_of(benchmark.main, [*run, *change, "--max_duration", "4ba", "--autoresume"])
+    assert f"{expected}: the checkpoint stopped mid-epoch (epoch 0, after its batch 2), so the rest of the epoch would " \
+           "repeat some of its samples and skip others; resume with the checkpoint's values, from a checkpoint saved " \
+           "at an epoch's start (--save_interval in ep), or start a new run" in message, message
+    assert sorted(os.listdir(tmp / "ckpt")) == saved  # refused before any batch: nothing trained or saved
+
+
+def test_a_seed_other_than_the_checkpoints_is_refused_even_at_an_epochs_start(saved_mid_epoch):
+    run, _ = saved_mid_epoch
+    message = error_of(benchmark.main, [*run, "--seed", "18", "--max_duration", "4ba", "--autoresume"])
+    assert "--seed 17 then, 18 now: Composer and Streaming resume with the checkpoint's seed; resume with the " \
+           "checkpoint's values or start a new run" in message
+
+
+def test_synthetic_bucket_weights_change_at_an_epochs_start_saying_so_and_are_refused_mid_epoch(tmp_path, capsys):
+    run = ["--model_config", "sdxl-tiny", "--seed", "17", "--use_synth_data", "--aspect_buckets", "--num_workers", "0",
+           "--num_synthetic_samples", "8", "--batch_size", "4", "--warmup_batches", "0"]
+    saving = ["--save_folder", str(tmp_path / "ckpt"), "--run_name", "weights", "--autoresume"]
+    benchmark.main([*run, *saving, "--max_duration", "1ep", "--save_interval", "1ep"])  # ep1-ba2: epoch 1's start
+    capsys.readouterr()
+    resumed = benchmark.main([*run, *saving, "--synthetic_bucket_weights", "64x64=1", "--max_duration", "3ba",
+                              "--save_interval", "1ba"])
+    assert "note: resuming at the start of epoch 1 with --synthetic_bucket_weights uniform then, 64x64=1 now: the new " \
+           "values decide this epoch's samples from its first" in capsys.readouterr().err
+    assert resumed["images_per_bucket"] == {"64x64": 4}  # the new weights drew batch 3
+    # ep1-ba3-rank0.pt, mid-epoch: the weights it drew with, or none.
+    message = error_of(benchmark.main, [*run, *saving, "--max_duration", "4ba"])
+    assert "--synthetic_bucket_weights 64x64=1 then, uniform now: the checkpoint stopped mid-epoch (epoch 1, after " \
+           "its batch 1)" in message
+    # A checkpoint saved before the data order was recorded (issue 45): what it holds is compared, the rest named.
+    legacy = tmp_path / "legacy.pt"
+    checkpoint = torch.load(tmp_path / "ckpt" / "ep1-ba3-rank0.pt", map_location="cpu", weights_only=False)
+    del checkpoint["state"]["callbacks"]["RunRecord"]["data_order"]
+    torch.save(checkpoint, legacy)
+    square = [flag for flag in run if flag != "--aspect_buckets"]
+    message = error_of(benchmark.main, [*square, "--load_path", str(legacy), "--max_duration", "4ba"])
+    assert "--aspect_buckets 11 buckets, 128x32 ... 32x128 then, none (square) now: the checkpoint stopped mid-epoch" \
+           in message
+    benchmark.main([*run, "--load_path", str(legacy), "--max_duration", "4ba"])
+    assert "note: the checkpoint resumed mid-epoch was saved before checkpoints recorded the data order: " \
+           "--use_synth_data, --seed, --batch_size, --num_synthetic_samples, --synthetic_bucket_weights cannot be " \
+           "compared" in capsys.readouterr().err

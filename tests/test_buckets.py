@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from t2ibench import buckets
+from t2ibench import bucket_plan, buckets
 from t2ibench.buckets import Bucket
 from t2ibench.errors import UserError
 from t2ibench.images import decode_pixels, decode_pixels_placed, oriented_size
@@ -161,45 +161,54 @@ def test_the_phone_portrait_is_decoded_upright():
 LISTED = (Bucket(2, 1), Bucket(1, 1), Bucket(1, 2), Bucket(1, 4))
 
 
-def bucket_of(sample_id: int) -> tuple[Bucket, int]:
-    return LISTED[(sample_id * 7919) % 13 % len(LISTED)], sample_id
+def partition(num_samples: int, ranks: int, workers: int, seed: int) -> np.ndarray:
+    """A shuffled epoch split as Streaming's is: [node, rank of node, worker of rank, samples], -1 padding."""
+    ids = np.random.default_rng(seed).permutation(num_samples)
+    per_slot = -(-num_samples // (ranks * workers))
+    padded = np.concatenate([ids, -np.ones(per_slot * ranks * workers - num_samples, dtype=ids.dtype)])
+    return padded.reshape(1, ranks, workers, per_slot)
 
 
-@pytest.mark.parametrize("count, batch", [(50, 4), (37, 3), (9, 4), (3, 4)])
-def test_stream_becomes_one_bucket_batches_with_every_sample_but_the_last_few(count, batch):
-    ids = list(np.random.default_rng(count).permutation(count))
-    held = []
-
-    def watched(sample_id: int) -> tuple[Bucket, int]:
-        held.append(sample_id)
-        return bucket_of(sample_id)
-
-    out = list(buckets.bucket_batches(ids, watched, batch, count // batch))
-    assert len(out) == count // batch
-    seen = [s for _, samples in out for s in samples]
-    assert len(seen) == len(set(seen)) == batch * (count // batch)  # nothing twice, only count % batch left
-    full = [(bucket, samples) for bucket, samples in out if all(bucket_of(s)[0] == bucket for s in samples)]
-    assert len(out) - len(full) <= len(LISTED) - 1  # only the tail mixes its samples' nearest buckets
-    assert all(len(samples) == batch for _, samples in out)
+TABLE = np.array([(i * 7919) % 13 % len(LISTED) for i in range(600)])  # sample -> bucket position in LISTED
 
 
-def test_a_replay_skips_batches_to_the_same_continuation_and_holds_a_bounded_buffer():
-    ids = list(np.random.default_rng(0).permutation(200))
-    full = list(buckets.bucket_batches(ids, bucket_of, 5, 40))
-    for skip in (0, 1, 17, 39, 40):
-        assert list(buckets.bucket_batches(ids, bucket_of, 5, 40, skip=skip)) == full[skip:]
-    # Samples read but not yet emitted, at every point: at most buckets x (batch - 1).
-    read, emitted, worst = 0, 0, 0
+@pytest.mark.parametrize("ranks, workers, batch, regroup", [(1, 1, 4, False), (2, 2, 3, False), (4, 2, 2, True),
+                                                            (8, 1, 5, True), (3, 3, 4, True)])
+def test_every_rank_trains_the_same_bucket_at_every_step(ranks, workers, batch, regroup):
+    work = partition(600, ranks, workers, seed=ranks * 10 + workers)
+    slots = bucket_plan.epoch_batches(work, TABLE, batch, LISTED, regroup)
+    assert len({len(slot) for slot in slots}) == 1 and len(slots) == workers  # the slots cut to the shortest
+    used = []
+    for worker, slot in enumerate(slots):
+        for planned in slot:
+            assert len(planned.samples) == ranks and all(len(samples) == batch for samples in planned.samples)
+            for rank, samples in enumerate(planned.samples):
+                assert set(samples) <= set(work[0, rank, worker].tolist())  # each rank from its own part
+            used.extend(s for samples in planned.samples for s in samples)
+    assert len(used) == len(set(used))  # no sample twice
+    full = [planned for slot in slots for planned in slot
+            if all(TABLE[s] == planned.bucket for samples in planned.samples for s in samples)]
+    if not regroup:  # stored latents: every batch wholly its bucket's
+        assert len(full) == sum(len(slot) for slot in slots)
 
-    def counting(sample_id: int) -> tuple[Bucket, int]:
-        nonlocal read
-        read += 1
-        return bucket_of(sample_id)
 
-    for _, samples in buckets.bucket_batches(ids, counting, 5, 40):
-        worst = max(worst, read - emitted)
-        emitted += len(samples)
-    assert worst <= len(LISTED) * 4 + 1
+def test_stored_latents_hold_every_full_batch_every_rank_can_fill():
+    # One worker slot: per bucket, the batches are the fewest any rank can fill (its count // batch).
+    work = partition(400, ranks=2, workers=1, seed=3)
+    slot = bucket_plan.slot_batches([work[0, r, 0] for r in range(2)], TABLE, 4, LISTED, regroup=False)
+    for bucket in range(len(LISTED)):
+        fill = min(int((TABLE[work[0, r, 0]] == bucket).sum()) // 4 for r in range(2))
+        assert sum(planned.bucket == bucket for planned in slot) == fill
+    # Images can be cropped into any bucket: the leftovers become batches too, all but the last few.
+    regrouped = bucket_plan.slot_batches([work[0, r, 0] for r in range(2)], TABLE, 4, LISTED, regroup=True)
+    assert len(regrouped) == 200 // 4
+
+
+def test_the_plan_depends_on_the_partition_and_the_table_alone():
+    work = partition(300, ranks=2, workers=2, seed=5)
+    first = bucket_plan.epoch_batches(work, TABLE, 3, LISTED, True)
+    assert bucket_plan.epoch_batches(work.copy(), TABLE.copy(), 3, LISTED, True) == first
+    assert bucket_plan.global_batches(work, TABLE, 3, LISTED, True) == sum(len(slot) for slot in first)
 
 
 def test_batches_before_counts_each_workers_share_of_the_trained_batches():

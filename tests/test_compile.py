@@ -119,7 +119,7 @@ def first_batches(buckets_file: str, image_size: int, num_batches: int, seed: in
     weights = tuple(1 / len(buckets) for _ in buckets)
     first: dict[str, int] = {}
     for batch in range(num_batches):
-        first.setdefault(buckets[synthetic_bucket(weights, seed, 0, 0, batch)].name, batch + 1)
+        first.setdefault(buckets[synthetic_bucket(weights, seed, 0, batch)].name, batch + 1)
     return first
 
 
