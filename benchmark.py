@@ -47,6 +47,7 @@ from t2ibench.buckets import Bucket, largest_bucket
 from t2ibench.checkpoints import write_whole
 from t2ibench.compiling import compile_step_parts
 from t2ibench.data_checks import SYNTHETIC_EVAL_SAMPLES
+from t2ibench.data_order import data_order
 from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
 from t2ibench.files import STAGING_FOLDER, no_room, hold_output, staged_folder, write_error, write_text
 from t2ibench.grad_norm import GradientNorm
@@ -368,20 +369,19 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
                                     subset_num_batches=-(-settings.eval_samples // settings.batch_size) if capped else -1))
     write_whole()  # a checkpoint is complete under its name, or absent (a full disk leaves no part of it)
     restore_rng = RestoreRngOnStreamingResume()
-    callbacks = [SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), measured.throughput,
-                 StopOnNonFiniteLoss(settings.load_path, settings.save_folder), StopOnEmptyEpoch(),
-                 RunRecord({"model_config": settings.model_config, "model_name": settings.model_name,
+    # RunRecord first: a resume it refuses stops before any other callback's set-up (the buckets' FLOPs).
+    callbacks = [RunRecord({"model_config": settings.model_config, "model_name": settings.model_name,
                             "encoders_seed": settings.encoders_seed,
                             "image_size": settings.image_size, "precomputed": settings.precomputed,
-                            "aspect_buckets": [bucket.name for bucket in settings.buckets]}),
+                            "aspect_buckets": [bucket.name for bucket in settings.buckets]},
+                           data_order(settings, dist.get_world_size())),
+                 SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), measured.throughput,
+                 StopOnNonFiniteLoss(settings.load_path, settings.save_folder), StopOnEmptyEpoch(),
                  ConsoleProgress(settings.log_interval, validation=measured.validation), restore_rng,
                  measured.cpu_threads]
     if settings.buckets:  # before the sampling callback: its pause at BATCH_END is not a bucket's time
-        order = {"ranks": dist.get_world_size()}
-        if not settings.use_synth_data:  # synthetic buckets are drawn per (seed, epoch, rank, batch)
-            order["--num_workers"] = settings.num_workers
         measured.buckets = BucketThroughput(settings.warmup_batches + settings.profile_batches,
-                                            model.family.latent_downsample, order)
+                                            model.family.latent_downsample)
         callbacks.append(measured.buckets)
     if measured.validation:
         callbacks.append(measured.validation)

@@ -8,13 +8,15 @@ import re
 import zipfile
 from pathlib import Path
 
+from t2ibench.data_order import RECORD_KEY
 from t2ibench.files import no_room
 
 # See `layout`; HalveMicrobatchOnOom (since issue 44) keeps no state: a resumed run searches its own first batches.
 CALLBACKS_A_CHECKPOINT_MAY_LACK = ("KeepCpuThreadsOnResume", "HalveMicrobatchOnOom")
 # Keys of a callback's state that a checkpoint may lack (see `layout`): RunRecord's bucket list, since
-# issue 38 (export.py reads an older checkpoint's missing list as a square run's).
-CALLBACK_KEYS_A_CHECKPOINT_MAY_LACK = {"RunRecord": ("aspect_buckets",)}
+# issue 38 (export.py reads an older checkpoint's missing list as a square run's), and its data order,
+# since issue 45 (a resume compares what an older checkpoint recorded, and says what it cannot compare).
+CALLBACK_KEYS_A_CHECKPOINT_MAY_LACK = {"RunRecord": ("aspect_buckets", RECORD_KEY)}
 
 LATEST = "latest-rank0.pt"  # Composer's symlink to the newest checkpoint of rank 0
 SAVED = re.compile(r"ep(\d+)-ba(\d+)-rank0\.pt")  # Composer's default checkpoint names, rank 0

@@ -16,7 +16,6 @@ from composer.utils import dist
 
 from t2ibench.buckets import Bucket
 from t2ibench.compiling import compile_seconds
-from t2ibench.errors import fail
 
 
 def batch_bucket(batch: dict[str, torch.Tensor], latent_downsample: int) -> str:
@@ -166,12 +165,10 @@ class BucketThroughput(Callback):
     summed over the ranks).
     """
 
-    def __init__(self, warmup_batches: int, latent_downsample: int, order_depends_on: dict[str, int] | None = None):
+    def __init__(self, warmup_batches: int, latent_downsample: int):
+        # What the bucketed order depends on is recorded and compared on resume by RunRecord
+        # (t2ibench.data_order); checkpoints before issue 45 kept the ranks and workers here too.
         self.warmup_batches, self.latent_downsample = warmup_batches, latent_downsample
-        # What the bucketed order of the samples depends on besides the seed (the ranks, and for real
-        # data the loader workers of each): saved in every checkpoint, and a resume with other counts
-        # refused, since it would repeat some samples and skip others without a word.
-        self.order_depends_on = dict(order_depends_on or {})
         self.images: Counter[str] = Counter()  # every trained batch of this run, this rank
         self.measured_images: Counter[str] = Counter()
         self.measured_seconds: Counter[str] = Counter()  # this rank's, compiling still in (see seconds_less_compiling)
@@ -183,19 +180,6 @@ class BucketThroughput(Callback):
         self.started = 0.0
         self.compiled_at_start: float | None = None  # compile seconds at the batch's start (None: no timers)
         self.gathered: dict | None = None
-
-    def state_dict(self) -> dict:
-        return {"order_depends_on": dict(self.order_depends_on)}
-
-    def load_state_dict(self, state: dict) -> None:
-        # Composer loads a checkpoint's callback state while the Trainer is built, before any batch.
-        saved = state.get("order_depends_on") or {}
-        differ = [f"{name} {saved[name]} then, {self.order_depends_on[name]} now" for name in sorted(saved)
-                  if name in self.order_depends_on and saved[name] != self.order_depends_on[name]]
-        if differ:
-            fail(f"--aspect_buckets: the checkpoint resumed was trained with other counts ({'; '.join(differ)}): "
-                 "the bucketed order of the samples depends on them, so resume with the same ranks and "
-                 "--num_workers, or start a new run in another --save_folder")
 
     @staticmethod
     def _sync() -> None:

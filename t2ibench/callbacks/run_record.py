@@ -1,20 +1,41 @@
-"""Record the run's settings in every checkpoint, for export.py; logs nothing."""
+"""Record the run's settings in every checkpoint, for export.py and for a run that resumes from it (its
+data order, t2ibench.data_order); logs nothing."""
 from __future__ import annotations
 
-from composer.core import Callback
+from typing import Any
+
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+
+from t2ibench.data_order import RECORD_KEY, check_resume, saved_order
 
 
 class RunRecord(Callback):
-    """What a checkpoint's weights do not say, saved in every checkpoint for export.py: the model
+    """What a checkpoint's weights do not say, saved in every checkpoint: for export.py, the model
     configuration and --model_name, the seed the encoders were built from (the --seed, or the one
     precompute.json recorded for random encoders), the image size, whether it trained on latents, and
-    --aspect_buckets' list ("HxW" names; empty: square), which the exported pipeline lists beside it."""
+    --aspect_buckets' list ("HxW" names; empty: square), which the exported pipeline lists beside it;
+    for a resumed run, the data order ({flag: value} of what decides the samples each step sees,
+    `data_order.data_order`), compared with the resumed run's before its first batch."""
 
-    def __init__(self, settings: dict):
-        self.settings = settings
+    def __init__(self, settings: dict[str, Any], data_order: dict[str, Any]):
+        self.settings, self.data_order = settings, data_order
+        self.loaded: dict[str, Any] | None = None  # the checkpoint's record, when the run resumes from one
 
-    def state_dict(self) -> dict:
-        return dict(self.settings)
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.settings, RECORD_KEY: dict(self.data_order)}
 
-    def load_state_dict(self, state: dict) -> None:
-        pass  # a resumed run records its own settings (validated against the data like the first run's)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # A resumed run records its own settings (validated against the data like the first run's); the
+        # checkpoint's are compared at FIT_START, once Composer has loaded its timestamp (it loads the
+        # callbacks' state first, while the Trainer is built).
+        self.loaded = dict(state)
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        if self.loaded is None:
+            return
+        saved, whole = saved_order(self.loaded)
+        # Every rank loaded the same checkpoint and runs the same flags: all stop here, or none.
+        check_resume(saved, whole, self.data_order, int(state.timestamp.epoch), int(state.timestamp.batch_in_epoch),
+                     on_rank_zero=dist.get_global_rank() == 0)
