@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from t2ibench import errors
-from t2ibench.buckets import Bucket, parse_bucket
+from t2ibench.buckets import MAX_BUCKETS, SIZE_FORMAT, Bucket, parse_bucket, sides_problem
 from t2ibench.cli import SEED, Parser
 from t2ibench.errors import fail
 from t2ibench.families import FAMILIES, MODEL_CONFIGS, build_aside, detect_config
@@ -77,20 +77,54 @@ def listed(names: list[str]) -> str:
     return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
-def recorded_settings(state: dict) -> dict:
+DAMAGED = "the file is damaged or was not written by benchmark.py; export another checkpoint (nothing was written)"
+
+
+def recorded_settings(state: dict, checkpoint: str) -> dict:
     """What benchmark.py recorded in the checkpoint (its RunRecord callback; older checkpoints have
-    only Composer's rank_zero_seed, the --seed, which then built the encoders)."""
+    only Composer's rank_zero_seed, the --seed, which then built the encoders), each value used here
+    checked first: a record of other types is one line naming the checkpoint."""
     from t2ibench.callbacks.run_record import RunRecord  # Composer keys a callback's state by its class name
 
-    recorded = dict((state.get("callbacks") or {}).get(RunRecord.__qualname__) or {})
+    callbacks = state.get("callbacks")
+    record = callbacks.get(RunRecord.__qualname__) if isinstance(callbacks, dict) else None
+    if record is not None and not isinstance(record, dict):
+        fail(f"CHECKPOINT {checkpoint}: its record of the run ({RunRecord.__qualname__}) is a "
+             f"{type(record).__name__}, not a dict: {DAMAGED}")
+    recorded = dict(record or {})
     if recorded.get("encoders_seed") is None and isinstance(state.get("rank_zero_seed"), int):
         recorded["encoders_seed"] = state["rank_zero_seed"]
+    seed, model_name = recorded.get("encoders_seed"), recorded.get("model_name")
+    if seed is not None and SEED.problem(seed):
+        fail(f"CHECKPOINT {checkpoint}: its recorded encoders_seed {str(seed)[:40]!r} {SEED.problem(seed)}: {DAMAGED}")
+    if model_name is not None and not isinstance(model_name, str):
+        fail(f"CHECKPOINT {checkpoint}: its recorded model_name is a {type(model_name).__name__}, not a name: {DAMAGED}")
     return recorded
 
 
-def trained_buckets(recorded: dict) -> tuple[Bucket, ...]:
-    """The --aspect_buckets list the run recorded (none for a square run or an older checkpoint)."""
-    return tuple(parse_bucket(name) for name in recorded.get("aspect_buckets") or ())  # RunRecord's own names
+def trained_buckets(recorded: dict, patch_px: int, checkpoint: str) -> tuple[Bucket, ...]:
+    """The --aspect_buckets list the run recorded (none for a square run or an older checkpoint), checked
+    by the rules of a list --aspect_buckets reads (t2ibench.buckets: each HEIGHTxWIDTH within --image_size's
+    bound, both sides multiples of `patch_px`, none twice, at most MAX_BUCKETS), since the exported
+    aspect_buckets.txt is read back as one. A break of any is one line naming the checkpoint."""
+    names = recorded.get("aspect_buckets") or []
+    where = f"CHECKPOINT {checkpoint}: its recorded aspect_buckets"
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        fail(f"{where} is {str(names)[:60]!r}, not a list of HEIGHTxWIDTH names: {DAMAGED}")
+    if len(names) > MAX_BUCKETS:
+        fail(f"{where} holds {len(names):,} buckets, more than the {MAX_BUCKETS} a list may hold: {DAMAGED}")
+    buckets: list[Bucket] = []
+    for name in names:
+        bucket = parse_bucket(name)
+        if bucket is None:
+            fail(f"{where} holds {name[:40]!r}, not {SIZE_FORMAT}: {DAMAGED}")
+        problem = sides_problem(bucket, patch_px)
+        if problem:
+            fail(f"{where}: {problem}: {DAMAGED}")
+        if bucket in buckets:
+            fail(f"{where} lists {bucket.name} twice: {DAMAGED}")
+        buckets.append(bucket)
+    return tuple(buckets)
 
 
 def ema_shadow(state: dict) -> dict[str, torch.Tensor]:
@@ -192,6 +226,9 @@ def export_held(args: argparse.Namespace, checkpoint: str, out: Path) -> Path:
     family = MODEL_CONFIGS[config]
     if args.scheduler is not None and args.scheduler not in family.samplers:
         fail(f"--scheduler {args.scheduler} does not sample {config}; choose {' or '.join(family.samplers)}")
+    # What the run recorded, checked before anything is built (benchmark.py's RunRecord).
+    recorded = recorded_settings(state, checkpoint)
+    buckets = trained_buckets(recorded, family.latent_downsample * family.patch_size, checkpoint)
     denoiser = family.build(config, denoiser=True, vae=False, text_encoders=False, tokenizers=False).denoiser
     load_weights(denoiser, {k: v.float() for k, v in denoiser_weights.items()},
                  family.denoiser_name + (" (EMA)" if args.ema else ""), checkpoint)
@@ -199,7 +236,6 @@ def export_held(args: argparse.Namespace, checkpoint: str, out: Path) -> Path:
     # Frozen networks the run did not train with (precomputed latents): rebuilt as the run built them,
     # from the model name and seed it recorded (benchmark.py's RunRecord), so that the pipeline
     # decodes the latent space and encodes captions exactly as the trained denoiser expects.
-    recorded = recorded_settings(state)
     rebuilt = [name for name in family.frozen_parts if not any(k.startswith(name + ".") for k in weights)]
     recorded_seed = recorded.get("encoders_seed")
     if rebuilt and args.seed is not None and recorded_seed not in (None, args.seed):
@@ -226,7 +262,7 @@ def export_held(args: argparse.Namespace, checkpoint: str, out: Path) -> Path:
     try:
         with staged_folder(out, last="model_index.json") as staging:
             write_pipeline(staging, family, dataclasses.replace(parts, denoiser=denoiser), args.scheduler,
-                           buckets=trained_buckets(recorded))
+                           buckets=buckets)
     except OSError as error:  # probed above; a disk that fills up while writing
         fail(write_error(f"--out {out}: the pipeline", error))
     print(f"wrote a {family.pipeline_class} ({config}, {'EMA' if args.ema else 'trained'} "

@@ -507,11 +507,25 @@ def test_a_seed_other_than_the_checkpoints_is_refused_even_at_an_epochs_start(sa
            "checkpoint's values or start a new run" in message
 
 
-def test_synthetic_bucket_weights_change_at_an_epochs_start_saying_so_and_are_refused_mid_epoch(tmp_path, capsys):
-    run = ["--model_config", "sdxl-tiny", "--seed", "17", "--use_synth_data", "--aspect_buckets", "--num_workers", "0",
-           "--num_synthetic_samples", "8", "--batch_size", "4", "--warmup_batches", "0"]
+SYNTHETIC = ["--model_config", "sdxl-tiny", "--seed", "17", "--use_synth_data", "--aspect_buckets", "--num_workers", "0",
+             "--num_synthetic_samples", "8", "--batch_size", "4", "--warmup_batches", "0"]
+
+
+@pytest.fixture(scope="module")
+def saved_at_an_epochs_start(tmp_path_factory) -> Path:
+    """The folder of a synthetic run of the default list (11 buckets at 64) that saved ep1-ba2-rank0.pt,
+    at epoch 1's start (epochs of 2 batches)."""
+    folder = tmp_path_factory.mktemp("bucket-epoch-start") / "ckpt"
+    benchmark.main([*SYNTHETIC, "--save_folder", str(folder), "--run_name", "weights", "--max_duration", "1ep",
+                    "--save_interval", "1ep"])
+    return folder
+
+
+def test_synthetic_bucket_weights_change_at_an_epochs_start_saying_so_and_are_refused_mid_epoch(
+        saved_at_an_epochs_start, tmp_path, capsys):
+    run = SYNTHETIC
+    shutil.copytree(saved_at_an_epochs_start, tmp_path / "ckpt", symlinks=True)
     saving = ["--save_folder", str(tmp_path / "ckpt"), "--run_name", "weights", "--autoresume"]
-    benchmark.main([*run, *saving, "--max_duration", "1ep", "--save_interval", "1ep"])  # ep1-ba2: epoch 1's start
     capsys.readouterr()
     resumed = benchmark.main([*run, *saving, "--synthetic_bucket_weights", "64x64=1", "--max_duration", "3ba",
                               "--save_interval", "1ba"])
@@ -535,3 +549,22 @@ def test_synthetic_bucket_weights_change_at_an_epochs_start_saying_so_and_are_re
     assert "note: the checkpoint resumed mid-epoch was saved before checkpoints recorded the data order: " \
            "--use_synth_data, --seed, --batch_size, --num_synthetic_samples, --synthetic_bucket_weights cannot be " \
            "compared" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recorded, expected", [
+    ("64x64", "its recorded aspect_buckets is '64x64', not a list of HEIGHTxWIDTH names"),  # was an AttributeError
+    (["64x64", "8x99999992"], "its recorded aspect_buckets holds '8x99999992', not HEIGHTxWIDTH in pixels, each side "
+                              "1 to 16,384"),  # was exported into aspect_buckets.txt
+    (["64x64", "64x64"], "its recorded aspect_buckets lists 64x64 twice"),
+])
+def test_export_checks_the_recorded_bucket_list_by_the_rules_of_aspect_buckets(saved_at_an_epochs_start, tmp_path,
+                                                                               recorded, expected):
+    import export
+
+    checkpoint = torch.load(saved_at_an_epochs_start / "ep1-ba2-rank0.pt", map_location="cpu", weights_only=False)
+    checkpoint["state"]["callbacks"]["RunRecord"]["aspect_buckets"] = recorded
+    edited = tmp_path / "edited.pt"
+    torch.save(checkpoint, edited)
+    message = error_of(export.main, [str(edited), "--out", str(tmp_path / "out")], prog="export.py")
+    assert f"CHECKPOINT {edited}: {expected}" in message and "nothing was written" in message, message
+    assert not (tmp_path / "out").exists()
