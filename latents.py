@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import data
 from t2ibench import errors, flags
-from t2ibench.cli import BATCH_SIZE, NON_NEGATIVE_INT, POSITIVE_INT, SECONDS
+from t2ibench.cli import BATCH_SIZE, NON_NEGATIVE_INT, NUMBER_TEXT, POSITIVE_INT, SECONDS
 from t2ibench.errors import UserError, fail
 from t2ibench.families import ModelFamily, require_pretrained
 from t2ibench.files import hold_output, take_over
@@ -189,7 +189,7 @@ def build_parser() -> flags.Parser:
     g.add_argument("--compression", type=str, default="zstd", help="shard compression: zstd, zstd:<level>, gz, none")
     g.add_argument("--hashes", type=str, default="xxh64",
                    help="comma-separated shard hashes stored in the index ('' for none)")
-    g.add_argument("--size_limit", type=str, default="256mb",
+    g.add_argument("--size_limit", type=NUMBER_TEXT, default="256mb",
                    help="shard size before compression (256mb: 4,081 samples at 512px, 490k shards for 2B samples, "
                         "whose index every training process holds; see bench/index_scale.py)")
     g.add_argument("--overwrite", action="store_true", help="start over: discard the chunks already in --out")

@@ -11,6 +11,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from t2ibench.cli import MAX_IMAGE_SIZE, parse_digits, parse_number, read_text
 from t2ibench.errors import fail
 from t2ibench.images import Placement
 
@@ -49,12 +50,20 @@ class Bucket:
 
 
 def parse_bucket(text: str) -> Bucket | None:
-    """"768x1344" -> Bucket(768, 1344); None when `text` is not two positive integers joined by x."""
+    """"768x1344" -> Bucket(768, 1344); None when `text` is not two sides of 1 to MAX_IMAGE_SIZE pixels
+    (the bound of --image_size: a side of 99999992 trained until the allocator failed) in ASCII digits
+    joined by x. The one parser of a size, in a flag, a bucket list or a results file."""
     parts = text.strip().lower().split("x")
-    if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+    sides = [parse_digits(part.strip()) for part in parts]
+    if len(sides) != 2 or not all(side is not None and 0 < side <= MAX_IMAGE_SIZE for side in sides):
         return None
-    height, width = (int(part) for part in parts)
-    return Bucket(height, width) if height > 0 and width > 0 else None
+    return Bucket(*sides)
+
+
+# How a refusal says what a size is; MAX_BUCKETS bounds a list (SDXL's has 40, the default list at most
+# 136 at any --image_size): each bucket is a shape to count, compile and hold a worker's samples for.
+SIZE_FORMAT = f"HEIGHTxWIDTH in pixels, each side 1 to {MAX_IMAGE_SIZE:,} (e.g. 768x1344)"
+MAX_BUCKETS = 256
 
 
 def sides_problem(bucket: Bucket, multiple: int) -> str | None:
@@ -70,7 +79,7 @@ def parse_size(text: str, multiple: int, flag: str) -> Bucket:
     one line naming the flag otherwise."""
     size = parse_bucket(text)
     if size is None:
-        fail(f"{flag} {text}: not HEIGHTxWIDTH in pixels (e.g. 768x1344)")
+        fail(f"{flag} {text}: not {SIZE_FORMAT}")
     problem = sides_problem(size, multiple)
     if problem:
         fail(f"{flag} {text}: {problem}")
@@ -86,14 +95,15 @@ def bucket_step(image_size: int, multiple: int) -> int:
 def default_buckets(image_size: int, multiple: int) -> tuple[Bucket, ...]:
     """The default list at `image_size`: every height x width in steps of `bucket_step` with aspect ratios
     1:4 to 4:1 and 90% to 100% of image_size^2 pixels, and the largest square within image_size. At 1024
-    this is SDXL's list of 40 and the one mirror its table leaves out (1344x704): docs/data.md. Ordered
-    from the tallest to the widest."""
+    this is SDXL's list of 40 and the one mirror its table leaves out (1344x704): docs/data.md. No side
+    exceeds MAX_IMAGE_SIZE (the 4:1 buckets above --image_size 8192 would). Ordered from the tallest to
+    the widest."""
     step = bucket_step(image_size, multiple)
     area = image_size * image_size
     square = image_size // step * step
     found = {Bucket(square, square)}
-    for height in range(step, 2 * image_size + 1, step):
-        for width in range(step, area // height + 1, step):
+    for height in range(step, min(2 * image_size, MAX_IMAGE_SIZE) + 1, step):
+        for width in range(step, min(area // height, MAX_IMAGE_SIZE) + 1, step):
             bucket = Bucket(height, width)
             if bucket.pixels >= MIN_FILL * area and 1 / MAX_ASPECT <= bucket.aspect <= MAX_ASPECT:
                 found.add(bucket)
@@ -104,30 +114,26 @@ def read_buckets(path: str, image_size: int, multiple: int, flag: str = "--aspec
     """A user's list: one HEIGHTxWIDTH a line (768x1344), `#` starts a comment; every problem is one line
     naming the file (and the line). Sides must be multiples of `multiple` (the latent patch), and one
     bucket at least must fit in image_size x image_size, so that no image is upscaled more than the
-    square path would (see `nearest_bucket`)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        fail(f"{flag} {path}: no such file; give a file of HEIGHTxWIDTH lines (e.g. 768x1344), or the bare flag "
-             "for the default list")
-    except IsADirectoryError:
-        fail(f"{flag} {path} is a folder; give a file of HEIGHTxWIDTH lines (e.g. 768x1344)")
-    except (OSError, UnicodeDecodeError) as error:
-        fail(f"{flag} {path} cannot be read ({type(error).__name__}: {error}); give a text file of HEIGHTxWIDTH lines")
+    square path would (see `nearest_bucket`). The file is read by `cli.read_text` (at most
+    MAX_TEXT_FILE_BYTES, a byte-order mark skipped) and holds at most MAX_BUCKETS buckets."""
+    content = read_text(path, f"{flag} {path}", "give a file of HEIGHTxWIDTH lines (e.g. 768x1344), or the bare "
+                                                "flag for the default list")
     buckets: list[Bucket] = []
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(content.splitlines(), 1):
         text = line.split("#", 1)[0].strip()
         if not text:
             continue
         bucket = parse_bucket(text)
         if bucket is None:
-            fail(f"{flag} {path}, line {number}: {text!r} is not HEIGHTxWIDTH in pixels (e.g. 768x1344)")
+            fail(f"{flag} {path}, line {number}: {text!r} is not {SIZE_FORMAT}")
         problem = sides_problem(bucket, multiple)
         if problem:
             fail(f"{flag} {path}, line {number}: {problem}")
         if bucket in buckets:
             fail(f"{flag} {path}, line {number}: {bucket.name} is listed twice")
+        if len(buckets) == MAX_BUCKETS:
+            fail(f"{flag} {path}, line {number}: more than {MAX_BUCKETS} buckets (SDXL's list has 40); each is a "
+                 "shape the run counts, compiles and keeps samples waiting for: list fewer")
         buckets.append(bucket)
     if not buckets:
         fail(f"{flag} {path} lists no bucket; give one HEIGHTxWIDTH a line (e.g. 768x1344)")
@@ -165,11 +171,8 @@ def synthetic_weights(spec: str, buckets: tuple[Bucket, ...], flag: str = "--syn
     for part in spec.split(","):
         name, _, value = part.partition("=")
         bucket = parse_bucket(name)
-        try:
-            weight = float(value)
-        except ValueError:
-            weight = math.nan
-        if bucket is None or not math.isfinite(weight) or weight < 0:
+        weight = parse_number(value.strip())
+        if bucket is None or weight is None or not math.isfinite(weight) or weight < 0:
             fail(f"{flag} {spec}: {part.strip()!r} is not HEIGHTxWIDTH=WEIGHT with a weight >= 0 (e.g. 1024x1024=2)")
         if bucket not in buckets:
             fail(f"{flag} {spec}: {bucket.name} is not one of the run's buckets ({buckets[0].name} ... "
@@ -178,6 +181,10 @@ def synthetic_weights(spec: str, buckets: tuple[Bucket, ...], flag: str = "--syn
             fail(f"{flag} {spec}: {bucket.name} is given twice")
         weights[bucket] = weight
     total = sum(weights.values())
+    if math.isinf(total):  # each weight finite, their sum not (1e308 twice): the weights relative to the largest
+        largest = max(weights.values())
+        weights = {bucket: weight / largest for bucket, weight in weights.items()}
+        total = sum(weights.values())
     if total <= 0:
         fail(f"{flag} {spec}: the weights add up to 0; give one bucket a positive weight")
     return tuple(weights.get(b, 0.0) / total for b in buckets)
@@ -320,7 +327,18 @@ def picture(buckets: tuple[Bucket, ...], image_size: int) -> str:
 
 
 if __name__ == "__main__":  # python -m t2ibench.buckets [IMAGE_SIZE [PATCH_PX]]: the default list, drawn
-    import sys
+    from t2ibench import errors
+    from t2ibench.cli import IMAGE_SIZE, Parser
 
-    size, patch = (int(arg) for arg in (sys.argv[1:] + ["1024", "8"][len(sys.argv) - 1:])[:2])
-    print(picture(default_buckets(size, patch), size))
+    PROG = "python -m t2ibench.buckets"
+    parser = Parser(PROG, description="Draws the default list of --aspect_buckets at IMAGE_SIZE.")
+    parser.add_argument("image_size", type=IMAGE_SIZE, nargs="?", default=1024, help="--image_size in pixels")
+    # The patch is a side in pixels too, so it takes --image_size's range.
+    parser.add_argument("patch_px", type=IMAGE_SIZE, nargs="?", default=8,
+                        help="the family's latent patch in pixels: 8 for SDXL, 16 for Flux.1")
+    parsed = parser.parse_args()
+    with errors.command(PROG):
+        if parsed.image_size % parsed.patch_px:
+            fail(f"image_size {parsed.image_size} must be a multiple of patch_px {parsed.patch_px}, as --image_size "
+                 "must be of the model's latent patch")
+        print(picture(default_buckets(parsed.image_size, parsed.patch_px), parsed.image_size))

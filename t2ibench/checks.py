@@ -22,7 +22,7 @@ from t2ibench import cpu_threads, fp8
 from t2ibench.buckets import EXPORT_FILE, UNIFORM, Bucket, parse_size, resolve_buckets, synthetic_weights
 from t2ibench.callbacks.profile import profile_fits
 from t2ibench.checkpoints import LATEST, gone_latest, resume_from, resume_point
-from t2ibench.cli import check_workers
+from t2ibench.cli import check_workers, parse_number
 from t2ibench.data_checks import check_data, check_evaluation
 from t2ibench.errors import fail
 from t2ibench.files import killed_writer_leftovers
@@ -94,9 +94,8 @@ def check_run(settings: Settings, world_size: int) -> int | str:
     per_device = settings.batch_size // world_size
     microbatch = settings.device_train_microbatch_size
     if microbatch != "auto":
-        try:
-            microbatch = micro = int(settings.device_train_microbatch_size)
-        except ValueError:
+        microbatch = micro = parse_number(settings.device_train_microbatch_size, int)
+        if micro is None:
             fail(f"--device_train_microbatch_size '{settings.device_train_microbatch_size}' must be an integer or 'auto'")
         if micro <= 0 or per_device % micro:
             fail(f"--batch_size {settings.batch_size} over {world_size} device(s) gives {per_device} per device, "

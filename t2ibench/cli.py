@@ -1,6 +1,8 @@
-"""The argument parser of every command: argparse with flag files (`@FILE`), one-line errors and the
-range of every number (`Range`, refusing NaN and infinity). Light on purpose: convert.py and cost.py
-use it without loading any model code. How it reads flag files and why ranges are types: docs/design.md.
+"""The argument parser of every command: argparse with flag files (`@FILE`), one-line errors, the
+range of every number (`Range`, refusing NaN and infinity), the text a number is written in (ASCII:
+`parse_number`, `NUMBER_TEXT`) and the one reader of a text file a user names (`read_text`: bounded,
+a byte-order mark skipped). Light on purpose: convert.py and cost.py use it without loading any model
+code. How it reads flag files and why ranges are types: docs/design.md; the input rules: docs/errors.md.
 """
 from __future__ import annotations
 
@@ -9,6 +11,54 @@ import math
 import os
 import shlex
 from typing import NoReturn
+
+from t2ibench.errors import UserError, fail
+
+# A text file a user names (a flag file, a bucket list, a prompt list, a results JSON) is read whole:
+# the largest of them is a few kilobytes, so past this it is no such file but a mistake (--aspect_buckets
+# /dev/zero read until the kernel killed the process), and reading stops here with one line.
+MAX_TEXT_FILE_BYTES = 2**20
+MAX_FLAG_FILE_DEPTH = 16  # @FILE inside @FILE: deeper is a file that names itself (it recursed until a traceback)
+
+
+def parse_number(text: str, kind: type = float) -> int | float | None:
+    """`text` as an int or a float, or None when it is not one. Only ASCII is a number here: Python's
+    int() and float() also read other scripts' digits (an Arabic-Indic three is 3, fullwidth 64 is 64),
+    which no flag or file documents. The one rule of a number's text."""
+    if not text.isascii():
+        return None
+    try:
+        return kind(text)
+    except ValueError:
+        return None
+
+
+def parse_digits(text: str) -> int | None:
+    """A whole number written in ASCII digits alone ('768'; no sign, space or '_'), or None: the sides
+    of a size (HEIGHTxWIDTH). str.isdigit() alone passes a superscript two, which int() refuses."""
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+def read_text(path: str, name: str, hint: str, max_bytes: int = MAX_TEXT_FILE_BYTES) -> str:
+    """The UTF-8 text of the file a user named, a leading byte-order mark skipped (Windows editors save
+    one), read no further than `max_bytes`. Every problem is one line (`fail`) starting with `name`, how
+    the command names the file ('--aspect_buckets my.txt'), and ending with `hint`, what to give instead."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(max_bytes + 1)
+    except FileNotFoundError:
+        fail(f"{name}: no such file; {hint}")
+    except IsADirectoryError:
+        fail(f"{name} is a folder; {hint}")
+    except OSError as error:
+        fail(f"{name} cannot be read ({error.strerror or error}); {hint}")
+    if len(data) > max_bytes:
+        fail(f"{name} holds more than {max_bytes:,} bytes, not a file of this kind (they hold a few kilobytes); "
+             f"{hint}")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        fail(f"{name} is not UTF-8 text (byte {error.start}); save it as UTF-8")
 
 
 class Range:
@@ -52,10 +102,9 @@ class Range:
         return None
 
     def __call__(self, text: str) -> int | float:
-        try:
-            value = self.kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {self.describe()}") from None
+        value = parse_number(text, self.kind)
+        if value is None:
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}")
         why = self.problem(value)
         if why:
             raise argparse.ArgumentTypeError(why)
@@ -97,6 +146,22 @@ MAX_BUDGET_SECONDS = 86_400.0
 BUDGET_SECONDS = Range(float, 0, MAX_BUDGET_SECONDS, low_open=True)
 
 
+class NumberText:
+    """An argparse `type` for a number written with a unit or a suffix (20ba, 200m, 64mb, 'auto' or 4),
+    which its command's validation parses: the text as given, once it is ASCII. Composer's time strings
+    and Streaming's sizes parse with Python's int() and float(), which read other scripts' digits."""
+
+    __name__ = "str"
+
+    def __call__(self, text: str) -> str:
+        if not text.isascii():
+            raise argparse.ArgumentTypeError("must be written in ASCII (digits 0-9)")
+        return text
+
+
+NUMBER_TEXT = NumberText()
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The description as written (it holds example commands); every flag with its default, unless it
     has none (None, or off) or its help already says it in words."""
@@ -118,33 +183,32 @@ class Parser(argparse.ArgumentParser):
     def convert_arg_line_to_args(self, line: str) -> list[str]:
         return shlex.split(line, comments=True)
 
-    def _read_args_from_files(self, arg_strings: list[str]) -> list[str]:
-        # argparse's own, with the file named in one line when it is not UTF-8 or a line does not split
-        # (an unbalanced quote): argparse 3.11 lets both through as tracebacks.
+    def _read_args_from_files(self, arg_strings: list[str], depth: int = 0) -> list[str]:
+        # argparse's own, with the file named in one line when it cannot be read (`read_text`: missing,
+        # not UTF-8, larger than a flag file is), a line does not split (an unbalanced quote) or flag
+        # files nest past MAX_FLAG_FILE_DEPTH: argparse 3.11 lets these through as tracebacks.
         expanded: list[str] = []
         for text in arg_strings:
             if not text or text[0] not in self.fromfile_prefix_chars:
                 expanded.append(text)
                 continue
-            name = text[1:]
+            if depth == MAX_FLAG_FILE_DEPTH:
+                self.error(f"flag file {text} is inside {depth} others; does one name itself?")
             try:
-                with open(name, encoding="utf-8") as handle:
-                    content = handle.read()
-            except OSError as error:
-                self.error(f"flag file {text} cannot be read ({error.strerror or error})")
-            except UnicodeDecodeError as error:
-                self.error(f"flag file {text} is not UTF-8 text (byte {error.start}); save it as UTF-8")
+                content = read_text(text[1:], f"flag file {text}", "give a file of flags, several a line")
+            except UserError as error:
+                self.error(error.message)
             found: list[str] = []
             for number, line in enumerate(content.splitlines(), 1):
                 try:
                     found += self.convert_arg_line_to_args(line)
                 except ValueError as error:  # shlex: "No closing quotation", "No escaped character"
                     self.error(f"flag file {text}, line {number}: {error}; close the quote (or escape it with \\)")
-            expanded += self._read_args_from_files(found)
+            expanded += self._read_args_from_files(found, depth + 1)
         return expanded
 
     def _get_value(self, action: argparse.Action, arg_string: str):
-        if isinstance(action.type, Range):  # "--flag value must be ...", not argparse's "invalid int value"
+        if isinstance(action.type, (Range, NumberText)):  # "--flag value must be ...", not "invalid int value"
             try:
                 return action.type(arg_string)
             except argparse.ArgumentTypeError as error:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from t2ibench.buckets import DEFAULT as DEFAULT_BUCKETS
 from t2ibench.buckets import parse_bucket, synthetic_weights
-from t2ibench.cli import MAX_GPUS, MAX_IMAGE_SIZE
+from t2ibench.cli import MAX_GPUS, MAX_IMAGE_SIZE, read_text
+from t2ibench.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,14 @@ def load_results(path: str) -> Measurement:
     """Read one results JSON file. Raises ValueError with a message that names the file."""
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such file")
-    try:
-        with open(path) as f:
-            data = json.load(f)
+    try:  # bounded, a byte-order mark skipped (cli.read_text): a results file is a few kilobytes
+        data = json.loads(read_text(path, path, "give a results JSON file benchmark.py wrote"))
+    except UserError as e:
+        raise ValueError(e.message) from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot read ({e})") from None
+    except RecursionError:  # json's decoder recurses per level: '[' x 100,000 was a traceback
+        raise ValueError(f"{path}: JSON nested too deeply to be a results file") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object with 'images_per_sec' and 'world_size'")
     if data.get("already_complete"):

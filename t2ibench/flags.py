@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from t2ibench.cli import (BATCH_SIZE, FRACTION, IMAGE_SIZE, NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT,
-                          SECONDS, SEED, Range)
+from t2ibench.cli import (BATCH_SIZE, FRACTION, IMAGE_SIZE, NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, NUMBER_TEXT,
+                          POSITIVE_FLOAT, POSITIVE_INT, SECONDS, SEED, Range)
 from t2ibench.buckets import CROPS as BUCKET_CROPS
 from t2ibench.buckets import DEFAULT as DEFAULT_BUCKETS
 from t2ibench.buckets import UNIFORM as UNIFORM_BUCKETS
@@ -49,7 +49,7 @@ def add_source(p: argparse.ArgumentParser) -> None:
                         "caches go under")
     g.add_argument("--image_key", type=str, default="jpg", help="MDS column holding the encoded image bytes")
     g.add_argument("--caption_key", type=str, default="caption", help="MDS column holding the caption text")
-    g.add_argument("--cache_limit", type=str, default=None,
+    g.add_argument("--cache_limit", type=NUMBER_TEXT, default=None,
                    help="evict cached shards beyond this size, e.g. 500gb (default: keep all)")
     g.add_argument("--max_bad_fraction", type=FRACTION, default=MAX_BAD_FRACTION,
                    help="stop when more than this fraction of the images one loader process decoded failed "
@@ -116,7 +116,7 @@ def add_streaming(p: argparse.ArgumentParser) -> None:
                    help="Streaming's shuffle: py1e (Streaming's default), py1br, py1s, py2s, naive")
     g.add_argument("--shuffle_block_size", type=POSITIVE_INT, default=defaults.shuffle_block_size,
                    help="samples per shuffle block (default: Streaming's, max(4M / canonical nodes, 262144))")
-    g.add_argument("--epoch_size", type=str, default=defaults.epoch_size,
+    g.add_argument("--epoch_size", type=NUMBER_TEXT, default=defaults.epoch_size,
                    help="samples per epoch drawn from all sources, e.g. 200000000 or 200m (default: all of them "
                         "once). The epoch's partition takes memory per sample: see docs/scale.md")
     g.add_argument("--num_canonical_nodes", type=POSITIVE_INT, default=defaults.num_canonical_nodes,
@@ -176,14 +176,14 @@ def benchmark_parser(description: str) -> Parser:
                    help="keep an EMA of the denoiser's weights (half-life --ema_half_life, 1000 batches)")
     g.add_argument("--wandb_name", type=str, default=None, help="W&B run name (enables W&B logging)")
     g.add_argument("--wandb_project", type=str, default=None, help="W&B project (enables W&B logging)")
-    g.add_argument("--device_train_microbatch_size", type=str, default="auto",
+    g.add_argument("--device_train_microbatch_size", type=NUMBER_TEXT, default="auto",
                    help="images per device per forward/backward, or 'auto' (GPU: largest that fits, counted with "
                         "--activation_checkpointing auto or on several GPUs; CPU: no accumulation)")
     add_source(p)
     add_model(p)
     add_run(p, "seeds model init, noise, timesteps, data order")
     g = p.add_argument_group("run length, precision, results")
-    g.add_argument("--max_duration", type=str, default="1ep", help="Composer time string: 20ba, 1ep, 100000sp")
+    g.add_argument("--max_duration", type=NUMBER_TEXT, default="1ep", help="Composer time string: 20ba, 1ep, 100000sp")
     g.add_argument("--precision", type=str, default="auto", help=f"one of {PRECISION_CHOICES}; auto: amp_bf16 on GPU, fp32 on CPU")
     g.add_argument("--results_json", type=str, default=None, help="write the throughput summary to this JSON file")
     g.add_argument("--num_synthetic_samples", type=POSITIVE_INT, default=100_000, help="size of the synthetic dataset")
@@ -192,12 +192,12 @@ def benchmark_parser(description: str) -> Parser:
     g.add_argument("--warmup_batches", type=NON_NEGATIVE_INT, default=5, help="batches left out of the throughput measurement")
     g.add_argument("--peak_tflops", type=POSITIVE_FLOAT, default=None,
                    help="peak TFLOP/s of one device for MFU (default: Composer's table for A100/H100/H200)")
-    g.add_argument("--log_interval", type=str, default="10ba",
+    g.add_argument("--log_interval", type=NUMBER_TEXT, default="10ba",
                    help="in a log file, print a progress line this often (20ba, 1ep); on a terminal the line updates in place")
     add_streaming(p)
     g = p.add_argument_group("checkpoints (Composer's: local paths or s3://, gs://, oci://... URIs)")
     g.add_argument("--save_folder", type=str, default=None, help="where to save checkpoints (path or s3://... URI)")
-    g.add_argument("--save_interval", type=str, default="1000ba", help="checkpoint every this long (20ba, 1ep)")
+    g.add_argument("--save_interval", type=NUMBER_TEXT, default="1000ba", help="checkpoint every this long (20ba, 1ep)")
     g.add_argument("--save_num_checkpoints_to_keep", type=Range(int, -1), default=-1,
                    help="local checkpoints to keep (-1: all; 0: none, only with an object-store --save_folder, "
                         "which keeps every upload)")
@@ -266,8 +266,8 @@ def benchmark_parser(description: str) -> Parser:
     g.add_argument("--grad_clip_norm", type=POSITIVE_FLOAT, default=None, help="clip the gradient's global L2 norm to this")
     g.add_argument("--caption_drop_prob", type=CAPTION_DROP_PROB, default=0.0,
                    help="replace each caption by the empty one with this probability (classifier-free guidance)")
-    g.add_argument("--ema_start", type=str, default="0ba", help="with --use_ema: start averaging at this time (e.g. 1350000ba)")
-    g.add_argument("--ema_half_life", type=str, default="1000ba",
+    g.add_argument("--ema_start", type=NUMBER_TEXT, default="0ba", help="with --use_ema: start averaging at this time (e.g. 1350000ba)")
+    g.add_argument("--ema_half_life", type=NUMBER_TEXT, default="1000ba",
                    help="with --use_ema: EMA half-life in batches (6931ba is a smoothing of 0.9999 per batch)")
     g.add_argument("--ema_export_dir", type=str, default=None,
                    help="with --use_ema: write a complete diffusers pipeline with the EMA weights here at the end")
@@ -281,7 +281,7 @@ def benchmark_parser(description: str) -> Parser:
                    help="how training draws timesteps: uniform (SD2's DDPM steps; Flux: t ~ U(0,1) as MLPerf's "
                         "reference), or logit_normal (SD3's, Flux only)")
     g = p.add_argument_group("validation loss (MLPerf's quality measure, every model)")
-    g.add_argument("--eval_interval", type=str, default=None,
+    g.add_argument("--eval_interval", type=NUMBER_TEXT, default=None,
                    help="compute the validation loss at 8 fixed timesteps on held-out samples this often (e.g. "
                         "1000ba) and at the end; off by default")
     g.add_argument("--eval_remote", type=str, default=None,
@@ -295,7 +295,7 @@ def benchmark_parser(description: str) -> Parser:
     g = p.add_argument_group("sample grids while training")
     g.add_argument("--sample_prompts", type=str, default=None,
                    help="draw these prompts while training: a text file (one per line) or a built-in set: default, shapes")
-    g.add_argument("--sample_interval", type=str, default="1000ba", help="sample every this long (and at the end)")
+    g.add_argument("--sample_interval", type=NUMBER_TEXT, default="1000ba", help="sample every this long (and at the end)")
     g.add_argument("--samples_dir", type=str, default=None, help="where sample grids go (default: <--save_folder>/samples)")
     g.add_argument("--sample_size", type=str, default=None, metavar="HxW",
                    help="height x width of the samples in pixels, e.g. 768x1344: both multiples of the latent patch "

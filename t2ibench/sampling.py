@@ -12,6 +12,7 @@ from diffusers import DDIMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscr
 from PIL import Image
 
 from t2ibench.buckets import EXPORT_FILE, Bucket, buckets_text
+from t2ibench.cli import read_text
 from t2ibench.families import ModelFamily, Parts
 from t2ibench.files import write_text
 
@@ -38,13 +39,15 @@ PROMPT_SETS = {
 
 
 def load_prompts(spec: str) -> list[str]:
-    """The prompts of a built-in set name or of a text file (one per line, blank lines skipped)."""
+    """The prompts of a built-in set name or of a text file (one per line, blank lines skipped; read by
+    `cli.read_text`, so bounded and a byte-order mark skipped)."""
     if spec in PROMPT_SETS:
         return list(PROMPT_SETS[spec])
     path = Path(spec)
     if not path.is_file():
         raise ValueError(f"'{spec}' is neither a file nor a built-in prompt set ({', '.join(PROMPT_SETS)})")
-    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    text = read_text(spec, f"--sample_prompts {spec}", "give a text file of prompts, one a line")
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"{spec} holds no prompts (one per line)")
     return prompts

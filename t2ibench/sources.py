@@ -17,7 +17,8 @@ from composer.utils import dist
 from t2ibench.errors import fail, storage_error
 from t2ibench.locations import DEFAULT_CACHE_ROOT, cache_folder, data_schemes, is_remote, normalise, same_source_key
 
-_PROPORTION = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)=(.+)$")
+# A proportion is ASCII digits (re.ASCII: \d alone matches other scripts' digits, which float() reads).
+_PROPORTION = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)=(.+)$", re.ASCII)
 # Written into a --remote's cache folder: the remote it holds (Streaming trusts any index.json there).
 CACHE_RECORD = "remote.json"
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import shutil
 import os
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import benchmark
 import data
 from t2ibench import precomputed
 from t2ibench.sources import Source, record_cache
-from tests.helpers import REAL_2BA, TINY_2BA, error_of, free_port, offline_env, run_cli, write_images, write_latents
+from tests.helpers import REAL_2BA, ROOT, TINY_2BA, error_of, free_port, offline_env, run_cli, write_images, write_latents
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +82,113 @@ def test_saving_over_an_earlier_runs_checkpoints_is_refused(tmp_path):
 def test_keeping_zero_local_checkpoints_is_refused(tmp_path):
     message = error_of(benchmark.main, TINY_2BA + ["--save_folder", str(tmp_path), "--save_num_checkpoints_to_keep", "0"])
     assert "--save_num_checkpoints_to_keep" in message and "-1" in message
+
+
+# -----------------------------------------------------------------------------------------------
+# Files a user names and the sizes in them: read bounded, a byte-order mark skipped, sizes in ASCII
+# digits within --image_size's bound (cli.read_text, cli.parse_number, buckets.parse_bucket).
+# -----------------------------------------------------------------------------------------------
+
+XL_SYNTH = ["--model_config", "sdxl-tiny", "--image_size", "64", "--use_synth_data", "--batch_size", "2",
+            "--num_workers", "0", "--max_duration", "1ba"]
+SAMPLING = ["--sample_prompts", "shapes", "--samples_dir", "/tmp/unused-samples"]
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which Windows editors write first
+
+
+@pytest.mark.parametrize("argv, expect", [
+    # Read whole, /dev/zero filled the memory until the process was killed (exit 137, no word).
+    (["--aspect_buckets", "/dev/zero"], "--aspect_buckets /dev/zero holds more than 1,048,576 bytes"),
+    (["@/dev/zero"], "flag file @/dev/zero holds more than 1,048,576 bytes"),
+    (["--aspect_buckets", "{tmp}/big.txt"], "--aspect_buckets {tmp}/big.txt holds more than 1,048,576 bytes"),
+    (["--aspect_buckets", "{tmp}/latin1.txt"], "--aspect_buckets {tmp}/latin1.txt is not UTF-8 text (byte 9)"),
+    (["--sample_prompts", "{tmp}/big.txt", "--samples_dir", "{tmp}/samples"],
+     "--sample_prompts {tmp}/big.txt holds more than 1,048,576 bytes"),
+    (["--sample_prompts", "{tmp}/latin1.txt", "--samples_dir", "{tmp}/samples"],
+     "--sample_prompts {tmp}/latin1.txt is not UTF-8 text"),  # was a UnicodeDecodeError traceback
+    (["@{tmp}/self.args"], "flag file @{tmp}/self.args is inside 16 others"),  # was a RecursionError traceback
+])
+def test_files_a_user_names_are_read_bounded_in_one_line(tmp_path, argv, expect):
+    (tmp_path / "big.txt").write_bytes(b"64x64\n" * 200_000)  # 1.2 MB of valid lines
+    (tmp_path / "latin1.txt").write_bytes("64x64\ncaf\xe9\n".encode("latin-1"))
+    (tmp_path / "self.args").write_text(f"--seed 3 @{tmp_path}/self.args\n")
+    message = error_of(benchmark.main, XL_SYNTH + [a.format(tmp=tmp_path) for a in argv])
+    assert expect.format(tmp=tmp_path) in message, message
+
+
+def test_a_byte_order_mark_is_skipped_in_every_file_read(tmp_path):
+    from t2ibench.sampling import load_prompts
+
+    (tmp_path / "buckets.txt").write_bytes(BOM + b"64x64\n32x64\n")
+    (tmp_path / "flags.args").write_bytes(BOM + b"--seed 5\n")
+    (tmp_path / "prompts.txt").write_bytes(BOM + b"a red square\n")
+    args = benchmark.parse_args(XL_SYNTH + [f"@{tmp_path}/flags.args", "--aspect_buckets", str(tmp_path / "buckets.txt"),
+                                            "--sample_prompts", str(tmp_path / "prompts.txt"),
+                                            "--samples_dir", str(tmp_path / "samples")])
+    settings = benchmark.validate(args, 1)
+    assert settings.seed == 5 and [b.name for b in settings.buckets] == ["64x64", "32x64"]  # line 1 read, not refused
+    assert load_prompts(settings.sample_prompts) == ["a red square"]  # the prompt the samples are drawn for
+
+
+@pytest.mark.parametrize("argv, expect", [
+    # A Unicode digit passes str.isdigit() and was an int() traceback; other scripts' digits were numbers.
+    (["--aspect_buckets", "{tmp}/superscript.txt"], "line 1: '²x64' is not HEIGHTxWIDTH in pixels, each side 1 to"),
+    (["--aspect_buckets", "{tmp}/arabic.txt"], "line 2: '٦٤x٣٢' is not HEIGHTxWIDTH in pixels"),
+    (["--aspect_buckets", "--synthetic_bucket_weights", "²x64=1"], "'²x64=1' is not HEIGHTxWIDTH=WEIGHT"),
+    (["--aspect_buckets", "--synthetic_bucket_weights", "64x64=١"], "'64x64=١' is not HEIGHTxWIDTH=WEIGHT"),
+    ([*SAMPLING, "--sample_size", "²x64"], "--sample_size ²x64: not HEIGHTxWIDTH in pixels"),
+    ([*SAMPLING, "--sample_size", "٦٤x٦٤"], "--sample_size ٦٤x٦٤: not HEIGHTxWIDTH in pixels"),
+    (["--batch_size", "٢"], "--batch_size ٢ must be an integer from 1 to"),
+    (["--lr", "١e-4"], "--lr ١e-4 must be a finite number > 0"),
+    (["--max_duration", "١ba"], "--max_duration ١ba must be written in ASCII (digits 0-9)"),
+    (["--epoch_size", "٤"], "--epoch_size ٤ must be written in ASCII"),
+    (["--cache_limit", "٥gb"], "--cache_limit ٥gb must be written in ASCII"),
+    (["--device_train_microbatch_size", "١"], "--device_train_microbatch_size ١ must be written in ASCII"),
+    # A side beyond --image_size's bound of 16,384 trained until the allocator failed.
+    (["--aspect_buckets", "{tmp}/huge.txt"], "line 2: '8x99999992' is not HEIGHTxWIDTH in pixels, each side 1 to 16,384"),
+    ([*SAMPLING, "--sample_size", "8x99999992"], "--sample_size 8x99999992: not HEIGHTxWIDTH in pixels, each side"),
+    (["--aspect_buckets", "{tmp}/many.txt"], "line 257: more than 256 buckets"),
+])
+def test_sizes_and_numbers_are_ascii_and_bounded(tmp_path, argv, expect):
+    (tmp_path / "superscript.txt").write_text("²x64\n64x64\n")
+    (tmp_path / "arabic.txt").write_text("64x64\n٦٤x٣٢\n")
+    (tmp_path / "huge.txt").write_text("64x64\n8x99999992\n")
+    (tmp_path / "many.txt").write_text("".join(f"{8 * side}x64\n" for side in range(1, 258)))
+    message = error_of(benchmark.main, XL_SYNTH + [a.format(tmp=tmp_path) for a in argv])
+    assert expect in message, message
+
+
+def test_bucket_weights_whose_sum_overflows_are_shares_of_their_largest():
+    # Each weight finite, their sum inf: the shares were NaN and numpy refused them at the first batch.
+    args = benchmark.parse_args(XL_SYNTH + ["--aspect_buckets", "--synthetic_bucket_weights", "64x64=1e308,40x96=1e308"])
+    settings = benchmark.validate(args, 1)
+    shares = dict(zip((b.name for b in settings.buckets), settings.bucket_weights))
+    assert shares["64x64"] == shares["40x96"] == 0.5 and sum(settings.bucket_weights) == 1.0
+
+
+def test_counting_the_flops_of_many_buckets_says_how_far_it_is(tmp_path, capsys, monkeypatch):
+    from t2ibench.callbacks import buckets as bucket_callbacks
+
+    # Sides off SDXL's 32-px grid: no quadratic fits them, so each bucket is counted (SDXL base: 5 to 7 s
+    # each; 2,048 of them counted for over 10 minutes without a line). The interval is 30 s; here every bucket.
+    monkeypatch.setattr(bucket_callbacks, "COUNT_PROGRESS_SECONDS", 0.0)
+    (tmp_path / "off_grid.txt").write_text("40x96\n56x72\n64x64\n72x56\n")
+    benchmark.main(XL_SYNTH + ["--warmup_batches", "0", "--aspect_buckets", str(tmp_path / "off_grid.txt")])
+    out = capsys.readouterr().out
+    assert "counting the FLOPs per image of the 4 buckets" in out
+    for done in (1, 2, 3):
+        assert f"counted {done} of 4 buckets" in out and " s each: about " in out, out
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["benchmark.py", *XL_SYNTH, "--aspect_buckets", "/dev/zero"], "benchmark.py: error: --aspect_buckets /dev/zero holds"),
+    (["-m", "t2ibench.buckets", "0", "8"], "python -m t2ibench.buckets: error: image_size 0 must be an integer from 1 to"),
+    (["-m", "t2ibench.buckets", "60", "8"], "image_size 60 must be a multiple of patch_px 8"),
+])
+def test_bounded_reads_and_the_bucket_picture_are_one_line_on_the_command_line(argv, expect):
+    result = subprocess.run([sys.executable, *argv], cwd=ROOT, env=offline_env(), capture_output=True, text=True,
+                            timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and ": error: " in lines[0] and expect in lines[0], result.stderr
 
 
 # -----------------------------------------------------------------------------------------------

@@ -390,6 +390,34 @@ def test_bench_scripts_on_bad_files(tmp_path):
     assert "--data" in message and "JSONDecodeError" in message
 
 
+# A file a user names is read by cli.read_text in every command: at most MAX_TEXT_FILE_BYTES, past a
+# byte-order mark. Each command's flag file, with a number its range refuses (read past the mark, the
+# flag is named; unskipped, '\ufeff--seed' was no flag).
+@pytest.mark.parametrize("command, flag", [("benchmark.py", "--seed"), ("latents.py", "--seed"), ("export.py", "--seed"),
+                                           ("convert.py", "--quality"), ("cost.py", "--gpus")])
+def test_every_commands_flag_file_is_read_bounded_and_past_a_byte_order_mark(tmp_path, command, flag):
+    message = error_of(COMMANDS[command].main, ["@/dev/zero"], prog=command)  # was read until killed
+    assert f"flag file @/dev/zero holds more than {cli.MAX_TEXT_FILE_BYTES:,} bytes" in message
+    (tmp_path / "flags.args").write_bytes(f"\ufeff{flag} -1\n".encode())
+    message = error_of(COMMANDS[command].main, [f"@{tmp_path}/flags.args"], prog=command)
+    assert f"{flag} -1 must be " in message, message
+
+
+@pytest.mark.parametrize("content, expect", [
+    (b"\0" * (2**20 + 1), "holds more than 1,048,576 bytes"),
+    (b"[" * 100_000, "JSON nested too deeply"),  # a RecursionError traceback
+    (b'{"images_per_sec": 10.0, "world_size": 1, "bucket_list": ["\xc2\xb2x64"], "aspect_buckets": "b.txt"}',
+     "'bucket_list' must be a list of \"HxW\" buckets"),  # a Unicode digit, refused by parse_bucket
+    (b'{"images_per_sec": 10.0, "world_size": 1, "bucket_list": ["8x99999992"], "aspect_buckets": "b.txt"}',
+     "'bucket_list' must be a list of \"HxW\" buckets"),  # beyond --image_size's bound
+])
+def test_cost_reads_results_files_bounded_and_sizes_in_ascii(tmp_path, content, expect):
+    (tmp_path / "R.json").write_bytes(content)
+    assert expect in error_of(cost.main, [str(tmp_path / "R.json")], prog="cost.py")
+    (tmp_path / "R.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"images_per_sec": 10.0, "world_size": 1}).encode())
+    assert [row.num_gpus for row in cost.main([str(tmp_path / "R.json"), "--num_gpus", "1"])] == [1]  # a BOM: read
+
+
 @pytest.mark.parametrize("damage", ["truncated", "corrupted"])
 def test_a_damaged_local_shard_is_named_before_training(tmp_path, damage):
     local = write_images(tmp_path / "mds", 8, compression="zstd")

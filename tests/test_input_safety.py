@@ -351,10 +351,22 @@ def source(tmp_path_factory) -> Path:
     (["--compression", "lzma"], "unknown compression"),
     (["--dist_timeout", "0"], "--dist_timeout 0"),
     (["--model_config", "sd9"], "--model_config 'sd9'"),
+    # Numbers and sizes are ASCII digits (other scripts' digits were read as numbers), sizes within
+    # --image_size's bound, and the bucket list is read bounded (/dev/zero was read until killed).
+    (["--size_limit", "٣mb"], "--size_limit ٣mb must be written in ASCII (digits 0-9)"),
+    (["--image_size", "٦٤"], "--image_size ٦٤ must be an integer from 1 to 16384"),
+    (["--model_config", "sdxl-tiny", "--aspect_buckets", "/dev/zero"],
+     "--aspect_buckets /dev/zero holds more than 1,048,576 bytes"),
+    (["--model_config", "sdxl-tiny", "--aspect_buckets", "{tmp}/buckets.txt"],
+     "line 2: '²x64' is not HEIGHTxWIDTH in pixels, each side 1 to 16,384"),  # line 1, after a BOM, is read
+    (["--model_config", "sdxl-tiny", "--aspect_buckets", "{tmp}/huge.txt"], "line 1: '8x99999992' is not HEIGHTxWIDTH"),
 ])
 def test_latents_refuses_out_of_range_flags_before_writing(source, tmp_path, extra, expected):
     out = tmp_path / "latents"
-    assert expected in error_of(latents.main, ["--local", str(source), "--out", str(out), *TINY, *extra])
+    (tmp_path / "buckets.txt").write_bytes("\ufeff64x64\n²x64\n".encode())
+    (tmp_path / "huge.txt").write_text("8x99999992\n64x64\n")
+    argv = ["--local", str(source), "--out", str(out), *TINY, *[a.format(tmp=tmp_path) for a in extra]]
+    assert expected in error_of(latents.main, argv)
     assert not out.exists()
 
 

@@ -15,6 +15,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from t2ibench.buckets import Bucket
+from t2ibench.callbacks.progress import format_seconds
 from t2ibench.compiling import compile_seconds
 
 
@@ -37,6 +38,7 @@ def batch_images(batch: dict[str, torch.Tensor]) -> int:
 # rounded side anywhere in the network is off by far more than this.
 FIT_RELATIVE_TOLERANCE = 1e-9
 FIT_COUNTS = 4  # buckets counted when the list can be fitted: three fix the quadratic, the fourth checks it
+COUNT_PROGRESS_SECONDS = 30.0  # a count of many buckets says how far it is this often
 
 
 def quadratic_through(points: list[tuple[int, float]]) -> Callable[[int], float]:
@@ -115,9 +117,24 @@ class BucketFlops:
             self._count(rest)
 
     def _count(self, buckets: tuple[Bucket, ...]) -> None:
-        """Counts `buckets`, each rank its share, and gathers every count on every rank."""
+        """Counts `buckets`, each rank its share, and gathers every count on every rank. A long count
+        (buckets off the fitted grid are counted one by one, 5 to 7 s each for SDXL base) says how far
+        it is every COUNT_PROGRESS_SECONDS, and after the first bucket how long the rest will take."""
         rank, ranks = dist.get_global_rank(), dist.get_world_size()
-        mine = {bucket.name: self.count(bucket) for bucket in buckets[rank::ranks]}
+        share = buckets[rank::ranks]
+        mine: dict[str, tuple[float, float]] = {}
+        start = said = time.perf_counter()
+        for done, bucket in enumerate(share, 1):
+            mine[bucket.name] = self.count(bucket)
+            now = time.perf_counter()
+            each_seconds = (now - start) / done
+            left_seconds = each_seconds * (len(share) - done)
+            if done < len(share) and (now - said >= COUNT_PROGRESS_SECONDS or (
+                    done == 1 and left_seconds >= COUNT_PROGRESS_SECONDS)):
+                say(f"  counted {done} of {len(share)} buckets" + (f" (rank 0's share of {len(buckets)})" if ranks > 1
+                                                                 else "")
+                    + f", {each_seconds:.1f} s each: about {format_seconds(left_seconds)} left")
+                said = now
         for counted in (dist.all_gather_object(mine) if ranks > 1 else [mine]):
             for name, (step, trained) in counted.items():
                 self.step[name], self.trained_network[name] = step, trained
