@@ -2,7 +2,7 @@
 recorded in every checkpoint (`callbacks.run_record.RunRecord`) and compared when a run resumes from
 one. Mid-epoch, another value would repeat some samples of the epoch and skip others without a word, so
 it is refused in one line; at an epoch's start the new value decides the next epoch whole and the run
-goes on, saying so. The table of settings: docs/data.md#resuming.
+goes on, saying so. The table of settings: docs/data.md#resuming-with-other-settings.
 """
 from __future__ import annotations
 
