@@ -98,7 +98,8 @@ def recorded_settings(state: dict, checkpoint: str) -> dict:
     if seed is not None and SEED.problem(seed):
         fail(f"CHECKPOINT {checkpoint}: its recorded encoders_seed {str(seed)[:40]!r} {SEED.problem(seed)}: {DAMAGED}")
     if model_name is not None and not isinstance(model_name, str):
-        fail(f"CHECKPOINT {checkpoint}: its recorded model_name is a {type(model_name).__name__}, not a name: {DAMAGED}")
+        fail(f"CHECKPOINT {checkpoint}: its recorded model_name is a {type(model_name).__name__}, not a name: "
+             f"{DAMAGED}")
     return recorded
 
 

@@ -6,6 +6,7 @@ goes on, saying so. The table of settings: docs/data.md#resuming-with-other-sett
 """
 from __future__ import annotations
 
+import math
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -52,8 +53,8 @@ def data_order(settings: Settings, world_size: int) -> dict[str, Any]:
                   "--sampling_granularity": settings.sampling_granularity,
                   "--num_canonical_nodes": settings.num_canonical_nodes})
     if settings.buckets:
-        # Each loader worker of each rank buckets its own part of Streaming's epoch (a square epoch's
-        # order depends on neither: Streaming's is the same for any ranks and workers).
+        # The plan walks each rank's and each loader worker's part of Streaming's epoch (bucket_plan); a
+        # square epoch's order depends on neither (Streaming's is the same for any ranks and workers).
         order.update({RANKS: world_size, "--num_workers": settings.num_workers})
         if not settings.precomputed:  # an image's bucket and crop (stored latents have theirs)
             order.update({"--image_size": settings.image_size, "--bucket_crop": settings.bucket_crop})
@@ -92,9 +93,19 @@ def shown(flag: str, value: Any) -> str:
 def difference(flag: str, saved: Any, given: Any) -> str:
     """'--batch_size 4 then, 8 now', with the buckets one list alone holds where the counts hide them."""
     line = f"{flag} {shown(flag, saved)} then, {shown(flag, given)} now"
-    if flag == "--aspect_buckets" and shown(flag, saved) == shown(flag, given):
-        line += f" ({', '.join(sorted(set(saved) ^ set(given))[:SHOWN_BUCKETS])} in one list only)"
+    only = sorted(set(saved) ^ set(given)) if flag == "--aspect_buckets" else []
+    if only and shown(flag, saved) == shown(flag, given):
+        line += f" ({', '.join(only[:SHOWN_BUCKETS])} in one list only)"
     return line
+
+
+def same(flag: str, saved: Any, given: Any) -> bool:
+    """Whether a recorded value is the given one; shares of synthetic buckets within rounding (a release
+    that normalises the weights in another order must not refuse the same --synthetic_bucket_weights)."""
+    if flag == "--synthetic_bucket_weights" and isinstance(saved, dict) and isinstance(given, dict):
+        return saved.keys() == given.keys() and all(math.isclose(saved[name], given[name], rel_tol=1e-9)
+                                                    for name in given)
+    return saved == given
 
 
 def check_resume(saved: dict[str, Any], whole: bool, given: dict[str, Any], epoch: int, batch_in_epoch: int,
@@ -102,7 +113,8 @@ def check_resume(saved: dict[str, Any], whole: bool, given: dict[str, Any], epoc
     """Compare a checkpoint's data order (`saved_order`) with this run's, where the resumed run stands
     (Composer's timestamp, loaded): a difference mid-epoch, or in a setting the checkpoint keeps, is
     one line; at an epoch's start the rest are a note (rank 0's) and the run goes on."""
-    differ = [(flag, saved[flag], given[flag]) for flag in given if flag in saved and saved[flag] != given[flag]]
+    differ = [(flag, saved[flag], value) for flag, value in given.items()
+              if flag in saved and not same(flag, saved[flag], value)]
     mid_epoch = batch_in_epoch > 0
     refused = [d for d in differ if mid_epoch or d[0] in KEPT_FROM_THE_CHECKPOINT]
     if refused:

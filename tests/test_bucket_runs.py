@@ -481,7 +481,8 @@ def saved_mid_epoch(shards, tmp_path_factory) -> tuple[list[str], Path]:
 @pytest.mark.parametrize("change, expected", [
     # The bucketed order of real data depends on the ranks and on each rank's loader workers.
     (["--num_workers", "1"], "--num_workers 0 then, 1 now"),
-    (["--batch_size", "8", "--bucket_crop", "center"], "--batch_size 4 then, 8 now; --bucket_crop random then, center now"),
+    (["--batch_size", "8", "--bucket_crop", "center"],
+     "--batch_size 4 then, 8 now; --bucket_crop random then, center now"),
     (["--aspect_buckets"], "--aspect_buckets 96x40,64x64,40x96 then, 11 buckets, 128x32 ... 32x128 now"),
     ([], "--aspect_buckets 96x40,64x64,40x96 then, none (square) now"),  # the flag left out
     (["--image_size", "72"], "--image_size 64 then, 72 now"),
@@ -494,9 +495,9 @@ def test_a_mid_epoch_resume_that_would_change_the_samples_of_a_step_is_refused_i
         run = run[:at] + run[at + 2:]
     saved = sorted(os.listdir(tmp / "ckpt"))
     message = error_of(benchmark.main, [*run, *change, "--max_duration", "4ba", "--autoresume"])
-    assert f"{expected}: the checkpoint stopped mid-epoch (epoch 0, after its batch 2), so the rest of the epoch would " \
-           "repeat some of its samples and skip others; resume with the checkpoint's values, from a checkpoint saved " \
-           "at an epoch's start (--save_interval in ep), or start a new run" in message, message
+    assert f"{expected}: the checkpoint stopped mid-epoch (epoch 0, after its batch 2), so the rest of the epoch " \
+           "would repeat some of its samples and skip others; resume with the checkpoint's values, from a checkpoint " \
+           "saved at an epoch's start (--save_interval in ep), or start a new run" in message, message
     assert sorted(os.listdir(tmp / "ckpt")) == saved  # refused before any batch: nothing trained or saved
 
 
@@ -507,8 +508,8 @@ def test_a_seed_other_than_the_checkpoints_is_refused_even_at_an_epochs_start(sa
            "checkpoint's values or start a new run" in message
 
 
-SYNTHETIC = ["--model_config", "sdxl-tiny", "--seed", "17", "--use_synth_data", "--aspect_buckets", "--num_workers", "0",
-             "--num_synthetic_samples", "8", "--batch_size", "4", "--warmup_batches", "0"]
+SYNTHETIC = ["--model_config", "sdxl-tiny", "--seed", "17", "--use_synth_data", "--aspect_buckets", "--num_workers",
+             "0", "--num_synthetic_samples", "8", "--batch_size", "4", "--warmup_batches", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -529,8 +530,8 @@ def test_synthetic_bucket_weights_change_at_an_epochs_start_saying_so_and_are_re
     capsys.readouterr()
     resumed = benchmark.main([*run, *saving, "--synthetic_bucket_weights", "64x64=1", "--max_duration", "3ba",
                               "--save_interval", "1ba"])
-    assert "note: resuming at the start of epoch 1 with --synthetic_bucket_weights uniform then, 64x64=1 now: the new " \
-           "values decide this epoch's samples from its first" in capsys.readouterr().err
+    assert "note: resuming at the start of epoch 1 with --synthetic_bucket_weights uniform then, 64x64=1 now: the " \
+           "new values decide this epoch's samples from its first" in capsys.readouterr().err
     assert resumed["images_per_bucket"] == {"64x64": 4}  # the new weights drew batch 3
     # ep1-ba3-rank0.pt, mid-epoch: the weights it drew with, or none.
     message = error_of(benchmark.main, [*run, *saving, "--max_duration", "4ba"])
