@@ -29,7 +29,7 @@ from composer.utils import dist
 from torch.utils.data import DataLoader
 
 import data
-from t2ibench import allocator, checks, errors, flags, fp8, memory, parallel, stack
+from t2ibench import allocator, checks, cpu_convs, errors, flags, fp8, memory, parallel, stack
 from t2ibench.callbacks.buckets import BucketFlops, BucketThroughput
 from t2ibench.callbacks.empty_epoch import EmptyEpochError, StopOnEmptyEpoch
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
@@ -257,10 +257,11 @@ def bucket_flops(settings: Settings, text_format: str | None) -> BucketFlops | N
 
 
 def apply_speed_settings(settings: Settings, run: Runtime, model: DiffusionModel) -> None:
-    """CPU autocast, xFormers, activation checkpointing, channels-last, the frozen parts' dtype, the
-    norms' precision and torch.compile."""
+    """CPU autocast (its bf16 convolutions guarded), xFormers, activation checkpointing, channels-last, the
+    frozen parts' dtype, the norms' precision and torch.compile."""
     if not run.on_gpu and run.precision == "amp_bf16":
         model.cpu_autocast_dtype = torch.bfloat16
+        cpu_convs.guard_convolutions(model.denoiser)  # torch 2.7.0's oneDNN bf16 weight gradient (t2ibench.cpu_convs)
     if settings.xformers:
         model.denoiser.enable_xformers_memory_efficient_attention()
     if run.activation_checkpointing:
@@ -376,7 +377,7 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
                             "aspect_buckets": [bucket.name for bucket in settings.buckets]},
                            data_order(settings, dist.get_world_size())),
                  SpeedMonitor(window_size=10, gpu_flops_available=peak_flops), measured.throughput,
-                 StopOnNonFiniteLoss(settings.load_path, settings.save_folder), StopOnEmptyEpoch(),
+                 StopOnNonFiniteLoss.for_run(settings, measured.grad_norm), StopOnEmptyEpoch(),
                  ConsoleProgress(settings.log_interval, validation=measured.validation), restore_rng,
                  measured.cpu_threads]
     if settings.buckets:  # before the sampling callback: its pause at BATCH_END is not a bucket's time
@@ -491,8 +492,7 @@ def train(settings: Settings, run: Runtime, trainer: Trainer, built: Model, meas
         "activation_checkpointing": run.activation_checkpointing,
         "activation_checkpointing_reason": run.activation_checkpointing_reason,
         "weight_casts": run.weight_casts,
-        "cpu_threads": threads.threads if threads else None,
-        "cpu_threads_rule": threads.rule if threads else None,
+        "cpu_threads": threads.threads if threads else None, "cpu_threads_rule": threads.rule if threads else None,
         # The CUDA caching allocator's setting and whose it is (t2ibench.allocator), and how often it
         # freed its cached memory and retried an allocation the device refused (memory_stats'
         # num_alloc_retries; the memory model's reserve is for none): rank 0's.

@@ -1,6 +1,6 @@
 """The gradient's global L2 norm once per optimizer step, before clipping (`grad_norm` in every run's
-summary and results JSON), and `--grad_clip_norm`'s clipping with that same norm. What the key
-means: docs/metrics.md."""
+summary and results JSON; a non-finite one stops the run, t2ibench.callbacks.nonfinite_loss), and
+`--grad_clip_norm`'s clipping with that same norm. What the key means: docs/metrics.md."""
 from __future__ import annotations
 
 import torch
@@ -37,8 +37,8 @@ class GradientNorm(Algorithm):
     clips would read every gradient twice. torch's `clip_grad_norm_` is `get_total_norm` followed by
     `clip_grads_with_norm_`, the two calls made here: the clipping is Composer's, to the bit, on the
     same gradients (the optimizer's parameters are the denoiser's, the only ones with gradients).
-    The norm stays a device tensor until the run reads the last one (`last_norm`): no host sync
-    per step."""
+    The norm stays a device tensor (`last_norm` reads it): `StopOnNonFiniteLoss` reads each step's
+    before the optimizer steps, where Composer's closure syncs anyway (t2ibench.callbacks.nonfinite_loss)."""
 
     def __init__(self, clip_norm: float | None = None):
         self.clip_norm = clip_norm

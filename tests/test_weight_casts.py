@@ -22,6 +22,7 @@ from composer.loggers import Logger
 import benchmark
 from t2ibench import kernels, memory
 from t2ibench.families import family_of
+from t2ibench.callbacks.nonfinite_loss import NonFiniteLossError
 from t2ibench.grad_norm import gradient_norm, trained_parameters
 from t2ibench.model import DiffusionModel
 from t2ibench.norms import set_norm_precision
@@ -142,6 +143,46 @@ def test_grad_norm_is_the_last_steps_norm_before_clipping(tmp_path, capsys, weig
     assert independent.after_clipping[-1] == pytest.approx(clip, rel=1e-3)  # clipped with that norm
     assert json.loads(Path(tmp_path / "r0.json").read_text())["grad_norm"] == result["grad_norm"]
     assert f"grad norm    {result['grad_norm']:.6g} " in capsys.readouterr().out
+
+
+class Poison(Callback):
+    """At batch `at` (1-based): an inf in one gradient after the step's last backward ("gradient": the
+    loss stays finite), or a NaN loss in the first of two microbatches ("loss": the last one is
+    finite). Keeps the state, whose optimizer the test reads after the stop."""
+
+    def __init__(self, what: str, at: int):
+        self.what, self.at, self.backwards, self.state = what, at, 0, None
+
+    def after_loss(self, state: State, logger: Logger) -> None:
+        if self.what == "loss" and int(state.timestamp.batch) + 1 == self.at and self.backwards % 2 == 0:
+            state.loss = state.loss * float("nan")
+
+    def after_backward(self, state: State, logger: Logger) -> None:
+        self.backwards, self.state = self.backwards + 1, state
+        if self.what == "gradient" and int(state.timestamp.batch) + 1 == self.at and self.backwards % 2 == 0:
+            next(p for p in trained_parameters(state) if p.grad is not None).grad.view(-1)[0] = float("inf")
+
+
+@pytest.mark.parametrize("what, cause", [("gradient", "gradient norm (inf)"), ("loss", "loss")])
+def test_a_nonfinite_gradient_or_loss_stops_the_run_before_the_optimizer_steps(tmp_path, what, cause):
+    poison, saved, results = Poison(what, at=2), tmp_path / "ckpt", tmp_path / "results.json"
+    results.write_text('{"images_per_sec": 9.9}')  # an earlier run's figures: replaced, not left to be read
+    with pytest.raises(NonFiniteLossError) as stop:
+        _run(tmp_path, "--batch_size", "4", "--device_train_microbatch_size", "2", "--max_duration", "3ba",
+             "--save_folder", str(saved), "--save_interval", "1ba", "--results_json", str(results), callbacks=[poison])
+    message = str(stop.value)
+    assert message.startswith(f"non-finite {cause} at batch 2 (ba2); stopped before the optimizer step"), message
+    assert f"last good checkpoint: {saved / 'ep0-ba1-rank0.pt'}" in message and "\n" not in message
+    assert sorted(p.name for p in saved.glob("ep*")) == ["ep0-ba1-rank0.pt"]
+    # AdamW stepped once (batch 1), and its moments hold no inf or NaN from batch 2.
+    optimizer = poison.state.optimizers[0]
+    for moments in optimizer.state.values():
+        assert int(moments["step"]) == 1
+        assert torch.isfinite(moments["exp_avg"]).all() and torch.isfinite(moments["exp_avg_sq"]).all()
+    assert json.loads(results.read_text()) == {
+        "diverged": message.removesuffix(f"; --results_json {results} says so."), "diverged_at_batch": 2,
+        "diverged_on": cause.split(" (")[0], "images_per_sec": None, "images_per_sec_per_device": None,
+        "final_loss": None, "grad_norm": None}
 
 
 def test_counted_sums_upcast_and_norm_are_what_the_step_dispatches():
