@@ -94,6 +94,10 @@ def load_results(path: str) -> Measurement:
     if data.get("already_complete"):
         raise ValueError(f"{path}: written by a retried run that was already complete, so nothing was measured; "
                          "use the results of the run that trained")
+    diverged = diverged_because(data)
+    if diverged:
+        raise ValueError(f"{path}: the run diverged ({diverged}), so its figures measure no training; price a run "
+                         "that trained (docs/metrics.md, 'diverged')")
     for key in ("images_per_sec", "world_size"):
         if key not in data:
             raise ValueError(f"{path}: missing '{key}' (need 'images_per_sec' and 'world_size')")
@@ -112,6 +116,17 @@ def load_results(path: str) -> Measurement:
             raise ValueError(f"{path}: '{key}' must be {what}, got {str(value)[:40]!r}")
     return Measurement(n, float(ips), path, data.get("device"), data.get("image_size"), data.get("model_config"),
                        data.get("precomputed"), *load_buckets(path, data))
+
+
+def diverged_because(data: dict) -> str | None:
+    """Why a results file records a run that diverged, or None: benchmark.py's record of a run it stopped
+    (`diverged`), or a non-finite `final_loss` or `grad_norm` (files written before runs stopped on one)."""
+    if data.get("diverged"):
+        return str(data["diverged"]).split(";")[0][:200]
+    for key in ("final_loss", "grad_norm"):
+        if isinstance(data.get(key), float) and not math.isfinite(data[key]):  # JSON's NaN and Infinity
+            return f"'{key}' is {data[key]}"
+    return None
 
 
 def load_buckets(path: str, data: dict) -> tuple[BucketList, BucketWeights | None, dict[str, int], str | None]:

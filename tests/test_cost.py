@@ -202,6 +202,22 @@ def test_errors(tmp_path, case, expect):
         assert str(args[0]) in p.stderr  # the message names the file
 
 
+@pytest.mark.parametrize("fields, expect", [
+    # benchmark.py's record of a run it stopped (t2ibench.callbacks.nonfinite_loss).
+    ({"diverged": "non-finite gradient norm (inf) at batch 1 (ba1); stopped before the optimizer step",
+      "diverged_at_batch": 1, "images_per_sec": None}, "the run diverged (non-finite gradient norm (inf) at batch 1"),
+    # Files written before runs stopped on these (the GPU report's SD2 smoke rows recorded grad_norm inf).
+    ({"images_per_sec": 80.0, "grad_norm": float("inf"), "final_loss": 1.05}, "the run diverged ('grad_norm' is inf)"),
+    ({"images_per_sec": 80.0, "grad_norm": 3.2, "final_loss": float("nan")}, "the run diverged ('final_loss' is nan)"),
+])
+def test_a_diverged_run_is_refused_in_one_line_naming_the_file(tmp_path, fields, expect):
+    good = write_json(tmp_path / "good.json", images_per_sec=81.0, world_size=1)
+    diverged = write_json(tmp_path / "diverged.json", world_size=8, **fields)
+    p = run_cli(good, diverged)
+    assert p.returncode != 0 and f"{diverged}: {expect}" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
 def test_a_result_that_is_not_sd2_base_at_512_is_labeled_as_such(tmp_path, capsys):
     tiny = write_json(tmp_path / "tiny.json", images_per_sec=81.0, world_size=1, device="cpu", image_size=64,
                       model_config="tiny", precomputed=False)
