@@ -1,13 +1,12 @@
 """Aspect-ratio buckets (`--aspect_buckets`, SDXL and Flux.1): the list a run trains on (the default one
-scaled to --image_size, or a user's file), the bucket each image goes to, where it is cropped, and the
-order in which a loader worker turns a stream of samples into one-bucket batches. The rules, SDXL's
+scaled to --image_size, or a user's file), the bucket each image goes to and where it is cropped, and the
+synthetic steps' buckets (streamed ones: t2ibench.bucket_plan). The rules, SDXL's
 list and a picture of the default one are in docs/data.md#aspect-ratio-buckets.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -190,10 +189,10 @@ def synthetic_weights(spec: str, buckets: tuple[Bucket, ...], flag: str = "--syn
     return tuple(weights.get(b, 0.0) / total for b in buckets)
 
 
-def synthetic_bucket(weights: tuple[float, ...], seed: int, epoch: int, rank: int, batch: int) -> int:
-    """The bucket (its position in the list) of a rank's synthetic batch: drawn from `weights`, the same
-    for the same seed, epoch, rank and batch whatever the workers or a restart."""
-    return int(np.random.default_rng((seed, epoch, rank, batch)).choice(len(weights), p=weights))
+def synthetic_bucket(weights: tuple[float, ...], seed: int, epoch: int, batch: int) -> int:
+    """The bucket (its position in the list) of a synthetic step: drawn from `weights`, the same for the
+    same seed, epoch and batch on every rank (one bucket per global step) whatever the workers or a restart."""
+    return int(np.random.default_rng((seed, epoch, batch)).choice(len(weights), p=weights))
 
 
 def largest_bucket(buckets: tuple[Bucket, ...], latent_downsample: int, patch_size: int) -> tuple[Bucket, dict]:
@@ -251,7 +250,8 @@ def crop_generator(seed: int, epoch: int, index: int) -> np.random.Generator:
 
 
 # -----------------------------------------------------------------------------------------------
-# Batches from a stream: one loader worker's samples, in Streaming's order, as one-bucket batches.
+# A bucketed stream's position: the batches each loader worker had handed out (t2ibench.bucket_plan
+# plans them).
 # -----------------------------------------------------------------------------------------------
 
 def batches_before(sample_in_epoch: int, num_ranks: int, workers_per_rank: int, worker_of_rank: int,
@@ -261,50 +261,6 @@ def batches_before(sample_in_epoch: int, num_ranks: int, workers_per_rank: int, 
     worker j % workers_per_rank."""
     per_rank = sample_in_epoch // (num_ranks * batch_size)
     return len(range(worker_of_rank, per_rank, workers_per_rank))
-
-
-def full_batches(samples: int, num_buckets: int, batch_size: int) -> int:
-    """The batches a worker's `samples` are sure to fill in one bucket each, whatever their buckets: at
-    most num_buckets x (batch_size - 1) of them can be left waiting (precomputed latents, which cannot
-    be regrouped into other buckets). The same for every rank, as Streaming gives each the same samples."""
-    return max(0, samples - num_buckets * (batch_size - 1)) // batch_size
-
-
-def bucket_batches(sample_ids: Iterable[int], bucket_of: Callable[[int], tuple[Bucket, int]], batch_size: int,
-                   num_batches: int, skip: int = 0) -> Iterator[tuple[Bucket, list[int]]]:
-    """One worker's stream of samples as `num_batches` batches of one bucket each, after `skip` batches
-    that are replayed, not yielded (a resumed run rebuilds what the worker held).
-
-    `bucket_of(sample_id)` gives the sample's bucket and the sample that stands for it (an undecodable
-    one is replaced by the next index). Samples wait in their bucket until it holds a batch, which is
-    emitted at once: a worker holds at most buckets x (batch_size - 1) sample ids. When the stream ends,
-    the samples still waiting are sorted by their bucket's aspect ratio and cut into batches, each in
-    the bucket of its middle sample, so that the epoch has the batches a square run would (every rank
-    the same number) and no sample but the last few is left out. The order depends on the sample ids
-    alone, so a worker that replays the same ids ends in the same state.
-    """
-    waiting: dict[Bucket, list[int]] = {}
-    emitted = 0
-    for sample_id in sample_ids:
-        if emitted == num_batches:
-            return
-        bucket, sample = bucket_of(sample_id)
-        queue = waiting.setdefault(bucket, [])
-        queue.append(sample)
-        if len(queue) == batch_size:
-            del waiting[bucket]
-            emitted += 1
-            if emitted > skip:
-                yield bucket, queue
-    left = sorted(((bucket.aspect, -bucket.pixels, bucket), sample)
-                  for bucket, queue in waiting.items() for sample in queue)
-    for start in range(0, len(left) - batch_size + 1, batch_size):
-        if emitted == num_batches:
-            return
-        chunk = left[start:start + batch_size]
-        emitted += 1
-        if emitted > skip:
-            yield chunk[batch_size // 2][0][2], [sample for _, sample in chunk]
 
 
 def picture(buckets: tuple[Bucket, ...], image_size: int) -> str:

@@ -508,8 +508,9 @@ def test_a_seed_other_than_the_checkpoints_is_refused_even_at_an_epochs_start(sa
            "checkpoint's values or start a new run" in message
 
 
-SYNTHETIC = ["--model_config", "sdxl-tiny", "--seed", "17", "--use_synth_data", "--aspect_buckets", "--num_workers",
-             "0", "--num_synthetic_samples", "8", "--batch_size", "4", "--warmup_batches", "0"]
+SYNTHETIC_DEFAULT_LIST = ["--model_config", "sdxl-tiny", "--seed", "17", "--use_synth_data", "--aspect_buckets",
+                          "--num_workers", "0", "--num_synthetic_samples", "8", "--batch_size", "4",
+                          "--warmup_batches", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -517,14 +518,14 @@ def saved_at_an_epochs_start(tmp_path_factory) -> Path:
     """The folder of a synthetic run of the default list (11 buckets at 64) that saved ep1-ba2-rank0.pt,
     at epoch 1's start (epochs of 2 batches)."""
     folder = tmp_path_factory.mktemp("bucket-epoch-start") / "ckpt"
-    benchmark.main([*SYNTHETIC, "--save_folder", str(folder), "--run_name", "weights", "--max_duration", "1ep",
-                    "--save_interval", "1ep"])
+    benchmark.main([*SYNTHETIC_DEFAULT_LIST, "--save_folder", str(folder), "--run_name", "weights",
+                    "--max_duration", "1ep", "--save_interval", "1ep"])
     return folder
 
 
 def test_synthetic_bucket_weights_change_at_an_epochs_start_saying_so_and_are_refused_mid_epoch(
         saved_at_an_epochs_start, tmp_path, capsys):
-    run = SYNTHETIC
+    run = SYNTHETIC_DEFAULT_LIST
     shutil.copytree(saved_at_an_epochs_start, tmp_path / "ckpt", symlinks=True)
     saving = ["--save_folder", str(tmp_path / "ckpt"), "--run_name", "weights", "--autoresume"]
     capsys.readouterr()
