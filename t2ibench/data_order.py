@@ -7,10 +7,8 @@ goes on, saying so. The table of settings: docs/data.md#resuming-with-other-sett
 from __future__ import annotations
 
 import math
-import sys
 from typing import TYPE_CHECKING, Any
 
-from t2ibench.errors import fail
 from t2ibench.locations import same_source_key
 
 if TYPE_CHECKING:
@@ -108,11 +106,11 @@ def same(flag: str, saved: Any, given: Any) -> bool:
     return saved == given
 
 
-def check_resume(saved: dict[str, Any], whole: bool, given: dict[str, Any], epoch: int, batch_in_epoch: int,
-                 on_rank_zero: bool) -> None:
+def resume_problem(saved: dict[str, Any], whole: bool, given: dict[str, Any], epoch: int,
+                   batch_in_epoch: int) -> tuple[str | None, list[str]]:
     """Compare a checkpoint's data order (`saved_order`) with this run's, where the resumed run stands
-    (Composer's timestamp, loaded): a difference mid-epoch, or in a setting the checkpoint keeps, is
-    one line; at an epoch's start the rest are a note (rank 0's) and the run goes on."""
+    (Composer's timestamp, loaded): the line that refuses a difference mid-epoch, or in a setting the
+    checkpoint keeps (None: none), and the notes of a run that goes on."""
     differ = [(flag, saved[flag], value) for flag, value in given.items()
               if flag in saved and not same(flag, saved[flag], value)]
     mid_epoch = batch_in_epoch > 0
@@ -124,16 +122,16 @@ def check_resume(saved: dict[str, Any], whole: bool, given: dict[str, Any], epoc
             why.append(f"the checkpoint stopped mid-epoch (epoch {epoch}, after its batch {batch_in_epoch}), so the "
                        "rest of the epoch would repeat some of its samples and skip others")
             remedy += ", from a checkpoint saved at an epoch's start (--save_interval in ep),"
-        fail(f"{'; '.join(difference(*d) for d in refused)}: {', and '.join(why)}; {remedy} or start a new run in "
-             "another --save_folder")
-    if not on_rank_zero:
-        return
+        return (f"{'; '.join(difference(*d) for d in refused)}: {', and '.join(why)}; {remedy} or start a new run "
+                "in another --save_folder"), []
+    notes = []
     if differ:
-        print(f"note: resuming at the start of epoch {epoch} with {'; '.join(difference(*d) for d in differ)}: "
-              "the new values decide this epoch's samples from its first; no sample of an epoch is repeated or "
-              "skipped", file=sys.stderr, flush=True)
+        notes.append(f"resuming at the start of epoch {epoch} with {'; '.join(difference(*d) for d in differ)}: the "
+                     "new values decide this epoch's samples from its first; no sample of an epoch is repeated or "
+                     "skipped")
     if mid_epoch and not whole:
         unchecked = ", ".join(flag for flag in given if flag not in saved)
-        print(f"note: the checkpoint resumed mid-epoch was saved before checkpoints recorded the data order: "
-              f"{unchecked} cannot be compared; they must be the values it was trained with, or the rest of the "
-              "epoch repeats some samples and skips others", file=sys.stderr, flush=True)
+        notes.append(f"the checkpoint resumed mid-epoch was saved before checkpoints recorded the data order: "
+                     f"{unchecked} cannot be compared; they must be the values it was trained with, or the rest of "
+                     "the epoch repeats some samples and skips others")
+    return None, notes

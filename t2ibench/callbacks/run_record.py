@@ -2,13 +2,15 @@
 data order, t2ibench.data_order); logs nothing."""
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from t2ibench.data_order import RECORD_KEY, check_resume, saved_order
+from t2ibench.data_order import RECORD_KEY, resume_problem, saved_order
+from t2ibench.errors import fail
 
 
 class RunRecord(Callback):
@@ -36,6 +38,15 @@ class RunRecord(Callback):
         if self.loaded is None:
             return
         saved, whole = saved_order(self.loaded)
-        # Every rank loaded the same checkpoint and runs the same flags: all stop here, or none.
-        check_resume(saved, whole, self.data_order, int(state.timestamp.epoch), int(state.timestamp.batch_in_epoch),
-                     on_rank_zero=dist.get_global_rank() == 0)
+        problem, notes = resume_problem(saved, whole, self.data_order, int(state.timestamp.epoch),
+                                        int(state.timestamp.batch_in_epoch))
+        if dist.get_world_size() > 1:
+            # Every rank compares rank 0's record with its own flags, which agree but for what a node
+            # resolves (a local source's real path): all stop with the first rank's line, or none goes
+            # on into a collective the others left.
+            problem = next((line for line in dist.all_gather_object(problem) if line), None)
+        if problem:
+            fail(problem)
+        if dist.get_global_rank() == 0:
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr, flush=True)
