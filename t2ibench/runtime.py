@@ -83,7 +83,8 @@ class Runtime:
         with the microbatch it chose where the microbatch is `auto`), and the microbatch `auto` on
         several GPUs replaced by `safe_auto_microbatch`'s count; call it once the data is built
         (`text_format`: what precomputed shards carry, None online). Anything else is returned as it is.
-        With checkpointing on or off and one GPU, `auto` stays Composer's OOM search."""
+        With checkpointing on or off and one GPU, `auto` stays Composer's OOM search (on for the warm-up
+        batches: t2ibench.callbacks.oom_fallback)."""
         if not self.on_gpu:
             return self
         memory_bytes = torch.cuda.get_device_properties(0).total_memory
