@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -18,7 +19,7 @@ import torch
 from composer.core import Time
 from composer.utils import dist
 
-from t2ibench import cpu_threads, fp8
+from t2ibench import cpu_threads, flags, fp8
 from t2ibench.buckets import EXPORT_FILE, UNIFORM, Bucket, parse_size, resolve_buckets, synthetic_weights
 from t2ibench.callbacks.profile import profile_fits
 from t2ibench.checkpoints import LATEST, gone_latest, resume_from, resume_point
@@ -56,6 +57,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Settings:
     settings = dataclasses.replace(settings, sampler=sampler, precomputed_format=precomputed_format,
                                    buckets=buckets, bucket_weights=bucket_weights)
     settings = dataclasses.replace(settings, sample_shape=check_sample_size(settings))
+    check_flags_that_act(args, settings)
     check_outputs(settings)
     check_checkpoint(settings)
     samples_per_epoch, recorded_seed = check_data(settings)
@@ -419,6 +421,63 @@ def check_buckets(settings: Settings) -> tuple[tuple[Bucket, ...], tuple[float, 
     if settings.synthetic_bucket_weights != UNIFORM and not settings.use_synth_data:
         fail("--synthetic_bucket_weights applies to --use_synth_data only: real data has the buckets its images have")
     return buckets, synthetic_weights(settings.synthetic_bucket_weights, buckets)
+
+
+# Flags that act only beside another (by their dests), refused where given without it (check_flags_that_act).
+STREAMING_FLAGS = ("cache_limit", "shuffle", "predownload", "download_retry", "download_timeout", "validate_hash",
+                   "shuffle_algo", "shuffle_block_size", "epoch_size", "num_canonical_nodes", "sampling_granularity")
+IMAGE_SHARD_FLAGS = ("image_key", "caption_key", "max_bad_fraction", "bucket_crop")  # read by the image loader alone
+SAMPLE_FLAGS = ("sampler", "sample_steps", "guidance_scale", "sample_interval")
+
+
+@functools.cache
+def parser_defaults() -> tuple[dict[str, object], dict[str, str]]:
+    """benchmark.py's parser's defaults and each flag's name, by dest (`--no_shuffle` for shuffle)."""
+    parser = flags.benchmark_parser("")
+    actions = [action for action in parser._actions if action.option_strings and action.dest != "help"]
+    return ({action.dest: action.default for action in actions},
+            {action.dest: max(action.option_strings, key=len) for action in actions})
+
+
+def check_flags_that_act(args: argparse.Namespace, settings: Settings) -> None:
+    """Refuse a flag given where it would do nothing, in one line naming it and what it needs, as
+    --synthetic_bucket_weights without --aspect_buckets is (check_buckets): a run that ignored it, and
+    whose results still recorded it, would be taken for one that used it. A flag given at its default
+    value cannot be told from one left out, and changes nothing either way."""
+    defaults, names = parser_defaults()
+
+    def given(*dests: str) -> list[str]:
+        return [names[dest] + ("" if isinstance(getattr(args, dest), bool) else f" {getattr(args, dest)}")
+                for dest in dests if getattr(args, dest) != defaults[dest]]
+
+    precision = resolve_precision(settings.precision, torch.cuda.is_available())
+    rules = (
+        (settings.aspect_buckets is None, given("bucket_crop"),
+         "images are squares without --aspect_buckets, and no bucket is cropped; add --aspect_buckets or leave {them} "
+         "out"),
+        (settings.use_synth_data, given(*STREAMING_FLAGS, *IMAGE_SHARD_FLAGS),
+         "--use_synth_data draws random samples and reads no real data (Streaming, image shards); leave {them} out or "
+         "drop --use_synth_data"),
+        (settings.precomputed and not settings.use_synth_data, given(*IMAGE_SHARD_FLAGS),
+         "--precomputed reads latents.py's shards, not images (their crops chosen when latents.py wrote them); leave "
+         "{them} out, or give {them} to latents.py"),
+        (not settings.use_synth_data, given("num_synthetic_samples"),
+         "this run reads real data, and only --use_synth_data draws synthetic samples (--epoch_size sizes a real "
+         "epoch); leave {them} out"),
+        (not settings.sample_prompts, given(*SAMPLE_FLAGS),
+         "no sample grid is drawn without --sample_prompts; add --sample_prompts or leave {them} out"),
+        (not settings.save_folder, given("save_interval", "save_num_checkpoints_to_keep"),
+         "no checkpoint is saved without --save_folder; add --save_folder or leave {them} out"),
+        (not settings.profile_batches, given("profile_dir"),
+         "no batch is profiled without --profile_batches N, so no trace is written; add --profile_batches or "
+         "leave {them} out"),
+        (precision == "fp32", given("norm_precision"),
+         "this run is fp32, without autocast, so its norms are fp32 anyway; leave {them} out or train under "
+         "--precision amp_bf16"),
+    )
+    for does_nothing, shown, why in rules:
+        if does_nothing and shown:
+            fail(f"{', '.join(shown)} would do nothing: " + why.format(them="them" if len(shown) > 1 else "it"))
 
 
 def check_sample_size(settings: Settings) -> Bucket:

@@ -85,6 +85,50 @@ def test_keeping_zero_local_checkpoints_is_refused(tmp_path):
 
 
 # -----------------------------------------------------------------------------------------------
+# Flags that would do nothing beside the others given (checks.check_flags_that_act): refused in one
+# line, as --synthetic_bucket_weights without --aspect_buckets always was.
+# -----------------------------------------------------------------------------------------------
+
+XL_BUCKETS = ["--model_config", "sdxl-tiny", "--image_size", "64", "--aspect_buckets"]
+
+
+@pytest.mark.parametrize("data, args, expect", [
+    ("synthetic", ["--bucket_crop", "center"], "--bucket_crop center would do nothing: images are squares without "
+     "--aspect_buckets"),
+    ("synthetic", [*XL_BUCKETS, "--bucket_crop", "center"], "--bucket_crop center would do nothing: --use_synth_data"),
+    ("synthetic", ["--no_shuffle", "--epoch_size", "100", "--image_key", "png"],
+     "--no_shuffle, --epoch_size 100, --image_key png would do nothing: --use_synth_data draws random samples"),
+    ("images", ["--num_synthetic_samples", "8"], "--num_synthetic_samples 8 would do nothing: this run reads real data"),
+    ("latents", ["--caption_key", "txt", "--max_bad_fraction", "0.5"],
+     "--caption_key txt, --max_bad_fraction 0.5 would do nothing: --precomputed reads latents.py's shards"),
+    ("synthetic", ["--sampler", "ddim", "--guidance_scale", "3"],
+     "--sampler ddim, --guidance_scale 3.0 would do nothing: no sample grid is drawn without --sample_prompts"),
+    ("synthetic", ["--save_interval", "1ba"], "--save_interval 1ba would do nothing: no checkpoint is saved"),
+    ("synthetic", ["--profile_dir", "prof"], "--profile_dir prof would do nothing: no batch is profiled"),
+    ("synthetic", ["--norm_precision", "fp32"], "--norm_precision fp32 would do nothing: this run is fp32"),
+])
+def test_a_flag_that_would_do_nothing_is_refused_in_one_line(images, latents, data, args, expect):
+    base = {"synthetic": TINY_2BA, "images": [*REAL_2BA, "--local", str(images)],
+            "latents": [*REAL_2BA, "--local", str(latents), "--precomputed"]}[data]
+    assert expect in error_of(benchmark.main, [*base, *args])
+
+
+@pytest.mark.parametrize("args", [
+    [*XL_BUCKETS, "--bucket_crop", "center", "--use_synth_data"],  # real images: below, with the bucketed data
+    ["--sampler", "ddim", "--guidance_scale", "3", "--sample_prompts", "shapes", "--samples_dir", "{tmp}/samples"],
+    ["--save_interval", "1ba", "--save_folder", "{tmp}/ckpt"],
+    ["--profile_dir", "{tmp}/prof", "--profile_batches", "1", "--max_duration", "3ba"],
+    ["--norm_precision", "fp32", "--precision", "amp_bf16"],
+])
+def test_the_same_flags_beside_what_they_need_are_taken(tmp_path, args):
+    argv = [*TINY_2BA, *(a.format(tmp=tmp_path) for a in args)]
+    if "--bucket_crop" in argv:  # bucketed real images: the crop applies (tests/test_bucket_runs.py trains one)
+        argv = [a for a in argv if a != "--use_synth_data"] + ["--local", str(write_images(tmp_path / "mds", 6))]
+    settings = benchmark.validate(benchmark.parse_args(argv), 1)
+    assert settings.model_config in ("tiny", "sdxl-tiny")
+
+
+# -----------------------------------------------------------------------------------------------
 # Files a user names and the sizes in them: read bounded, a byte-order mark skipped, sizes in ASCII
 # digits within --image_size's bound (cli.read_text, cli.parse_number, buckets.parse_bucket).
 # -----------------------------------------------------------------------------------------------
