@@ -5,7 +5,9 @@
         --num_gpus 8 16 32 64 128 256 --plot cost.png --csv cost.csv --markdown cost.md
 
 Turns images/s on some GPU counts into days, GPU-hours and dollars for the whole training run, as
-the 2023 MosaicML table did, and predicts the counts not measured. The arithmetic, the scaling
+the 2023 MosaicML table did, and predicts the counts not measured; Flux.1 to MLPerf's target (its
+reference convergence, or the samples_to_target runs measured), and a run timed to its target from its
+own time_to_target_s. The arithmetic, the scaling
 model and which results may be mixed are in docs/cost.md. Its parts, in t2ibench: cost_results (the
 results files read), cost_scaling (the arithmetic and the scaling model), cost_table (the table and
 its files); here the flags, their checks and the story the table tells.
@@ -13,18 +15,21 @@ its files); here the flags, their checks and the story the table tells.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 from t2ibench import errors
-from t2ibench.cli import GPU_COUNT, POSITIVE_FLOAT, Parser
+from t2ibench.cli import BATCH_SIZE, GPU_COUNT, POSITIVE_FLOAT, Parser
 from t2ibench.cost_results import (Measurement, average_by_gpus, bucket_mix, check_consistent, describe_mix,
                                    load_results, pixel_fraction)
-from t2ibench.cost_scaling import add_precompute, cost_table, default_num_gpus, fit_scaling, mlperf_rows, model_notes
+from t2ibench.cost_scaling import (add_precompute, cost_table, default_num_gpus, fit_scaling, mlperf_rows, model_notes,
+                                   nearest_reference_batch, samples_to_target)
 from t2ibench.cost_table import Row, format_table, plot, write_csv, write_markdown
 from t2ibench.errors import fail
 from t2ibench.files import write_error
 from t2ibench.locations import check_output, check_outputs_apart, normalise
-from t2ibench.scale import (MLPERF_FLUX_TRAIN_SAMPLES, PRICED_MODELS,
+from t2ibench.scale import (MLPERF_FLUX_REFERENCE_BATCH, MLPERF_FLUX_SAMPLES_TO_TARGET, MLPERF_FLUX_TARGET_EVAL_LOSS,
+                            MLPERF_FLUX_TRAIN_SAMPLES, PRICED_MODELS,
                             SAMPLES,  # 2023: 1.4M x 2048
                             USD_PER_GPU_HOUR)  # $2 per A100-hour
 
@@ -75,9 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_gpus", nargs="+", type=GPU_COUNT, metavar="N",
                    help="GPU counts for the table (default: the measured counts plus powers of "
                         "two up to 2x the largest measured, at least to 256)")
+    references = ", ".join(f"{n:,} at {batch}" for batch, n in MLPERF_FLUX_SAMPLES_TO_TARGET.items())
     p.add_argument("--samples", type=POSITIVE_FLOAT, default=None,
                    help=f"images seen in the whole run (default {SAMPLES:,} = 1.4M steps x 2048 for SD2; for "
-                        f"Flux {MLPERF_FLUX_TRAIN_SAMPLES:,}, one pass over MLPerf's training set)")
+                        "Flux.1-schnell, MLPerf's reference convergence to its target at the results' global batch "
+                        f"({references}); for results timed to their target, their samples_to_target)")
+    p.add_argument("--mlperf_batch", type=BATCH_SIZE, choices=sorted(MLPERF_FLUX_SAMPLES_TO_TARGET), default=None,
+                   metavar="B", help="Flux.1: price MLPerf's reference convergence at global batch B (512, 1024, 2048 "
+                                     "or 4096; default: the results' global batch, the nearest listed, else 512)")
+    p.add_argument("--samples_to_target", nargs="+", action="extend", default=[], metavar="RESULTS.json",
+                   help="price the samples runs took to their target: the mean samples_to_target of these results "
+                        "files (benchmark.py --eval_target runs of the measured model; those not converged counted)")
     p.add_argument("--model_config", default=None, choices=sorted(PAIR_MODELS),
                    help="the model of --gpus/--images_per_sec pairs, measured at its training size ("
                         + ", ".join(f"{size} for {config}" for config, (_, size) in PAIR_MODELS.items())
@@ -168,6 +181,118 @@ def describe(measurements: list[Measurement]) -> tuple[str, str | None]:
     return what, None
 
 
+def target_phrase(eval_target: float | None, flux: bool) -> str:
+    """What a run to `eval_target` reaches, in the caption, table, CSV and plot: MLPerf's target for Flux.1-schnell
+    at MLPerf's loss; any other target by its loss."""
+    if flux and eval_target in (None, MLPERF_FLUX_TARGET_EVAL_LOSS):
+        return f"MLPerf's target (validation loss <= {MLPERF_FLUX_TARGET_EVAL_LOSS:g})"
+    return f"validation loss <= {eval_target:g}" if eval_target is not None else "the runs' target"
+
+
+def timed_to_target(measurements: list[Measurement]) -> list[Measurement]:
+    """The measurements with images/s replaced, where the results timed a run to its target, by the samples/s of
+    MLPerf's clock (samples_to_target / time_to_target_s, evaluation included): a row at the run's GPU count
+    and samples is then its time to target. Runs timed and not timed make no one curve: refused."""
+    timed = [m for m in measurements if m.time_to_target_s is not None]
+    if not timed:
+        return measurements
+    untimed = next((m for m in measurements if m.time_to_target_s is None), None)
+    if untimed is not None:
+        fail(f"{timed[0].source} was timed to its target (time_to_target_s, evaluation on the clock) but "
+             f"{untimed.source} " + ("did not reach it" if untimed.converged is False else "was not")
+             + ": their images/s are not one curve; price the runs timed to a target from their results files alone")
+    try:
+        check_consistent(timed, ("eval_target",))
+    except ValueError as e:
+        fail(f"{e}: runs to different targets")
+    return [dataclasses.replace(m, images_per_sec=m.samples_to_target / m.time_to_target_s) for m in timed]
+
+
+def convergence_runs(paths: list[str], measurements: list[Measurement]) -> list[Measurement]:
+    """--samples_to_target's results files: runs to a target of the measured model at its size. Refused in one
+    line: a file that is no run to a target, another model, two targets, or no run that reached it."""
+    if not paths:
+        return []
+    runs = []
+    for path in paths:
+        try:
+            run = load_results(path)
+        except ValueError as e:
+            fail(f"--samples_to_target {e}")
+        if run.converged is None:
+            fail(f"--samples_to_target {path}: records no 'converged': not a run to a target (benchmark.py "
+                 "--eval_target writes one)")
+        runs.append(run)
+    for keys, why in ((("model_config", "image_size"), "the samples to a target are the measured model's"),
+                      (("eval_target",), "runs to different targets")):
+        try:
+            check_consistent(measurements + runs, keys) if "model_config" in keys else check_consistent(runs, keys)
+        except ValueError as e:
+            fail(f"--samples_to_target: {e}: {why}")
+    if not any(run.converged for run in runs):
+        fail(f"--samples_to_target: none of the {len(runs)} run(s) reached its target, so none says how many samples "
+             "it takes; give runs that converged, or --samples N")
+    return runs
+
+
+def samples_priced(parsed: argparse.Namespace, target_paths: list[str], measurements: list[Measurement], flux: bool,
+                   model: str) -> tuple[float, str | None, list[str]]:
+    """(the samples the table prices, what they reach or None for a fixed count, notes saying why). In order:
+    --samples; --samples_to_target's runs; the results' own samples_to_target (timed to their target); for
+    Flux.1-schnell MLPerf's reference convergence at --mlperf_batch or the results' batch; else the 2023 run's."""
+    given = [flag for flag, value in (("--samples", parsed.samples), ("--mlperf_batch", parsed.mlperf_batch),
+                                      ("--samples_to_target", parsed.samples_to_target or None)) if value is not None]
+    if len(given) > 1:
+        fail(f"{given[0]} and {given[1]} both set the samples the table prices; give one")
+    if parsed.mlperf_batch is not None and not flux:
+        fail(f"--mlperf_batch {parsed.mlperf_batch}: MLPerf's reference convergence is Flux.1-schnell's, these "
+             f"results are {model}'s; give --samples N")
+    if parsed.samples is not None:
+        return parsed.samples, None, [
+            f"{parsed.samples:,.0f} samples (--samples): not priced to MLPerf's target, which its reference reaches in "
+            f"{MLPERF_FLUX_SAMPLES_TO_TARGET[MLPERF_FLUX_REFERENCE_BATCH]:,} at global batch "
+            f"{MLPERF_FLUX_REFERENCE_BATCH} (--mlperf_batch)"] if flux else []
+    runs = convergence_runs(target_paths, measurements)
+    timed = [m for m in measurements if m.time_to_target_s is not None]
+    if runs or timed:
+        reached = [m for m in runs or timed]
+        converged = [m for m in reached if m.converged]
+        counts = [m.samples_to_target for m in converged]
+        samples = sum(counts) / len(counts)
+        missed = len(reached) - len(converged)
+        phrase = target_phrase(converged[0].eval_target, flux)
+        source = "of --samples_to_target" if runs else "timed to it"
+        note = (f"{samples:,.0f} samples to {phrase}: " + (
+            f"the samples_to_target of the run {source}" if len(counts) == 1 else
+            f"the mean samples_to_target of {len(counts)} runs {source} ({min(counts):,} to {max(counts):,})")
+                + (f"; {missed} more did not reach it" if missed else ""))
+        batches = sorted({m.global_batch_size for m in converged if m.global_batch_size})
+        measured_batches = sorted({m.global_batch_size for m in measurements if m.global_batch_size})
+        if runs and batches and measured_batches and batches != measured_batches:
+            note += (f"; they trained at global batch {', '.join(map(str, batches))}, the images/s was measured at "
+                     f"{', '.join(map(str, measured_batches))} (samples to a target grow with the batch)")
+        return samples, phrase, [note]
+    if not flux:
+        return SAMPLES, None, []
+    batch, why = parsed.mlperf_batch, "--mlperf_batch's"
+    if batch is None:
+        batches = sorted({m.global_batch_size for m in measurements if m.global_batch_size})
+        if len(batches) > 1:
+            fail(f"results at global batches {', '.join(map(str, batches))}: MLPerf's reference convergence depends "
+                 "on the batch; price one batch at a time, or pick a figure with --mlperf_batch "
+                 f"({', '.join(map(str, MLPERF_FLUX_SAMPLES_TO_TARGET))}) or --samples")
+        if not batches:
+            batch, why = MLPERF_FLUX_REFERENCE_BATCH, "the reference's own (the results record no batch)"
+        else:
+            batch = nearest_reference_batch(batches[0])
+            why = "the results' own" if batch == batches[0] else f"the one nearest the results' {batches[0]}"
+    samples = samples_to_target(batch)
+    others = ", ".join(f"{n:,} at {b}" for b, n in MLPERF_FLUX_SAMPLES_TO_TARGET.items() if b != batch)
+    return samples, target_phrase(None, flux), [
+        f"{samples:,} samples: MLPerf Training v6.0's reference convergence to its target at global batch {batch}, "
+        f"{why}; --mlperf_batch picks {others}, --samples_to_target runs' own (published elsewhere, not measured here)"]
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
     parsed = build_parser().parse_intermixed_args(argv)  # files may come before or after the flags
     with errors.command("cost.py"):
@@ -190,7 +315,8 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     # Every output probed before any work (the table is cheap, but a results file overwritten by
     # --csv is lost): an existing folder, writable, not a results file, and not another output.
     outputs = [(f"--{flag}", path, "file") for flag, path in paths.items()]
-    inputs = [("RESULTS", f) for f in files + results]
+    targets = [normalise("--samples_to_target", f, ()) for f in parsed.samples_to_target]
+    inputs = [("RESULTS", f) for f in files + results] + [("--samples_to_target", f) for f in targets]
     for flag, path, _ in outputs:
         if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             fail(f"{flag}: directory of {path} does not exist")
@@ -230,6 +356,16 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
         fail("no measurements: give results JSON files or --gpus N --images_per_sec X")
     flux = measured_model(measurements)[0] == "flux1-schnell"  # the first result that names its model
     model, size = measured_model(measurements)
+    # A run timed to its target is priced by its clock's samples/s; the samples, by the flags, the runs or MLPerf.
+    clocked = timed_to_target(measurements)
+    samples, trained_to, target_notes = samples_priced(parsed, targets, measurements, flux, model)
+    target_notes += [f"{m.source}: {m.samples_to_target:,} samples to {target_phrase(m.eval_target, flux)} in "
+                     f"{m.time_to_target_s / 3600:,.2f} h on {m.num_gpus} GPU(s), {timed.images_per_sec:,.1f} "
+                     f"samples/s on MLPerf's clock (evaluation included; {m.images_per_sec:,.1f} images/s training "
+                     "alone): the table's images/s is the clock's"
+                     for m, timed in zip(measurements, clocked) if m.time_to_target_s is not None]
+    target_notes += [f"{m.source} did not reach its target (validation loss <= {m.eval_target:g}): priced from its "
+                     "images/s, training alone" for m in measurements if m.converged is False and m.eval_target]
     # A bucketed run's images are its mix's sizes, not size x size: the VAE encoder's part of the pass
     # scales with their pixels (the default list's hold 90% to 100% of the square's).
     fraction = pixel_fraction(bucket_mix(measurements), size) if measurements[0].aspect_buckets.bucketed else None
@@ -243,15 +379,23 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
         precompute_images_per_sec = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / (vae_flops * (fraction or 1.0))
     resolved = {
         "files": files, "results": results, **paths,
-        "samples": (MLPERF_FLUX_TRAIN_SAMPLES if flux else SAMPLES) if parsed.samples is None else parsed.samples,
+        "samples": samples, "trained_to": trained_to, "target_notes": target_notes, "samples_to_target": targets,
         "precompute_images": ((MLPERF_FLUX_TRAIN_SAMPLES if flux else PRECOMPUTE_IMAGES)
                               if parsed.precompute_images is None else parsed.precompute_images),
         "precompute_images_per_sec": precompute_images_per_sec,
-        "measurements": measurements, "flux": flux,
+        "measurements": clocked, "flux": flux,
         # The mix's pixels the pass's default speed counts (None: square images, or the speed was given).
         "precompute_pixel_fraction": fraction if parsed.precompute_images_per_sec is None else None,
     }
     return argparse.Namespace(**{**vars(parsed), **resolved})
+
+
+def short_count(samples: float) -> str:
+    """A sample count in a title: '2.87B', '7.24M', '640'."""
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if samples >= size:
+            return f"{samples / size:.2f}{unit}"
+    return f"{samples:,.0f}"
 
 
 def table(args: argparse.Namespace) -> list[Row]:
@@ -259,6 +403,7 @@ def table(args: argparse.Namespace) -> list[Row]:
     measurements, flux = args.measurements, args.flux
     what, warning = describe(measurements)
     measured, notes = average_by_gpus(measurements)
+    notes = args.target_notes + notes
     model = fit_scaling(measured)
     notes += model_notes(model)
     listed = measurements[0].aspect_buckets
@@ -277,34 +422,35 @@ def table(args: argparse.Namespace) -> list[Row]:
             notes.append(f"the pass's images/s counts the VAE encoder at the mix's {args.precompute_pixel_fraction:.1%} "
                          "of the square's pixels an image, each image encoded in its bucket")
     if flux:
-        if args.samples == MLPERF_FLUX_TRAIN_SAMPLES:
-            notes.append(f"{args.samples:,.0f} samples: one pass over MLPerf's training set; a run to its quality "
-                         "target takes more (pass --samples)")
         rows = rows + mlperf_rows(sorted(measured), args.samples, args.usd_per_gpu_hour)
         notes.append("MLPerf v5.1 rows: per-GPU samples/s of the published Flux.1 results times the GPU count "
                      "(MXFP8, CUDA graphs; published elsewhere, not measured here)"
                      + ("; they train square 256x256 images, these results aspect-ratio buckets" if mix else ""))
 
     device = next((m.device for m in measurements if m.device), None)
-    caption = (f"{what}: {args.samples:,.0f} images at ${args.usd_per_gpu_hour:,.2f} per GPU-hour"
-               + (f" ({device})" if device else "")
+    to = f" to {args.trained_to}" if args.trained_to else ""
+    caption = (f"{what}: {args.samples:,.0f} " + ("samples" if to else "images") + f"{to} at "
+               f"${args.usd_per_gpu_hour:,.2f} per GPU-hour" + (f" ({device})" if device else "")
                + "; days = samples / images/s / 86400, GPU-hours = days x 24 x GPUs.")
-    title = args.title or (f"Time and cost to train {what}: {args.samples / 1e9:.2f}B images, "
-                           f"${args.usd_per_gpu_hour:,.2f}/GPU-hour" + (f", {device}" if device else ""))
+    title = args.title or (f"Time and cost to train {what}{to}: {short_count(args.samples)} "
+                           + ("samples" if to else "images") + f", ${args.usd_per_gpu_hour:,.2f}/GPU-hour"
+                           + (f", {device}" if device else ""))
+    # The Markdown says where its samples come from, as the terminal's first note does.
+    below = "".join(f" {line[0].upper()}{line[1:]}." for line in ([args.target_notes[0]] if to else []) + [mix] if line)
     print(caption)
     if warning:
         print(f"WARNING: {warning}")
     for note in notes:
         print(f"note: {note}")
     print()
-    print(format_table(rows))
+    print(format_table(rows, to_target=bool(to)))
 
     # Each file is replaced whole or left as it was (files.atomic_file); a full disk is one line.
-    writes = [("--csv", args.csv, lambda: write_csv(rows, args.csv, repr(listed), largest_share)),
-              ("--markdown", args.markdown, lambda: write_markdown(
-                  rows, args.markdown, caption + (f" {mix[0].upper()}{mix[1:]}." if mix else ""))),
+    writes = [("--csv", args.csv, lambda: write_csv(rows, args.csv, repr(listed), largest_share, args.samples,
+                                                    args.trained_to or "")),
+              ("--markdown", args.markdown, lambda: write_markdown(rows, args.markdown, caption + below, bool(to))),
               ("--plot", args.plot, lambda: plot([r for r in rows if r.source in ("measured", "predicted")],
-                                                  args.plot, title))]  # not the references
+                                                  args.plot, title, bool(to)))]  # not the references
     for flag, path, write in writes:
         if path:
             try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from t2ibench.buckets import DEFAULT as DEFAULT_BUCKETS
 from t2ibench.buckets import parse_bucket, synthetic_weights
-from t2ibench.cli import MAX_GPUS, MAX_IMAGE_SIZE, read_text
+from t2ibench.cli import MAX_BATCH_SIZE, MAX_GPUS, MAX_IMAGE_SIZE, read_text
 from t2ibench.errors import UserError
 
 
@@ -75,6 +75,12 @@ class Measurement:
     synthetic_bucket_weights: BucketWeights | None = None
     images_per_bucket: dict[str, int] = field(default_factory=dict)  # the mix trained: {"HxW": images}
     largest_bucket: str | None = None  # the bucket the memory model sized the microbatch for
+    # A run to a validation loss (benchmark.py --eval_target), as MLPerf times it; None where not recorded.
+    global_batch_size: int | None = None  # images per optimizer step, all GPUs together
+    eval_target: float | None = None  # the validation loss the run trained to
+    converged: bool | None = None  # reached eval_target; None: the run had no target
+    samples_to_target: int | None = None  # training samples over all ranks at the first evaluation at the target
+    time_to_target_s: float | None = None  # seconds from run start to that evaluation, set-up out, evaluation in
 
 
 def load_results(path: str) -> Measurement:
@@ -115,7 +121,7 @@ def load_results(path: str) -> Measurement:
                 isinstance(value, bool) or not 0 < value <= MAX_IMAGE_SIZE))):
             raise ValueError(f"{path}: '{key}' must be {what}, got {str(value)[:40]!r}")
     return Measurement(n, float(ips), path, data.get("device"), data.get("image_size"), data.get("model_config"),
-                       data.get("precomputed"), *load_buckets(path, data))
+                       data.get("precomputed"), *load_buckets(path, data), *load_target(path, data))
 
 
 def diverged_because(data: dict) -> str | None:
@@ -162,6 +168,49 @@ def load_buckets(path: str, data: dict) -> tuple[BucketList, BucketWeights | Non
                                    f"{path}: 'synthetic_bucket_weights'") if names else None
         weights = BucketWeights(tuple(round(share, 9) for share in shares) if shares else (weights,), weights)
     return listed, weights, images, largest if isinstance(largest, str) and parse_bucket(largest) else None
+
+
+# Samples in one run to a target: 10**15 is 350,000 times the 2023 run's 2.9 billion; a larger count is no run
+# (and 10**400 would overflow the float arithmetic of the table).
+MAX_SAMPLES_TO_TARGET = 10**15
+
+
+def load_target(path: str, data: dict) -> tuple[int | None, float | None, bool | None, int | None, float | None]:
+    """A results file's run to a target: (global batch, eval_target, converged, samples_to_target,
+    time_to_target_s). A run that did not converge has no time to target (its figures are left out); one
+    that did must give both. Raises ValueError naming the file."""
+    batch, target, converged = data.get("global_batch_size"), data.get("eval_target"), data.get("converged")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or not 0 < batch <= MAX_BATCH_SIZE):
+        raise ValueError(f"{path}: 'global_batch_size' must be a positive integer (images per step), "
+                         f"got {str(batch)[:40]!r}")
+    if target is not None and not positive_number(target):
+        raise ValueError(f"{path}: 'eval_target' must be a positive validation loss, got {str(target)[:40]!r}")
+    if converged is not None and not isinstance(converged, bool):
+        raise ValueError(f"{path}: 'converged' must be true, false or null, got {str(converged)[:40]!r}")
+    samples, seconds = data.get("samples_to_target"), data.get("time_to_target_s")
+    if converged is None and (samples is not None or seconds is not None):
+        raise ValueError(f"{path}: 'samples_to_target' and 'time_to_target_s' without 'converged': give a results "
+                         "file benchmark.py --eval_target wrote")
+    if not converged:
+        return batch, target, converged, None, None  # not reached: what it trained is no sample count to target
+    if isinstance(samples, bool) or not isinstance(samples, int) or not 0 < samples <= MAX_SAMPLES_TO_TARGET:
+        raise ValueError(f"{path}: 'converged' is true, so 'samples_to_target' must be a positive number of samples "
+                         f"(at most {MAX_SAMPLES_TO_TARGET:.0e}), got {str(samples)[:40]!r}")
+    if not positive_number(seconds):
+        raise ValueError(f"{path}: 'converged' is true, so 'time_to_target_s' must be a positive number of seconds, "
+                         f"got {str(seconds)[:40]!r}")
+    return batch, target, converged, samples, float(seconds)
+
+
+def positive_number(value: object) -> bool:
+    """A JSON number above zero and finite (a JSON true is no number, an integer of 400 digits no float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        number = float(value)
+    except OverflowError:
+        return False
+    return math.isfinite(number) and number > 0
 
 
 # What results must share to be fitted into one curve: the GPU, the model at its size, the latents mode,

@@ -24,6 +24,9 @@ class Row:
 
 TITLE_CHARACTERS = 100  # characters a line of the plot's title: its 12-inch width holds about 110
 COLUMNS = ("GPUs", "images/s", "days", "GPU-hours", "cost ($)", "source")
+COST_IN_THOUSANDS_FROM_USD = 10_000  # the plot's cost axis in thousands of dollars from this cost on
+# The days column of a table priced to a quality target (the caption above it names the target).
+COLUMNS_TO_TARGET = ("GPUs", "images/s", "days to target", "GPU-hours", "cost ($)", "source")
 
 
 def format_cells(row: Row) -> list[str]:
@@ -32,9 +35,9 @@ def format_cells(row: Row) -> list[str]:
             f"{row.gpu_hours:,.0f}", f"{row.cost_usd:,.0f}", row.source]
 
 
-def format_table(rows: list[Row]) -> str:
-    """Plain-text table, numbers right-aligned, for the terminal."""
-    cells = [list(COLUMNS)] + [format_cells(r) for r in rows]
+def format_table(rows: list[Row], to_target: bool = False) -> str:
+    """Plain-text table, numbers right-aligned, for the terminal; `to_target`: the days are to a target."""
+    cells = [list(COLUMNS_TO_TARGET if to_target else COLUMNS)] + [format_cells(r) for r in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
     lines = []
     for line in cells:
@@ -44,32 +47,37 @@ def format_table(rows: list[Row]) -> str:
 
 
 def write_csv(rows: list[Row], path: str, aspect_buckets: str = "square",
-              largest_bucket_share: float | None = None) -> None:
+              largest_bucket_share: float | None = None, samples: float | None = None, trained_to: str = "") -> None:
     """Machine-readable table: unformatted numbers, one row per GPU count. The measured and predicted
     rows carry the images they are for: `aspect_buckets` ("square", or the bucket list) and the share
-    of the images trained in the largest bucket; the reference rows (MLPerf's) train square images."""
+    of the images trained in the largest bucket; the reference rows (MLPerf's) train square images.
+    Every row carries the samples it prices and what they reach (`trained_to`: "MLPerf's target
+    (validation loss <= 0.586)", empty for a fixed number of samples)."""
     with atomic_file(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["num_gpus", "images_per_sec", "days", "gpu_hours", "cost_usd", "source", "aspect_buckets",
-                    "largest_bucket_share"])
+                    "largest_bucket_share", "samples", "trained_to"])
         for r in rows:
             ours = r.source in ("measured", "predicted")
             share = "" if largest_bucket_share is None or not ours else f"{largest_bucket_share:.4f}"
             w.writerow([r.num_gpus, f"{r.images_per_sec:.2f}", f"{r.days:.4f}", f"{r.gpu_hours:.1f}",
-                        f"{r.cost_usd:.2f}", r.source, aspect_buckets if ours else "square", share])
+                        f"{r.cost_usd:.2f}", r.source, aspect_buckets if ours else "square", share,
+                        "" if samples is None else f"{samples:.0f}", trained_to])
 
 
-def write_markdown(rows: list[Row], path: str, caption: str) -> None:
+def write_markdown(rows: list[Row], path: str, caption: str, to_target: bool = False) -> None:
     """Markdown table (same cells as the terminal table) followed by its assumptions."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---:|" * (len(COLUMNS) - 1) + "---|"]
+    columns = COLUMNS_TO_TARGET if to_target else COLUMNS
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---:|" * (len(columns) - 1) + "---|"]
     lines += ["| " + " | ".join(format_cells(r)) + " |" for r in rows]
     with atomic_file(path, "w") as f:
         f.write("\n".join(lines) + f"\n\n{caption}\n")
 
 
-def plot(rows: list[Row], path: str, title: str) -> None:
-    """Two panels against GPU count (log2 axis): days to train (log axis) and cost in dollars.
-    Measured rows are filled markers, predicted ones hollow markers on a dashed line."""
+def plot(rows: list[Row], path: str, title: str, to_target: bool = False) -> None:
+    """Two panels against GPU count (log2 axis): days to train (log axis) and cost in dollars, to the
+    target the title names where `to_target`. Measured rows are filled markers, predicted ones hollow
+    markers on a dashed line."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
@@ -80,9 +88,15 @@ def plot(rows: list[Row], path: str, title: str) -> None:
     predicted = [i for i, r in enumerate(rows) if r.source == "predicted"]
     measured = [i for i, r in enumerate(rows) if r.source == "measured"]
     fig, (ax_days, ax_cost) = plt.subplots(1, 2, figsize=(12, 4.8))
-    panels = [(ax_days, [r.days for r in rows], "days to train", lambda v: f"{v:,.1f} d"),
-              (ax_cost, [r.cost_usd / 1000 for r in rows], "cost (thousand US$)",
-               lambda v: f"${v:,.0f}k")]
+    reached = " to the target" if to_target else ""
+    # A run to a target costs hundreds of dollars where the 2023 run cost a hundred thousand: the unit follows.
+    thousands = max(r.cost_usd for r in rows) >= COST_IN_THOUSANDS_FROM_USD
+    usd_per_unit = 1000 if thousands else 1
+    panels = [(ax_days, [r.days for r in rows], f"days to train{reached}",
+               lambda v: f"{v:,.1f} d" if v >= 1 else f"{v * 24:,.1f} h"),
+              (ax_cost, [r.cost_usd / usd_per_unit for r in rows],
+               f"cost{reached} ({'thousand ' if thousands else ''}US$)",
+               lambda v: f"${v:,.0f}k" if thousands else f"${v:,.0f}")]
     for ax, ys, ylabel, label in panels:
         # solid between two measurements, dashed wherever a prediction is involved
         for i in range(len(rows) - 1):
@@ -112,9 +126,9 @@ def plot(rows: list[Row], path: str, title: str) -> None:
     ax_days.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax_days.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax_days.yaxis.set_minor_formatter(NullFormatter())
-    ax_days.set_title("days to train (log scale)", fontsize=10)
-    ax_cost.set_ylim(bottom=0, top=max(r.cost_usd for r in rows) / 1000 * 1.15)
-    ax_cost.set_title("cost of the run", fontsize=10)
+    ax_days.set_title(f"days to train{reached} (log scale)", fontsize=10)
+    ax_cost.set_ylim(bottom=0, top=max(r.cost_usd for r in rows) / usd_per_unit * 1.15)
+    ax_cost.set_title(f"cost of the run{reached}", fontsize=10)
     # A longer title (a bucketed run's names its list) is wrapped rather than cut at the figure's edges.
     fig.suptitle(textwrap.fill(title, TITLE_CHARACTERS))
     fig.tight_layout()

@@ -1,5 +1,6 @@
 """The size of a full training run, as the 2023 benchmark priced it (cost.py, latents.py's projection),
-and MLPerf Training's Flux.1 set-up and published results (cost.py's reference rows)."""
+and MLPerf Training's Flux.1 set-up and published results (cost.py's reference rows and its samples to
+MLPerf's target)."""
 from __future__ import annotations
 
 # MosaicML's 2023 table: 1.4M steps at global batch 2048, at $2 per A100-hour.
@@ -20,5 +21,9 @@ PRICED_MODELS = {
 # GB300 entries range 62-70). No Hopper result was published.
 MLPERF_FLUX_TRAIN_SAMPLES = 1_099_776  # the CC12M subset, 256x256
 MLPERF_FLUX_TARGET_EVAL_LOSS = 0.586  # validation loss over 8 timesteps
+# MLPerf Training v6.0's reference convergence: training samples the reference takes to reach the target,
+# by global batch (larger batches take more samples). cost.py prices a Flux.1 run to the target by them.
+MLPERF_FLUX_SAMPLES_TO_TARGET = {512: 7_240_000, 1024: 8_490_000, 2048: 10_350_000, 4096: 15_350_000}
+MLPERF_FLUX_REFERENCE_BATCH = 512  # the reference's own global batch, and the smallest with a figure
 NVIDIA_FLUX_DECLARED_FLOP_PER_SAMPLE = 20.3e12
 MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU = {"B200": 51.0, "GB200": 56.0, "GB300": 62.0, "GB300 (best)": 70.0}

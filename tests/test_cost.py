@@ -253,7 +253,8 @@ def test_table_outputs_agree(tmp_path):
     assert "| 256 | 3,054.0 | 10.90 | 66,765 | 133,530 | predicted |" in markdown and markdown.endswith("caption\n")
     cost_table.write_csv(rows, str(tmp_path / "t.csv"))
     with open(tmp_path / "t.csv", newline="") as f:
-        assert list(csv.reader(f))[2] == ["256", "3054.00", "10.9000", "66764.8", "133529.60", "predicted", "square", ""]
+        assert list(csv.reader(f))[2] == ["256", "3054.00", "10.9000", "66764.8", "133529.60", "predicted", "square", "",
+                                          "", ""]
 
 
 # -----------------------------------------------------------------------------------------------
@@ -372,5 +373,155 @@ def test_a_bucketed_result_with_absurd_fields_is_one_line(tmp_path, fields, expe
     data = {"images_per_sec": 10.0, "world_size": 1, "image_size": 64, "aspect_buckets": "default",
             "bucket_list": ["64x64", "32x128"], **fields}
     path.write_text(json.dumps(data))
+    message = error_of(cost.main, [str(path)], "cost.py")
+    assert expected in message and str(path) in message
+
+
+# -----------------------------------------------------------------------------------------------
+# Flux.1 priced to MLPerf's target; a run timed to its target priced from its own clock.
+# -----------------------------------------------------------------------------------------------
+
+FLUX = dict(world_size=8, device="NVIDIA H100 80GB HBM3", model_config="flux1-schnell", image_size=256,
+            precomputed=True)
+MLPERF_TARGET = "MLPerf's target (validation loss <= 0.586)"
+
+
+def test_flux_is_priced_to_mlperfs_target_at_the_runs_batch_and_every_output_says_so(tmp_path):
+    results = write_json(tmp_path / "flux.json", images_per_sec=116.0, global_batch_size=1024, **FLUX)
+    csv_path, md, png = tmp_path / "cost.csv", tmp_path / "cost.md", tmp_path / "cost.png"
+    p = run_cli(results, "--num_gpus", 8, 16, "--csv", csv_path, "--markdown", md, "--plot", png)
+    assert p.returncode == 0, p.stderr
+    # MLPerf's reference takes 8.49M samples to the target at batch 1024 (7.24M at its own 512)
+    assert p.stdout.startswith("Flux.1-schnell (MLPerf Training v5.1's model) at 256x256 from precomputed latents: "
+                               f"8,490,000 samples to {MLPERF_TARGET}")
+    assert "reference convergence to its target at global batch 1024, the results' own" in p.stdout
+    assert "days to target" in p.stdout.splitlines()[p.stdout.splitlines().index("") + 1]  # the table's header
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["samples"], r["trained_to"]) for r in rows} == {("8490000", MLPERF_TARGET)}
+    assert float(rows[0]["days"]) == pytest.approx(8_490_000 / 116.0 / 86_400, abs=1e-4)
+    markdown = md.read_text()
+    assert "| days to target |" in markdown and f"8,490,000 samples to {MLPERF_TARGET}" in markdown
+    assert "global batch 1024" in markdown  # where the count comes from, below the table too
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("batch, flags, expected, why", [
+    (None, [], 7_240_000, "the reference's own (the results record no batch)"),
+    (8, [], 7_240_000, "the one nearest the results' 8"),
+    (1536, [], 10_350_000, "the one nearest the results' 1536"),  # halfway: the larger batch, more samples
+    (512, ["--mlperf_batch", "2048"], 10_350_000, "--mlperf_batch's"),
+])
+def test_mlperfs_reference_convergence_is_the_runs_batch_or_the_flags(tmp_path, capsys, batch, flags, expected, why):
+    results = write_json(tmp_path / "flux.json", images_per_sec=116.0, global_batch_size=batch, **FLUX)
+    rows = cost.main([results, "--num_gpus", "8", *flags])
+    out = capsys.readouterr().out
+    assert f"{expected:,} samples: MLPerf Training v6.0's reference convergence to its target at global batch" in out
+    assert why in out
+    assert rows[0].days == pytest.approx(expected / 116.0 / 86_400)
+
+
+def test_flux_with_samples_given_is_not_said_to_reach_the_target(tmp_path, capsys):
+    rows = cost.main(["--model_config", "flux1-schnell", "--gpus", "8", "--images_per_sec", "116", "--num_gpus", "8",
+                      "--samples", "1099776"])
+    out = capsys.readouterr().out
+    assert "1,099,776 images at" in out and "to MLPerf's target at" not in out.splitlines()[0]
+    assert "not priced to MLPerf's target" in out and rows[0].days == pytest.approx(1_099_776 / 116 / 86_400)
+
+
+def timed(path: Path, world_size: int, samples: int, seconds: float, **fields) -> str:
+    """A results file of a run timed to MLPerf's target, as benchmark.py --eval_target writes it."""
+    return write_json(path, **{**FLUX, "world_size": world_size, "images_per_sec": 1.2 * samples / seconds,
+                               "global_batch_size": 512, "eval_target": 0.586, "converged": True,
+                               "samples_to_target": samples, "time_to_target_s": seconds, **fields})
+
+
+def test_a_run_timed_to_its_target_is_priced_from_its_time(tmp_path, capsys):
+    run = timed(tmp_path / "t8.json", 8, 7_340_032, 70_000.0)
+    rows = cost.main([run, "--num_gpus", "8", "16"])
+    out = capsys.readouterr().out
+    assert rows[0].source == "measured" and rows[0].days * 86_400 == pytest.approx(70_000.0)  # its own clock
+    assert rows[0].gpu_hours == pytest.approx(70_000.0 * 8 / 3600) and rows[0].cost_usd == pytest.approx(
+        70_000.0 * 8 / 3600 * 2.0)
+    # the other counts from the clock's samples/s (evaluation included), not the faster training-alone images/s
+    assert rows[1].images_per_sec == pytest.approx(2 * 7_340_032 / 70_000.0)
+    assert out.startswith(f"Flux.1-schnell (MLPerf Training v5.1's model) at 256x256 from precomputed latents: "
+                          f"7,340,032 samples to {MLPERF_TARGET}")
+    assert "104.9 samples/s on MLPerf's clock (evaluation included; 125.8 images/s training alone)" in out
+    # Two runs: each measured count is priced at the runs' mean samples to the target, by its own clock.
+    other = timed(tmp_path / "t16.json", 16, 7_077_888, 36_000.0)
+    rows = cost.main([run, other, "--num_gpus", "8", "16"])
+    mean = (7_340_032 + 7_077_888) / 2
+    assert [r.days * 86_400 for r in rows[:2]] == [pytest.approx(mean / (7_340_032 / 70_000.0)),
+                                                   pytest.approx(mean / (7_077_888 / 36_000.0))]
+    assert "the mean samples_to_target of 2 runs timed to it (7,077,888 to 7,340,032)" in capsys.readouterr().out
+
+
+def test_a_tiny_runs_own_target_is_named_by_its_loss(tmp_path, capsys):
+    run = write_json(tmp_path / "tiny.json", images_per_sec=50.0, world_size=1, device="cpu", model_config="tiny",
+                     image_size=64, global_batch_size=8, eval_target=0.9, converged=True, samples_to_target=640,
+                     time_to_target_s=16.0)
+    rows = cost.main([run, "--num_gpus", "1"])
+    assert rows[0].days * 86_400 == pytest.approx(16.0)
+    assert "640 samples to validation loss <= 0.9 at" in capsys.readouterr().out
+
+
+def test_samples_to_target_prices_the_runs_that_reached_it(tmp_path, capsys):
+    throughput = write_json(tmp_path / "p8.json", images_per_sec=116.0, global_batch_size=512, **FLUX)
+    reached = timed(tmp_path / "reached.json", 16, 7_077_888, 36_000.0)
+    missed = write_json(tmp_path / "missed.json", **{**FLUX, "images_per_sec": 200.0, "global_batch_size": 1024,
+                                                     "eval_target": 0.586, "converged": False,
+                                                     "samples_to_target": None, "time_to_target_s": None})
+    rows = cost.main([throughput, "--num_gpus", "8", "--samples_to_target", reached, missed])
+    out = capsys.readouterr().out
+    assert rows[0].days == pytest.approx(7_077_888 / 116.0 / 86_400)
+    assert f"7,077,888 samples to {MLPERF_TARGET}: the samples_to_target of the run of --samples_to_target; " \
+           "1 more did not reach it" in out
+    # A throughput run that did not converge is priced from its images/s, and says it did not reach the target.
+    cost.main([missed, "--num_gpus", "8"])
+    out = capsys.readouterr().out
+    assert f"{missed} did not reach its target (validation loss <= 0.586)" in out
+    assert "10,350,000 samples: MLPerf Training v6.0's reference convergence" not in out  # batch 1024's: 8.49M
+    assert "8,490,000 samples: MLPerf Training v6.0's reference convergence" in out
+
+
+def test_runs_to_a_target_are_refused_in_one_line_when_they_do_not_fit(tmp_path):
+    run = timed(tmp_path / "t8.json", 8, 7_340_032, 70_000.0)
+    plain = write_json(tmp_path / "p8.json", images_per_sec=116.0, global_batch_size=512, **FLUX)
+    message = error_of(cost.main, [run, plain], "cost.py")
+    assert f"{run} was timed to its target" in message and f"{plain} was not" in message
+    message = error_of(cost.main, [run, "--model_config", "flux1-schnell", "--gpus", "16", "--images_per_sec", "200"],
+                       "cost.py")
+    assert "--gpus/--images_per_sec" in message and "was not" in message
+    other_target = timed(tmp_path / "t16.json", 16, 640, 10.0, eval_target=0.7)
+    assert "mix different 'eval_target' values" in error_of(cost.main, [run, other_target], "cost.py")
+    tiny = timed(tmp_path / "tiny.json", 1, 640, 16.0, model_config="flux1-tiny")
+    message = error_of(cost.main, [plain, "--samples_to_target", tiny], "cost.py")
+    assert "--samples_to_target: results mix different 'model_config' values" in message and tiny in message
+    message = error_of(cost.main, [plain, "--samples_to_target", plain], "cost.py")
+    assert f"--samples_to_target {plain}: records no 'converged'" in message
+    assert "--samples and --mlperf_batch both set" in error_of(
+        cost.main, [plain, "--samples", "1e6", "--mlperf_batch", "1024"], "cost.py")
+    assert "--mlperf_batch 512: MLPerf's reference convergence is Flux.1-schnell's" in error_of(
+        cost.main, ["--gpus", "8", "--images_per_sec", "128.2", "--mlperf_batch", "512"], "cost.py")
+    wide = write_json(tmp_path / "p16.json", **{**FLUX, "world_size": 16, "images_per_sec": 200.0,
+                                                "global_batch_size": 1024})
+    assert "results at global batches 512, 1024" in error_of(cost.main, [plain, wide], "cost.py")
+    assert "invalid choice: 768" in run_cli(plain, "--mlperf_batch", 768).stderr
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"converged": "yes"}, "'converged' must be true, false or null"),
+    ({"converged": True, "time_to_target_s": 10.0}, "'converged' is true, so 'samples_to_target' must be"),
+    ({"converged": True, "samples_to_target": 640, "time_to_target_s": -1}, "'time_to_target_s' must be a positive"),
+    ({"converged": True, "samples_to_target": 640, "time_to_target_s": 10**400}, "'time_to_target_s' must be"),
+    ({"converged": True, "samples_to_target": 10**16, "time_to_target_s": 1.0}, "'samples_to_target' must be"),
+    ({"samples_to_target": 640, "time_to_target_s": 1.0}, "without 'converged'"),
+    ({"global_batch_size": 0}, "'global_batch_size' must be a positive integer"),
+    ({"eval_target": float("nan")}, "'eval_target' must be a positive validation loss"),
+])
+def test_a_run_to_a_target_with_absurd_fields_is_one_line(tmp_path, fields, expected):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"images_per_sec": 10.0, "world_size": 1, **fields}))
     message = error_of(cost.main, [str(path)], "cost.py")
     assert expected in message and str(path) in message

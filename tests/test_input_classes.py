@@ -64,7 +64,7 @@ NOT_NUMBERS = {
     "latents.py": {"--remote", "--local", "--out", "--model_name", "--model_config", "--image_key", "--caption_key",
                    "--aspect_buckets"},
     "export.py": {"checkpoint", "--out", "--model_name"},
-    "cost.py": {"files", "--results", "--plot", "--csv", "--markdown", "--title"},
+    "cost.py": {"files", "--results", "--plot", "--csv", "--markdown", "--title", "--samples_to_target"},
     "learns.py": {"--captions", "--data", "--workdir", "--make_data", "--results_json"},
     "index_scale.py": {"--out", "--json", "--from_json", "--child", "--local"},
     "step_ops.py": {"--model_config"},
