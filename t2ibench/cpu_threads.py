@@ -89,11 +89,25 @@ def cores_busy_elsewhere(seconds: float = LOAD_SAMPLE_SECONDS) -> int:
     return max(0, round(busy_cpus))
 
 
+def thread_count(value: str) -> int | None:
+    """A thread variable's value as the count it asks for, or None where it asks for none: a positive
+    whole number in ASCII digits (spaces around it allowed). libgomp and torch ignore 0, -1, 'abc' and
+    an empty value (libgomp says "Invalid value" on stderr) and take every core."""
+    text = value.strip()
+    return int(text) if text.isascii() and text.isdigit() and int(text) > 0 else None
+
+
+def ignored_variables() -> list[str]:
+    """The thread variables set to a value that asks for no count (`thread_count`), as VARIABLE='value'."""
+    return [f"{variable}={os.environ[variable]!r}" for variable in USER_THREADS_VARIABLES
+            if variable in os.environ and thread_count(os.environ[variable]) is None]
+
+
 def user_choice() -> str | None:
     """The user's thread count, in words, where they set one outside the flag: a variable torch reads,
-    or torch.set_num_threads called before the run (in-process)."""
+    set to a count (`thread_count`), or torch.set_num_threads called before the run (in-process)."""
     for variable in USER_THREADS_VARIABLES:
-        if os.environ.get(variable):
+        if thread_count(os.environ.get(variable, "")) is not None:
             return f"{variable}={os.environ[variable]}"
     current = torch.get_num_threads()
     if current != THREADS_AT_IMPORT and current not in _chosen[-1:]:
@@ -167,6 +181,9 @@ def choose(num_workers: int, ranks_on_node: int, requested: int | None = None) -
     if requested is not None:
         set_threads(requested)
         return CpuThreads(requested, f"{FLAG} {requested}, the user's", users=True)
+    for ignored in ignored_variables():  # not the user's count: torch took none from it
+        warn(f"{ignored} is no thread count (a positive whole number): torch ignores it, and so does this run, "
+             f"which takes the machine's rule unless another count is set; set a count or unset it")
     user = user_choice()
     if user:
         return CpuThreads(torch.get_num_threads(), f"{user}, the user's", users=True)

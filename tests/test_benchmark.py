@@ -108,6 +108,35 @@ def test_cpu_threads_follow_the_rule_the_flag_or_the_users_count(tmp_path, monke
     assert "CPU threads 1 (OMP_NUM_THREADS=1, the user's)" in result.stdout
 
 
+@pytest.mark.parametrize("value, command", [("abc", True), ("0", False), ("", False)])
+def test_a_thread_variable_that_is_no_count_is_ignored_in_one_warning(tmp_path, monkeypatch, capsys, value, command):
+    # libgomp and torch ignore such a value and take every core: it is no count of the user's, and the
+    # run takes the machine's rule, saying why. "abc" as a user starts the command; "0" (digits, not
+    # positive) and "" (set, empty) in this process.
+    import benchmark
+
+    for variable in cpu_threads.USER_THREADS_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    if command:
+        out = tmp_path / "results.json"
+        result = run_cli([*TINY_2BA, "--results_json", str(out)], env=offline_env(OMP_NUM_THREADS=value))
+        assert result.returncode == 0, result.stderr[-3000:]
+        r, err = json.loads(out.read_text()), result.stderr
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        before = torch.get_num_threads()
+        try:
+            r = benchmark.main(TINY_2BA)
+        finally:
+            torch.set_num_threads(before)
+        err = capsys.readouterr().err
+    assert r["cpu_threads_rule"] == f"{cpu_threads.usable_cores()} cores, 0 loader workers", r["cpu_threads_rule"]
+    warnings = [line for line in err.splitlines() if line.startswith("warning: OMP_NUM_THREADS")]
+    assert warnings == [f"warning: OMP_NUM_THREADS={value!r} is no thread count (a positive whole number): torch "
+                        "ignores it, and so does this run, which takes the machine's rule unless another count is "
+                        "set; set a count or unset it"], err
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "abc", "1.5", "100000"])
 def test_a_bad_cpu_thread_count_is_refused_in_one_line(value):
     import benchmark
