@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from composer import Evaluator, Trainer
+from composer import Trainer
 from composer.callbacks import SpeedMonitor
 from composer.core import Callback
 from composer.loggers import WandBLogger
@@ -42,12 +42,13 @@ from t2ibench.callbacks.resume_threads import KeepCpuThreadsOnResume
 from t2ibench.callbacks.run_record import RunRecord
 from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
-from t2ibench.callbacks.validation import EVAL_LABEL, ValidationLog
+from t2ibench.callbacks.validation import ValidationLog
 from t2ibench.buckets import Bucket, largest_bucket
 from t2ibench.checkpoints import write_whole
 from t2ibench.compiling import compile_step_parts
 from t2ibench.data_checks import SYNTHETIC_EVAL_SAMPLES
 from t2ibench.data_order import data_order
+from t2ibench.eval_curve import write_run_curve
 from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
 from t2ibench.files import STAGING_FOLDER, no_room, hold_output, staged_folder, write_error, write_text
 from t2ibench.grad_norm import GradientNorm
@@ -60,6 +61,7 @@ from t2ibench.settings import Settings
 from t2ibench.sources import Source, record_cache
 from t2ibench.streaming import StreamingSettings
 from t2ibench.summary import print_summary
+from t2ibench.validation import validation_evaluator
 from t2ibench.weight_casts import CastWeightsOncePerStep
 
 
@@ -361,13 +363,9 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
         algorithms.append(CastWeightsOncePerStep(model.denoiser))
     evaluators = []
     if training_data.eval_loader is not None:
-        measured.validation = ValidationLog(pauses, settings.eval_target)
-        # --eval_samples caps held-out shards at whole global batches; synthetic ones are that many.
-        capped = settings.eval_samples and not settings.use_synth_data
-        evaluators.append(Evaluator(label=EVAL_LABEL, dataloader=training_data.eval_loader,
-                                    metric_names=["ValidationLoss"], device_eval_microbatch_size=run.microbatch
-                                    if isinstance(run.microbatch, int) else None,
-                                    subset_num_batches=-(-settings.eval_samples // settings.batch_size) if capped else -1))
+        measured.validation = ValidationLog(pauses, settings.eval_target)  # stops the run at --eval_target
+        evaluators.append(validation_evaluator(training_data.eval_loader, run.microbatch, settings.eval_samples,
+                                              settings.batch_size, capped=not settings.use_synth_data))
     write_whole()  # a checkpoint is complete under its name, or absent (a full disk leaves no part of it)
     restore_rng = RestoreRngOnStreamingResume()
     # RunRecord first: a resume it refuses stops before any other callback's set-up (the buckets' FLOPs).
@@ -562,6 +560,7 @@ def report(settings: Settings, results: dict) -> None:
         except OSError as error:
             errors.fail(write_error(f"--results_json {settings.results_json}", error) + " (the figures are printed above)")
         print(f"results written to {settings.results_json}")
+        write_run_curve(settings.results_json, results)  # after the JSON: a failure here loses no figure
 
 
 def user_error(error: BaseException) -> str | None:

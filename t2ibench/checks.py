@@ -26,6 +26,7 @@ from t2ibench.checkpoints import LATEST, gone_latest, resume_from, resume_point
 from t2ibench.cli import check_workers, parse_number
 from t2ibench.data_checks import check_data, check_evaluation
 from t2ibench.errors import fail
+from t2ibench.eval_curve import curve_path
 from t2ibench.files import killed_writer_leftovers
 from t2ibench.flags import shared_values
 from t2ibench.locations import CHECKPOINT_SCHEMES, LOAD_SCHEMES, check_output, check_outputs_apart, is_remote, normalise
@@ -269,7 +270,9 @@ def samples_folder(settings: Settings) -> str | None:
 def check_outputs(settings: Settings) -> None:
     """Every output is probed before training (locations.check_output): writable, of the right kind, apart
     from the inputs and from each other; not found unwritable after the last batch."""
-    outputs = [("--results_json", settings.results_json, "file"),
+    # The validation curve's picture beside the results JSON (t2ibench.eval_curve), written after it.
+    curve = curve_path(settings.results_json) if settings.results_json and settings.eval_interval else None
+    outputs = [("--results_json", settings.results_json, "file"), ("--results_json's validation curve", curve, "file"),
                ("--ema_export_dir", settings.ema_export_dir, "exclusive"),
                ("--save_folder", settings.save_folder, "folder"), ("--samples_dir", samples_folder(settings), "folder"),
                ("--profile_dir", settings.profile_dir if settings.profile_batches else None, "folder")]

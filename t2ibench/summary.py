@@ -1,11 +1,12 @@
 """The summary benchmark.py prints at the end of a run, from its results (what --results_json holds):
-the set-up, throughput, MFU, data wait, checkpoints, memory, loss, gradient norm, validation loss,
-float8 (`--fp8`) and the profile (`--profile_batches`)."""
+the set-up, throughput, MFU, data wait, checkpoints, memory, loss, gradient norm, validation loss and
+time to target, float8 (`--fp8`) and the profile (`--profile_batches`)."""
 from __future__ import annotations
 
 from t2ibench import fp8
 from t2ibench.allocator import AllocatorSetting
 from t2ibench.callbacks.profile import format_profile
+from t2ibench.callbacks.validation import describe as describe_validation
 
 
 def print_summary(r: dict) -> None:
@@ -75,13 +76,7 @@ def print_summary(r: dict) -> None:
         + (f"float8       {fp8.describe(r['fp8_conversion'])}; "
            f"{r['flops_per_image_breakdown']['fp8_fwd_bwd'] / r['flops_per_image']:.0%} of the step's FLOPs\n"
            if r.get("fp8_conversion") else "")
-        + (f"eval loss    {r['eval_loss']:.4f} (validation loss at 8 fixed timesteps, {len(r['eval_history'])} "
-           f"evaluations, {r['eval_seconds']:.1f} s left out of images/s)"
-           + (f"; target {r['eval_target']} " + (f"reached at batch {r['eval_target_reached']['batch']} after "
-                                                 f"{r['eval_target_reached']['training_seconds']:.1f} s of training"
-                                                 if r['eval_target_reached'] else "not reached")
-              if r.get('eval_target') is not None else "") + "\n"
-           if r.get("eval_loss") is not None else "")
+        + describe_validation(r)
         + format_profile(r),
         flush=True,
     )

@@ -1,12 +1,16 @@
 """MLPerf's validation loss at 8 fixed timesteps, as a torchmetrics Metric Composer's evaluator sums
-over ranks; how the timesteps and noise are fixed: docs/metrics.md, "Validation loss".
+over ranks, and the evaluator that computes it; how the timesteps and noise are fixed:
+docs/metrics.md, "Validation loss".
 """
 from __future__ import annotations
 
 import torch
+from composer import Evaluator
+from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
 NUM_VALIDATION_TIMESTEPS = 8
+EVAL_LABEL = "eval"  # the Evaluator's label: Composer logs metrics/eval/ValidationLoss too
 
 
 def validation_timestep_index(sample_index: torch.Tensor) -> torch.Tensor:
@@ -51,3 +55,14 @@ class ValidationLoss(Metric):
 
     def per_timestep(self) -> list[float | None]:
         return [(s / c) if c else None for s, c in zip(self.sums.tolist(), self.counts.tolist())]
+
+
+def validation_evaluator(loader: DataLoader, microbatch: int | float | str | None, eval_samples: int | None,
+              global_batch_size: int, capped: bool) -> Evaluator:
+    """Composer's evaluator of the validation loss on the held-out `loader`, at the training microbatch
+    (when it is a number). `capped`: --eval_samples caps held-out shards at whole global batches
+    (synthetic held-out sets are already that many samples)."""
+    batches = -(-eval_samples // global_batch_size) if capped and eval_samples else -1
+    return Evaluator(label=EVAL_LABEL, dataloader=loader, metric_names=["ValidationLoss"],
+                     device_eval_microbatch_size=microbatch if isinstance(microbatch, int) else None,
+                     subset_num_batches=batches)

@@ -1,5 +1,6 @@
-"""Log MLPerf's validation loss at 8 fixed timesteps every `--eval_interval`, and when it first
-reaches `--eval_target`. What it logs: docs/metrics.md.
+"""Log MLPerf's validation loss at 8 fixed timesteps every `--eval_interval`, and stop the run at the
+first evaluation at or under `--eval_target` (MLPerf's run stop), timed as MLPerf times it. What it
+logs and keeps: docs/metrics.md, "Validation loss" and "Time to target".
 """
 from __future__ import annotations
 
@@ -8,17 +9,23 @@ from typing import Any
 
 import torch
 from composer.core import Callback, State
-from composer.loggers import Logger
+from composer.loggers import Logger, WandBLogger
 from composer.utils import dist
 
 from t2ibench.callbacks.throughput import Pauses
-from t2ibench.validation import ValidationLoss
+from t2ibench.errors import fail
+from t2ibench.validation import EVAL_LABEL, ValidationLoss
 
-EVAL_LABEL = "eval"  # the Evaluator's label: Composer logs metrics/eval/ValidationLoss too
+# The x axis of the validation curve in W&B: samples trained over all ranks (MLPerf counts samples).
+SAMPLES_KEY = "eval/samples_trained"
 
 
 class ValidationLog(Callback):
-    """Log and keep the validation loss of every evaluation; record its seconds in `pauses`.
+    """Log and keep the validation loss of every evaluation; record its seconds in `pauses`; with a
+    target, stop training at the end of the first evaluation at or under it.
+
+    Every rank computes the same loss from the sums and counts of all ranks (one all-reduce), so
+    every rank decides alike and stops at the same batch.
 
     Args:
         pauses: the run's Pauses (Throughput leaves them out of the measured time).
@@ -32,13 +39,23 @@ class ValidationLog(Callback):
         self._start = 0.0
         self._fit_start = 0.0
         self._trained_before = 0.0  # training seconds of earlier runs of a resumed job
+        self._elapsed_before = 0.0  # their seconds from the start of training, evaluations included
 
     @property
     def last_loss(self) -> float | None:
         return self.history[-1]["loss"] if self.history else None
 
     def fit_start(self, state: State, logger: Logger) -> None:
+        # After the set-up (model, data, the run record's checks, the buckets' FLOP counts at the
+        # throughput callback's FIT_START): off the clock, as MLPerf's run start follows initialization.
         self._fit_start = time.perf_counter()
+        if self.reached is not None:
+            state.stop_training()  # a retried job whose run had reached its target: nothing more to train
+        if dist.get_global_rank() == 0 and any(isinstance(d, WandBLogger) for d in logger.destinations):
+            import wandb
+            if wandb.run is not None:  # the curve against samples trained, not Composer's batch step
+                wandb.define_metric(SAMPLES_KEY)
+                wandb.define_metric("eval/*", step_metric=SAMPLES_KEY)
 
     def eval_start(self, state: State, logger: Logger) -> None:
         self._start = time.perf_counter()
@@ -47,26 +64,37 @@ class ValidationLog(Callback):
         metric = state.eval_metrics.get(EVAL_LABEL, {}).get("ValidationLoss")
         if not isinstance(metric, ValidationLoss):
             return
+        # Composer's compute() syncs the metric only for the moment it computes: the states here are
+        # this rank's, summed over the ranks once (MLPerf's loss is the mean over every rank's samples).
         sums = torch.stack([metric.sums.detach().double(), metric.counts.detach().double()])
         sums = state.device.tensor_to_device(sums)
         if dist.get_world_size() > 1:
             dist.all_reduce(sums, reduce_operation="SUM")
         sums = sums.cpu()
         counts = sums[1]
-        loss = float(sums[0].sum() / counts.sum().clamp(min=1))
+        if not counts.sum() > 0:  # the same on every rank: every rank stops here
+            fail(f"the evaluation at batch {int(state.timestamp.batch)} scored no held-out sample on any rank "
+                 "(--eval_remote/--eval_local, --eval_samples): give held-out data of at least one global batch")
+        loss = float(sums[0].sum() / counts.sum())
         per_timestep = [float(s / c) if c else None for s, c in zip(sums[0].tolist(), counts.tolist())]
         seconds = time.perf_counter() - self._start
         self.pauses.record(self._start, seconds)
-        batch = int(state.timestamp.batch)
-        entry = {"batch": batch, "samples_trained": int(state.timestamp.sample), "loss": loss,
-                 "per_timestep": per_timestep, "held_out_samples": int(counts.sum()), "seconds": seconds,
-                 "training_seconds": self.training_seconds()}
+        batch, samples = int(state.timestamp.batch), int(state.timestamp.sample)
+        if self.history and self.history[-1]["batch"] == batch:
+            return  # a retried job's evaluation of the weights its checkpoint already scored
+        entry = {"batch": batch, "samples_trained": samples, "loss": loss, "per_timestep": per_timestep,
+                 "held_out_samples": int(counts.sum()), "seconds": seconds,
+                 "training_seconds": self.training_seconds(), "elapsed_seconds": self.elapsed_seconds()}
         self.history.append(entry)
+        metrics = {"eval/loss": loss, "eval/seconds": seconds, SAMPLES_KEY: samples}
+        metrics.update({f"eval/loss_t{k}": value for k, value in enumerate(per_timestep) if value is not None})
+        if self.target is not None:
+            metrics["eval/target"] = self.target  # a flat line beside the curve
+        logger.log_metrics(metrics, step=batch)
         if self.target is not None and self.reached is None and loss <= self.target:
             self.reached = entry
-        metrics = {"eval/loss": loss, "eval/seconds": seconds}
-        metrics.update({f"eval/loss_t{k}": value for k, value in enumerate(per_timestep) if value is not None})
-        logger.log_metrics(metrics, step=batch)
+            # MLPerf's run stop: this batch's checkpoint is still written (Composer's final one).
+            state.stop_training()
 
     def training_seconds(self) -> float:
         """Seconds of this job's fit so far, evaluations and sample grids left out, plus earlier jobs'."""
@@ -74,15 +102,49 @@ class ValidationLog(Callback):
         elapsed = now - self._fit_start if self._fit_start else 0.0
         return self._trained_before + elapsed - self.pauses.seconds_within(self._fit_start, now)
 
+    def elapsed_seconds(self) -> float:
+        """Seconds from the start of training to now, evaluations and everything else included (MLPerf's
+        clock), plus earlier jobs' (the time between a kill and its resume is not counted)."""
+        return self._elapsed_before + (time.perf_counter() - self._fit_start if self._fit_start else 0.0)
+
     def summary(self) -> dict[str, Any]:
         """What the results JSON keeps: the last loss, the history, the target and when it was reached."""
+        reached = self.reached
         return {"eval_loss": self.last_loss, "eval_history": self.history, "eval_target": self.target,
-                "eval_target_reached": self.reached,
-                "eval_seconds": sum(entry["seconds"] for entry in self.history)}
+                "eval_target_reached": reached,
+                "eval_seconds": sum(entry["seconds"] for entry in self.history),
+                "converged": None if self.target is None else reached is not None,
+                "samples_to_target": reached["samples_trained"] if reached else None,
+                "time_to_target_s": reached["elapsed_seconds"] if reached else None,
+                "training_seconds_to_target": reached["training_seconds"] if reached else None}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": self.history, "reached": self.reached, "trained_seconds": self.training_seconds()}
+        return {"history": self.history, "reached": self.reached, "trained_seconds": self.training_seconds(),
+                "elapsed_seconds": self.elapsed_seconds()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history, self.reached = list(state["history"]), state["reached"]
         self._trained_before = float(state["trained_seconds"])
+        # Checkpoints written before the clock was kept have only the training seconds.
+        self._elapsed_before = float(state.get("elapsed_seconds", state["trained_seconds"]))
+
+
+def describe(r: dict) -> str:
+    """The summary's validation line(s) from the results (empty without an evaluation)."""
+    if r.get("eval_loss") is None:
+        return ""
+    text = (f"eval loss    {r['eval_loss']:.4f} (validation loss at 8 fixed timesteps, {len(r['eval_history'])} "
+            f"evaluations, {r['eval_seconds']:.1f} s left out of images/s)\n")
+    if r.get("eval_target") is None:
+        return text
+    reached = r["eval_target_reached"]
+    if not reached:
+        last = r["eval_history"][-1]
+        return text + (f"target       {r['eval_target']} not reached in {last['samples_trained']:,} samples "
+                       f"(converged: false; best {min(e['loss'] for e in r['eval_history']):.4f})\n")
+    # Results written before the clock was kept have no time to target.
+    clock = (f"time to target {r['time_to_target_s']:.1f} s (from the start of training, evaluations included; "
+             if r.get("time_to_target_s") is not None else "(")
+    return text + (f"target       {r['eval_target']} reached at batch {reached['batch']}, "
+                   f"{reached['samples_trained']:,} samples (all ranks): {clock}"
+                   f"{reached['training_seconds']:.1f} s of training alone); the run stopped there\n")
