@@ -209,7 +209,7 @@ def build_model(settings: Settings, run: Runtime, training_data: TrainingData) -
     conversion = None
     if settings.fp8 != "off":  # before compile and FSDP wrap them; the same parameters, so before AdamW too
         rows = memory.linear_rows_per_sample(settings.model_config, settings.image_size, text_format)
-        conversion = fp8.convert(model.denoiser, settings.fp8, rows)
+        conversion = fp8.convert(model.denoiser, settings.fp8, rows, refuse_none=True)
     apply_speed_settings(settings, run, model)
     flops = step_flops(settings, text_format, settings.image_size)
     if conversion:

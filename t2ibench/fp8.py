@@ -4,6 +4,7 @@ What it does and what was checked: docs/flux.md, "Float8 training".
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Any
@@ -190,16 +191,25 @@ def _float8_linear_class() -> type:
 
 
 def convert(denoiser: torch.nn.Module, mode: str, rows_per_sample: dict[str, int], *,
-            emulate: bool | None = None) -> Conversion:
+            emulate: bool | None = None, refuse_none: bool = False) -> Conversion:
     """Swap the denoiser's Linear layers that float8 supports (`why_kept`) for torchao's Float8Linear,
     in place (same parameters: checkpoints, the EMA and the optimizer see no difference).
-    `rows_per_sample`: module name -> rows of its input per sample (`memory.linear_rows_per_sample`)."""
+    `rows_per_sample`: module name -> rows of its input per sample (`memory.linear_rows_per_sample`).
+    `refuse_none`: a run's whole denoiser, where converting no layer is refused in one line (a part
+    of it, as bench/blocks.py times, may hold none that float8 takes)."""
     from torchao.float8.float8_linear_utils import swap_linear_layers
 
     emulate = emulated_here() if emulate is None else emulate
     linears = {name: m for name, m in denoiser.named_modules() if type(m) is torch.nn.Linear}
     kept = {name: why for name, m in linears.items() if (why := why_kept(m, rows_per_sample.get(name)))}
     converted = tuple(name for name in linears if name not in kept)
+    if refuse_none and not converted:
+        # A run of the run's precision recorded as float8 would be taken for a float8 measurement.
+        why, count = collections.Counter(kept.values()).most_common(1)[0] if kept else ("none is run", 0)
+        fail(f"--fp8 {mode}: none of the denoiser's {len(linears)} Linear layers can run in float8 at this size "
+             f"({count} of them: {why}), so the run would train in its own precision under float8's name; drop "
+             f"--fp8, or use a larger --image_size (float8 needs every dimension of a product a multiple of "
+             f"{ALIGNMENT}, the tokens per sample too)")
     config, cls = config_of(mode, emulate), _float8_linear_class()
     # torchao's own conversion (convert_to_float8_training) with this module's Float8Linear subclass.
     swap_linear_layers(denoiser, lambda linear: cls.from_float(linear, config=config),

@@ -152,6 +152,17 @@ def test_fp8_refused_on_a_gpu_without_float8_tensor_cores(monkeypatch, capabilit
                               f"{capability[0]}.{capability[1]}) has no float8 tensor cores") and "\n" not in message
 
 
+def test_fp8_that_would_convert_no_layer_is_refused_in_one_line():
+    # sdxl-tiny at 32 px: 16 latent tokens at the first level, 4 and 1 below it where its transformers
+    # are, 1 row per sample in the embeddings: no product float8 can run (at 64 px, 30 of the 139 can).
+    message = error_of(benchmark.main, ["--model_config", "sdxl-tiny", "--use_synth_data", "--image_size", "32",
+                                        "--batch_size", "2", "--num_workers", "0", "--max_duration", "1ba",
+                                        "--precision", "amp_bf16", "--fp8", "tensorwise", "--compile"])
+    assert message.startswith("benchmark.py: error: --fp8 tensorwise: none of the denoiser's 139 Linear layers can "
+                              "run in float8 at this size"), message
+    assert "drop --fp8, or use a larger --image_size" in message
+
+
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
 def test_fp8_without_compile_is_refused_in_one_line(mode):
     import blocks  # bench/blocks.py: the same rule, the same line, before anything is timed
