@@ -12,7 +12,7 @@ import benchmark
 import cost
 from t2ibench import cost_scaling, cost_table
 from t2ibench.buckets import parse_bucket
-from tests.helpers import ROOT, error_of
+from tests.helpers import ROOT, TINY_SYNTH, error_of
 
 # The 2023 table: GPUs -> (images/s, days, A100-hours, cost in $) as printed.
 TABLE_2023 = {
@@ -457,13 +457,20 @@ def test_a_run_timed_to_its_target_is_priced_from_its_time(tmp_path, capsys):
     assert "the mean samples_to_target of 2 runs timed to it (7,077,888 to 7,340,032)" in capsys.readouterr().out
 
 
-def test_a_tiny_runs_own_target_is_named_by_its_loss(tmp_path, capsys):
-    run = write_json(tmp_path / "tiny.json", images_per_sec=50.0, world_size=1, device="cpu", model_config="tiny",
-                     image_size=64, global_batch_size=8, eval_target=0.9, converged=True, samples_to_target=640,
-                     time_to_target_s=16.0)
-    rows = cost.main([run, "--num_gpus", "1"])
-    assert rows[0].days * 86_400 == pytest.approx(16.0)
-    assert "640 samples to validation loss <= 0.9 at" in capsys.readouterr().out
+def test_a_real_run_that_stopped_at_its_target_is_priced_from_its_own_clock(tmp_path, capsys):
+    # Its own run: no fixture here trains to a target (test_validation's are that file's). Two batches of the tiny
+    # model: the batch-2 evaluation meets a target every loss meets, and the run stops there.
+    path = tmp_path / "r.json"
+    results = benchmark.main([*TINY_SYNTH, "--warmup_batches", "1", "--max_duration", "6ba", "--eval_interval", "2ba",
+                              "--eval_samples", "8", "--eval_target", "100", "--results_json", str(path)])
+    assert results["converged"] is True and results["samples_to_target"] == 8
+    capsys.readouterr()
+    rows = cost.main([str(path), "--num_gpus", "1", "2"])
+    out = capsys.readouterr().out
+    assert rows[0].source == "measured" and rows[0].days * 86_400 == pytest.approx(results["time_to_target_s"])
+    assert rows[1].images_per_sec == pytest.approx(2 * 8 / results["time_to_target_s"])
+    assert "8 samples to validation loss <= 100 at" in out.splitlines()[0]  # tiny's target, not MLPerf's
+    assert f"{path}: 8 samples to validation loss <= 100 in" in out
 
 
 def test_samples_to_target_prices_the_runs_that_reached_it(tmp_path, capsys):
