@@ -254,7 +254,7 @@ def samples_priced(parsed: argparse.Namespace, target_paths: list[str], measurem
             f"{MLPERF_FLUX_REFERENCE_BATCH} (--mlperf_batch)"] if flux else []
     runs = convergence_runs(target_paths, measurements)
     timed = [m for m in measurements if m.time_to_target_s is not None]
-    if runs or timed:
+    if (runs or timed) and parsed.mlperf_batch is None:  # --mlperf_batch: MLPerf's figure at the runs' clock
         reached = [m for m in runs or timed]
         converged = [m for m in reached if m.converged]
         counts = [m.samples_to_target for m in converged]

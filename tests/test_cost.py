@@ -455,6 +455,9 @@ def test_a_run_timed_to_its_target_is_priced_from_its_time(tmp_path, capsys):
     assert [r.days * 86_400 for r in rows[:2]] == [pytest.approx(mean / (7_340_032 / 70_000.0)),
                                                    pytest.approx(mean / (7_077_888 / 36_000.0))]
     assert "the mean samples_to_target of 2 runs timed to it (7,077,888 to 7,340,032)" in capsys.readouterr().out
+    # --mlperf_batch prices MLPerf's figure instead, at the runs' clock
+    rows = cost.main([run, "--num_gpus", "8", "--mlperf_batch", "1024"])
+    assert rows[0].days * 86_400 == pytest.approx(8_490_000 / (7_340_032 / 70_000.0))
 
 
 def test_a_real_run_that_stopped_at_its_target_is_priced_from_its_own_clock(tmp_path, capsys):
