@@ -189,6 +189,7 @@ def test_the_seconds_another_rank_compiles_are_left_out_of_rank_0s_window(tmp_pa
     first, second = ranks
     assert first["compile_seconds_in_window"] >= COMPILE_S and first["compile_seconds"] < COMPILE_S  # not its own
     assert first["compile_seconds_in_window"] == second["compile_seconds_in_window"]
+    assert first["buckets"] == second["buckets"]  # synthetic buckets: one per step, the same on every rank
     warmup = first["warmup_batches"]
     for rank in ranks:  # the window by the rank's own clock, less the seconds left out
         window = rank["ends"][-1] - rank["ends"][warmup - 1]
