@@ -34,3 +34,11 @@ def test_cpu_speed_times_every_batch_of_each_run(tmp_path: Path):
     saved = json.loads(out.read_text())
     assert len(saved["runs"]["default"]) == 1 and len(saved["runs"]["default"][0]) == 4
     assert report["default"]["s_per_batch"] > 0 and len(report["default"]["windows"]) == 2
+
+
+def test_bench_data_times_the_loader_on_generated_photos(capsys):
+    rows = bench_script("bench_data").main(["--num_samples", "24", "--source_size", "160x120", "--image_size", "64",
+                                            "--batch_size", "4", "--num_workers", "0", "--image_dtype", "uint8,float32"])
+    assert rows[0]["workers"] == 0 and rows[0]["images"] == 20 and rows[0]["images_per_sec"] > 0
+    assert [row["image_dtype"] for row in rows] == ["uint8", "float32"]  # before/after, side by side
+    assert "images/s" in capsys.readouterr().out
