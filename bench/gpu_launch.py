@@ -6,6 +6,7 @@ blocks row's last JSON line.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import signal
@@ -82,14 +83,32 @@ def run_training(planned: PlannedRun, out: Path, timeout_s: float, env: dict) ->
     log_path = out / "logs" / f"{planned.name}.log"
     files.write_text(log_path, shlex.join(planned.command) + "\n")
     code = run_command(planned.command, log_path, timeout_s, env)
-    if code != 0:
-        return f"failed ({code}), see logs/{planned.name}.log", None
     path = out / f"{planned.name}.json"
-    result = json.loads(path.read_text())
+    result = json.loads(path.read_text()) if path.is_file() else None
+    why = diverged(result)
+    if why:  # stopped on a non-finite loss or gradient norm: a failure, never a measurement
+        return f"diverged: {why}, see logs/{planned.name}.log", None
+    if code != 0 or result is None:
+        return f"failed ({code}), see logs/{planned.name}.log", None
     if planned.plan:
         result["memory_model"] = planned.plan
         files.write_text(path, json.dumps(result, indent=2) + "\n")
     return "ok", result
+
+
+def diverged(result: dict | None) -> str | None:
+    """Why a training row's results are those of a diverged run (benchmark.py's `diverged` record, or a
+    non-finite loss or gradient norm in a file written before runs stopped on one), or None."""
+    if not result:
+        return None
+    if result.get("diverged"):
+        return (f"at batch {result.get('diverged_at_batch')} ({result.get('diverged_on')})"
+                if result.get("diverged_at_batch") is not None else str(result["diverged"]))
+    for key in ("final_loss", "grad_norm"):
+        value = result.get(key)
+        if isinstance(value, (int, float)) and not math.isfinite(value):
+            return f"{key} {value}"
+    return None
 
 
 def run_blocks(row: ReportRow, command: list[str], out: Path, timeout_s: float, env: dict) -> tuple[str, dict | None]:

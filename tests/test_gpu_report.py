@@ -517,3 +517,19 @@ def test_smoke_matrix_row_on_two_ranks_leaves_results_that_cost_reads(tmp_path):
     assert f"({result['images_per_sec_per_device']:.1f} per device)" in readme
     rows = cost.main([str(out / "precomputed-bf16.json")])  # cost.py reads a row's JSON as written
     assert rows[0].num_gpus == 2 and rows[0].images_per_sec == pytest.approx(result["images_per_sec"])
+
+
+def test_a_diverged_row_is_a_failure_never_a_measurement(tmp_path):
+    # benchmark.py's record of a run that stopped on a non-finite gradient norm, and an older file whose
+    # figures were written with an infinite norm: neither is tabled as images/s.
+    stopped = {"diverged": "the gradient norm is inf at batch 3", "diverged_at_batch": 3,
+               "diverged_on": "gradient norm", "images_per_sec": None}
+    assert gpu_launch.diverged(stopped) == "at batch 3 (gradient norm)"
+    assert gpu_launch.diverged({"images_per_sec": 5.0, "grad_norm": float("inf"), "final_loss": 0.5}) == "grad_norm inf"
+    assert gpu_launch.diverged({"images_per_sec": 5.0, "grad_norm": 2.0, "final_loss": 0.5}) is None
+    # A launch that writes that record and exits 1, as benchmark.py does: the row says diverged, with no result.
+    (tmp_path / "logs").mkdir()
+    write = f"import json, sys; open({str(tmp_path / 'row.json')!r}, 'w').write(json.dumps({stopped!r})); sys.exit(1)"
+    planned = gpu_plan.PlannedRun("row", None, 1, 1, [sys.executable, "-c", write])
+    status, result = gpu_launch.run_training(planned, tmp_path, 60.0, dict(os.environ))
+    assert status == "diverged: at batch 3 (gradient norm), see logs/row.log" and result is None
