@@ -12,6 +12,7 @@ from typing import Any
 
 from blocks_parts import device_name, mode_for
 from t2ibench.cli import BATCH_SIZE, GPU_COUNT, POSITIVE_FLOAT
+from t2ibench.cost_results import implausible_rate
 from t2ibench.errors import fail
 from t2ibench.families import family_of
 from t2ibench.parallel import resolve_mode
@@ -149,6 +150,9 @@ def compared_run(args: argparse.Namespace) -> dict[str, Any]:
     if POSITIVE_FLOAT.problem(rate):
         fail(f"{where}: images_per_sec_per_device is {json.dumps(rate)}, not a finite positive number "
              "(a run that measured nothing, or not a benchmark.py results JSON)")
+    implausible = implausible_rate(rate)
+    if implausible:
+        fail(f"{where}: images_per_sec_per_device: {implausible}; give the results of a run that trained")
     world_size = measured.get("world_size")
     if GPU_COUNT.problem(world_size) or not isinstance(world_size, int):
         fail(f"{where}: world_size is {json.dumps(world_size)}, not a device count ({GPU_COUNT.describe()})")

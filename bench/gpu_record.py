@@ -20,6 +20,7 @@ from pathlib import Path
 from gpu_plan import ROOT
 from gpu_rows import ROWS, ReportRow
 from t2ibench import files
+from t2ibench.cost_results import implausible_rate
 
 # A set-up, for finding the earlier result of the same one: a benchmark.py run's keys, and blocks.py's.
 # Results written before a key existed lack it: they ran its default.
@@ -152,8 +153,10 @@ def kind_of(result: dict) -> str | None:
     """run (benchmark.py's results), blocks (blocks.py's JSON line), or None."""
     if "model_config" not in result:
         return None
-    if isinstance(result.get("images_per_sec"), (int, float)) and "device" in result:
-        return "run"
+    if "device" in result and isinstance(result.get("images_per_sec"), (int, float)):
+        # A rate no run measures (-5, 5e-324, 1e308: cost_results.implausible_rate) is no earlier figure.
+        gpus = result.get("world_size") if isinstance(result.get("world_size"), int) else 1
+        return None if implausible_rate(result["images_per_sec"], gpus) else "run"
     if isinstance(result.get("predicted"), list) and result["predicted"] and "measured" in result:
         return "blocks"
     return None

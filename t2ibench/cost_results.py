@@ -81,6 +81,9 @@ class Measurement:
     converged: bool | None = None  # reached eval_target; None: the run had no target
     samples_to_target: int | None = None  # training samples over all ranks at the first evaluation at the target
     time_to_target_s: float | None = None  # seconds from run start to that evaluation, set-up out, evaluation in
+    # A bucketed run's data, "synthetic" or "real" (the mix real images give differs from any synthetic
+    # weights'): a curve keeps to one; None for square runs and files without 'data'.
+    bucket_data: str | None = None
 
 
 def load_results(path: str) -> Measurement:
@@ -109,19 +112,26 @@ def load_results(path: str) -> Measurement:
             raise ValueError(f"{path}: missing '{key}' (need 'images_per_sec' and 'world_size')")
     ips, n = data["images_per_sec"], data["world_size"]
     # bool is an int in Python, and a JSON true is never a GPU count
-    if isinstance(ips, bool) or not isinstance(ips, (int, float)) or not math.isfinite(ips) or ips <= 0:
-        raise ValueError(f"{path}: 'images_per_sec' must be a positive number, got {ips!r}")
+    if isinstance(ips, bool) or not isinstance(ips, (int, float)) or not positive_number(ips):
+        raise ValueError(f"{path}: 'images_per_sec' must be a positive number, got {str(ips)[:40]!r}")
     if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_GPUS:
         shown = repr(n) if len(repr(n)) <= 40 else f"a number of {len(str(n))} digits"
         raise ValueError(f"{path}: 'world_size' must be a positive integer (GPUs, at most {MAX_GPUS:,}), got {shown}")
+    rate = implausible_rate(ips, n)
+    if rate:
+        raise ValueError(f"{path}: 'images_per_sec' {str(ips)[:40]} on {n} GPU(s): {rate}")
     for key, kind, what in (("device", str, "a device name"), ("model_config", str, "a model configuration name"),
                             ("image_size", int, "a size in pixels"), ("precomputed", bool, "true or false")):
         value = data.get(key)
         if value is not None and (not isinstance(value, kind) or (kind is int and (
                 isinstance(value, bool) or not 0 < value <= MAX_IMAGE_SIZE))):
             raise ValueError(f"{path}: '{key}' must be {what}, got {str(value)[:40]!r}")
+    source = data.get("data")
+    bucket_data = None if data.get("aspect_buckets") is None or not isinstance(source, str) or not source else (
+        "synthetic" if source == "synthetic" else "real")
     return Measurement(n, float(ips), path, data.get("device"), data.get("image_size"), data.get("model_config"),
-                       data.get("precomputed"), *load_buckets(path, data), *load_target(path, data))
+                       data.get("precomputed"), *load_buckets(path, data), *load_target(path, data),
+                       bucket_data=bucket_data)
 
 
 def diverged_because(data: dict) -> str | None:
@@ -153,6 +163,9 @@ def load_buckets(path: str, data: dict) -> tuple[BucketList, BucketWeights | Non
             and count >= 0 for name, count in images.items()):
         raise ValueError(f"{path}: 'images_per_bucket' must map \"HxW\" buckets to image counts, "
                          f"got {str(images)[:40]!r}")
+    if names and len(set(names)) != len(names):
+        twice = sorted({name for name in names if names.count(name) > 1})
+        raise ValueError(f"{path}: 'bucket_list' names {', '.join(twice)} more than once")
     strays = sorted(set(images) - set(names or images))
     if strays:
         raise ValueError(f"{path}: 'images_per_bucket' names {', '.join(strays)}, not in its 'bucket_list'")
@@ -160,6 +173,11 @@ def load_buckets(path: str, data: dict) -> tuple[BucketList, BucketWeights | Non
     if weights is not None and not isinstance(weights, str):
         raise ValueError(f"{path}: 'synthetic_bucket_weights' must be \"uniform\", HxW=WEIGHT,... or null, "
                          f"got {str(weights)[:40]!r}")
+    if largest is not None:
+        named = largest.get("bucket") if isinstance(largest, dict) else None
+        if not isinstance(named, str) or not parse_bucket(named) or (names and named not in names):
+            raise ValueError(f"{path}: 'largest_bucket' must be {{\"bucket\": \"HxW\", ...}} naming a bucket of its "
+                             f"'bucket_list', got {str(largest)[:40]!r}")
     largest = largest.get("bucket") if isinstance(largest, dict) else None
     identity = tuple(names) if names else ("--aspect_buckets", spec)
     listed = BucketList(identity, spec, data.get("image_size"), len(names) if names else None)
@@ -202,6 +220,24 @@ def load_target(path: str, data: dict) -> tuple[int | None, float | None, bool |
     return batch, target, converged, samples, float(seconds)
 
 
+# What a measured rate can be, per GPU: 1e6 images/s is beyond any model here on any GPU (the tiny UNet at 32 px
+# runs thousands on an H100), 1e-4 is one image in about three hours, which no benchmark window measures. A
+# rate outside (1e308, 5e-324, 0 or negative) priced a run at nothing or forever, and gave ratios of 0 or inf.
+IMAGES_PER_SEC_PER_GPU_RANGE = (1e-4, 1e6)
+
+
+def implausible_rate(images_per_sec: object, gpus: int = 1) -> str | None:
+    """Why `images_per_sec` (on `gpus` GPUs together) is no measurement, or None: the one rule cost.py,
+    blocks.py and the GPU report read results by."""
+    if not positive_number(images_per_sec):
+        return f"{str(images_per_sec)[:40]} is not a finite positive number"
+    low, high = IMAGES_PER_SEC_PER_GPU_RANGE
+    per_gpu = float(images_per_sec) / max(1, gpus)
+    if not low <= per_gpu <= high:
+        return f"{per_gpu:.3g} images/s per GPU is outside what a run measures ({low:g} to {high:g})"
+    return None
+
+
 def positive_number(value: object) -> bool:
     """A JSON number above zero and finite (a JSON true is no number, an integer of 400 digits no float)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -216,7 +252,8 @@ def positive_number(value: object) -> bool:
 # What results must share to be fitted into one curve: the GPU, the model at its size, the latents mode,
 # and the aspect-ratio buckets with the shares synthetic batches drew them in (the mix is the throughput's
 # condition, as the size is a square run's).
-CONSISTENT_KEYS = ("device", "image_size", "model_config", "precomputed", "aspect_buckets", "synthetic_bucket_weights")
+CONSISTENT_KEYS = ("device", "image_size", "model_config", "precomputed", "aspect_buckets", "synthetic_bucket_weights",
+                   "bucket_data")
 
 
 def check_consistent(measurements: list[Measurement], keys: tuple[str, ...] = CONSISTENT_KEYS) -> None:

@@ -189,6 +189,8 @@ OTHER_SET_UPS = [
     ({"images_per_sec_per_device": float("inf")}, "images_per_sec_per_device is Infinity"),
     ({"images_per_sec_per_device": True}, "images_per_sec_per_device is true"),
     ({"images_per_sec_per_device": None}, "images_per_sec_per_device is null"),
+    ({"images_per_sec_per_device": 1e308}, "images_per_sec_per_device: 1e+308 images/s per GPU is outside what a run"),
+    ({"images_per_sec_per_device": 5e-324}, "images/s per GPU is outside what a run measures"),
     # A run of aspect-ratio buckets (benchmark.py's keys): blocks.py times square images only.
     ({"aspect_buckets": "default", "bucket_list": ["32x32", "24x40", "40x24"], "synthetic_bucket_weights": "uniform"},
      "the run trained aspect-ratio buckets (--aspect_buckets default, 3 buckets from 32x32 to 40x24, synthetic "

@@ -357,6 +357,11 @@ def test_results_of_two_bucket_lists_are_refused_in_one_line_naming_both(tmp_pat
     # ...and one mix however its weights are written: read by benchmark.py's own rule
     same = bucketed_json(tmp_path / "s.json", synthetic_bucket_weights="64x64=2,32x128=0", world_size=4)
     assert len(cost.main([weighted, same, "--num_gpus", "2", "4"])) == 2
+    # Real images in the list's buckets train another mix than synthetic batches of it: not one curve.
+    real = bucketed_json(tmp_path / "real.json", world_size=2, data="/data/mds")
+    synthetic = bucketed_json(tmp_path / "synth.json", data="synthetic", synthetic_bucket_weights="uniform")
+    message = error_of(cost.main, [synthetic, real], "cost.py")
+    assert f"mix different 'bucket_data' values ('synthetic' in {synthetic}, 'real' in {real})" in message
     bad = bucketed_json(tmp_path / "bad.json", synthetic_bucket_weights="60x60=1")
     assert f"{bad}: 'synthetic_bucket_weights' 60x60=1: 60x60 is not one of the run's buckets" in error_of(
         cost.main, [bad], "cost.py")
@@ -367,6 +372,12 @@ def test_results_of_two_bucket_lists_are_refused_in_one_line_naming_both(tmp_pat
     ({"bucket_list": ["64x64", "wide"]}, "'bucket_list' must be a list of \"HxW\" buckets"),
     ({"images_per_bucket": {"64x64": -1}}, "'images_per_bucket' must map"),
     ({"images_per_bucket": {"48x80": 2}}, "'images_per_bucket' names 48x80, not in its 'bucket_list'"),
+    ({"bucket_list": ["64x64", "32x128", "64x64"]}, "'bucket_list' names 64x64 more than once"),
+    ({"largest_bucket": {"bucket": "banana"}}, "'largest_bucket' must be {\"bucket\": \"HxW\", ...} naming a bucket"),
+    ({"largest_bucket": {"bucket": "48x80"}}, "'largest_bucket' must be"),
+    ({"images_per_sec": 1e308}, "'images_per_sec' 1e+308 on 1 GPU(s): 1e+308 images/s per GPU is outside what a run"),
+    ({"images_per_sec": 5e-324}, "images/s per GPU is outside what a run measures"),
+    ({"images_per_sec": -5}, "'images_per_sec' must be a positive number, got '-5'"),
 ])
 def test_a_bucketed_result_with_absurd_fields_is_one_line(tmp_path, fields, expected):
     path = tmp_path / "r.json"

@@ -533,3 +533,11 @@ def test_a_diverged_row_is_a_failure_never_a_measurement(tmp_path):
     planned = gpu_plan.PlannedRun("row", None, 1, 1, [sys.executable, "-c", write])
     status, result = gpu_launch.run_training(planned, tmp_path, 60.0, dict(os.environ))
     assert status == "diverged: at batch 3 (gradient norm), see logs/row.log" and result is None
+
+
+def test_an_earlier_result_with_a_rate_no_run_measures_is_no_earlier_figure():
+    run = {"model_config": "sd2-base", "device": H100, "world_size": 1}
+    assert gpu_record.kind_of({**run, "images_per_sec": 115.1}) == "run"
+    for rate in (-5, 5e-324, 1e308, 0):  # once a table cell of -5.00, or a ratio of 0 or inf
+        assert gpu_record.kind_of({**run, "images_per_sec": rate}) is None
+
