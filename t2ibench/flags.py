@@ -291,7 +291,8 @@ def benchmark_parser(description: str) -> Parser:
                    help="held-out samples per evaluation (default: 256 synthetic ones with --use_synth_data, "
                         "else all of --eval_remote)")
     g.add_argument("--eval_target", type=POSITIVE_FLOAT, default=None,
-                   help="report when the validation loss first reaches this (MLPerf Flux.1: 0.586)")
+                   help="stop at the first evaluation at or under this validation loss, and report the samples and "
+                        "time to it (MLPerf Flux.1: 0.586)")
     g = p.add_argument_group("sample grids while training")
     g.add_argument("--sample_prompts", type=str, default=None,
                    help="draw these prompts while training: a text file (one per line) or a built-in set: default, shapes")

@@ -114,7 +114,7 @@ class Settings:
     eval_remote: str | None  # as given; `eval_sources` holds the held-out sources parsed
     eval_local: str | None  # as given
     eval_samples: int | None  # held-out samples per evaluation
-    eval_target: float | None  # validation loss to report reaching
+    eval_target: float | None  # validation loss the run stops at (MLPerf's run stop)
 
     # -- sample grids
     sample_prompts: str | None  # prompt file or built-in set
