@@ -33,10 +33,13 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # The files that take longest (pytest --durations=0 summed per file, a full run of 2026-11-27), longest
 # first: each file runs on one worker, and a long one handed out last leaves the other worker idle while it
 # runs (the first two-worker run took 19.4 min, test_fsdp.py starting in its last two minutes). Files not
-# listed follow, those with a multirank test first.
-SLOW_FILES = ("test_readme.py", "test_compile.py", "test_gpu_path.py", "test_fsdp.py", "test_input_faults.py",
-              "test_resume.py", "test_bucket_runs.py", "test_latents.py", "test_benchmark.py", "test_sdxl_runs.py",
-              "test_fp8.py", "test_gpu_setup.py", "test_flux_runs.py", "test_validation.py", "test_gpu_report.py",
+# listed follow, those with a multirank test first. test_shared_memory.py goes first of all: its in-process
+# test makes Streaming scan about a thousand shared-memory names, and a worker that has already run the
+# streaming files holds thousands of descriptors (Streaming keeps a dataset's shared memory open while the
+# object lives: 15,430 in one quick run), so late in a worker the scan once hit the 20,000 limit (EMFILE).
+SLOW_FILES = ("test_shared_memory.py", "test_readme.py", "test_compile.py", "test_gpu_path.py", "test_fsdp.py",
+              "test_input_faults.py", "test_resume.py", "test_bucket_runs.py", "test_latents.py", "test_benchmark.py",
+              "test_sdxl_runs.py", "test_fp8.py", "test_gpu_setup.py", "test_flux_runs.py", "test_validation.py", "test_gpu_report.py",
               "test_time_to_target.py", "test_blocks.py", "test_bad_input.py", "test_data.py", "test_weight_casts.py",
               "test_bench_scripts.py", "test_memory.py")
 
