@@ -29,7 +29,7 @@ from composer.utils import dist
 from torch.utils.data import DataLoader
 
 import data
-from t2ibench import allocator, checks, cpu_convs, errors, flags, fp8, memory, parallel, stack
+from t2ibench import allocator, checks, cpu_convs, errors, flags, fp8, image_metrics, memory, parallel, stack
 from t2ibench.callbacks.buckets import BucketFlops, BucketThroughput
 from t2ibench.callbacks.empty_epoch import EmptyEpochError, StopOnEmptyEpoch
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
@@ -363,7 +363,8 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
         algorithms.append(CastWeightsOncePerStep(model.denoiser))
     evaluators = []
     if training_data.eval_loader is not None:
-        measured.validation = ValidationLog(pauses, settings.eval_target)  # stops the run at --eval_target
+        images = image_metrics.for_run(settings, training_data.eval_loader.dataset, encoders, pauses, measured.ema)
+        measured.validation = ValidationLog.for_run(settings, pauses, images)  # stops the run at its targets
         evaluators.append(validation_evaluator(training_data.eval_loader, run.microbatch, settings.eval_samples,
                                               settings.batch_size, capped=not settings.use_synth_data))
     write_whole()  # a checkpoint is complete under its name, or absent (a full disk leaves no part of it)

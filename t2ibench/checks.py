@@ -430,7 +430,7 @@ def check_buckets(settings: Settings) -> tuple[tuple[Bucket, ...], tuple[float, 
 STREAMING_FLAGS = ("cache_limit", "shuffle", "predownload", "download_retry", "download_timeout", "validate_hash",
                    "shuffle_algo", "shuffle_block_size", "epoch_size", "num_canonical_nodes", "sampling_granularity")
 IMAGE_SHARD_FLAGS = ("image_key", "caption_key", "max_bad_fraction", "bucket_crop")  # read by the image loader alone
-SAMPLE_FLAGS = ("sampler", "sample_steps", "guidance_scale", "sample_interval")
+SAMPLE_FLAGS = ("sampler", "sample_steps", "guidance_scale")  # how images are drawn: grids, FID and CLIP alike
 
 
 @functools.cache
@@ -467,8 +467,12 @@ def check_flags_that_act(args: argparse.Namespace, settings: Settings) -> None:
         (not settings.use_synth_data, given("num_synthetic_samples"),
          "this run reads real data, and only --use_synth_data draws synthetic samples (--epoch_size sizes a real "
          "epoch); leave {them} out"),
-        (not settings.sample_prompts, given(*SAMPLE_FLAGS),
-         "no sample grid is drawn without --sample_prompts; add --sample_prompts or leave {them} out"),
+        (not settings.sample_prompts and not settings.fid_weights and not settings.clip_model, given(*SAMPLE_FLAGS),
+         "no sample grid is drawn without --sample_prompts, nor any image scored without --fid_weights or "
+         "--clip_model; add one or leave {them} out"),
+        (not settings.sample_prompts, given("sample_interval"),
+         "no sample grid is drawn without --sample_prompts (FID and CLIP score draw at each evaluation); add "
+         "--sample_prompts or leave {them} out"),
         (not settings.save_folder, given("save_interval", "save_num_checkpoints_to_keep"),
          "no checkpoint is saved without --save_folder; add --save_folder or leave {them} out"),
         (not settings.profile_batches, given("profile_dir"),

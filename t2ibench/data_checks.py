@@ -13,6 +13,7 @@ from composer.core import Time
 
 from t2ibench.errors import fail, storage_error
 from t2ibench.families import FAMILIES, ModelFamily
+from t2ibench.image_metrics import check_image_flags
 from t2ibench.images import GEOMETRY_KEYS
 from t2ibench.locations import is_remote, same_source_key
 from t2ibench.mds import holds_samples_it_does_not_list, index_problem, shard_file
@@ -251,6 +252,7 @@ def check_evaluation(settings: Settings, recorded_seed: int | None) -> int | Non
     if not settings.eval_interval:
         if given:
             fail(f"--{given[0]} needs --eval_interval (how often to compute the validation loss, e.g. 1000ba)")
+        check_image_flags(settings, None)
         return recorded_seed
     try:
         unit = Time.from_timestring(settings.eval_interval).unit.value
@@ -269,6 +271,7 @@ def check_evaluation(settings: Settings, recorded_seed: int | None) -> int | Non
                  "pass one or the other")
         synthetic = settings.eval_samples or SYNTHETIC_EVAL_SAMPLES
         check_dataset_size(synthetic, f"the synthetic held-out set (--eval_samples {synthetic})", settings)
+        check_image_flags(settings, None)
         return recorded_seed
     if not settings.eval_sources:
         fail("--eval_interval needs held-out data: --eval_remote (with --eval_local as cache) or --eval_local with MDS "
@@ -281,6 +284,7 @@ def check_evaluation(settings: Settings, recorded_seed: int | None) -> int | Non
     num_samples, recorded_seed = check_sources(settings.eval_sources, settings, recorded_seed)
     check_dataset_size(min(num_samples, settings.eval_samples or num_samples),
                        "the held-out data (--eval_remote/--eval_local)", settings)
+    check_image_flags(settings, min(num_samples, settings.eval_samples or num_samples))
     return recorded_seed
 
 

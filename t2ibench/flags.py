@@ -293,6 +293,23 @@ def benchmark_parser(description: str) -> Parser:
     g.add_argument("--eval_target", type=POSITIVE_FLOAT, default=None,
                    help="stop at the first evaluation at or under this validation loss, and report the samples and "
                         "time to it (MLPerf Flux.1: 0.586)")
+    g = p.add_argument_group("FID and CLIP score at each evaluation (from files you have: nothing is downloaded)")
+    g.add_argument("--fid_weights", type=str, default=None, metavar="PATH",
+                   help="InceptionV3's FID weights (weights-inception-2015-12-05-6726825d.pth, the file torchmetrics' "
+                        "FID downloads): FID of images drawn from the EMA weights against the held-out images; or a "
+                        "TorchScript feature extractor (its FID is not comparable with published ones)")
+    g.add_argument("--clip_model", type=str, default=None, metavar="FOLDER",
+                   help="a local transformers CLIP model folder: CLIP score of the drawn images and their captions "
+                        "(MLPerf's SD2: laion/CLIP-ViT-H-14-laion2B-s32B-b79K)")
+    g.add_argument("--image_eval_samples", type=POSITIVE_INT, default=None,
+                   help="held-out captions drawn and scored at each evaluation, the first ones in stored order "
+                        "(default: all the evaluation reads; MLPerf's SD2: 30000); drawn with --sampler, "
+                        "--sample_steps and --guidance_scale")
+    g.add_argument("--fid_target", type=POSITIVE_FLOAT, default=None,
+                   help="stop at the first evaluation at or under this FID, and every other target given (MLPerf's "
+                        "SD2: 90)")
+    g.add_argument("--clip_target", type=POSITIVE_FLOAT, default=None,
+                   help="... at or over this CLIP score, torchmetrics' 100 x cosine (MLPerf's SD2: cosine 0.15, here 15)")
     g = p.add_argument_group("sample grids while training")
     g.add_argument("--sample_prompts", type=str, default=None,
                    help="draw these prompts while training: a text file (one per line) or a built-in set: default, shapes")

@@ -116,6 +116,13 @@ class Settings:
     eval_samples: int | None  # held-out samples per evaluation
     eval_target: float | None  # validation loss the run stops at (MLPerf's run stop)
 
+    # -- FID and CLIP score at each evaluation (t2ibench.image_metrics)
+    fid_weights: str | None  # local file: InceptionV3's FID weights or a TorchScript feature extractor
+    clip_model: str | None  # local transformers CLIP model folder
+    image_eval_samples: int | None  # held-out captions drawn per evaluation (None: all the evaluation reads)
+    fid_target: float | None  # FID the run stops at or under (with the other targets given)
+    clip_target: float | None  # CLIP score (100 x cosine) the run stops at or over
+
     # -- sample grids
     sample_prompts: str | None  # prompt file or built-in set
     sample_interval: str  # Composer time string (ba or ep)

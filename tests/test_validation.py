@@ -134,7 +134,7 @@ def test_two_ranks_stop_together_at_the_first_evaluation_that_reaches_the_target
     assert sorted(p.name for p in (tmp / "ckpt").glob("ep*-rank*.pt")) == ["ep0-ba2-rank0.pt"]
     out = launches["reached"].output()
     assert "batch 2/6" in out and "batch 3/6" not in out
-    assert "target       100.0 reached at batch 2, 8 samples (all ranks): time to target" in out
+    assert "target       loss <= 100.0 reached at batch 2, 8 samples (all ranks): time to target" in out
     assert (tmp / "reached-eval.png").is_file()
     # In W&B the validation losses are drawn against the samples trained, beside the target.
     (run_file,) = (tmp / "wandb").glob("offline-run-*/run-*.wandb")
@@ -157,4 +157,4 @@ def test_two_ranks_that_miss_the_target_train_to_max_duration_and_say_not_conver
     assert r["samples_to_target"] is None and r["time_to_target_s"] is None
     assert [(e["batch"], e["samples_trained"], e["held_out_samples"]) for e in r["eval_history"]] == [
         (2, 8, 8), (4, 16, 8), (6, 24, 8)]
-    assert "target       1e-09 not reached in 24 samples (converged: false" in launches["unreached"].output()
+    assert "target       loss <= 1e-09 not reached in 24 samples (converged: false" in launches["unreached"].output()

@@ -43,7 +43,8 @@ class SampleImages(Callback):
         family: the model family (how prompts become conditioning, one denoiser call).
         prompts: the captions to draw.
         folder: where the PNGs go (created by rank 0).
-        interval: Composer time string in batches or epochs.
+        interval: Composer time string in batches or epochs; None: no grid, only `draw` when asked
+            (t2ibench.image_metrics draws the held-out captions with it at each evaluation).
         encoders: the parts used to encode prompts and decode latents (tokenizers, text encoders,
             VAE, latent scale and shift): the model's own, or separately built copies when the
             model trains without them (precomputed).
@@ -53,11 +54,11 @@ class SampleImages(Callback):
         sampler: "ddim" or "euler". num_steps, guidance_scale, seed: as for diffusers pipelines.
     """
 
-    def __init__(self, family: ModelFamily, prompts: list[str], folder: str, interval: str, *, encoders: Parts,
+    def __init__(self, family: ModelFamily, prompts: list[str], folder: str, interval: str | None, *, encoders: Parts,
                  height: int, width: int, pauses: Pauses, average: WeightAverage | None = None, sampler: str = "ddim",
                  num_steps: int = 50, guidance_scale: float = 7.5, seed: int = 0):
         self.family, self.prompts, self.folder = family, prompts, Path(folder)
-        self.interval = Time.from_timestring(interval)
+        self.interval = Time.from_timestring(interval) if interval else None
         self.encoders, self.pauses, self.average = encoders, pauses, average
         self.height, self.width = height, width
         self.sampler_name, self.num_steps, self.guidance_scale, self.seed = sampler, num_steps, guidance_scale, seed
@@ -65,7 +66,7 @@ class SampleImages(Callback):
         self._last_batch = -1
 
     def _due(self, state: State, event_unit: TimeUnit) -> bool:
-        if self.interval.unit != event_unit:
+        if self.interval is None or self.interval.unit != event_unit:
             return False
         count = int(state.timestamp.get(event_unit).value)
         return count > 0 and count % int(self.interval.value) == 0
@@ -79,7 +80,8 @@ class SampleImages(Callback):
             self.sample(state, logger)
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        self.sample(state, logger)  # the final weights, unless just drawn
+        if self.interval is not None:
+            self.sample(state, logger)  # the final weights, unless just drawn
 
     def sample(self, state: State, logger: Logger) -> None:
         batch = int(state.timestamp.batch)
@@ -87,9 +89,27 @@ class SampleImages(Callback):
             return
         self._last_batch = batch
         start = time.perf_counter()
+        mine = list(range(dist.get_global_rank(), len(self.prompts), dist.get_world_size()))
+        images = self.draw(state, mine)
+        gathered = dist.all_gather_object((mine, images)) if dist.get_world_size() > 1 else [(mine, images)]
+        if dist.get_global_rank() == 0:
+            ordered = [None] * len(self.prompts)
+            for indices, arrays in gathered:
+                for i, array in zip(indices, arrays):
+                    ordered[i] = array
+            grid = image_grid(np.stack(ordered))
+            self.folder.mkdir(parents=True, exist_ok=True)
+            path = self.folder / f"{batch}.png"
+            grid.save(path)
+            self.written.append(path)
+            logger.log_images(np.asarray(grid), name="samples", channels_last=True, step=batch)
+        self.pauses.record(start, time.perf_counter() - start)
+
+    def draw(self, state: State, mine: list[int]) -> list[np.ndarray]:
+        """This rank's images (H, W, 3 uint8) of prompts `mine`, from the model as it is now (the
+        average's weights once it has started); every rank calls it at once (a sharded denoiser)."""
         model = unwrap_model(state.model)
         denoiser = model.denoiser
-        mine = list(range(dist.get_global_rank(), len(self.prompts), dist.get_world_size()))
         averaged = (self.average.averaged_weights(model, prefix=f"{model.denoiser_name}.")
                     if self.average is not None and self.average.initialized else contextlib.nullcontext())
         was_training = denoiser.training
@@ -105,19 +125,7 @@ class SampleImages(Callback):
                 images = self._draw_sharded_or_not(denoiser, model.noise_scheduler, mine, per_call)
         finally:
             denoiser.train(was_training)
-        gathered = dist.all_gather_object((mine, images)) if dist.get_world_size() > 1 else [(mine, images)]
-        if dist.get_global_rank() == 0:
-            ordered = [None] * len(self.prompts)
-            for indices, arrays in gathered:
-                for i, array in zip(indices, arrays):
-                    ordered[i] = array
-            grid = image_grid(np.stack(ordered))
-            self.folder.mkdir(parents=True, exist_ok=True)
-            path = self.folder / f"{batch}.png"
-            grid.save(path)
-            self.written.append(path)
-            logger.log_images(np.asarray(grid), name="samples", channels_last=True, step=batch)
-        self.pauses.record(start, time.perf_counter() - start)
+        return images
 
     def _draw_sharded_or_not(self, denoiser: torch.nn.Module, noise_scheduler: Any, indices: list[int],
                              per_call: int) -> list[np.ndarray]:

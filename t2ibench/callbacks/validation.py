@@ -1,6 +1,7 @@
-"""Log MLPerf's validation loss at 8 fixed timesteps every `--eval_interval`, and stop the run at the
-first evaluation at or under `--eval_target` (MLPerf's run stop), timed as MLPerf times it. What it
-logs and keeps: docs/metrics.md, "Validation loss" and "Time to target".
+"""Log MLPerf's validation loss at 8 fixed timesteps every `--eval_interval` (with FID and CLIP score when
+their files are given), and stop the run at the first evaluation that meets every target given
+(`--eval_target`, `--fid_target`, `--clip_target`: MLPerf's run stop), timed as MLPerf times it. What it
+logs and keeps: docs/metrics.md, "Validation loss", "FID and CLIP score" and "Time to target".
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from composer.utils import dist
 
 from t2ibench.callbacks.throughput import Pauses
 from t2ibench.errors import fail
+from t2ibench.image_metrics import ImageQuality
 from t2ibench.validation import EVAL_LABEL, ValidationLoss
 
 # The x axis of the validation curve in W&B: samples trained over all ranks (MLPerf counts samples).
@@ -21,8 +23,9 @@ SAMPLES_KEY = "eval/samples_trained"
 
 
 class ValidationLog(Callback):
-    """Log and keep the validation loss of every evaluation; record its seconds in `pauses`; with a
-    target, stop training at the end of the first evaluation at or under it.
+    """Log and keep the validation loss of every evaluation (and FID and CLIP score with `images`);
+    record its seconds in `pauses`; with targets, stop training at the end of the first evaluation
+    that meets all of them.
 
     Every rank computes the same loss from the sums and counts of all ranks (one all-reduce), so
     every rank decides alike and stops at the same batch.
@@ -30,16 +33,25 @@ class ValidationLog(Callback):
     Args:
         pauses: the run's Pauses (Throughput leaves them out of the measured time).
         target: the validation loss a run aims for (MLPerf Flux.1: 0.586), or None.
+        images: the FID and CLIP score of images drawn at each evaluation, or None.
+        fid_target, clip_target: at or under that FID, at or over that CLIP score (MLPerf SD2: 90, 15).
     """
 
-    def __init__(self, pauses: Pauses, target: float | None = None):
-        self.pauses, self.target = pauses, target
+    def __init__(self, pauses: Pauses, target: float | None = None, images: ImageQuality | None = None,
+                 fid_target: float | None = None, clip_target: float | None = None):
+        self.pauses, self.target, self.images = pauses, target, images
+        self.fid_target, self.clip_target = fid_target, clip_target
         self.history: list[dict[str, Any]] = []
         self.reached: dict[str, Any] | None = None
         self._start = 0.0
         self._fit_start = 0.0
         self._trained_before = 0.0  # training seconds of earlier runs of a resumed job
         self._elapsed_before = 0.0  # their seconds from the start of training, evaluations included
+
+    @classmethod
+    def for_run(cls, settings: Any, pauses: Pauses, images: ImageQuality | None) -> ValidationLog:
+        """The run's log, with its targets (benchmark.py's Settings)."""
+        return cls(pauses, settings.eval_target, images, settings.fid_target, settings.clip_target)
 
     @property
     def last_loss(self) -> float | None:
@@ -77,24 +89,37 @@ class ValidationLog(Callback):
                  "(--eval_remote/--eval_local, --eval_samples): give held-out data of at least one global batch")
         loss = float(sums[0].sum() / counts.sum())
         per_timestep = [float(s / c) if c else None for s, c in zip(sums[0].tolist(), counts.tolist())]
-        seconds = time.perf_counter() - self._start
-        self.pauses.record(self._start, seconds)
         batch, samples = int(state.timestamp.batch), int(state.timestamp.sample)
         if self.history and self.history[-1]["batch"] == batch:
+            self.pauses.record(self._start, time.perf_counter() - self._start)
             return  # a retried job's evaluation of the weights its checkpoint already scored
+        scores = self.images.measure(state) if self.images is not None else {}  # every rank, at once
+        seconds = time.perf_counter() - self._start
+        self.pauses.record(self._start, seconds)
         entry = {"batch": batch, "samples_trained": samples, "loss": loss, "per_timestep": per_timestep,
-                 "held_out_samples": int(counts.sum()), "seconds": seconds,
+                 "held_out_samples": int(counts.sum()), **scores, "seconds": seconds,
                  "training_seconds": self.training_seconds(), "elapsed_seconds": self.elapsed_seconds()}
         self.history.append(entry)
         metrics = {"eval/loss": loss, "eval/seconds": seconds, SAMPLES_KEY: samples}
         metrics.update({f"eval/loss_t{k}": value for k, value in enumerate(per_timestep) if value is not None})
+        metrics.update({f"eval/{key}": scores[key] for key in ("fid", "clip_score") if key in scores})
         if self.target is not None:
             metrics["eval/target"] = self.target  # a flat line beside the curve
         logger.log_metrics(metrics, step=batch)
-        if self.target is not None and self.reached is None and loss <= self.target:
+        if self.has_target and self.reached is None and self.meets_targets(entry):
             self.reached = entry
             # MLPerf's run stop: this batch's checkpoint is still written (Composer's final one).
             state.stop_training()
+
+    @property
+    def has_target(self) -> bool:
+        return any(target is not None for target in (self.target, self.fid_target, self.clip_target))
+
+    def meets_targets(self, entry: dict[str, Any]) -> bool:
+        """Whether an evaluation meets every target given (MLPerf SD2's FID and CLIP together)."""
+        return ((self.target is None or entry["loss"] <= self.target)
+                and (self.fid_target is None or entry["fid"] <= self.fid_target)
+                and (self.clip_target is None or entry["clip_score"] >= self.clip_target))
 
     def training_seconds(self) -> float:
         """Seconds of this job's fit so far, evaluations and sample grids left out, plus earlier jobs'."""
@@ -109,11 +134,14 @@ class ValidationLog(Callback):
 
     def summary(self) -> dict[str, Any]:
         """What the results JSON keeps: the last loss, the history, the target and when it was reached."""
-        reached = self.reached
+        reached, last = self.reached, self.history[-1] if self.history else {}
         return {"eval_loss": self.last_loss, "eval_history": self.history, "eval_target": self.target,
+                "fid_target": self.fid_target, "clip_target": self.clip_target,
+                "fid": last.get("fid"), "clip_score": last.get("clip_score"),
+                **(self.images.summary() if self.images is not None else {}),
                 "eval_target_reached": reached,
                 "eval_seconds": sum(entry["seconds"] for entry in self.history),
-                "converged": None if self.target is None else reached is not None,
+                "converged": reached is not None if self.has_target else None,
                 "samples_to_target": reached["samples_trained"] if reached else None,
                 "time_to_target_s": reached["elapsed_seconds"] if reached else None,
                 "training_seconds_to_target": reached["training_seconds"] if reached else None}
@@ -135,16 +163,25 @@ def describe(r: dict) -> str:
         return ""
     text = (f"eval loss    {r['eval_loss']:.4f} (validation loss at 8 fixed timesteps, {len(r['eval_history'])} "
             f"evaluations, {r['eval_seconds']:.1f} s left out of images/s)\n")
-    if r.get("eval_target") is None:
+    scores = [f"FID {r['fid']:.2f}" + ("" if r.get("fid_comparable") else " (a test's extractor: not comparable "
+                                       "with published FID)")] if r.get("fid") is not None else []
+    scores += [f"CLIP score {r['clip_score']:.2f}"] if r.get("clip_score") is not None else []
+    if scores:
+        text += f"images       {', '.join(scores)} ({r['image_eval_samples']:,} held-out captions drawn)\n"
+    targets = [text_of for value, text_of in ((r.get("eval_target"), f"loss <= {r.get('eval_target')}"),
+                                              (r.get("fid_target"), f"FID <= {r.get('fid_target')}"),
+                                              (r.get("clip_target"), f"CLIP score >= {r.get('clip_target')}"))
+               if value is not None]
+    if not targets:
         return text
     reached = r["eval_target_reached"]
     if not reached:
         last = r["eval_history"][-1]
-        return text + (f"target       {r['eval_target']} not reached in {last['samples_trained']:,} samples "
-                       f"(converged: false; best {min(e['loss'] for e in r['eval_history']):.4f})\n")
+        return text + (f"target       {', '.join(targets)} not reached in {last['samples_trained']:,} samples "
+                       f"(converged: false; best loss {min(e['loss'] for e in r['eval_history']):.4f})\n")
     # Results written before the clock was kept have no time to target.
     clock = (f"time to target {r['time_to_target_s']:.1f} s (from the start of training, evaluations included; "
              if r.get("time_to_target_s") is not None else "(")
-    return text + (f"target       {r['eval_target']} reached at batch {reached['batch']}, "
+    return text + (f"target       {', '.join(targets)} reached at batch {reached['batch']}, "
                    f"{reached['samples_trained']:,} samples (all ranks): {clock}"
                    f"{reached['training_seconds']:.1f} s of training alone); the run stopped there\n")
