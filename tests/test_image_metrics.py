@@ -8,6 +8,8 @@ and CLIP score are NOT comparable with published ones (the run says so for the e
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -82,13 +84,15 @@ def args(files: dict[str, Path], *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def run(files) -> tuple[dict, Path]:
+def run(files) -> tuple[dict, Path, str]:
     """One run scored at batches 2 and 4, drawing the held-out captions as sample grids at the same
     batches (the same images: caption i with seed + i, from the EMA weights)."""
     out = files["root"] / "run"
-    results = benchmark.main(args(files, "--sample_prompts", str(files["captions"]), "--sample_interval", "2ba",
-                                  "--samples_dir", str(out / "grids"), "--results_json", str(out / "r.json")))
-    return results, out
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        results = benchmark.main(args(files, "--sample_prompts", str(files["captions"]), "--sample_interval", "2ba",
+                                      "--samples_dir", str(out / "grids"), "--results_json", str(out / "r.json")))
+    return results, out, printed.getvalue()
 
 
 def grid_images(path: Path, count: int, size: int = 32) -> torch.Tensor:
@@ -101,7 +105,7 @@ def grid_images(path: Path, count: int, size: int = 32) -> torch.Tensor:
 
 
 def test_fid_and_clip_score_at_each_evaluation_are_torchmetrics_on_the_drawn_images(run, files):
-    results, out = run
+    results, out, progress = run
     history = results["eval_history"]
     assert [entry["batch"] for entry in history] == [2, 4]
     assert results["fid_comparable"] is False and results["image_eval_samples"] == HELD_OUT
@@ -124,6 +128,7 @@ def test_fid_and_clip_score_at_each_evaluation_are_torchmetrics_on_the_drawn_ima
     assert history[0]["fid"] != history[1]["fid"]
     assert results["fid"] == history[-1]["fid"] and results["clip_score"] == history[-1]["clip_score"]
     assert results["converged"] is None  # no target given
+    assert f"FID {history[-1]['fid']:.2f} | CLIP {history[-1]['clip_score']:.2f}" in progress  # the progress line
 
 
 @pytest.mark.parametrize("target, converged", [("1e9", True), ("1e-9", False)])

@@ -126,6 +126,8 @@ class ConsoleProgress(Callback):
         parts.append(f"loss {loss:.4f}" if loss is not None else "loss ?")
         if self.validation is not None and self.validation.last_loss is not None:
             parts.append(f"eval loss {self.validation.last_loss:.4f}")
+            last = self.validation.history[-1]
+            parts += [f"{name} {last[key]:.2f}" for key, name in (("fid", "FID"), ("clip_score", "CLIP")) if key in last]
         parts.append(f"elapsed {format_seconds(elapsed)}")
         if total and len(self.window) > 1:
             (t0, _), (t1, _) = self.window[0], self.window[-1]
