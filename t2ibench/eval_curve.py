@@ -31,15 +31,20 @@ def curve_path(results_json: str) -> str:
     return stem + CURVE_SUFFIX
 
 
-def plot(curves: list[Curve], target: float | None, path: str, title: str) -> None:
+def plot(curves: list[Curve], target: float | None, path: str, title: str,
+         image_targets: tuple[float | None, float | None] = (None, None)) -> None:
     """Validation loss against samples trained, one line per run; with one run its 8 timesteps' losses
-    faint behind it (with several they would hide the runs); the target as a dashed line."""
+    faint behind it (with several they would hide the runs); the target as a dashed line. With one run
+    scored by FID or CLIP score, a second panel below draws them (FID left axis, CLIP right), with
+    `image_targets` (FID, CLIP) as dashed lines."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(9, 5))
+    scored = len(curves) == 1 and any(key in entry for entry in curves[0].history for key in ("fid", "clip_score"))
+    fig, axes = plt.subplots(2 if scored else 1, 1, figsize=(9, 8 if scored else 5), sharex=True, squeeze=False)
+    ax = axes[0][0]
     try:
         for index, curve in enumerate(curves):
             x = [entry["samples_trained"] for entry in curve.history]
@@ -57,9 +62,12 @@ def plot(curves: list[Curve], target: float | None, path: str, title: str) -> No
                         color=colour)
         if target is not None:
             ax.axhline(target, color="black", ls="--", lw=1, label=f"target {target:g}")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # samples are whole
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-        ax.set_xlabel("samples trained (all ranks)")
+        if scored:
+            _plot_scores(axes[1][0], curves[0].history, image_targets)
+        bottom = axes[-1][0]
+        bottom.xaxis.set_major_locator(MaxNLocator(integer=True))  # samples are whole
+        bottom.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+        bottom.set_xlabel("samples trained (all ranks)")
         ax.set_ylabel("validation loss (8 fixed timesteps)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, ncol=2 if len(curves) > 5 else 1)
@@ -71,6 +79,23 @@ def plot(curves: list[Curve], target: float | None, path: str, title: str) -> No
         plt.close(fig)
 
 
+def _plot_scores(ax: Any, history: list[dict[str, Any]], targets: tuple[float | None, float | None]) -> None:
+    """FID (left axis) and CLIP score (right axis) of each evaluation, with their targets dashed."""
+    for key, name, side, colour, target in (("fid", "FID", ax, "C3", targets[0]),
+                                            ("clip_score", "CLIP score", None, "C2", targets[1])):
+        points = [(entry["samples_trained"], entry[key]) for entry in history if key in entry]
+        if not points:
+            continue
+        side = side or ax.twinx()
+        side.plot([p[0] for p in points], [p[1] for p in points], color=colour, lw=1.6, marker="o", ms=2.5,
+                  label=name)
+        if target is not None:
+            side.axhline(target, color=colour, ls="--", lw=1, label=f"{name} target {target:g}")
+        side.set_ylabel(name, color=colour)
+        side.legend(fontsize=8, loc="upper left" if key == "fid" else "upper right")
+    ax.grid(True, alpha=0.3)
+
+
 def write_run_curve(results_json: str, results: dict[str, Any]) -> str | None:
     """benchmark.py's picture beside its results JSON (rank 0, after the JSON), said in a line: the path,
     or None when the run evaluated nothing. A write that fails is one line: the results are already written."""
@@ -80,11 +105,12 @@ def write_run_curve(results_json: str, results: dict[str, Any]) -> str | None:
     path = curve_path(results_json)
     reached = results.get("eval_target_reached")
     words = (f", target reached at {reached['samples_trained']:,} samples" if reached else
-             ", target not reached" if results.get("eval_target") is not None else "")
+             ", target not reached" if results.get("converged") is False else "")
     title = (f"{results['model_config']} at {results['image_size']} px, global batch {results['global_batch_size']}, "
              f"{results['world_size']} x {results['device']}{words}")
     try:
-        plot([Curve("validation loss (mean)", history, reached)], results.get("eval_target"), path, title)
+        plot([Curve("validation loss (mean)", history, reached)], results.get("eval_target"), path, title,
+             (results.get("fid_target"), results.get("clip_target")))
     except OSError as error:
         fail(write_error(f"the validation curve {path} (beside --results_json)", error)
              + f"; the results were written to {results_json}")

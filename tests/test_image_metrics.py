@@ -129,6 +129,8 @@ def test_fid_and_clip_score_at_each_evaluation_are_torchmetrics_on_the_drawn_ima
     assert results["fid"] == history[-1]["fid"] and results["clip_score"] == history[-1]["clip_score"]
     assert results["converged"] is None  # no target given
     assert f"FID {history[-1]['fid']:.2f} | CLIP {history[-1]['clip_score']:.2f}" in progress  # the progress line
+    with Image.open(out / "r-eval.png") as picture:  # the scores' panel below the loss's: 8 inches high, not 5
+        assert picture.height == 8 * 120
 
 
 @pytest.mark.parametrize("target, converged", [("1e9", True), ("1e-9", False)])
