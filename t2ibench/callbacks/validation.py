@@ -161,8 +161,9 @@ def describe(r: dict) -> str:
     """The summary's validation line(s) from the results (empty without an evaluation)."""
     if r.get("eval_loss") is None:
         return ""
-    text = (f"eval loss    {r['eval_loss']:.4f} (validation loss at 8 fixed timesteps, {len(r['eval_history'])} "
-            f"evaluations, {r['eval_seconds']:.1f} s left out of images/s)\n")
+    count = len(r["eval_history"])
+    text = (f"eval loss    {r['eval_loss']:.4f} (validation loss at 8 fixed timesteps, {count} "
+            f"evaluation{'' if count == 1 else 's'}, {r['eval_seconds']:.1f} s left out of images/s)\n")
     scores = [f"FID {r['fid']:.2f}" + ("" if r.get("fid_comparable") else " (a test's extractor: not comparable "
                                        "with published FID)")] if r.get("fid") is not None else []
     scores += [f"CLIP score {r['clip_score']:.2f}"] if r.get("clip_score") is not None else []
