@@ -1,6 +1,7 @@
 """Fixtures several test files use (plain helpers are in tests/helpers.py)."""
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 
@@ -34,9 +35,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # first: each file runs on one worker, and a long one handed out last leaves the other worker idle while it
 # runs (the first two-worker run took 19.4 min, test_fsdp.py starting in its last two minutes). Files not
 # listed follow, those with a multirank test first. test_shared_memory.py goes first of all: its in-process
-# test makes Streaming scan about a thousand shared-memory names, and a worker that has already run the
-# streaming files holds thousands of descriptors (Streaming keeps a dataset's shared memory open while the
-# object lives: 15,430 in one quick run), so late in a worker the scan once hit the 20,000 limit (EMFILE).
+# test makes Streaming scan about a thousand shared-memory names, which once hit the 20,000-descriptor limit
+# (EMFILE) late in a worker, before `streaming_shared_memory_closed` closed each file's segments.
 SLOW_FILES = ("test_shared_memory.py", "test_readme.py", "test_compile.py", "test_gpu_path.py", "test_fsdp.py",
               "test_input_faults.py", "test_resume.py", "test_bucket_runs.py", "test_latents.py", "test_benchmark.py",
               "test_sdxl_runs.py", "test_fp8.py", "test_gpu_setup.py", "test_flux_runs.py", "test_validation.py",
@@ -70,6 +70,39 @@ def pytest_collection_modifyitems(config, items) -> None:
         return len(SLOW_FILES) + (0 if name in launching else 1)
 
     items.sort(key=start)  # stable: a file's tests keep their order
+
+
+@pytest.fixture(scope="module", autouse=True)
+def streaming_shared_memory_closed():
+    """Close the shared memory a test file's in-process Streaming datasets opened, at the end of the file.
+
+    Streaming registers each segment's cleanup with atexit, which holds the segment (two descriptors:
+    its own and its mmap's) until the process exits, whether the dataset is still referenced or not; an
+    xdist worker exits at the end of the suite, so a worker that had run the streaming files once held
+    15,430 of its 20,000 descriptors. A segment whose buffer a live array still views cannot close
+    (BufferError) and stays as before.
+    """
+    from streaming.base.shared import memory
+
+    opened = []
+    original = memory.SharedMemory.__init__
+
+    @functools.wraps(original)
+    def recorded(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        opened.append(self)
+
+    memory.SharedMemory.__init__ = recorded
+    try:
+        yield
+    finally:
+        memory.SharedMemory.__init__ = original
+        for segment in opened:
+            try:
+                segment.cleanup()
+            except BufferError:
+                continue
+            atexit.unregister(segment.cleanup)
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ COMMANDS = {"benchmark.py": benchmark, "convert.py": convert, "latents.py": late
             "cost.py": cost, "learns.py": learns, "index_scale.py": index_scale, "blocks.py": blocks,
             "step_ops.py": step_ops, **{f"{name}.py": bench_script(name) for name in (
                 "memory", "value_check", "cpu_speed", "bench_data", "bench_ema", "check_step", "unet_flops",
-                "gpu_report")}}
+                "gpu_report", "time_to_target")}}
 
 
 def parser_of(module) -> argparse.ArgumentParser:
@@ -66,6 +66,7 @@ NOT_NUMBERS = {
                    "--aspect_buckets"},
     "export.py": {"checkpoint", "--out", "--model_name"},
     "cost.py": {"files", "--results", "--plot", "--csv", "--markdown", "--title", "--samples_to_target"},
+    "time_to_target.py": {"--out"},
     "learns.py": {"--captions", "--data", "--workdir", "--make_data", "--results_json"},
     "index_scale.py": {"--out", "--json", "--from_json", "--child", "--local"},
     "step_ops.py": {"--model_config"},
@@ -82,6 +83,7 @@ NOT_NUMBERS = {
 # Same-named flags that mean different things in different commands (and so have their own ranges).
 DIFFERENT_MEANINGS = {
     "--samples": "cost.py: training samples of a run (a float, 3e7); value_check.py: samples written per repeat",
+    "--max_batches": "bench_data.py: timed batches per setting, 0 for a whole epoch; time_to_target.py: a run's cap (>= 1)",
 }
 # Numbers written as strings (time strings, sizes, counts with units), checked by each command's
 # validation: (command, flag, bad values, flags the check needs).
