@@ -299,8 +299,8 @@ def benchmark_parser(description: str) -> Parser:
                         "FID downloads): FID of images drawn from the EMA weights against the held-out images; or a "
                         "TorchScript feature extractor (its FID is not comparable with published ones)")
     g.add_argument("--clip_model", type=str, default=None, metavar="FOLDER",
-                   help="a local transformers CLIP model folder: CLIP score of the drawn images and their captions "
-                        "(MLPerf's SD2: laion/CLIP-ViT-H-14-laion2B-s32B-b79K)")
+                   help="a local transformers CLIP model folder, or a hub id in the local Hugging Face cache: CLIP "
+                        "score of the drawn images and their captions (MLPerf's SD2: laion/CLIP-ViT-H-14-laion2B-s32B-b79K)")
     g.add_argument("--image_eval_samples", type=POSITIVE_INT, default=None,
                    help="held-out captions drawn and scored at each evaluation, the first ones in stored order "
                         "(default: all the evaluation reads; MLPerf's SD2: 30000); drawn with --sampler, "

@@ -78,14 +78,13 @@ def load_fid(path: str):
 
 def load_clip(folder: str):
     """torchmetrics' CLIPScore (100 x the cosine of image and caption embeddings) on the transformers
-    CLIP model and processor saved in `folder`, read from there only."""
+    CLIP model and processor saved in `folder`, or of a hub id already in the local Hugging Face cache:
+    never downloaded (ViT-H-14 is 4 GB; a run would stall on it, or hang without a network)."""
     from torchmetrics.multimodal.clip_score import CLIPScore
     from transformers import CLIPModel, CLIPProcessor
 
     expected = ("give a local transformers CLIP model folder (config.json, weights, tokenizer and preprocessor "
                 "files; MLPerf's SD2 used laion/CLIP-ViT-H-14-laion2B-s32B-b79K)")
-    if not Path(folder).is_dir():
-        fail(f"--clip_model {folder}: no such folder; {expected}: {MISSING}")
 
     def model_and_processor():
         return (CLIPModel.from_pretrained(folder, local_files_only=True).eval(),
@@ -94,6 +93,9 @@ def load_clip(folder: str):
     try:
         return CLIPScore(model_name_or_path=model_and_processor)
     except (OSError, ValueError, KeyError, TypeError) as error:
+        if not Path(folder).is_dir():
+            fail(f"--clip_model {folder}: no such folder, nor a hub id in the local Hugging Face cache; {expected}: "
+                 f"{MISSING}")
         fail(f"--clip_model {folder}: not a complete CLIP model folder ({_first_line(error)}); {expected}")
 
 
