@@ -1,7 +1,8 @@
 """FID and CLIP score at each evaluation (`--fid_weights`, `--clip_model`): equal to torchmetrics' own
 figures on the images the run drew (its sample grids at the same batches, same seeds) against the
-held-out images and captions; the targets stop the run or not; every missing or wrong file and every
-flag without what it needs refused in one line; InceptionV3's FID weights loaded from a file.
+held-out images and captions, on one rank and two; the targets stop the run or not; every missing or
+wrong file and every flag without what it needs refused in one line; InceptionV3's FID weights loaded
+from a file; a CLIP model found in the local hub cache by its id.
 
 The feature extractor and the CLIP model are tiny ones the test builds with random weights: their FID
 and CLIP score are NOT comparable with published ones (the run says so for the extractor).
@@ -11,6 +12,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +28,8 @@ from transformers import CLIPModel, CLIPProcessor
 import benchmark
 import data
 from t2ibench import image_metrics
-from tests.helpers import (LAUNCH_TIMEOUT_S, TINY_MODEL, composer_launcher, error_of, jpeg, rank_env, run_cli,
-                           write_images)
+from tests.helpers import (LAUNCH_TIMEOUT_S, ROOT, TINY_MODEL, composer_launcher, error_of, jpeg, offline_env, rank_env,
+                           run_cli, write_images)
 
 HELD_OUT = 8
 
@@ -224,3 +228,22 @@ def test_two_ranks_score_every_ranks_images_as_one_set(files):
     model, processor = CLIPModel.from_pretrained(files["clip"]).eval(), CLIPProcessor.from_pretrained(files["clip"])
     expected = clip_score(list(fake), [f"photo {i}" for i in range(7)], model_name_or_path=lambda: (model, processor))
     assert entry["clip_score"] == pytest.approx(float(expected), rel=1e-4)
+
+
+def test_clip_model_is_read_from_the_local_hub_cache_by_its_hub_id(files, tmp_path):
+    # A hub id already downloaded (the cache's layout: models--ORG--NAME/snapshots/REV, refs/main) is taken
+    # without a network; an id the cache lacks is one line.
+    repo = tmp_path / "hub" / "models--test-org--tiny-clip"
+    shutil.copytree(files["clip"], repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    probe = ("import sys; from t2ibench.image_metrics import load_clip; "
+             "print(type(load_clip(sys.argv[1])).__name__)")
+    env = offline_env(HF_HUB_CACHE=str(tmp_path / "hub"))
+    found = subprocess.run([sys.executable, "-c", probe, "test-org/tiny-clip"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert found.returncode == 0 and found.stdout.strip() == "CLIPScore", found.stderr[-2000:]
+    absent = subprocess.run([sys.executable, "-c", probe, "test-org/absent"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert absent.returncode != 0 and "nor a hub id in the local Hugging Face cache" in absent.stderr
+    assert "Traceback" not in absent.stderr
