@@ -20,6 +20,7 @@ from t2ibench.mds import holds_samples_it_does_not_list, index_problem, shard_fi
 from t2ibench.precomputed import BUCKET_KEY, LATENT_DTYPES, LATENT_KEYS, RECORD_FILE, TOKEN_DTYPES, column_arrays
 from t2ibench.settings import Settings
 from t2ibench.sources import Source, check_cache
+from t2ibench.validation import held_out_read
 
 SYNTHETIC_EVAL_SAMPLES = 256  # held-out synthetic samples without --eval_samples (benchmark.build_data's too)
 
@@ -282,9 +283,9 @@ def check_evaluation(settings: Settings, recorded_seed: int | None) -> int | Non
         if not source.remote and not Path(source.local, "index.json").is_file():
             fail(f"--eval_local {source.local} holds no MDS dataset (no index.json); pass --eval_remote to stream one")
     num_samples, recorded_seed = check_sources(settings.eval_sources, settings, recorded_seed)
-    check_dataset_size(min(num_samples, settings.eval_samples or num_samples),
-                       "the held-out data (--eval_remote/--eval_local)", settings)
-    check_image_flags(settings, min(num_samples, settings.eval_samples or num_samples))
+    read = held_out_read(num_samples, settings.eval_samples)
+    check_dataset_size(read, "the held-out data (--eval_remote/--eval_local)", settings)
+    check_image_flags(settings, read)
     return recorded_seed
 
 

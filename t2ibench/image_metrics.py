@@ -16,6 +16,7 @@ from composer.core import State
 from composer.utils import dist
 
 from t2ibench.errors import fail
+from t2ibench.validation import held_out_read
 
 # MLPerf's Stable Diffusion v2 target (Training v3.1-v5.0): both at one evaluation, on 30,000 COCO captions.
 MLPERF_SD2_FID, MLPERF_SD2_CLIP_SCORE = 90.0, 15.0  # CLIP: 0.15 as a cosine, 15.0 as torchmetrics reports it
@@ -140,6 +141,10 @@ class ImageQuality:
         """Draw this rank's captions and score every rank's images: {"fid", "clip_score", ...} (the
         same numbers on every rank)."""
         start = time.perf_counter()
+        if dist.get_global_rank() == 0:  # minutes at MLPerf's 30,000 captions: say what the pause is
+            print(f"drawing and scoring {self.num_samples:,} held-out captions for "
+                  f"{' and '.join(name for name, on in (('FID', self.fid), ('CLIP score', self.clip)) if on)} "
+                  f"({dist.get_world_size()} rank(s), each its share)", flush=True)
         first = self._real is None
         if first:
             self._read_held_out()
@@ -215,7 +220,7 @@ def for_run(settings: Any, held_out: Any, encoders: Any, pauses: Any, average: A
 
     fid, comparable = load_fid(settings.fid_weights) if settings.fid_weights else (None, False)
     clip = load_clip(settings.clip_model) if settings.clip_model else None
-    num_samples = settings.image_eval_samples or min(held_out.num_samples, settings.eval_samples or held_out.num_samples)
+    num_samples = settings.image_eval_samples or held_out_read(held_out.num_samples, settings.eval_samples)
     drawer = SampleImages(settings.family, [""] * num_samples, "", None, encoders=encoders, height=settings.image_size,
                           width=settings.image_size, pauses=pauses, average=average, sampler=settings.sampler,
                           num_steps=settings.sample_steps, guidance_scale=settings.guidance_scale, seed=settings.seed)

@@ -13,6 +13,11 @@ NUM_VALIDATION_TIMESTEPS = 8
 EVAL_LABEL = "eval"  # the Evaluator's label: Composer logs metrics/eval/ValidationLoss too
 
 
+def held_out_read(available: int, eval_samples: int | None) -> int:
+    """The held-out samples an evaluation reads: all `available`, or the first --eval_samples of them."""
+    return min(available, eval_samples or available)
+
+
 def validation_timestep_index(sample_index: torch.Tensor) -> torch.Tensor:
     """k in 0..7 for each held-out sample: its index mod 8 (balanced when the set is a multiple of 8)."""
     return sample_index.long() % NUM_VALIDATION_TIMESTEPS

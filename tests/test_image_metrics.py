@@ -133,6 +133,7 @@ def test_fid_and_clip_score_at_each_evaluation_are_torchmetrics_on_the_drawn_ima
     assert results["fid"] == history[-1]["fid"] and results["clip_score"] == history[-1]["clip_score"]
     assert results["converged"] is None  # no target given
     assert f"FID {history[-1]['fid']:.2f} | CLIP {history[-1]['clip_score']:.2f}" in progress  # the progress line
+    assert progress.count("drawing and scoring 8 held-out captions for FID and CLIP score") == 2  # each evaluation
     with Image.open(out / "r-eval.png") as picture:  # the scores' panel below the loss's: 8 inches high, not 5
         assert picture.height == 8 * 120
 
