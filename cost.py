@@ -20,7 +20,7 @@ import os
 
 from t2ibench import errors
 from t2ibench.cli import BATCH_SIZE, GPU_COUNT, POSITIVE_FLOAT, Parser
-from t2ibench.cost_results import (Measurement, average_by_gpus, bucket_mix, check_consistent, describe_mix,
+from t2ibench.cost_results import (Measurement, Targets, average_by_gpus, bucket_mix, check_consistent, describe_mix,
                                    load_results, pixel_fraction)
 from t2ibench.cost_scaling import (add_precompute, cost_table, default_num_gpus, fit_scaling, mlperf_rows, model_notes,
                                    nearest_reference_batch, samples_to_target)
@@ -181,12 +181,12 @@ def describe(measurements: list[Measurement]) -> tuple[str, str | None]:
     return what, None
 
 
-def target_phrase(eval_target: float | None, flux: bool) -> str:
-    """What a run to `eval_target` reaches, in the caption, table, CSV and plot: MLPerf's target for Flux.1-schnell
-    at MLPerf's loss; any other target by its loss."""
-    if flux and eval_target in (None, MLPERF_FLUX_TARGET_EVAL_LOSS):
+def target_phrase(targets: Targets | None, flux: bool) -> str:
+    """What a run to `targets` reaches, in the caption, table, CSV and plot: MLPerf's target for Flux.1-schnell
+    at MLPerf's loss alone; any other by every target the run had (a loss, FID, CLIP score)."""
+    if flux and targets in (None, Targets(loss=MLPERF_FLUX_TARGET_EVAL_LOSS)):
         return f"MLPerf's target (validation loss <= {MLPERF_FLUX_TARGET_EVAL_LOSS:g})"
-    return f"validation loss <= {eval_target:g}" if eval_target is not None else "the runs' target"
+    return repr(targets) if targets else "the runs' target"
 
 
 def timed_to_target(measurements: list[Measurement]) -> list[Measurement]:
@@ -202,7 +202,7 @@ def timed_to_target(measurements: list[Measurement]) -> list[Measurement]:
              f"{untimed.source} " + ("did not reach it" if untimed.converged is False else "was not")
              + ": their images/s are not one curve; price the runs timed to a target from their results files alone")
     try:
-        check_consistent(timed, ("eval_target",))
+        check_consistent(timed, ("targets",))
     except ValueError as e:
         fail(f"{e}: runs to different targets")
     return [dataclasses.replace(m, images_per_sec=m.samples_to_target / m.time_to_target_s) for m in timed]
@@ -224,7 +224,7 @@ def convergence_runs(paths: list[str], measurements: list[Measurement]) -> list[
                  "--eval_target writes one)")
         runs.append(run)
     for keys, why in ((("model_config", "image_size"), "the samples to a target are the measured model's"),
-                      (("eval_target",), "runs to different targets")):
+                      (("targets",), "runs to different targets")):
         try:
             check_consistent(measurements + runs, keys) if "model_config" in keys else check_consistent(runs, keys)
         except ValueError as e:
@@ -260,7 +260,7 @@ def samples_priced(parsed: argparse.Namespace, target_paths: list[str], measurem
         counts = [m.samples_to_target for m in converged]
         samples = sum(counts) / len(counts)
         missed = len(reached) - len(converged)
-        phrase = target_phrase(converged[0].eval_target, flux)
+        phrase = target_phrase(converged[0].targets, flux)  # one for all: convergence_runs, timed_to_target
         source = "of --samples_to_target" if runs else "timed to it"
         note = (f"{samples:,.0f} samples to {phrase}: " + (
             f"the samples_to_target of the run {source}" if len(counts) == 1 else
@@ -359,13 +359,13 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     # A run timed to its target is priced by its clock's samples/s; the samples, by the flags, the runs or MLPerf.
     clocked = timed_to_target(measurements)
     samples, trained_to, target_notes = samples_priced(parsed, targets, measurements, flux, model)
-    target_notes += [f"{m.source}: {m.samples_to_target:,} samples to {target_phrase(m.eval_target, flux)} in "
+    target_notes += [f"{m.source}: {m.samples_to_target:,} samples to {target_phrase(m.targets, flux)} in "
                      f"{m.time_to_target_s / 3600:,.2f} h on {m.num_gpus} GPU(s), {timed.images_per_sec:,.1f} "
                      f"samples/s on MLPerf's clock (evaluation included; {m.images_per_sec:,.1f} images/s training "
                      "alone): the table's images/s is the clock's"
                      for m, timed in zip(measurements, clocked) if m.time_to_target_s is not None]
-    target_notes += [f"{m.source} did not reach its target (validation loss <= {m.eval_target:g}): priced from its "
-                     "images/s, training alone" for m in measurements if m.converged is False and m.eval_target]
+    target_notes += [f"{m.source} did not reach its target ({m.targets!r}): priced from its "
+                     "images/s, training alone" for m in measurements if m.converged is False and m.targets]
     # A bucketed run's images are its mix's sizes, not size x size: the VAE encoder's part of the pass
     # scales with their pixels (the default list's hold 90% to 100% of the square's).
     fraction = pixel_fraction(bucket_mix(measurements), size) if measurements[0].aspect_buckets.bucketed else None

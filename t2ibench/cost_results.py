@@ -49,6 +49,25 @@ SQUARE = BucketList()
 
 
 @dataclass(frozen=True)
+class Targets:
+    """Every target a run stopped at (benchmark.py --eval_target, --fid_target, --clip_target: it stops at the
+    first evaluation that meets all of them), compared whole: a run to a loss and one to FID and CLIP score, or
+    to FID 90 and FID 80, took their samples to different things. Its repr is how tables and notes name it."""
+    loss: float | None = None  # validation loss at or under
+    fid: float | None = None  # FID at or under
+    clip_score: float | None = None  # CLIP score (100 x cosine) at or over
+
+    def __bool__(self) -> bool:
+        return any(value is not None for value in (self.loss, self.fid, self.clip_score))
+
+    def __repr__(self) -> str:
+        parts = [f"{name} {sign} {value:g}" for name, sign, value in (
+            ("validation loss", "<=", self.loss), ("FID", "<=", self.fid), ("CLIP score", ">=", self.clip_score))
+            if value is not None]
+        return " and ".join(parts) if parts else "no target"
+
+
+@dataclass(frozen=True)
 class BucketWeights:
     """--synthetic_bucket_weights as a run recorded it, compared by the shares it gives each bucket of the
     list (`40x96=3,64x64=1` and `64x64=2,40x96=6` are one mix); its repr is the flag's value."""
@@ -78,7 +97,9 @@ class Measurement:
     # A run to a validation loss (benchmark.py --eval_target), as MLPerf times it; None where not recorded.
     global_batch_size: int | None = None  # images per optimizer step, all GPUs together
     eval_target: float | None = None  # the validation loss the run trained to
-    converged: bool | None = None  # reached eval_target; None: the run had no target
+    converged: bool | None = None  # reached its targets; None: the run had no target
+    # Every target it had (the loss, FID, CLIP score): runs are compared, averaged and labelled by all of them.
+    targets: Targets | None = None
     samples_to_target: int | None = None  # training samples over all ranks at the first evaluation at the target
     time_to_target_s: float | None = None  # seconds from run start to that evaluation, set-up out, evaluation in
     # A bucketed run's data, "synthetic" or "real" (the mix real images give differs from any synthetic
@@ -131,7 +152,7 @@ def load_results(path: str) -> Measurement:
         "synthetic" if source == "synthetic" else "real")
     return Measurement(n, float(ips), path, data.get("device"), data.get("image_size"), data.get("model_config"),
                        data.get("precomputed"), *load_buckets(path, data), *load_target(path, data),
-                       bucket_data=bucket_data)
+                       targets=load_targets(path, data), bucket_data=bucket_data)
 
 
 def diverged_because(data: dict) -> str | None:
@@ -218,6 +239,21 @@ def load_target(path: str, data: dict) -> tuple[int | None, float | None, bool |
         raise ValueError(f"{path}: 'converged' is true, so 'time_to_target_s' must be a positive number of seconds, "
                          f"got {str(seconds)[:40]!r}")
     return batch, target, converged, samples, float(seconds)
+
+
+def load_targets(path: str, data: dict) -> Targets | None:
+    """Every target a results file's run had ('eval_target', 'fid_target', 'clip_target'), or None for a run
+    to none. Raises ValueError naming the file."""
+    values = {}
+    for key, field_name, what in (("eval_target", "loss", "a positive validation loss"),
+                                  ("fid_target", "fid", "a positive FID"),
+                                  ("clip_target", "clip_score", "a positive CLIP score")):
+        value = data.get(key)
+        if value is not None and not positive_number(value):
+            raise ValueError(f"{path}: '{key}' must be {what} or null, got {str(value)[:40]!r}")
+        values[field_name] = None if value is None else float(value)
+    targets = Targets(**values)
+    return targets if targets else None
 
 
 # What a measured rate can be, per GPU: 1e6 images/s is beyond any model here on any GPU (the tiny UNet at 32 px

@@ -515,7 +515,7 @@ def test_runs_to_a_target_are_refused_in_one_line_when_they_do_not_fit(tmp_path)
                        "cost.py")
     assert "--gpus/--images_per_sec" in message and "was not" in message
     other_target = timed(tmp_path / "t16.json", 16, 640, 10.0, eval_target=0.7)
-    assert "mix different 'eval_target' values" in error_of(cost.main, [run, other_target], "cost.py")
+    assert "mix different 'targets' values" in error_of(cost.main, [run, other_target], "cost.py")
     tiny = timed(tmp_path / "tiny.json", 1, 640, 16.0, model_config="flux1-tiny")
     message = error_of(cost.main, [plain, "--samples_to_target", tiny], "cost.py")
     assert "--samples_to_target: results mix different 'model_config' values" in message and tiny in message
@@ -546,3 +546,32 @@ def test_a_run_to_a_target_with_absurd_fields_is_one_line(tmp_path, fields, expe
     path.write_text(json.dumps({"images_per_sec": 10.0, "world_size": 1, **fields}))
     message = error_of(cost.main, [str(path)], "cost.py")
     assert expected in message and str(path) in message
+
+
+def test_runs_are_averaged_and_labelled_only_against_every_target_they_had(tmp_path, capsys):
+    # MLPerf SD2 stops at FID and CLIP score together: its runs' samples are to both, never to a loss, and runs to
+    # other FID or CLIP targets, or to a loss, took their samples to something else.
+    plain = write_json(tmp_path / "p8.json", images_per_sec=116.0, global_batch_size=512, **FLUX)
+    scores = {"eval_target": None, "fid_target": 90.0, "clip_target": 15.0}
+    sd2 = timed(tmp_path / "sd2.json", 8, 6_000_000, 50_000.0, **scores)
+    sd2_again = timed(tmp_path / "sd2b.json", 8, 7_000_000, 60_000.0, **scores)
+    rows = cost.main([plain, "--num_gpus", "8", "--samples_to_target", sd2, sd2_again])
+    out = capsys.readouterr().out
+    assert rows[0].days == pytest.approx(6_500_000 / 116.0 / 86_400)
+    assert "6,500,000 samples to FID <= 90 and CLIP score >= 15: the mean samples_to_target of 2 runs" in out
+    assert "validation loss" not in out.splitlines()[0]
+    for other in ({**scores, "fid_target": 80.0}, {**scores, "clip_target": None},
+                  {"eval_target": 0.985, "fid_target": None, "clip_target": None},
+                  {**scores, "eval_target": 0.985}):
+        path = timed(tmp_path / "other.json", 8, 5_000_000, 40_000.0, **other)
+        message = error_of(cost.main, [plain, "--samples_to_target", sd2, path], "cost.py")
+        assert "results mix different 'targets' values (FID <= 90 and CLIP score >= 15 in" in message
+        assert message.endswith("runs to different targets")
+        # Timed to their targets, the same: one curve is runs to one set of targets.
+        assert "runs to different targets" in error_of(cost.main, [sd2, path], "cost.py")
+    missed = timed(tmp_path / "missed.json", 8, 1, 1.0, **scores, converged=False, samples_to_target=None,
+                   time_to_target_s=None)
+    cost.main([missed, "--num_gpus", "8"])
+    assert f"{missed} did not reach its target (FID <= 90 and CLIP score >= 15)" in capsys.readouterr().out
+    bad = timed(tmp_path / "bad.json", 8, 1, 1.0, fid_target="ninety")
+    assert f"{bad}: 'fid_target' must be a positive FID or null" in error_of(cost.main, [bad], "cost.py")

@@ -179,10 +179,23 @@ def describe(r: dict) -> str:
     if not reached:
         last = r["eval_history"][-1]
         return text + (f"target       {', '.join(targets)} not reached in {last['samples_trained']:,} samples "
-                       f"(converged: false; best loss {min(e['loss'] for e in r['eval_history']):.4f})\n")
+                       f"(converged: false; {', '.join(best_toward_targets(r))})\n")
     # Results written before the clock was kept have no time to target.
     clock = (f"time to target {r['time_to_target_s']:.1f} s (from the start of training, evaluations included; "
              if r.get("time_to_target_s") is not None else "(")
     return text + (f"target       {', '.join(targets)} reached at batch {reached['batch']}, "
                    f"{reached['samples_trained']:,} samples (all ranks): {clock}"
                    f"{reached['training_seconds']:.1f} s of training alone); the run stopped there\n")
+
+
+def best_toward_targets(r: dict) -> list[str]:
+    """The best figure of each target the run had, over its evaluations ('best FID 93.10'): a run to FID and
+    CLIP score missed those, not a loss it never aimed at; an evaluation without the score is left out."""
+    best = []
+    for target, key, name, pick, shown in (("eval_target", "loss", "loss", min, ".4f"),
+                                           ("fid_target", "fid", "FID", min, ".2f"),
+                                           ("clip_target", "clip_score", "CLIP score", max, ".2f")):
+        values = [entry.get(key) for entry in r["eval_history"] if entry.get(key) is not None]
+        if r.get(target) is not None:
+            best.append(f"best {name} {pick(values):{shown}}" if values else f"no {name} measured")
+    return best
