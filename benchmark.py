@@ -400,7 +400,7 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
     fsdp = parallel.fsdp_parallelism(settings.fsdp)
     if serves(run.world_size, sharded=fsdp is not None):
         # Ended with the warm-up: the measured batches pay no search (t2ibench.callbacks.oom_fallback).
-        measured.oom = HalveMicrobatchOnOom(settings.warmup_batches)
+        measured.oom = HalveMicrobatchOnOom(settings.warmup_batches, average=measured.ema)
         callbacks.append(measured.oom)
     if fsdp is not None:
         model.mark_fsdp_units()

@@ -65,12 +65,20 @@ def source_key(location: str, proportion: float | None) -> str:
     return key if proportion is None else f"{proportion:g}={key}"
 
 
-def saved_order(record: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """The data order a checkpoint's RunRecord state holds, and whether it is whole: checkpoints saved
-    before issue 45 recorded only their bucket list, image size and --precomputed."""
+# How much of the data order a checkpoint recorded (`saved_order`).
+WHOLE, LEGACY, NONE = "whole", "legacy", "none"
+
+
+def saved_order(record: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
+    """The data order a checkpoint's RunRecord state holds, and how much of it: WHOLE; LEGACY, for
+    checkpoints saved before issue 45, which recorded only their bucket list, image size and --precomputed;
+    NONE, for a checkpoint without RunRecord's state (written by another Composer script, or the state
+    removed), where `record` is None."""
+    if record is None:
+        return {}, NONE
     if isinstance(record.get(RECORD_KEY), dict):
-        return dict(record[RECORD_KEY]), True
-    return {flag: record[key] for key, flag in LEGACY_KEYS.items() if key in record}, False
+        return dict(record[RECORD_KEY]), WHOLE
+    return {flag: record[key] for key, flag in LEGACY_KEYS.items() if key in record}, LEGACY
 
 
 def shown(flag: str, value: Any) -> str:
@@ -106,7 +114,7 @@ def same(flag: str, saved: Any, given: Any) -> bool:
     return saved == given
 
 
-def resume_problem(saved: dict[str, Any], whole: bool, given: dict[str, Any], epoch: int,
+def resume_problem(saved: dict[str, Any], recorded: str, given: dict[str, Any], epoch: int,
                    batch_in_epoch: int) -> tuple[str | None, list[str]]:
     """Compare a checkpoint's data order (`saved_order`) with this run's, where the resumed run stands
     (Composer's timestamp, loaded): the line that refuses a difference mid-epoch, or in a setting the
@@ -129,9 +137,14 @@ def resume_problem(saved: dict[str, Any], whole: bool, given: dict[str, Any], ep
         notes.append(f"resuming at the start of epoch {epoch} with {'; '.join(difference(*d) for d in differ)}: the "
                      "new values decide this epoch's samples from its first; no sample of an epoch is repeated or "
                      "skipped")
-    if mid_epoch and not whole:
-        unchecked = ", ".join(flag for flag in given if flag not in saved)
-        notes.append(f"the checkpoint resumed mid-epoch was saved before checkpoints recorded the data order: "
-                     f"{unchecked} cannot be compared; they must be the values it was trained with, or the rest of "
-                     "the epoch repeats some samples and skips others")
+    # What the checkpoint did not record cannot be compared: mid-epoch any setting of the order, at an epoch's
+    # start the ones a resumed run keeps from the checkpoint whatever the flags say.
+    unchecked = [flag for flag in given if flag not in saved and (mid_epoch or flag in KEPT_FROM_THE_CHECKPOINT)]
+    if recorded != WHOLE and unchecked:
+        which = ("was saved before checkpoints recorded the data order" if recorded == LEGACY else
+                 "records no run settings (RunRecord's state: written by another Composer script, or removed)")
+        where = "mid-epoch" if mid_epoch else f"at the start of epoch {epoch}"
+        must = ("they must be the values it was trained with, or the rest of the epoch repeats some samples "
+                "and skips others" if mid_epoch else "the resumed run keeps the checkpoint's values whatever they say")
+        notes.append(f"the checkpoint resumed {where} {which}: {', '.join(unchecked)} cannot be compared; {must}")
     return None, notes

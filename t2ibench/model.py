@@ -360,3 +360,11 @@ class LossBins:
         window, self.window = self.window, None
         return window
 
+    def kept(self) -> torch.Tensor | None:
+        """A copy of the window's sums (None if nothing was added), to `restore` if a batch runs again."""
+        return None if self.window is None else self.window.clone()
+
+    def restore(self, kept: torch.Tensor | None) -> None:
+        """The window as `kept` held it: a batch run again adds its samples once."""
+        self.window = None if kept is None else kept.clone()
+

@@ -30,8 +30,8 @@ import index_scale
 import latents
 import learns
 import step_ops
-from tests.helpers import (REAL_2BA, ROOT, TINY_2BA, bench_script, error_of, free_port, jpeg, write_images,
-                           write_latents)
+from tests.helpers import (REAL_2BA, ROOT, TINY_2BA, TINY_SYNTH, bench_script, error_of, free_port, jpeg,
+                           write_images, write_latents)
 
 COMMANDS = {"benchmark.py": benchmark, "convert.py": convert, "latents.py": latents, "export.py": export,
             "cost.py": cost, "learns.py": learns, "index_scale.py": index_scale, "blocks.py": blocks,
@@ -315,6 +315,25 @@ def test_export_follows_the_seed_recorded_in_the_checkpoint(tmp_path):
     exported = AutoencoderKL.from_pretrained(tmp_path / "pipeline" / "vae").state_dict()
     expected = build_aside(family_of("tiny"), "tiny", None, 5).vae.state_dict()
     assert all(torch.equal(exported[k], v) for k, v in expected.items())
+
+
+def test_a_resume_from_a_checkpoint_without_its_run_record_says_what_it_cannot_compare(tmp_path, capsys):
+    # Its own run (no fixture here saves mid-epoch): batch 1 of an epoch of 4 saved, its RunRecord state removed as a
+    # checkpoint another Composer script wrote lacks it; resumed with another --batch_size, which a recorded
+    # checkpoint refuses mid-epoch. Composer loads it with a warning: the run goes on, and says what it cannot check.
+    run = [*TINY_SYNTH, "--num_synthetic_samples", "8", "--batch_size", "2", "--warmup_batches", "0"]
+    benchmark.main([*run, "--max_duration", "1ba", "--save_folder", str(tmp_path / "run"), "--save_interval", "1ba"])
+    checkpoint = torch.load(tmp_path / "run" / "ep0-ba1-rank0.pt", map_location="cpu", weights_only=False)
+    del checkpoint["state"]["callbacks"]["RunRecord"]
+    torch.save(checkpoint, tmp_path / "foreign.pt")
+    capsys.readouterr()
+    results = benchmark.main([*run, "--batch_size", "4", "--load_path", str(tmp_path / "foreign.pt"),
+                              "--max_duration", "2ba"])
+    assert results["global_batch_size"] == 4
+    assert "note: the checkpoint resumed mid-epoch records no run settings (RunRecord's state: written by another " \
+           "Composer script, or removed): --use_synth_data, --precomputed, --seed, --batch_size, --aspect_buckets, " \
+           "--num_synthetic_samples cannot be compared; they must be the values it was trained with, or the rest of " \
+           "the epoch repeats some samples and skips others" in capsys.readouterr().err
 
 
 def write_recorded_latents(out: Path, record: dict | None) -> Path:

@@ -19,6 +19,23 @@ class LossByTimestep(Callback):
         self.interval = int(time.value) if time.unit == TimeUnit.BATCH else 0  # else only at the end
         self.run: torch.Tensor | None = None  # (2, bins) loss sums and counts over all ranks and the run
         self.edges: list[tuple[int, int]] = []
+        self._attempts = 0  # of this batch: Composer's OOM search runs a batch that ran out of memory again
+        self._kept: torch.Tensor | None = None  # the window before the batch's first attempt
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        self._attempts = 0
+
+    def before_train_batch(self, state: State, logger: Logger) -> None:
+        # Composer 0.32.1 runs this event at each attempt of a batch; the sums an attempt that ran out of
+        # memory added are dropped, so a retried batch counts its samples once (only while it searches).
+        if not state.auto_microbatching:
+            return
+        bins = unwrap_model(state.model).loss_bins
+        if self._attempts == 0:
+            self._kept = bins.kept()
+        else:
+            bins.restore(self._kept)
+        self._attempts += 1
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self.interval and int(state.timestamp.batch) % self.interval == 0:

@@ -35,10 +35,12 @@ class RunRecord(Callback):
         self.loaded = dict(state)
 
     def fit_start(self, state: State, logger: Logger) -> None:
-        if self.loaded is None:
-            return
-        saved, whole = saved_order(self.loaded)
-        problem, notes = resume_problem(saved, whole, self.data_order, int(state.timestamp.epoch),
+        if self.loaded is None and int(state.timestamp.batch) == 0:
+            return  # a new run (Composer calls load_state_dict only for a checkpoint that holds this state)
+        # A resumed run without the state: a checkpoint another Composer script wrote (--load_path), or one
+        # whose record was removed; Composer 0.32.1 loads it with a warning and nothing here is compared.
+        saved, recorded = saved_order(self.loaded)
+        problem, notes = resume_problem(saved, recorded, self.data_order, int(state.timestamp.epoch),
                                         int(state.timestamp.batch_in_epoch))
         if dist.get_world_size() > 1:
             # Every rank compares rank 0's record with its own flags, which agree but for what a node
