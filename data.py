@@ -33,7 +33,7 @@ from t2ibench.precomputed import (BUCKET_KEY, DEFAULT_FAMILY, LATENT_KEYS, TEXT_
                                   TEXT_STATES_KEY, TOKENS,
                                   column_arrays, stored_shapes, text_format, token_column)
 from t2ibench.sources import Source, parse_sources
-from t2ibench.streaming import (BAD_CHECK_AFTER, MAX_BAD_FRACTION, StreamingSettings,
+from t2ibench.streaming import (BAD_CHECK_AFTER, MAX_BAD_FRACTION, ResumesAfterItsEpoch, StreamingSettings,
                                 register_shm_prefixes_one_job_at_a_time)
 from t2ibench.synthetic_data import (BucketBatchSampler, SyntheticBucketedImages, SyntheticImageCaptions,  # noqa: F401
                                      SyntheticLatents, geometry_tensors, loader_kwargs, sample_generator,  # data's API
@@ -248,7 +248,7 @@ def first_shards(dataset: StreamingDataset) -> list[tuple[str, Any]]:
     return [(dataset.streams[i].remote or dataset.streams[i].local, shard) for i, shard in sorted(firsts.items())]
 
 
-class StreamingImageCaptions(NamedShardErrors, StreamingDataset):
+class StreamingImageCaptions(ResumesAfterItsEpoch, NamedShardErrors, StreamingDataset):
     """Image-caption pairs streamed from MDS shards: yields {"image": (3,S,S) uint8, <token ids>}.
 
     Args:
@@ -432,7 +432,7 @@ def all_finite(array: np.ndarray) -> bool:
     return bool(np.isfinite(array).all())
 
 
-class StreamingLatents(NamedShardErrors, StreamingDataset):
+class StreamingLatents(ResumesAfterItsEpoch, NamedShardErrors, StreamingDataset):
     """Precomputed shards (written by latents.py) streamed for training.
 
     Yields {"latent_mean": (4, S/8, S/8), "latent_logvar": (4, S/8, S/8)} in the stored dtype (fp16 by

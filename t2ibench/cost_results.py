@@ -98,10 +98,10 @@ class Measurement:
     global_batch_size: int | None = None  # images per optimizer step, all GPUs together
     eval_target: float | None = None  # the validation loss the run trained to
     converged: bool | None = None  # reached its targets; None: the run had no target
-    # Every target it had (the loss, FID, CLIP score): runs are compared, averaged and labelled by all of them.
-    targets: Targets | None = None
     samples_to_target: int | None = None  # training samples over all ranks at the first evaluation at the target
     time_to_target_s: float | None = None  # seconds from run start to that evaluation, set-up out, evaluation in
+    # Every target it had (the loss, FID, CLIP score): runs are compared, averaged and labelled by all of them.
+    targets: Targets | None = None
     # A bucketed run's data, "synthetic" or "real" (the mix real images give differs from any synthetic
     # weights'): a curve keeps to one; None for square runs and files without 'data'.
     bucket_data: str | None = None

@@ -47,6 +47,27 @@ class StreamingSettings:
         return {**dataclasses.asdict(self), "shuffle_seed": seed}
 
 
+class ResumesAfterItsEpoch:
+    """A StreamingDataset mix-in: a checkpoint saved at an epoch's end resumes with the next epoch.
+
+    Composer 0.32.1 saves its epoch checkpoint after moving its timestamp to the next epoch, and asks
+    the dataset for its state with the samples of that epoch so far, 0 (`State._dataset_state_dict`:
+    `state_dict(sample_in_epoch, True)`). Streaming 0.13 records the epoch it last started
+    (`next_epoch - 1`), the finished one, at sample 0, so a run resumed from that checkpoint plays the
+    finished epoch's order again (with --epoch_size, one subset of the data trained twice and another
+    never). Composer's sample count goes back to 0 only once an epoch is over, so a state asked for at
+    sample 0 of an epoch this process started is that of the next epoch's start. Also what every
+    bucketed dataset inherits (data.py).
+    """
+
+    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
+        state = super().state_dict(num_samples, from_beginning)
+        if from_beginning and num_samples == 0 and self.next_epoch > state["epoch"]:
+            # The epoch in the state was started by this process (its loader ran it): it is finished.
+            state["epoch"] += 1
+        return state
+
+
 # Streaming 0.13 names a dataset's shared memory by the first prefix number not in use on the node: each
 # rank scans /dev/shm, then the local leader creates `<prefix>_locals`. Two jobs starting together on a
 # node (two users' runs, a test suite's parallel workers) can scan at once, pick the same number, and the
