@@ -35,7 +35,7 @@ from t2ibench.cli import SEED, Parser
 from t2ibench.errors import fail
 from t2ibench.families import FAMILIES, MODEL_CONFIGS, build_aside, detect_config
 from t2ibench.files import hold_output, killed_writer_leftovers, staged_folder, write_error
-from t2ibench.locations import LOAD_SCHEMES, check_output, is_remote, normalise
+from t2ibench.locations import LOAD_SCHEMES, check_output, file_problem, is_remote, normalise
 from t2ibench.sampling import SAMPLERS, write_pipeline
 
 DEFAULT_SEED = 17  # benchmark.py's default --seed: what built the encoders of a checkpoint that records none
@@ -59,8 +59,9 @@ def read_checkpoint(path: str, name: str) -> dict:
 def load_checkpoint(path: str) -> dict:
     """The checkpoint, from a local path or an object-store URI (Composer's get_file)."""
     if not is_remote(path):
-        if not Path(path).is_file():
-            fail(f"CHECKPOINT {path} is not a file")
+        problem = file_problem(f"CHECKPOINT {path}", path)
+        if problem:
+            fail(f"{problem}; give a file that benchmark.py --save_folder wrote")
         return read_checkpoint(path, path)
     from composer.utils import get_file
     with tempfile.TemporaryDirectory() as tmp:

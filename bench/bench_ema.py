@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
 from t2ibench.cli import POSITIVE_INT, REPEATS, Parser  # noqa: E402
+from t2ibench.locations import check_output, normalise  # noqa: E402
 
 VARIANTS = ("ours", "composer")
 
@@ -261,6 +262,11 @@ def main(argv=None) -> None:
         row = worker(args._worker, args.model_config, args.device, getattr(torch, args.dtype), updates)
         print("RESULT " + json.dumps(row), flush=True)
         return
+    if args.json:  # probed before the timed runs, as every output is
+        args = argparse.Namespace(**{**vars(args), "json": normalise("--json", args.json, ())})
+        problem = check_output("--json", args.json, folder=False)
+        if problem:
+            parser.error(problem)
     variants = args.variants.split(",")
     for variant in variants:
         if variant not in VARIANTS:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 from blocks_parts import device_name, mode_for
-from t2ibench.cli import BATCH_SIZE, GPU_COUNT, POSITIVE_FLOAT
+from t2ibench.cli import BATCH_SIZE, GPU_COUNT, POSITIVE_FLOAT, read_text
 from t2ibench.cost_results import implausible_rate
 from t2ibench.errors import fail
 from t2ibench.families import family_of
@@ -39,11 +38,7 @@ def measured_lines(path: str) -> list[dict[str, Any]]:
     """The lines of `path` that blocks.py wrote with --json (a JSON object holding `measured`), in
     order: a .jsonl of several, or a log that ends with one. Refused in one line when there is none."""
     where = f"--measured_json {path}"
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        fail(f"{where}: cannot be read ({getattr(error, 'strerror', None) or error}); give a file holding a line "
-             "blocks.py wrote with --json")
+    text = read_text(path, where, "give a file holding a line blocks.py wrote with --json")
     lines = []
     for line in text.splitlines():
         try:
@@ -125,10 +120,7 @@ def compared_run(args: argparse.Namespace) -> dict[str, Any]:
     path = args.compare_results_json
     where = f"--compare_results_json {path}"
     try:
-        measured = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as error:
-        fail(f"{where}: cannot be read ({getattr(error, 'strerror', None) or error}); give a benchmark.py "
-             "--results_json file")
+        measured = json.loads(read_text(path, where, "give a benchmark.py --results_json file"))
     except ValueError as error:
         fail(f"{where}: not JSON ({error}); give a benchmark.py --results_json file")
     if not isinstance(measured, dict):

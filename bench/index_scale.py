@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from streaming.base.shuffle import algos  # noqa: E402
 
 from t2ibench import errors  # noqa: E402
-from t2ibench.cli import BATCH_SIZE, BUDGET_SECONDS, NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, SECONDS, Parser  # noqa: E402
+from t2ibench.cli import BATCH_SIZE, BUDGET_SECONDS, NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, SECONDS, Parser, read_text  # noqa: E402
 from t2ibench.errors import fail  # noqa: E402
 from t2ibench.locations import check_output, check_outputs_apart, normalise  # noqa: E402
 
@@ -234,8 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_rows(path: str) -> dict:
     """The rows of an earlier --json, or one line naming the file."""
+    text = read_text(path, f"--from_json {path}", "give a --json file of this script")
     try:
-        rows = json.loads(Path(path).read_text())["rows"]
+        rows = json.loads(text)["rows"]
         if not all(isinstance(rows.get(k), list) for k in ("index", "epoch")):
             raise ValueError("no 'index' and 'epoch' rows")
         return rows

@@ -29,7 +29,8 @@ from t2ibench.errors import fail
 from t2ibench.eval_curve import curve_path
 from t2ibench.files import killed_writer_leftovers
 from t2ibench.flags import shared_values
-from t2ibench.locations import CHECKPOINT_SCHEMES, LOAD_SCHEMES, check_output, check_outputs_apart, is_remote, normalise
+from t2ibench.locations import (CHECKPOINT_SCHEMES, LOAD_SCHEMES, check_output, check_outputs_apart, file_problem,
+                                is_remote, normalise)
 from t2ibench.parallel import resolve_mode
 from t2ibench.precision import PRECISION_CHOICES, resolve_precision
 from t2ibench.precomputed import default_format
@@ -325,6 +326,9 @@ def check_checkpoint(settings: Settings) -> None:
         found = sorted(p.name for p in path.glob("*.pt"))[:3]
         fail(f"--load_path {path} is a folder; give a checkpoint file in it"
              + (f" (it holds {', '.join(found)})" if found else " (it holds no *.pt files)"))
+    problem = file_problem(f"--load_path {path}", path)  # a FIFO or a device: read by nothing below
+    if problem:
+        fail(f"{problem}; give a checkpoint written with --save_folder")
     if zipfile.is_zipfile(path):
         with zipfile.ZipFile(path) as archive:
             if any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist()):

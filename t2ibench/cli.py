@@ -13,6 +13,7 @@ import shlex
 from typing import NoReturn
 
 from t2ibench.errors import UserError, fail
+from t2ibench.locations import file_problem
 
 # A text file a user names (a flag file, a bucket list, a prompt list, a results JSON) is read whole:
 # the largest of them is a few kilobytes, so past this it is no such file but a mistake (--aspect_buckets
@@ -42,14 +43,14 @@ def parse_digits(text: str) -> int | None:
 def read_text(path: str, name: str, hint: str, max_bytes: int = MAX_TEXT_FILE_BYTES) -> str:
     """The UTF-8 text of the file a user named, a leading byte-order mark skipped (Windows editors save
     one), read no further than `max_bytes`. Every problem is one line (`fail`) starting with `name`, how
-    the command names the file ('--aspect_buckets my.txt'), and ending with `hint`, what to give instead."""
+    the command names the file ('--aspect_buckets my.txt'), and ending with `hint`, what to give instead.
+    Only a regular file is opened (`locations.file_problem`: a FIFO would wait for a writer forever)."""
+    problem = file_problem(name, path)
+    if problem:
+        fail(f"{problem}; {hint}")
     try:
         with open(path, "rb") as handle:
             data = handle.read(max_bytes + 1)
-    except FileNotFoundError:
-        fail(f"{name}: no such file; {hint}")
-    except IsADirectoryError:
-        fail(f"{name} is a folder; {hint}")
     except OSError as error:
         fail(f"{name} cannot be read ({error.strerror or error}); {hint}")
     if len(data) > max_bytes:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 from t2ibench.errors import UserError
-from t2ibench.locations import is_remote
+from t2ibench.locations import file_kind, is_remote
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -296,6 +296,9 @@ def find_sources(inputs: list[str], fmt: str, image_column: str | None = None,
         path = Path(name).expanduser()
         if not path.exists():
             raise ConvertError(f"input {name} does not exist")
+        kind = None if path.is_dir() else file_kind(path)
+        if kind:  # a FIFO opened waits for a writer forever
+            raise ConvertError(f"input {name} is {kind}, not a file or folder of images, .tar shards or .parquet files")
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
         files = [p for p in files if STAGING not in p.parts]  # an interrupted conversion's own output
         found = {

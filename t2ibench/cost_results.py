@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 
 from t2ibench.buckets import DEFAULT as DEFAULT_BUCKETS
@@ -109,9 +108,7 @@ class Measurement:
 
 def load_results(path: str) -> Measurement:
     """Read one results JSON file. Raises ValueError with a message that names the file."""
-    if not os.path.isfile(path):
-        raise ValueError(f"{path}: no such file")
-    try:  # bounded, a byte-order mark skipped (cli.read_text): a results file is a few kilobytes
+    try:  # a regular file, bounded, a byte-order mark skipped (cli.read_text): a results file is a few kilobytes
         data = json.loads(read_text(path, path, "give a results JSON file benchmark.py wrote"))
     except UserError as e:
         raise ValueError(e.message) from None

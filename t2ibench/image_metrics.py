@@ -16,6 +16,7 @@ from composer.core import State
 from composer.utils import dist
 
 from t2ibench.errors import fail
+from t2ibench.locations import file_problem
 from t2ibench.validation import held_out_read
 
 # MLPerf's Stable Diffusion v2 target (Training v3.1-v5.0): both at one evaluation, on 30,000 COCO captions.
@@ -50,8 +51,9 @@ def load_fid(path: str):
     where = Path(path)
     expected = ("give InceptionV3's FID weights (weights-inception-2015-12-05-6726825d.pth, the file torchmetrics' "
                 "FID downloads) or a TorchScript feature extractor")
-    if not where.is_file():
-        fail(f"--fid_weights {path}: no such file; {expected}: {MISSING}")
+    problem = file_problem(f"--fid_weights {path}", where)
+    if problem:
+        fail(f"{problem}; {expected}: {MISSING}")
     if is_torchscript(where):
         try:
             extractor = torch.jit.load(str(where), map_location="cpu").eval()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 import tempfile
 import urllib.parse
 from pathlib import Path
@@ -67,6 +68,41 @@ def normalise(flag: str, location: str, schemes: list[str] | tuple[str, ...]) ->
     return location
 
 
+# What a path is when it is not a regular file, in the words a refusal uses.
+FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(path: str | os.PathLike) -> str | None:
+    """What `path` is when it exists and is no regular file ('a FIFO (named pipe)'), else None (a symlink
+    is followed)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return next((what for test, what in FILE_KINDS if test(mode)), "not a file")
+
+
+def file_problem(name: str, path: str | os.PathLike, must_exist: bool = True) -> str | None:
+    """The one rule of every file a user names, read or written, checked before anything opens it: why
+    `path` is not a regular file, in one line starting with `name` (how the command names it:
+    '--aspect_buckets my.txt'), or None (absent is fine where not `must_exist`, for an output). A folder,
+    a FIFO, a device (/dev/zero) or a socket is called what it is: opening a FIFO waits for its other end
+    forever, and a device reads without end."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return f"{name}: no such file" if must_exist else None
+    except NotADirectoryError:
+        return f"{name}: a part of its path is a file, not a folder"
+    except OSError as error:
+        return f"{name} cannot be read ({error.strerror or error})"
+    kind = file_kind(path)
+    return f"{name} is {kind}, not a regular file" if kind else None
+
+
 def cache_folder(root: str, remote: str) -> str:
     """The cache of `remote` under `root`: a folder named by a hash of the remote. Streaming trusts
     an index.json already in a cache, so two remotes sharing one folder would silently serve the
@@ -82,9 +118,12 @@ def unwritable(flag: str, location: str, folder: bool) -> str | None:
     """
     target = Path(location).expanduser().absolute()
     if target.exists():
-        if folder != target.is_dir():
-            return f"{flag} {location} is {'a file, not a folder' if folder else 'a folder, not a file'}"
+        if folder and not target.is_dir():
+            return f"{flag} {location} is {file_kind(target) or 'a file'}, not a folder"
         if not folder:
+            problem = file_problem(f"{flag} {location}", target)  # a FIFO opened to probe it waits forever
+            if problem:
+                return f"{problem}; give a file path"
             try:
                 with open(target, "a"):
                     pass

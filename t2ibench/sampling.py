@@ -44,7 +44,7 @@ def load_prompts(spec: str) -> list[str]:
     if spec in PROMPT_SETS:
         return list(PROMPT_SETS[spec])
     path = Path(spec)
-    if not path.is_file():
+    if not path.exists():  # anything else there is read_text's to refuse, as what it is
         raise ValueError(f"'{spec}' is neither a file nor a built-in prompt set ({', '.join(PROMPT_SETS)})")
     text = read_text(spec, f"--sample_prompts {spec}", "give a text file of prompts, one a line")
     prompts = [line.strip() for line in text.splitlines() if line.strip()]

@@ -412,6 +412,56 @@ def test_bench_scripts_on_bad_files(tmp_path):
     assert "--data" in message and "JSONDecodeError" in message
 
 
+# Every file flag of every command, read or written: what the user named is a regular file (or, for an output, absent)
+# or it is refused in one line saying what it is, before anything opens it (locations.file_problem). A FIFO was
+# opened and waited for a writer forever (@FIFO, --aspect_buckets, --results_json), /dev/zero was read without
+# end, and a folder or a FIFO was "no such file". Folder flags given a FIFO say so too.
+SDXL_SYNTH = ["--model_config", "sdxl-tiny", "--use_synth_data", "--max_duration", "1ba", "--image_size", "64"]
+FILE_FLAGS = [
+    ("benchmark.py", lambda path, tmp: [f"@{path}"], "flag file @{path}"),
+    ("latents.py", lambda path, tmp: [f"@{path}"], "flag file @{path}"),
+    ("benchmark.py", lambda path, tmp: [*SDXL_SYNTH, "--aspect_buckets", path], "--aspect_buckets {path}"),
+    ("latents.py", lambda path, tmp: ["--model_config", "sdxl-tiny", "--image_size", "64", "--aspect_buckets", path,
+                                      "--remote", str(tmp), "--out", str(tmp / "latents")], "--aspect_buckets {path}"),
+    ("benchmark.py", lambda path, tmp: [*SDXL_SYNTH, "--sample_prompts", path, "--samples_dir", str(tmp / "s")],
+     "--sample_prompts {path}"),
+    ("benchmark.py", lambda path, tmp: [*SDXL_SYNTH, "--load_path", path], "--load_path {path}"),
+    ("benchmark.py", lambda path, tmp: [*SDXL_SYNTH, "--results_json", path], "--results_json {path}"),
+    ("export.py", lambda path, tmp: [path, "--out", str(tmp / "export")], "CHECKPOINT {path}"),
+    ("cost.py", lambda path, tmp: [path], "{path}"),
+    ("cost.py", lambda path, tmp: ["--gpus", "8", "--images_per_sec", "100", "--csv", path], "--csv {path}"),
+    ("convert.py", lambda path, tmp: [path, "--out", str(tmp / "mds")], "input {path}"),
+    ("blocks.py", lambda path, tmp: ["--measured_json", path], "--measured_json {path}"),
+    ("blocks.py", lambda path, tmp: ["--compare_results_json", path], "--compare_results_json {path}"),
+    ("index_scale.py", lambda path, tmp: ["--from_json", path], "--from_json {path}"),
+    ("index_scale.py", lambda path, tmp: ["--json", path], "--json {path}"),
+    ("learns.py", lambda path, tmp: ["--results_json", path], "--results_json {path}"),
+    ("cpu_speed.py", lambda path, tmp: ["--json", path], "--json {path}"),
+    ("bench_ema.py", lambda path, tmp: ["--json", path], "--json {path}"),
+]
+
+
+@pytest.mark.parametrize("command, argv, named", FILE_FLAGS, ids=[f"{c}-{named.split()[0]}" for c, _, named in FILE_FLAGS])
+def test_every_file_flag_takes_a_regular_file_or_says_what_it_was_given(tmp_path, command, argv, named):
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "folder").mkdir()
+    for given, kind in ((tmp_path / "pipe", "a FIFO (named pipe)"), ("/dev/zero", "a character device"),
+                        (tmp_path / "folder", "a folder")):
+        message = error_of(COMMANDS[command].main, argv(str(given), tmp_path), prog=command)
+        if kind == "a folder" and command == "convert.py":
+            continue  # a folder is what convert.py reads images from
+        assert f"{named.format(path=given)} is {kind}" in message, message
+        assert "no such file" not in message
+
+
+def test_folder_flags_given_a_fifo_say_so(tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    message = error_of(benchmark.main, [*TINY_2BA, "--save_folder", str(tmp_path / "pipe")])
+    assert f"--save_folder {tmp_path / 'pipe'} is a FIFO (named pipe), not a folder" in message
+    message = error_of(convert.main, [str(tmp_path), "--out", str(tmp_path / "pipe")], prog="convert.py")
+    assert f"--out {tmp_path / 'pipe'} is a FIFO (named pipe), not a folder" in message
+
+
 # A file a user names is read by cli.read_text in every command: at most MAX_TEXT_FILE_BYTES, past a
 # byte-order mark. Each command's flag file, with a number its range refuses (read past the mark, the
 # flag is named; unskipped, '\ufeff--seed' was no flag).
@@ -419,7 +469,10 @@ def test_bench_scripts_on_bad_files(tmp_path):
                                            ("convert.py", "--quality"), ("cost.py", "--gpus")])
 def test_every_commands_flag_file_is_read_bounded_and_past_a_byte_order_mark(tmp_path, command, flag):
     message = error_of(COMMANDS[command].main, ["@/dev/zero"], prog=command)  # was read until killed
-    assert f"flag file @/dev/zero holds more than {cli.MAX_TEXT_FILE_BYTES:,} bytes" in message
+    assert "flag file @/dev/zero is a character device, not a regular file" in message
+    (tmp_path / "large.args").write_bytes(b"#" * (cli.MAX_TEXT_FILE_BYTES + 1))
+    message = error_of(COMMANDS[command].main, [f"@{tmp_path}/large.args"], prog=command)
+    assert f"flag file @{tmp_path}/large.args holds more than {cli.MAX_TEXT_FILE_BYTES:,} bytes" in message
     (tmp_path / "flags.args").write_bytes(f"\ufeff{flag} -1\n".encode())
     message = error_of(COMMANDS[command].main, [f"@{tmp_path}/flags.args"], prog=command)
     assert f"{flag} -1 must be " in message, message

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import warnings
@@ -30,8 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import (INTERPRETER_BIN, ROOT, TINY_RANKS, Launch, after_exit, assert_tensors_equal, ema_state,
-                           free_port, kill_at, latest, load, rank_env, supervise, two_ranks)
+from tests.helpers import (INTERPRETER_BIN, ROOT, TINY_MODEL, TINY_RANKS, Launch, after_exit, assert_tensors_equal,
+                           ema_state, free_port, kill_at, latest, load, rank_env, supervise, two_ranks, write_images)
 
 RESUME_RUN = TINY_RANKS + ["--max_duration", "8ba", "--save_interval", "2ba", "--run_name", "resume-test",
                            "--autoresume"]
@@ -230,6 +231,60 @@ def test_slurm_script_launches_two_nodes_that_compute_what_one_node_does(runs):
     assert ours["state"]["run_name"] == SLURM_RUN_NAME
     assert_tensors_equal(reference["state"]["model"], ours["state"]["model"], "model weights")
     assert_tensors_equal(ema_state(reference)["shadow"], ema_state(ours)["shadow"], "EMA shadow")
+
+
+# ------------------------------------------------------------------------------ at an epoch's end
+
+# Real MDS data on two ranks, an epoch a subset of the data (--epoch_size: each epoch draws another 8 of the 16
+# images), saved at each epoch's end: its own launches (the runs above are synthetic, saved by batches).
+EPOCH_RUN = [*TINY_MODEL, "--num_workers", "0", "--epoch_size", "8", "--seed", "3", "--warmup_batches", "1",
+             "--max_duration", "2ep", "--save_interval", "1ep"]
+EPOCH_END, SECOND_EPOCH_END = "ep1-ba2-rank0.pt", "ep2-ba4-rank0.pt"
+
+
+@pytest.fixture(scope="module")
+def epoch_boundary(tmp_path_factory):
+    """A two-epoch run, and a run resumed from its checkpoint at the end of epoch 0 (--load_path, copied as
+    soon as it is written, while the first run goes on)."""
+    tmp = tmp_path_factory.mktemp("epoch-boundary")
+    images = write_images(tmp / "mds", 16)
+    whole, resumed = tmp / "whole", tmp / "resumed"
+
+    def launch(folder: Path, *extra: str) -> Launch:
+        args = [*EPOCH_RUN, "--local", str(images), "--save_folder", str(folder), *extra]
+        return Launch(two_ranks("benchmark.py", *args), tmp / f"{folder.name}.log")
+
+    found: dict = {}
+
+    def resume() -> Launch | None:
+        if not (whole / EPOCH_END).exists():  # written whole under its name (checkpoints.write_whole)
+            return None
+        resumed.mkdir()
+        shutil.copy(whole / EPOCH_END, resumed / "start.pt")
+        found["resumed_run"] = launch(resumed, "--load_path", str(resumed / "start.pt"))
+        return found["resumed_run"]
+
+    first = launch(whole)
+    supervise([first], resume)
+    return dict(whole=whole, resumed=resumed, first=first, **found)
+
+
+@pytest.mark.multirank
+def test_a_resume_at_an_epochs_end_trains_the_next_epochs_order_bit_for_bit(epoch_boundary):
+    # Composer saves its epoch checkpoint at sample 0 of the next epoch; Streaming 0.13 recorded the finished epoch
+    # there, and the resumed run trained epoch 0's 8 images again in place of epoch 1's (streaming.ResumesAfterItsEpoch).
+    first, again_run = epoch_boundary["first"], epoch_boundary["resumed_run"]
+    assert first.proc.returncode == 0, first.tail()
+    assert again_run.proc.returncode == 0, again_run.tail()
+    start = load(epoch_boundary["whole"] / EPOCH_END)["state"]
+    assert start["timestamp"]["Timestamp"]["epoch"] == 1 and start["dataset_state"]["train"]["epoch"] == 1
+    assert start["dataset_state"]["train"]["sample_in_epoch"] == 0
+    whole, again = load(epoch_boundary["whole"] / SECOND_EPOCH_END), load(epoch_boundary["resumed"] / SECOND_EPOCH_END)
+    assert_tensors_equal(whole["state"]["model"], again["state"]["model"], "model weights")
+    for key, state in whole["state"]["optimizers"]["AdamW"]["state"].items():
+        assert_tensors_equal(state, again["state"]["optimizers"]["AdamW"]["state"][key], f"AdamW state {key}")
+    assert whole["state"]["dataset_state"] == again["state"]["dataset_state"]
+    assert whole["state"]["dataset_state"]["train"]["epoch"] == 2
 
 
 # ------------------------------------------------------------------------------------ mcloud.yaml
