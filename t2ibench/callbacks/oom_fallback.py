@@ -124,7 +124,8 @@ class HalveMicrobatchOnOom(Callback):
         self.fallbacks.append({"batch": batch, "from": self._current, "to": to, "cause": cause})
         self._current = to
         if dist.get_global_rank() == 0:
-            print(f"{line} (Composer's OOM search, on for the first {self.batches} batches; recorded as "
+            searched = "Composer's OOM search" if cause == OUT_OF_MEMORY else "the OOM search's count of retries"
+            print(f"{line} ({searched}, on for the first {self.batches} batches; recorded as "
                   "microbatch_fallbacks in the results)", flush=True)
 
     def fit_end(self, state: State, logger: Logger) -> None:
