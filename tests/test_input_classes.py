@@ -317,18 +317,30 @@ def test_export_follows_the_seed_recorded_in_the_checkpoint(tmp_path):
     assert all(torch.equal(exported[k], v) for k, v in expected.items())
 
 
+def foreign(checkpoint: Path, to: Path) -> Path:
+    """`checkpoint` without RunRecord's state, as a checkpoint another Composer script wrote lacks it."""
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    del state["state"]["callbacks"]["RunRecord"]
+    torch.save(state, to)
+    return to
+
+
 def test_a_resume_from_a_checkpoint_without_its_run_record_says_what_it_cannot_compare(tmp_path, capsys):
-    # Its own run (no fixture here saves mid-epoch): batch 1 of an epoch of 4 saved, its RunRecord state removed as a
-    # checkpoint another Composer script wrote lacks it; resumed with another --batch_size, which a recorded
-    # checkpoint refuses mid-epoch. Composer loads it with a warning: the run goes on, and says what it cannot check.
+    # Its own runs (no fixture here saves at an epoch's end and mid-epoch): epochs of 4 batches. Composer loads a
+    # checkpoint without RunRecord's state with a warning; the run goes on and names what it cannot check.
     run = [*TINY_SYNTH, "--num_synthetic_samples", "8", "--batch_size", "2", "--warmup_batches", "0"]
-    benchmark.main([*run, "--max_duration", "1ba", "--save_folder", str(tmp_path / "run"), "--save_interval", "1ba"])
-    checkpoint = torch.load(tmp_path / "run" / "ep0-ba1-rank0.pt", map_location="cpu", weights_only=False)
-    del checkpoint["state"]["callbacks"]["RunRecord"]
-    torch.save(checkpoint, tmp_path / "foreign.pt")
+    benchmark.main([*run, "--max_duration", "1ep", "--save_folder", str(tmp_path / "run"), "--save_interval", "1ep"])
+    start = foreign(tmp_path / "run" / "ep1-ba4-rank0.pt", tmp_path / "epoch-start.pt")
     capsys.readouterr()
-    results = benchmark.main([*run, "--batch_size", "4", "--load_path", str(tmp_path / "foreign.pt"),
-                              "--max_duration", "2ba"])
+    # At an epoch's start the new values decide the epoch, but the seed is the checkpoint's whatever --seed says.
+    benchmark.main([*run, "--seed", "9", "--load_path", str(start), "--max_duration", "5ba",
+                    "--save_folder", str(tmp_path / "resumed"), "--save_interval", "1ba"])
+    assert "note: the checkpoint resumed at the start of epoch 1 records no run settings (RunRecord's state: written " \
+           "by another Composer script, or removed): --seed cannot be compared; the resumed run keeps the " \
+           "checkpoint's values whatever they say" in capsys.readouterr().err
+    # Mid-epoch, another --batch_size (refused from a recorded checkpoint): it exited 0 without a word.
+    middle = foreign(tmp_path / "resumed" / "ep1-ba5-rank0.pt", tmp_path / "mid-epoch.pt")
+    results = benchmark.main([*run, "--batch_size", "4", "--load_path", str(middle), "--max_duration", "6ba"])
     assert results["global_batch_size"] == 4
     assert "note: the checkpoint resumed mid-epoch records no run settings (RunRecord's state: written by another " \
            "Composer script, or removed): --use_synth_data, --precomputed, --seed, --batch_size, --aspect_buckets, " \
