@@ -214,7 +214,7 @@ def test_a_run_it_cannot_stand_for_is_refused_in_one_line_before_timing(measured
 
 
 @pytest.mark.parametrize("content, expect", [
-    (b"{", "not JSON"), (b"[1, 2]", "a list, not an object"), (b"\xff\xfe", "cannot be read"), (None, "cannot be read"),
+    (b"{", "not JSON"), (b"[1, 2]", "a list, not an object"), (b"\xff\xfe", "is not UTF-8 text"), (None, "no such file"),
     (b'{"images_per_sec": 1.0, "model_config": "flux1-tiny"}',
      "not a benchmark.py results JSON (it has no world_size, global_batch_size, device)"),
     (json.dumps({"model_config": "flux1-tiny", "device": "cpu", "microbatch": 4, "measured": {}, "predicted": []}).encode(),
@@ -293,7 +293,7 @@ def test_a_saved_line_that_cannot_stand_for_the_set_up_is_refused_in_one_line(ar
 
 
 @pytest.mark.parametrize("content, expect", [(b"not json\n{\"a\": 1}\n", "holds no line blocks.py wrote"),
-                                             (b"\xff\xfe", "cannot be read"), (None, "cannot be read")])
+                                             (b"\xff\xfe", "is not UTF-8 text"), (None, "no such file")])
 def test_a_file_without_a_saved_line_is_refused_in_one_line(tmp_path, content, expect):
     path = tmp_path / "blocks.log"
     if content is not None:
