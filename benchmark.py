@@ -33,7 +33,7 @@ from t2ibench import allocator, checks, cpu_convs, errors, flags, fp8, image_met
 from t2ibench.callbacks.buckets import BucketFlops, BucketThroughput
 from t2ibench.callbacks.empty_epoch import EmptyEpochError, StopOnEmptyEpoch
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
-from t2ibench.callbacks.mlperf_log import MlperfLog
+from t2ibench.callbacks.mlperf_log import MlperfLog, note_init_start
 from t2ibench.callbacks.nonfinite_loss import NonFiniteLossError, StopOnNonFiniteLoss
 from t2ibench.callbacks.oom_fallback import HalveMicrobatchOnOom, oom_line, serves
 from t2ibench.callbacks.profile import ProfileBatches
@@ -84,6 +84,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Settings:
 def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None = None) -> dict:
     """One run: runtime, data, model, trainer, results; returns the results (what --results_json holds)."""
     args = parse_args(argv)
+    note_init_start()  # MLPerf's init_start: what follows, up to the first batch, is the run's initialization
     with errors.command("benchmark.py"), contextlib.ExitStack() as held:
         settings = validate(args, dist.get_world_size())  # every user error, before anything is built
         if dist.get_global_rank() == 0:  # a second run writing the same folders is refused, not mixed in

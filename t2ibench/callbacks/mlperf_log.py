@@ -20,13 +20,19 @@ from t2ibench.callbacks.validation import ValidationLog
 from t2ibench.files import write_text
 from t2ibench.mlperf import BENCHMARKS, benchmark_of
 
-# benchmark.py imports this module before it builds anything: MLPerf's init_start (the set-up, model
-# and data included, is initialization; the clock starts at run_start).
-IMPORTED_AT_S = time.time()
+# MLPerf's init_start: when benchmark.main began (`note_init_start`); the set-up, data and model included,
+# is initialization, off the clock, which starts at run_start. A process's first run falls back on the import.
+_init_start_s = time.time()
 ROOT = Path(__file__).resolve().parents[2]  # the caller's file in each line's metadata, from the repository root
 MS_PER_S = 1000
 # Flux.1's rules name a key mllog's constants (4.1.68) do not have: the samples between evaluations.
 EVALUATION_FREQUENCY = "evaluation_frequency"
+
+
+def note_init_start() -> None:
+    """Mark MLPerf's init_start: benchmark.main calls it first (a process may run several runs)."""
+    global _init_start_s
+    _init_start_s = time.time()
 
 
 class _Lines(logging.Handler):
@@ -108,7 +114,7 @@ class MlperfLog(Callback):
             return
         run_start_s = time.time() - self.validation.elapsed_seconds()
         self.run_start_ms = round(run_start_s * MS_PER_S)
-        init_ms = round(min(IMPORTED_AT_S, run_start_s) * MS_PER_S)
+        init_ms = round(min(_init_start_s, run_start_s) * MS_PER_S)
         for key in ("benchmark", "org", "division", "status", "platform"):
             self._event(f"submission_{key}", self.submission[key], time_ms=init_ms)
         self._event(keys.CACHE_CLEAR, True, time_ms=init_ms)
