@@ -73,6 +73,13 @@ MLPERF_OPTIMIZER = ["--adamw_beta1", "0.9", "--adamw_beta2", "0.95", "--adamw_ep
 FLAGS_OF_THE_SCRIPT = ("--seed", "--eval_target", "--results_json", "--mlperf_log")  # set per run here
 MLPERF_RUNS = 10  # a result is 10 runs (Flux.1), at most MLPERF_NOT_CONVERGED_ALLOWED of them not converged
 MLPERF_NOT_CONVERGED_ALLOWED = 1
+# MLCommons' scorer on a folder of result_*.txt (argv: folder, benchmark, ruleset), printing its per-run
+# minutes and its olympic average (below the benchmark's required runs its command prints the runs' mean
+# instead, as score_s is): the function `python -m mlperf_logging.result_summarizer.compute_score` calls, which that command
+# (mlperf-logging 4.1.60 to 4.1.68) unpacks into 4 of its 5 values and stops before printing a score.
+SCORER = ("import json, sys; from mlperf_logging.result_summarizer import result_summarizer as r; "
+          "tracked, _, score, _, _ = r._compute_strong_score_standalone(sys.argv[2], None, False, sys.argv[1], "
+          "'training', sys.argv[3], return_full_scores=True); print(json.dumps([list(tracked.values()), score]))")
 PLAN_FILE = "campaign.json"  # the campaign's flags, written first: the same flags again continue it
 MLPERF_FOLDER = "mlperf"  # result_0.txt ...: the finished runs' MLPerf logs, as MLCommons' scorer reads them
 
@@ -343,8 +350,7 @@ def measure(args: argparse.Namespace, out: Path, argv: list[str] | None) -> dict
         "model_config": trained.get("model_config"), "global_batch_size": trained.get("global_batch_size"),
         "world_size": trained.get("world_size"), "device": trained.get("device"),
         "mlperf_benchmark": benchmark, "mlperf_logs": MLPERF_FOLDER,
-        "mlperf_score_command": f"python -m mlperf_logging.result_summarizer.compute_score --benchmark_folder "
-                                f"{MLPERF_FOLDER} --usage {USAGE} --ruleset {RULESET}",
+        "mlperf_score_command": f"python -c \"{SCORER}\" {MLPERF_FOLDER} {benchmark} {RULESET}",
         "rcp_check": rcp,
         "command": " ".join(["python", "bench/time_to_target.py", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.date.today().isoformat(), "machine": machine(),
