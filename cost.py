@@ -85,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"images seen in the whole run (default {SAMPLES:,} = 1.4M steps x 2048 for SD2; for "
                         "Flux.1-schnell, MLPerf's reference convergence to its target at the results' global batch "
                         "(--mlperf_round's RCP file); for results timed to their target, their samples_to_target)")
-    p.add_argument("--mlperf_batch", type=BATCH_SIZE, default=None,
-                   metavar="B", help="Flux.1: price MLPerf's reference convergence at global batch B, one its RCP file "
-                                     "lists (default: the results' global batch, the nearest listed, else the smallest)")
+    p.add_argument("--mlperf_batch", type=BATCH_SIZE, default=None, metavar="B",
+                   help="Flux.1: price MLPerf's reference convergence at global batch B, one its RCP file lists "
+                        "(default: the results' global batch, the nearest listed, else the smallest)")
     p.add_argument("--mlperf_round", type=str, default=None, metavar="X.Y.Z",
                    help="Flux.1: the MLPerf Training round whose reference convergence points (the RCP file of the "
                         "installed mlperf-logging) price the run to the target (default: the newest with Flux.1)")

@@ -11,13 +11,13 @@ The CPU default (no flags after `--`) trains flux1-tiny on precomputed latents (
 in miniature) of 64 px captioned shapes drawn here (bench/learns.py's pictures), 256 to train and 64
 held out, batch 16, to the validation loss DEFAULT_TARGET, evaluated every 25 batches; why that
 target: docs/flux.md, "Time to target: MLPerf's score". With flags after `--` they are the set-up
-instead (data, model, --eval_interval, --max_duration...): the script adds --seed, --eval_target and
---results_json.
+instead (data, model, --eval_interval, --max_duration...): the script adds --seed, --eval_target,
+--results_json and --mlperf_log.
 
 Each run is a process of its own (Composer's launcher with --nproc), its results JSON, log, MLPerf log
 and curve in OUT/runs/; the MLPerf logs of the finished runs are also OUT/mlperf/result_0.txt ..., the
-folder MLCommons' scorer reads (`python -m mlperf_logging.result_summarizer.compute_score
---benchmark_folder OUT/mlperf --usage training --ruleset 5.1.0`). A run that fails (a diverged run
+folder MLCommons' scorer reads (result_summarizer's compute_score; the call that scores them is
+`mlperf_score_command` in the record, docs/mlperf.md). A run that fails (a diverged run
 exits 1) counts as not converged and the campaign goes on; a second failure ends it, the result
 invalid. OUT/time_to_target.json holds every run's time_to_target_s, the score (score_s, by the
 scorer's rule), the spread, the runs that did not converge, whether the result is valid by MLPerf's
@@ -75,8 +75,8 @@ MLPERF_RUNS = 10  # a result is 10 runs (Flux.1), at most MLPERF_NOT_CONVERGED_A
 MLPERF_NOT_CONVERGED_ALLOWED = 1
 # MLCommons' scorer on a folder of result_*.txt (argv: folder, benchmark, ruleset), printing its per-run
 # minutes and its olympic average (below the benchmark's required runs its command prints the runs' mean
-# instead, as score_s is): the function `python -m mlperf_logging.result_summarizer.compute_score` calls, which that command
-# (mlperf-logging 4.1.60 to 4.1.68) unpacks into 4 of its 5 values and stops before printing a score.
+# instead, as score_s is): the function `python -m mlperf_logging.result_summarizer.compute_score`
+# calls, which that command (mlperf-logging 4.1.60 to 4.1.68) unpacks into 4 of its 5 values and stops.
 SCORER = ("import json, sys; from mlperf_logging.result_summarizer import result_summarizer as r; "
           "tracked, _, score, _, _ = r._compute_strong_score_standalone(sys.argv[2], None, False, sys.argv[1], "
           "'training', sys.argv[3], return_full_scores=True); print(json.dumps([list(tracked.values()), score]))")
