@@ -130,3 +130,7 @@ def test_a_failed_run_is_one_not_converged_and_a_second_ends_the_campaign(tmp_pa
         assert outcome["diverged"] and outcome["time_to_target_s"] is None
         assert json.loads((out / "runs" / f"seed-{seed}.json").read_text())["converged"] is False
     assert not (out / "runs" / "seed-3.outcome.json").exists()
+    # Each failed run's MLPerf log ends as MLPerf's aborted run, which the scorer counts as not converged.
+    for i in (0, 1):
+        last = json.loads((out / ttt.MLPERF_FOLDER / f"result_{i}.txt").read_text().splitlines()[-1].split(" ", 1)[1])
+        assert (last["key"], last["metadata"]["status"]) == ("run_stop", "aborted")
