@@ -5,6 +5,7 @@ so that run_start to run_stop is the run's time_to_target_s. The keys and what e
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,8 @@ class MlperfLog(Callback):
     def _stop(self, status: str, seconds: float) -> None:
         self._event(keys.RUN_STOP, seconds=seconds, kind="end", status=status)
         self.stopped = True
+        if dist.get_global_rank() == 0:
+            print(f"MLPerf log ({status}) written to {self.path}", file=sys.stderr, flush=True)
 
     def fit_end(self, state: State, logger: Logger) -> None:
         if not self.stopped and self.run_start_ms is not None:
