@@ -33,6 +33,7 @@ from t2ibench import allocator, checks, cpu_convs, errors, flags, fp8, image_met
 from t2ibench.callbacks.buckets import BucketFlops, BucketThroughput
 from t2ibench.callbacks.empty_epoch import EmptyEpochError, StopOnEmptyEpoch
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
+from t2ibench.callbacks.mlperf_log import MlperfLog, note_init_start
 from t2ibench.callbacks.nonfinite_loss import NonFiniteLossError, StopOnNonFiniteLoss
 from t2ibench.callbacks.oom_fallback import HalveMicrobatchOnOom, oom_line, serves
 from t2ibench.callbacks.profile import ProfileBatches
@@ -83,6 +84,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Settings:
 def main(argv: list[str] | None = None, extra_callbacks: list[Callback] | None = None) -> dict:
     """One run: runtime, data, model, trainer, results; returns the results (what --results_json holds)."""
     args = parse_args(argv)
+    note_init_start()  # MLPerf's init_start: what follows, up to the first batch, is the run's initialization
     with errors.command("benchmark.py"), contextlib.ExitStack() as held:
         settings = validate(args, dist.get_world_size())  # every user error, before anything is built
         if dist.get_global_rank() == 0:  # a second run writing the same folders is refused, not mixed in
@@ -323,7 +325,7 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
     loader = training_data.loader
     fused = settings.fused_adamw == "on" or (settings.fused_adamw == "auto" and run.on_gpu)
     optimizer = torch.optim.AdamW(model.denoiser.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
-                                  fused=fused)
+                                  betas=(settings.adamw_beta1, settings.adamw_beta2), eps=settings.adamw_eps, fused=fused)
     schedulers = []
     if settings.lr_warmup_batches or settings.lr_schedule != "constant":
         from composer.optim import ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler
@@ -383,12 +385,9 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
         measured.buckets = BucketThroughput(settings.warmup_batches + settings.profile_batches,
                                             model.family.latent_downsample)
         callbacks.append(measured.buckets)
-    if measured.validation:
-        callbacks.append(measured.validation)
-    if measured.loss_by_timestep:
-        callbacks.append(measured.loss_by_timestep)
-    if measured.profile:
-        callbacks.append(measured.profile)
+    # The MLPerf log after the validation log: it writes each evaluation that one keeps, on its clock.
+    mlperf_log = MlperfLog.for_run(settings, measured.validation)
+    callbacks += [c for c in (measured.validation, mlperf_log, measured.loss_by_timestep, measured.profile) if c]
     if settings.sample_prompts:
         callbacks.append(SampleImages(
             model.family, load_prompts(settings.sample_prompts),

@@ -28,7 +28,8 @@ from t2ibench.cost_table import Row, format_table, plot, write_csv, write_markdo
 from t2ibench.errors import fail
 from t2ibench.files import write_error
 from t2ibench.locations import check_output, check_outputs_apart, normalise
-from t2ibench.scale import (MLPERF_FLUX_REFERENCE_BATCH, MLPERF_FLUX_SAMPLES_TO_TARGET, MLPERF_FLUX_TARGET_EVAL_LOSS,
+from t2ibench.mlperf import newest_rcp_round, rcp_rounds, reference_samples_to_target, round_label
+from t2ibench.scale import (MLPERF_FLUX_TARGET_EVAL_LOSS,
                             MLPERF_FLUX_TRAIN_SAMPLES, PRICED_MODELS,
                             SAMPLES,  # 2023: 1.4M x 2048
                             USD_PER_GPU_HOUR)  # $2 per A100-hour
@@ -80,14 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_gpus", nargs="+", type=GPU_COUNT, metavar="N",
                    help="GPU counts for the table (default: the measured counts plus powers of "
                         "two up to 2x the largest measured, at least to 256)")
-    references = ", ".join(f"{n:,} at {batch}" for batch, n in MLPERF_FLUX_SAMPLES_TO_TARGET.items())
     p.add_argument("--samples", type=POSITIVE_FLOAT, default=None,
                    help=f"images seen in the whole run (default {SAMPLES:,} = 1.4M steps x 2048 for SD2; for "
                         "Flux.1-schnell, MLPerf's reference convergence to its target at the results' global batch "
-                        f"({references}); for results timed to their target, their samples_to_target)")
-    p.add_argument("--mlperf_batch", type=BATCH_SIZE, choices=sorted(MLPERF_FLUX_SAMPLES_TO_TARGET), default=None,
-                   metavar="B", help="Flux.1: price MLPerf's reference convergence at global batch B (512, 1024, 2048 "
-                                     "or 4096; default: the results' global batch, the nearest listed, else 512)")
+                        "(--mlperf_round's RCP file); for results timed to their target, their samples_to_target)")
+    p.add_argument("--mlperf_batch", type=BATCH_SIZE, default=None, metavar="B",
+                   help="Flux.1: price MLPerf's reference convergence at global batch B, one its RCP file lists "
+                        "(default: the results' global batch, the nearest listed, else the smallest)")
+    p.add_argument("--mlperf_round", type=str, default=None, metavar="X.Y.Z",
+                   help="Flux.1: the MLPerf Training round whose reference convergence points (the RCP file of the "
+                        "installed mlperf-logging) price the run to the target (default: the newest with Flux.1)")
     p.add_argument("--samples_to_target", nargs="+", action="extend", default=[], metavar="RESULTS.json",
                    help="price the samples runs took to their target: the mean samples_to_target of these results "
                         "files (benchmark.py --eval_target runs of the measured model; those not converged counted)")
@@ -247,11 +250,12 @@ def samples_priced(parsed: argparse.Namespace, target_paths: list[str], measurem
     if parsed.mlperf_batch is not None and not flux:
         fail(f"--mlperf_batch {parsed.mlperf_batch}: MLPerf's reference convergence is Flux.1-schnell's, these "
              f"results are {model}'s; give --samples N")
+    round_, references = rcp_references(parsed)
+    smallest = min(references)  # the reference's own global batch
     if parsed.samples is not None:
         return parsed.samples, None, [
             f"{parsed.samples:,.0f} samples (--samples): not priced to MLPerf's target, which its reference reaches in "
-            f"{MLPERF_FLUX_SAMPLES_TO_TARGET[MLPERF_FLUX_REFERENCE_BATCH]:,} at global batch "
-            f"{MLPERF_FLUX_REFERENCE_BATCH} (--mlperf_batch)"] if flux else []
+            f"{references[smallest]:,} at global batch {smallest} (--mlperf_batch)"] if flux else []
     runs = convergence_runs(target_paths, measurements)
     timed = [m for m in measurements if m.time_to_target_s is not None]
     if (runs or timed) and parsed.mlperf_batch is None:  # --mlperf_batch: MLPerf's figure at the runs' clock
@@ -280,17 +284,33 @@ def samples_priced(parsed: argparse.Namespace, target_paths: list[str], measurem
         if len(batches) > 1:
             fail(f"results at global batches {', '.join(map(str, batches))}: MLPerf's reference convergence depends "
                  "on the batch; price one batch at a time, or pick a figure with --mlperf_batch "
-                 f"({', '.join(map(str, MLPERF_FLUX_SAMPLES_TO_TARGET))}) or --samples")
+                 f"({', '.join(map(str, references))}) or --samples")
         if not batches:
-            batch, why = MLPERF_FLUX_REFERENCE_BATCH, "the reference's own (the results record no batch)"
+            batch, why = smallest, "the reference's own (the results record no batch)"
         else:
-            batch = nearest_reference_batch(batches[0])
+            batch = nearest_reference_batch(batches[0], references)
             why = "the results' own" if batch == batches[0] else f"the one nearest the results' {batches[0]}"
-    samples = samples_to_target(batch)
-    others = ", ".join(f"{n:,} at {b}" for b, n in MLPERF_FLUX_SAMPLES_TO_TARGET.items() if b != batch)
+    samples = samples_to_target(batch, references)
+    others = ", ".join(f"{n:,} at {b}" for b, n in references.items() if b != batch)
     return samples, target_phrase(None, flux), [
-        f"{samples:,} samples: MLPerf Training v6.0's reference convergence to its target at global batch {batch}, "
-        f"{why}; --mlperf_batch picks {others}, --samples_to_target runs' own (published elsewhere, not measured here)"]
+        f"{samples:,} samples: MLPerf Training {round_label(round_)}'s reference convergence to its target at global "
+        f"batch {batch}, {why}; --mlperf_batch picks {others}, --samples_to_target runs' own (MLCommons' RCP file "
+        "in mlperf-logging: published elsewhere, not measured here)"]
+
+
+def rcp_references(parsed: argparse.Namespace) -> tuple[str, dict[int, int]]:
+    """(--mlperf_round or the newest round with Flux.1 RCPs, its {global batch: samples to the target});
+    --mlperf_round or --mlperf_batch that the installed RCP files do not have refused in one line."""
+    rounds = rcp_rounds()
+    round_ = parsed.mlperf_round or newest_rcp_round()
+    if round_ not in rounds:
+        fail(f"--mlperf_round {round_}: the installed mlperf-logging has Flux.1 reference convergence points for "
+             f"{', '.join(rounds)}; give one of them")
+    references = reference_samples_to_target(round_)
+    if parsed.mlperf_batch is not None and parsed.mlperf_batch not in references:
+        fail(f"--mlperf_batch {parsed.mlperf_batch}: the {round_} RCPs list global batches "
+             f"{', '.join(map(str, references))}; give one of them")
+    return round_, references
 
 
 def main(argv: list[str] | None = None) -> list[Row]:

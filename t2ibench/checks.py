@@ -47,6 +47,9 @@ LOCATION_SCHEMES = {"save_folder": CHECKPOINT_SCHEMES, "load_path": LOAD_SCHEMES
                     "ema_export_dir": (), "samples_dir": (), "profile_dir": ()}
 
 
+MLPERF_LOG_SUFFIX = ".mlperf.log"  # the MLPerf log beside a results JSON, NAME.json: NAME.mlperf.log
+
+
 def validate(args: argparse.Namespace, world_size: int) -> Settings:
     """The run's settings from the parsed flags, or one line naming the flag on a value that would
     fail later. The checks run in this order, each on the settings resolved before it."""
@@ -81,7 +84,22 @@ def resolve(args: argparse.Namespace) -> Settings:
                               sources=tuple(parse_sources(args.remote, args.local)),
                               eval_sources=tuple(parse_sources(args.eval_remote, args.eval_local)),
                               encoders_seed=args.seed, buckets=(), bucket_weights=(),
-                              sample_shape=Bucket(image_size, image_size))
+                              sample_shape=Bucket(image_size, image_size),
+                              mlperf_log=mlperf_log_path(args, locations.get("results_json")))
+
+
+def mlperf_log_path(args: argparse.Namespace, results_json: str | None) -> str | None:
+    """Where the MLPerf log goes: --mlperf_log, else beside the results JSON (NAME.json: NAME.mlperf.log)
+    when the run evaluates; None for `off` or a run with neither."""
+    if args.mlperf_log == "off":
+        return None
+    if args.mlperf_log is not None:
+        if not args.eval_interval:
+            fail(f"--mlperf_log {args.mlperf_log} needs --eval_interval: MLPerf's log is of a run that evaluates")
+        return normalise("--mlperf_log", args.mlperf_log, ())
+    if results_json and args.eval_interval:
+        return str(Path(results_json).with_suffix("")) + MLPERF_LOG_SUFFIX
+    return None
 
 
 def check_run(settings: Settings, world_size: int) -> int | str:
@@ -274,6 +292,7 @@ def check_outputs(settings: Settings) -> None:
     # The validation curve's picture beside the results JSON (t2ibench.eval_curve), written after it.
     curve = curve_path(settings.results_json) if settings.results_json and settings.eval_interval else None
     outputs = [("--results_json", settings.results_json, "file"), ("--results_json's validation curve", curve, "file"),
+               ("--mlperf_log", settings.mlperf_log, "file"),
                ("--ema_export_dir", settings.ema_export_dir, "exclusive"),
                ("--save_folder", settings.save_folder, "folder"), ("--samples_dir", samples_folder(settings), "folder"),
                ("--profile_dir", settings.profile_dir if settings.profile_batches else None, "folder")]

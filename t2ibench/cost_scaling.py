@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from t2ibench.cost_table import Row
-from t2ibench.scale import (MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU, MLPERF_FLUX_SAMPLES_TO_TARGET,
+from t2ibench.scale import (MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU,
                             SAMPLES,  # 2023: 1.4M x 2048
                             USD_PER_GPU_HOUR)  # $2 per A100-hour
 
@@ -136,12 +136,13 @@ def mlperf_rows(num_gpus: list[int], samples: float, usd_per_gpu_hour: float) ->
             for n in num_gpus for gpu, per_gpu in MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU.items()]
 
 
-def nearest_reference_batch(global_batch: int) -> int:
-    """The global batch of MLPerf's reference convergence figures nearest `global_batch`, by ratio (log2);
-    halfway between two, the larger, whose figure is the more samples: a price that errs high."""
-    return min(MLPERF_FLUX_SAMPLES_TO_TARGET, key=lambda batch: (abs(math.log2(batch / global_batch)), -batch))
+def nearest_reference_batch(global_batch: int, references: dict[int, int]) -> int:
+    """The global batch of MLPerf's reference convergence points (`references`: {batch: samples},
+    t2ibench.mlperf.reference_samples_to_target) nearest `global_batch`, by ratio (log2); halfway between
+    two, the larger, whose figure is the more samples: a price that errs high."""
+    return min(references, key=lambda batch: (abs(math.log2(batch / global_batch)), -batch))
 
 
-def samples_to_target(batch: int) -> int:
+def samples_to_target(batch: int, references: dict[int, int]) -> int:
     """Training samples MLPerf's Flux.1 reference takes to its target at the reference batch nearest `batch`."""
-    return MLPERF_FLUX_SAMPLES_TO_TARGET[nearest_reference_batch(batch)]
+    return references[nearest_reference_batch(batch, references)]

@@ -35,6 +35,7 @@ MAX_LOSS_BINS = MAX_SAMPLE_STEPS = 1000
 CAPTION_DROP_PROB = Range(float, 0, 1, high_open=True)
 SAMPLE_STEPS = Range(int, 1, MAX_SAMPLE_STEPS)
 GUIDANCE_SCALE = Range(float, 0, MAX_GUIDANCE_SCALE)
+ADAMW_BETA = Range(float, 0, 1, high_open=True)  # torch.optim.AdamW refuses a beta outside [0, 1)
 
 
 def add_source(p: argparse.ArgumentParser) -> None:
@@ -264,6 +265,10 @@ def benchmark_parser(description: str) -> Parser:
     g.add_argument("--lr_schedule", type=str, default="constant", choices=("constant", "cosine"),
                    help="after the warm-up: constant, or cosine decay to 0 at --max_duration")
     g.add_argument("--grad_clip_norm", type=POSITIVE_FLOAT, default=None, help="clip the gradient's global L2 norm to this")
+    g.add_argument("--adamw_beta1", type=ADAMW_BETA, default=0.9, help="AdamW's beta1 (the gradient's running mean)")
+    g.add_argument("--adamw_beta2", type=ADAMW_BETA, default=0.999,
+                   help="AdamW's beta2 (the squared gradient's running mean; MLPerf Flux.1: 0.95)")
+    g.add_argument("--adamw_eps", type=POSITIVE_FLOAT, default=1e-8, help="AdamW's epsilon (added to the denominator)")
     g.add_argument("--caption_drop_prob", type=CAPTION_DROP_PROB, default=0.0,
                    help="replace each caption by the empty one with this probability (classifier-free guidance)")
     g.add_argument("--ema_start", type=NUMBER_TEXT, default="0ba", help="with --use_ema: start averaging at this time (e.g. 1350000ba)")
@@ -293,6 +298,14 @@ def benchmark_parser(description: str) -> Parser:
     g.add_argument("--eval_target", type=POSITIVE_FLOAT, default=None,
                    help="stop at the first evaluation at or under this validation loss, and report the samples and "
                         "time to it (MLPerf Flux.1: 0.586)")
+    g.add_argument("--mlperf_log", type=str, default=None,
+                   help="with --eval_interval: write the run's MLPerf-format log (:::MLLOG lines, for MLCommons' "
+                        "compliance checker and scorer) to this file; default beside --results_json "
+                        "(NAME.json: NAME.mlperf.log), none without it; off: no log (docs/mlperf.md)")
+    g.add_argument("--mlperf_org", type=str, default="t2ibench", help="the MLPerf log's submission_org")
+    g.add_argument("--mlperf_platform", type=str, default=None,
+                   help="the MLPerf log's submission_platform (default: the world size and device, e.g. 8xNVIDIA H100 "
+                        "80GB HBM3, or 1xcpu)")
     g = p.add_argument_group("FID and CLIP score at each evaluation (from files you have: nothing is downloaded)")
     g.add_argument("--fid_weights", type=str, default=None, metavar="PATH",
                    help="InceptionV3's FID weights (weights-inception-2015-12-05-6726825d.pth, the file torchmetrics' "

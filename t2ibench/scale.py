@@ -21,9 +21,7 @@ PRICED_MODELS = {
 # GB300 entries range 62-70). No Hopper result was published.
 MLPERF_FLUX_TRAIN_SAMPLES = 1_099_776  # the CC12M subset, 256x256
 MLPERF_FLUX_TARGET_EVAL_LOSS = 0.586  # validation loss over 8 timesteps
-# MLPerf Training v6.0's reference convergence: training samples the reference takes to reach the target,
-# by global batch (larger batches take more samples). cost.py prices a Flux.1 run to the target by them.
-MLPERF_FLUX_SAMPLES_TO_TARGET = {512: 7_240_000, 1024: 8_490_000, 2048: 10_350_000, 4096: 15_350_000}
-MLPERF_FLUX_REFERENCE_BATCH = 512  # the reference's own global batch, and the smallest with a figure
+# The samples MLPerf's reference takes to the target, by global batch, are MLCommons' reference
+# convergence points, read from the installed mlperf-logging package (t2ibench.mlperf).
 NVIDIA_FLUX_DECLARED_FLOP_PER_SAMPLE = 20.3e12
 MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU = {"B200": 51.0, "GB200": 56.0, "GB300": 62.0, "GB300 (best)": 70.0}

@@ -100,6 +100,9 @@ class Settings:
     lr_warmup_batches: int  # linear warm-up, in batches
     lr_schedule: str  # "constant" or "cosine"
     grad_clip_norm: float | None  # clip the gradient's global L2 norm to this
+    adamw_beta1: float  # AdamW's beta1, in [0, 1)
+    adamw_beta2: float  # AdamW's beta2, in [0, 1)
+    adamw_eps: float  # AdamW's epsilon
     caption_drop_prob: float  # probability of the empty caption (0 to 1)
     ema_start: str  # Composer time string (ba, ep or dur)
     ema_half_life: str  # Composer time string in ba
@@ -115,6 +118,9 @@ class Settings:
     eval_local: str | None  # as given
     eval_samples: int | None  # held-out samples per evaluation
     eval_target: float | None  # validation loss the run stops at (MLPerf's run stop)
+    mlperf_log: str | None  # resolved: local path of the MLPerf log (None: no log)
+    mlperf_org: str  # the MLPerf log's submission_org
+    mlperf_platform: str | None  # the MLPerf log's submission_platform (None: the run's world size x device)
 
     # -- FID and CLIP score at each evaluation (t2ibench.image_metrics)
     fid_weights: str | None  # local file: InceptionV3's FID weights or a TorchScript feature extractor

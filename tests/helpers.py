@@ -313,3 +313,24 @@ def mixed_aspect_folder(folder: Path, count: int) -> Path:
         (folder / f"{i:03d}-{name}.jpg").write_bytes(photo(i, width, height, orientation))
         (folder / f"{i:03d}-{name}.txt").write_text(f"a {name} photo number {i}")
     return folder
+
+
+def mlperf_ruleset_copy(folder: Path, target: float, evaluation_frequency: int) -> dict[str, str]:
+    """An environment whose `mlperf_logging` is a copy of the installed package in `folder` in which
+    exactly two values of Flux.1's closed rules (training_5.1.0/closed_flux1.yaml) are a run's: the
+    eval_accuracy target (`<= 0.586`) and `evaluation_frequency` (`== 262144`). MLCommons' compliance
+    checker and scorer find their rulesets beside their own module, so a copy of the package is the way
+    their own commands read a changed ruleset; everything else in it is the installed package as it is."""
+    import shutil
+
+    installed = Path(importlib.util.find_spec("mlperf_logging").origin).parent
+    copy = folder / "mlperf_logging"
+    shutil.copytree(installed, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    rules = copy / "compliance_checker" / "training_5.1.0" / "closed_flux1.yaml"
+    text = rules.read_text()
+    for mlperfs, runs in (("v['value'] <= 0.586", f"v['value'] <= {target!r}"),
+                          ("v['value'] == 262144", f"v['value'] == {evaluation_frequency}")):
+        assert text.count(mlperfs) == 1, f"{rules.name} no longer holds {mlperfs!r} once"
+        text = text.replace(mlperfs, runs)
+    rules.write_text(text)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}

@@ -12,7 +12,12 @@ import benchmark
 import cost
 from t2ibench import cost_scaling, cost_table
 from t2ibench.buckets import parse_bucket
+from t2ibench.mlperf import newest_rcp_round, reference_samples_to_target, round_label
 from tests.helpers import ROOT, TINY_SYNTH, error_of
+
+# MLPerf's reference convergence points of the newest round with Flux.1, as the installed package has them.
+RCP = reference_samples_to_target(newest_rcp_round())
+RCP_LABEL = f"MLPerf Training {round_label(newest_rcp_round())}'s reference convergence"
 
 # The 2023 table: GPUs -> (images/s, days, A100-hours, cost in $) as printed.
 TABLE_2023 = {
@@ -402,32 +407,32 @@ def test_flux_is_priced_to_mlperfs_target_at_the_runs_batch_and_every_output_say
     csv_path, md, png = tmp_path / "cost.csv", tmp_path / "cost.md", tmp_path / "cost.png"
     p = run_cli(results, "--num_gpus", 8, 16, "--csv", csv_path, "--markdown", md, "--plot", png)
     assert p.returncode == 0, p.stderr
-    # MLPerf's reference takes 8.49M samples to the target at batch 1024 (7.24M at its own 512)
+    # MLPerf's reference takes ~8.49M samples to the target at batch 1024 (~7.22M at its own 512)
     assert p.stdout.startswith("Flux.1-schnell (MLPerf Training v5.1's model) at 256x256 from precomputed latents: "
-                               f"8,490,000 samples to {MLPERF_TARGET}")
+                               f"{RCP[1024]:,} samples to {MLPERF_TARGET}")
     assert "reference convergence to its target at global batch 1024, the results' own" in p.stdout
     assert "days to target" in p.stdout.splitlines()[p.stdout.splitlines().index("") + 1]  # the table's header
     with open(csv_path, newline="") as f:
         rows = list(csv.DictReader(f))
-    assert {(r["samples"], r["trained_to"]) for r in rows} == {("8490000", MLPERF_TARGET)}
-    assert float(rows[0]["days"]) == pytest.approx(8_490_000 / 116.0 / 86_400, abs=1e-4)
+    assert {(r["samples"], r["trained_to"]) for r in rows} == {(str(RCP[1024]), MLPERF_TARGET)}
+    assert float(rows[0]["days"]) == pytest.approx(RCP[1024] / 116.0 / 86_400, abs=1e-4)
     markdown = md.read_text()
-    assert "| days to target |" in markdown and f"8,490,000 samples to {MLPERF_TARGET}" in markdown
+    assert "| days to target |" in markdown and f"{RCP[1024]:,} samples to {MLPERF_TARGET}" in markdown
     assert "global batch 1024" in markdown  # where the count comes from, below the table too
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("batch, flags, expected, why", [
-    (None, [], 7_240_000, "the reference's own (the results record no batch)"),
-    (8, [], 7_240_000, "the one nearest the results' 8"),
-    (1536, [], 10_350_000, "the one nearest the results' 1536"),  # halfway: the larger batch, more samples
-    (512, ["--mlperf_batch", "2048"], 10_350_000, "--mlperf_batch's"),
+    (None, [], RCP[512], "the reference's own (the results record no batch)"),
+    (8, [], RCP[512], "the one nearest the results' 8"),
+    (1536, [], RCP[2048], "the one nearest the results' 1536"),  # halfway: the larger batch, more samples
+    (512, ["--mlperf_batch", "2048"], RCP[2048], "--mlperf_batch's"),
 ])
 def test_mlperfs_reference_convergence_is_the_runs_batch_or_the_flags(tmp_path, capsys, batch, flags, expected, why):
     results = write_json(tmp_path / "flux.json", images_per_sec=116.0, global_batch_size=batch, **FLUX)
     rows = cost.main([results, "--num_gpus", "8", *flags])
     out = capsys.readouterr().out
-    assert f"{expected:,} samples: MLPerf Training v6.0's reference convergence to its target at global batch" in out
+    assert f"{expected:,} samples: {RCP_LABEL} to its target at global batch" in out
     assert why in out
     assert rows[0].days == pytest.approx(expected / 116.0 / 86_400)
 
@@ -468,7 +473,7 @@ def test_a_run_timed_to_its_target_is_priced_from_its_time(tmp_path, capsys):
     assert "the mean samples_to_target of 2 runs timed to it (7,077,888 to 7,340,032)" in capsys.readouterr().out
     # --mlperf_batch prices MLPerf's figure instead, at the runs' clock
     rows = cost.main([run, "--num_gpus", "8", "--mlperf_batch", "1024"])
-    assert rows[0].days * 86_400 == pytest.approx(8_490_000 / (7_340_032 / 70_000.0))
+    assert rows[0].days * 86_400 == pytest.approx(RCP[1024] / (7_340_032 / 70_000.0))
 
 
 def test_a_real_run_that_stopped_at_its_target_is_priced_from_its_own_clock(tmp_path, capsys):
@@ -502,8 +507,8 @@ def test_samples_to_target_prices_the_runs_that_reached_it(tmp_path, capsys):
     cost.main([missed, "--num_gpus", "8"])
     out = capsys.readouterr().out
     assert f"{missed} did not reach its target (validation loss <= 0.586)" in out
-    assert "10,350,000 samples: MLPerf Training v6.0's reference convergence" not in out  # batch 1024's: 8.49M
-    assert "8,490,000 samples: MLPerf Training v6.0's reference convergence" in out
+    assert f"{RCP[2048]:,} samples: {RCP_LABEL}" not in out  # batch 1024's
+    assert f"{RCP[1024]:,} samples: {RCP_LABEL}" in out
 
 
 def test_runs_to_a_target_are_refused_in_one_line_when_they_do_not_fit(tmp_path):
@@ -528,7 +533,9 @@ def test_runs_to_a_target_are_refused_in_one_line_when_they_do_not_fit(tmp_path)
     wide = write_json(tmp_path / "p16.json", **{**FLUX, "world_size": 16, "images_per_sec": 200.0,
                                                 "global_batch_size": 1024})
     assert "results at global batches 512, 1024" in error_of(cost.main, [plain, wide], "cost.py")
-    assert "invalid choice: 768" in run_cli(plain, "--mlperf_batch", 768).stderr
+    assert "--mlperf_batch 768: the " in run_cli(plain, "--mlperf_batch", 768).stderr
+    assert "--mlperf_round 9.9.9: the installed mlperf-logging has Flux.1 reference convergence points for" in error_of(
+        cost.main, [plain, "--mlperf_round", "9.9.9"], "cost.py")
 
 
 @pytest.mark.parametrize("fields, expected", [

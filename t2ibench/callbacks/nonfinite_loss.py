@@ -62,15 +62,18 @@ class StopOnNonFiniteLoss(Callback):
     """
 
     def __init__(self, load_path: str | None = None, save_folder: str | None = None,
-                 grad_norm: GradientNorm | None = None, results_json: str | None = None):
+                 grad_norm: GradientNorm | None = None, results_json: str | None = None, has_target: bool = False):
         self.load_path, self.save_folder = load_path, save_folder
         self.grad_norm, self.results_json = grad_norm, results_json
+        self.has_target = has_target  # a run to a target that diverged did not converge (MLPerf's count)
         self._losses: list[torch.Tensor] = []  # this batch's microbatch losses, detached (views: no copy)
 
     @classmethod
     def for_run(cls, settings: Settings, grad_norm: GradientNorm) -> StopOnNonFiniteLoss:
         """benchmark.py's: its checkpoints, its results file and its gradient norm."""
-        return cls(settings.load_path, settings.save_folder, grad_norm, settings.results_json)
+        targets = (settings.eval_target, settings.fid_target, settings.clip_target)
+        return cls(settings.load_path, settings.save_folder, grad_norm, settings.results_json,
+                   has_target=any(target is not None for target in targets))
 
     def before_train_batch(self, state: State, logger: Logger) -> None:
         self._losses.clear()  # also when Composer retries a batch at a smaller microbatch
@@ -127,7 +130,8 @@ class StopOnNonFiniteLoss(Callback):
         """--results_json: a record that says the run diverged and where (no figures: none of them
         measured a run that trains); '' or why it could not be written, for the stop line."""
         record = {"diverged": line, "diverged_at_batch": batch, "diverged_on": cause, "images_per_sec": None,
-                  "images_per_sec_per_device": None, "final_loss": None, "grad_norm": None}
+                  "images_per_sec_per_device": None, "final_loss": None, "grad_norm": None,
+                  **({"converged": False, "samples_to_target": None, "time_to_target_s": None} if self.has_target else {})}
         try:
             write_text(self.results_json, json.dumps(record, indent=2) + "\n")
         except OSError as error:
