@@ -165,7 +165,7 @@ def test_inception_fid_weights_load_from_a_file_and_score(tmp_path):
     torch.manual_seed(0)
     weights = Unloaded("inception-v3-compat", ["2048"], str(tmp_path / "empty.pth")).state_dict()
     torch.save(weights, tmp_path / "inception.pth")
-    fid, comparable = image_metrics.load_fid(str(tmp_path / "inception.pth"))
+    fid, comparable = image_metrics.load_fid(str(tmp_path / "inception.pth"), 32)
     assert comparable is True
     images = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     fid.update(images[:3], real=True)
@@ -174,7 +174,7 @@ def test_inception_fid_weights_load_from_a_file_and_score(tmp_path):
     del weights["fc.weight"]  # a truncated file: one line, not a traceback
     torch.save(weights, tmp_path / "truncated.pth")
     with pytest.raises(SystemExit, match="not the layers of torch-fidelity's InceptionV3"):
-        image_metrics.load_fid(str(tmp_path / "truncated.pth"))
+        image_metrics.load_fid(str(tmp_path / "truncated.pth"), 32)
 
 
 def test_missing_and_wrong_files_and_flags_without_what_they_need_fail_in_one_line(files, tmp_path):
@@ -187,7 +187,7 @@ def test_missing_and_wrong_files_and_flags_without_what_they_need_fail_in_one_li
         (args(files, "--fid_weights", str(tmp_path / "notes.txt")), "--fid_weights", "is not a PyTorch weights file"),
         (args(files, "--fid_weights", str(tmp_path / "other.pth")), "--fid_weights", "holds no InceptionV3 FID weights"),
         (args(files, "--clip_model", str(tmp_path / "absent")), "--clip_model", "no such folder"),
-        (args(files, "--clip_model", str(tmp_path)), "--clip_model", "not a complete CLIP model folder"),
+        (args(files, "--clip_model", str(tmp_path)), "--clip_model", "has no config.json"),
         ([*TINY_MODEL, "--use_synth_data", "--fid_weights", str(files["extractor"])], "--fid_weights",
          "needs --eval_interval"),
         ([*TINY_MODEL, "--use_synth_data", "--eval_interval", "2ba", "--clip_model", str(files["clip"])],
@@ -239,11 +239,11 @@ def test_clip_model_is_read_from_the_local_hub_cache_by_its_hub_id(files, tmp_pa
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0123abcd")
     probe = ("import sys; from t2ibench.image_metrics import load_clip; "
-             "print(type(load_clip(sys.argv[1])).__name__)")
+             "print(type(load_clip(sys.argv[1], 32)).__name__)")
     env = offline_env(HF_HUB_CACHE=str(tmp_path / "hub"))
     found = subprocess.run([sys.executable, "-c", probe, "test-org/tiny-clip"], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=120)
-    assert found.returncode == 0 and found.stdout.strip() == "CLIPScore", found.stderr[-2000:]
+    assert found.returncode == 0 and found.stdout.strip() == "PerImageCLIPScore", found.stderr[-2000:]
     absent = subprocess.run([sys.executable, "-c", probe, "test-org/absent"], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=120)
     assert absent.returncode != 0 and "nor a hub id in the local Hugging Face cache" in absent.stderr
