@@ -37,6 +37,13 @@ def _first_line(error: BaseException) -> str:
     return text[0][:300] if text else type(error).__name__
 
 
+def _script_error(error: BaseException) -> str:
+    """The line of a TorchScript error that says what failed: its last (the first is "The following
+    operation failed in the TorchScript interpreter.", then the traceback of the scripted code)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1].removeprefix("builtins.")[:300] if lines else type(error).__name__
+
+
 def is_torchscript(path: Path) -> bool:
     """A TorchScript archive (torch.jit.save) holds code/; a state dict saved by torch.save does not."""
     try:
@@ -84,7 +91,7 @@ def load_fid(path: str, image_size: int):
             with torch.no_grad():
                 features = extractor(probe_images(image_size))
         except Exception as error:  # noqa: BLE001  TorchScript raises RuntimeError and its own types
-            fail(f"--fid_weights {path}: the TorchScript module fails on {given} ({_first_line(error)}); it must map "
+            fail(f"--fid_weights {path}: the TorchScript module fails on {given} ({_script_error(error)}); it must map "
                  "(N, 3, S, S) uint8 images at --image_size to (N, D) features")
         problem = feature_problem(features, PROBE_BATCH)
         if problem:

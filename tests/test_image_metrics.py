@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -248,3 +249,109 @@ def test_clip_model_is_read_from_the_local_hub_cache_by_its_hub_id(files, tmp_pa
                             text=True, timeout=120)
     assert absent.returncode != 0 and "nor a hub id in the local Hugging Face cache" in absent.stderr
     assert "Traceback" not in absent.stderr
+
+
+class OneRow(Extractor):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # one row whatever the batch: a wrong FID, silently
+        return self.conv(images.float() / 255.0).mean(dim=(0, 2, 3)).unsqueeze(0)
+
+
+class Flat(Extractor):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # (N,)
+        return self.conv(images.float() / 255.0).mean(dim=(1, 2, 3))
+
+
+class ImageShaped(Extractor):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # (N, 3, 299)
+        return torch.zeros(images.shape[0], 3, 299)
+
+
+class NotANumber(Extractor):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.conv(images.float() / 255.0).mean(dim=(2, 3)) * float("nan")
+
+
+class Needs299(Extractor):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # an InceptionV3-like network without a resize
+        if images.shape[-1] != 299:
+            raise RuntimeError("expected 299 x 299 input")
+        return self.conv(images.float() / 255.0).mean(dim=(2, 3))
+
+
+class NaNBeyondTwo(Extractor):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # passes the probe, then NaN on the run's batches
+        features = self.conv(images.float() / 255.0).mean(dim=(2, 3))
+        return features if images.shape[0] == 2 else features * float("nan")
+
+
+def scripted(module: torch.nn.Module, path: Path) -> str:
+    torch.jit.save(torch.jit.script(module), str(path))
+    return str(path)
+
+
+def test_user_models_are_probed_on_two_inputs_before_training_and_refused_in_one_line(files, tmp_path):
+    cases = [(OneRow(), "returns shape (1, 8) for 2 images, not (2, D)"),
+             (Flat(), "returns shape (2,) for 2 images"),
+             (ImageShaped(), "returns shape (2, 3, 299) for 2 images"),
+             (NotANumber(), "returns NaN or infinite features"),
+             (Needs299(), "fails on (2, 3, 32, 32) uint8 images (--image_size 32) (RuntimeError: expected 299 x 299 input)")]
+    for module, why in cases:
+        path = scripted(module, tmp_path / f"{type(module).__name__}.pt")
+        with pytest.raises(SystemExit, match=re.escape(f"--fid_weights {path}: the TorchScript ")) as refused:
+            image_metrics.load_fid(path, 32)
+        assert why in str(refused.value), str(refused.value)
+    # Through the command: one line, before any batch is trained (no checkpoint, no results).
+    message = error_of(benchmark.main, args(files, "--fid_weights", str(tmp_path / "OneRow.pt"), "--results_json",
+                                             str(tmp_path / "never.json")))
+    assert "returns shape (1, 8) for 2 images" in message and not (tmp_path / "never.json").exists()
+    # A CLIP folder whose weights are damaged (cut short): named, one line.
+    damaged = tmp_path / "damaged-clip"
+    shutil.copytree(files["clip"], damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])
+    message = error_of(benchmark.main, args(files, "--clip_model", str(damaged)))
+    assert f"--clip_model {damaged}: its files do not load as a CLIP model" in message
+
+
+def test_a_non_finite_feature_stops_every_rank_in_one_line_before_the_matrix_square_root(files, tmp_path):
+    # Finite on the probe's two images, NaN on the run's batch of 8 held-out images: stopped before
+    # torchmetrics' compute() (oneMKL's square root ends the process on NaN), before training.
+    path = scripted(NaNBeyondTwo(), tmp_path / "nan.pt")
+    message = error_of(benchmark.main, args(files, "--fid_weights", path, "--clip_model", str(files["clip"])))
+    assert "--fid_weights: the extractor returned NaN or infinite features for the held-out images" in message
+
+
+def random_clip(folder: Path) -> Path:
+    """tiny_clip's shape with its random weights as drawn: cosines of either sign."""
+    tiny_clip(folder)
+    from transformers import CLIPConfig
+    torch.manual_seed(1)
+    CLIPModel(CLIPConfig.from_pretrained(folder)).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.filterwarnings("ignore:Encountered caption longer")  # torchmetrics' own slice, the reference
+def test_clip_score_clips_each_image_and_keeps_a_long_captions_end_token(tmp_path):
+    folder = random_clip(tmp_path / "clip")
+    clip = image_metrics.load_clip(str(folder), 32)
+    model, processor = clip.model, clip.processor
+    images = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    captions = [f"photo {i}" for i in range(6)]
+    clip.update(images, captions)
+    ours = float(clip.compute())
+    # torchmetrics' score of each image alone is its definition, max(100 cos, 0); the run's is their mean.
+    alone = [float(clip_score(image, caption, model_name_or_path=lambda: (model, processor)))
+             for image, caption in zip(images, captions)]
+    assert ours == pytest.approx(sum(alone) / len(alone), rel=1e-5)
+    batched = float(clip_score(list(images), captions, model_name_or_path=lambda: (model, processor)))
+    assert ours != pytest.approx(batched, rel=1e-3)  # some images score under 0: clipping the mean differs
+    # A caption of 100 one-token words: CLIP reads its first 75 and the end token, as the tokenizer cuts it.
+    words = ("a red square on a blue circle " * 15).split()[:100]
+    clip.reset()
+    clip.update(images[:1], [" ".join(words)])
+    long = float(clip.compute())
+    clip.reset()
+    clip.update(images[:1], [" ".join(words[:75])])
+    assert long == pytest.approx(float(clip.compute()), rel=1e-5)
+    sliced = float(clip_score(images[0], " ".join(words), model_name_or_path=lambda: (model, processor)))
+    assert long != pytest.approx(sliced, rel=1e-3)  # torchmetrics' slice drops the end token CLIP pools at
