@@ -355,3 +355,32 @@ def test_clip_score_clips_each_image_and_keeps_a_long_captions_end_token(tmp_pat
     assert long == pytest.approx(float(clip.compute()), rel=1e-5)
     sliced = float(clip_score(images[0], " ".join(words), model_name_or_path=lambda: (model, processor)))
     assert long != pytest.approx(sliced, rel=1e-3)  # torchmetrics' slice drops the end token CLIP pools at
+
+
+@pytest.mark.multirank
+def test_three_ranks_with_fewer_captions_and_an_odd_held_out_count_score_as_one_rank(files, capsys):
+    # 7 held-out samples at 2 a rank on 3 ranks (no batch divides 7: ranks 1 and 2 end on the sampler's
+    # repeat) and 2 captions (rank 2 draws none): every sample once, every rank done, the figures of one
+    # rank. The one-rank run computes the held-out images' FID statistics and writes them; the three ranks
+    # read them. The learning rate moves no weight (float32), so both evaluate the same weights. Its own
+    # launches: no shared run has 3 ranks.
+    out = files["root"] / "three-ranks"
+    out.mkdir()
+    stats = out / "real.npz"
+    flags = args(files, "--batch_size", "6", "--lr", "1e-30", "--eval_interval", "1ba", "--max_duration", "1ba",
+                 "--eval_samples", "7", "--image_eval_samples", "2", "--fid_real_stats", str(stats))
+    one = benchmark.main([*flags, "--results_json", str(out / "one.json")])
+    assert f"FID's reference statistics written to {stats}" in capsys.readouterr().out and stats.is_file()
+    three = run_cli([*flags, "--results_json", str(out / "three.json")], launcher=composer_launcher(3), env=rank_env(),
+                    timeout=LAUNCH_TIMEOUT_S)
+    assert three.returncode == 0, three.stdout[-3000:] + three.stderr[-3000:]
+    assert "held-out images for FID's reference statistics" not in three.stdout  # read from the file
+    (alone,) = one["eval_history"]
+    (spread,) = json.loads((out / "three.json").read_text())["eval_history"]
+    assert spread["held_out_samples"] == alone["held_out_samples"] == 7
+    assert spread["image_samples"] == alone["image_samples"] == 2
+    for key in ("loss", "fid", "clip_score"):
+        assert spread[key] == pytest.approx(alone[key], rel=1e-4), key
+    # The file fits only what it was computed from: another caption count is refused, before training.
+    message = error_of(benchmark.main, [*flags, "--image_eval_samples", "3"])
+    assert f"--fid_real_stats {stats} was computed with num_images 2, this run has 3" in message
