@@ -221,25 +221,29 @@ class ImageQuality:
         self.fid, self.fid_comparable, self.clip = fid, fid_comparable, clip
         self.real_stats, self.stats_from = real_stats, stats_from
         self._mine: list[int] | None = None
+        self._real_ready = False  # the real images' FID states hold every held-out image's features
 
-    def prepare(self, state: State) -> None:
-        """This rank's captions, and the real images' FID features (every rank at once; the first call
-        only): read from --fid_real_stats, or streamed from the held-out shards in chunks and written
-        there. Called before the run's clock starts."""
-        if self._mine is not None:
+    def read_stats(self) -> None:
+        """The real images' FID statistics from --fid_real_stats when it exists (checked against the run
+        at set-up already): read before the run's clock starts, as MLPerf's SD2 reference reads COCO's from
+        the file it ships. The totals go to rank 0 (compute() sums the ranks' states)."""
+        if self.fid is None or not self.real_stats or not Path(self.real_stats).is_file() or self._real_ready:
             return
+        states = fid_stats.read(self.real_stats, self.stats_from, int(self.fid.real_features_sum.shape[0]))
+        for key, value in states.items():
+            setattr(self.fid, key, value if dist.get_global_rank() == 0 else torch.zeros_like(value))
+        self._real_ready = True
+
+    def _read_held_out(self, state: State) -> None:
+        """This rank's captions and, unless read from the file, the real images' FID features, streamed
+        through the extractor in chunks of SCORED_PER_CALL (only the features are kept), and written to
+        --fid_real_stats when it names a new file. At the first evaluation, every rank at once: touching
+        the held-out data is on the clock (MLPerf: the clock starts before the dataset is touched)."""
         rank, world = dist.get_global_rank(), dist.get_world_size()
         self._mine = list(range(rank, self.num_samples, world))
-        stats = Path(self.real_stats) if self.real_stats else None
-        from_file = self.fid is not None and stats is not None and stats.is_file()
-        if from_file:
-            states = fid_stats.read(str(stats), self.stats_from, int(self.fid.real_features_sum.shape[0]))
-            for key, value in states.items():  # the totals on rank 0: compute() sums the ranks' states
-                setattr(self.fid, key, value if rank == 0 else torch.zeros_like(value))
-        images_needed = self.fid is not None and not from_file
+        images_needed = self.fid is not None and not self._real_ready
         if rank == 0 and images_needed:
-            print(f"reading {self.num_samples:,} held-out images for FID's reference statistics (once, before the "
-                  "clock starts)", flush=True)
+            print(f"reading {self.num_samples:,} held-out images for FID's reference statistics (once)", flush=True)
         device = state.device.tensor_to_device(torch.empty(0)).device
         if images_needed:
             self.fid.to(device)
@@ -255,17 +259,18 @@ class ImageQuality:
                     self.drawer.prompts[i] = self.dataset.read_sample(source)[self.dataset.caption_key]
                 if images:
                     self.fid.update(torch.stack(images).to(device), real=True)
-        if images_needed:
-            self.fid.to("cpu")
-            self._stop_unless_finite(("real_features_sum", "real_features_cov_sum"), state, "held-out images")
-            if stats is not None:
-                totals = {key: getattr(self.fid, key).clone() for key in fid_stats.REAL_STATES}
+        if not images_needed:
+            return
+        self._real_ready = True
+        self._stop_unless_finite(("real_features_sum", "real_features_cov_sum"), state, "held-out images")
+        if self.real_stats:
+            totals = {key: getattr(self.fid, key).clone() for key in fid_stats.REAL_STATES}
+            if world > 1:
                 for value in totals.values():
-                    if world > 1:
-                        dist.all_reduce(value, reduce_operation="SUM")
-                if rank == 0:
-                    fid_stats.write(str(stats), totals, self.stats_from)
-                    print(f"FID's reference statistics written to {stats} (later runs read them)", flush=True)
+                    dist.all_reduce(value, reduce_operation="SUM")
+            if rank == 0:
+                fid_stats.write(self.real_stats, totals, self.stats_from)
+                print(f"FID's reference statistics written to {self.real_stats} (later runs read them)", flush=True)
 
     def _stop_unless_finite(self, keys: tuple[str, ...], state: State, what: str) -> None:
         """Stop every rank at once, in one line, when any rank's FID features of `what` hold NaN or
@@ -282,7 +287,8 @@ class ImageQuality:
         """Draw this rank's captions and score every rank's images: {"fid", "clip_score", ...} (the
         same numbers on every rank)."""
         start = time.perf_counter()
-        self.prepare(state)  # done at the run's start already (ValidationLog.fit_start)
+        if self._mine is None:
+            self._read_held_out(state)
         if dist.get_global_rank() == 0:  # minutes at MLPerf's 30,000 captions: say what the pause is
             print(f"drawing and scoring {self.num_samples:,} held-out captions for "
                   f"{' and '.join(name for name, on in (('FID', self.fid), ('CLIP score', self.clip)) if on)} "

@@ -314,8 +314,8 @@ def test_user_models_are_probed_on_two_inputs_before_training_and_refused_in_one
 
 
 def test_a_non_finite_feature_stops_every_rank_in_one_line_before_the_matrix_square_root(files, tmp_path):
-    # Finite on the probe's two images, NaN on the run's batch of 8 held-out images: stopped before
-    # torchmetrics' compute() (oneMKL's square root ends the process on NaN), before training.
+    # Finite on the probe's two images, NaN on the batch of 8 held-out images at the first evaluation:
+    # stopped on every rank before torchmetrics' compute() (oneMKL's square root ends the process on NaN).
     path = scripted(NaNBeyondTwo(), tmp_path / "nan.pt")
     message = error_of(benchmark.main, args(files, "--fid_weights", path, "--clip_model", str(files["clip"])))
     assert "--fid_weights: the extractor returned NaN or infinite features for the held-out images" in message
@@ -362,7 +362,7 @@ def test_three_ranks_with_fewer_captions_and_an_odd_held_out_count_score_as_one_
     # 7 held-out samples at 2 a rank on 3 ranks (no batch divides 7: ranks 1 and 2 end on the sampler's
     # repeat) and 2 captions (rank 2 draws none): every sample once, every rank done, the figures of one
     # rank. The one-rank run computes the held-out images' FID statistics and writes them; the three ranks
-    # read them. The learning rate moves no weight (float32), so both evaluate the same weights. Its own
+    # read them before their clock starts. The learning rate moves no weight (float32), so both evaluate the same weights. Its own
     # launches: no shared run has 3 ranks.
     out = files["root"] / "three-ranks"
     out.mkdir()

@@ -59,13 +59,13 @@ class ValidationLog(Callback):
 
     def fit_start(self, state: State, logger: Logger) -> None:
         # After the set-up (model, data, the run record's checks, the buckets' FLOP counts at the
-        # throughput callback's FIT_START) and the held-out images' FID statistics: off the clock, as
-        # MLPerf's run start follows initialization (its SD2 reference reads those statistics from a file).
+        # throughput callback's FIT_START) and the --fid_real_stats file: off the clock, as MLPerf's run
+        # start follows initialization (its SD2 reference reads COCO's FID statistics from a file it ships).
+        if self.images is not None:
+            self.images.read_stats()
+        self._fit_start = time.perf_counter()
         if self.reached is not None:
             state.stop_training()  # a retried job whose run had reached its target: nothing more to train
-        elif self.images is not None:
-            self.images.prepare(state)
-        self._fit_start = time.perf_counter()
         if dist.get_global_rank() == 0 and any(isinstance(d, WandBLogger) for d in logger.destinations):
             import wandb
             if wandb.run is not None:  # the curve against samples trained, not Composer's batch step
