@@ -13,6 +13,7 @@ import torch
 
 from t2ibench.errors import fail
 from t2ibench.files import atomic_file
+from t2ibench.locations import check_output, is_remote
 
 REAL_STATES = ("real_features_sum", "real_features_cov_sum", "real_features_num_samples")
 HASH_CHUNK_BYTES = 1 << 20
@@ -29,12 +30,17 @@ def file_sha256(path: str) -> str:
 
 
 def check_location(path: str) -> None:
-    """Before anything loads: the file is absent (it will be written) or a regular file."""
+    """Before anything loads: a local regular file (read) or a writable place for a new one (written)."""
+    if is_remote(path):
+        fail(f"{FLAG} {path}: give a local file (it is read at set-up, or written at the first evaluation)")
     where = Path(path)
-    if where.exists() and not where.is_file():
-        fail(f"{FLAG} {path} is not a regular file: name the statistics file to read, or a new one to write")
-    if not where.exists() and not where.parent.is_dir():
-        fail(f"{FLAG} {path}: no folder {where.parent} to write it in; create it or name another file")
+    if where.exists() or where.is_symlink():
+        if not where.is_file():  # a FIFO would block the read, a folder cannot be one
+            fail(f"{FLAG} {path} is not a regular file: name the statistics file to read, or a new one to write")
+        return
+    problem = check_output(FLAG, path, folder=False)
+    if problem:
+        fail(problem)
 
 
 def describe(weights_sha256: str, image_size: int, num_images: int) -> dict[str, Any]:

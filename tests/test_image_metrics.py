@@ -198,6 +198,11 @@ def test_missing_and_wrong_files_and_flags_without_what_they_need_fail_in_one_li
         (args(files, "--image_eval_samples", "1"), "--image_eval_samples 1", "FID needs at least 2 images"),
         ([*without, "--clip_model", str(files["clip"]), "--fid_target", "90"], "--fid_target 90", "needs --fid_weights"),
         ([*without, "--image_eval_samples", "4"], "--image_eval_samples", "needs --fid_weights or --clip_model"),
+        (args(files, "--fid_real_stats", str(tmp_path)), "--fid_real_stats", "is not a regular file"),
+        (args(files, "--fid_real_stats", str(tmp_path / "notes.txt")), "--fid_real_stats",
+         "is not a statistics file this project wrote"),
+        ([*without, "--clip_model", str(files["clip"]), "--fid_real_stats", str(tmp_path / "new.npz")],
+         "--fid_real_stats", "needs --fid_weights"),
     ]
     for argv, flag, why in cases:
         message = error_of(benchmark.main, argv)

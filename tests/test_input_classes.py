@@ -60,7 +60,7 @@ NOT_NUMBERS = {
                      "--model_config", "--precision", "--results_json", "--image_key", "--caption_key",
                      "--validate_hash", "--save_folder", "--load_path", "--run_name", "--sample_prompts",
                      "--samples_dir", "--eval_remote", "--eval_local", "--profile_dir", "--aspect_buckets",
-                     "--fid_weights", "--clip_model"},
+                     "--fid_weights", "--clip_model", "--fid_real_stats"},
     "convert.py": {"inputs", "--out", "--image_column", "--caption_column"},
     "latents.py": {"--remote", "--local", "--out", "--model_name", "--model_config", "--image_key", "--caption_key",
                    "--aspect_buckets"},
