@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ IMAGE_METRIC_FLAGS = ("fid_weights", "clip_model", "image_eval_samples", "fid_ta
 # A key only InceptionV3's FID weights have (torch-fidelity's and pytorch-fid's files name their layers alike).
 INCEPTION_KEY = "Mixed_7c.branch_pool.conv.weight"
 SCORED_PER_CALL = 32  # images per feature-extractor call: bounds its activations whatever the sample count
+# Images drawn per call at an evaluation: 200 MB of uint8 at 512 px, whatever the caption count; the EMA's
+# weights are swapped in per call (milliseconds on a GPU against seconds of drawing).
+DRAWN_PER_ROUND = 256
 PROBE_BATCH = 2  # every model the user hands in runs on this many inputs before training starts
 PROBE_CAPTIONS = ("a photograph of a red square", "a painting of a blue circle")
 MISSING = "nothing is downloaded here"
@@ -201,16 +204,17 @@ class ImageQuality:
     ranks; torchmetrics sums each metric's states over the ranks in compute(), and a rank with no
     caption of its own adds nothing and waits on nobody. The real images are the held-out samples at
     --image_size as the validation loss reads them (an undecodable one is replaced by the next, as
-    there); `prepare` streams them through the extractor once, before the run's clock starts, and only
-    their features are kept (or read from `real_stats`, and written there when it is absent). The
-    extractors wait on the CPU between evaluations and run on the training device during one.
+    there); the first evaluation streams them through the extractor, and only their features are kept
+    (or they are read from `real_stats` before the clock starts, and written there when it is absent).
+    The drawn images are drawn and scored a round at a time (`_drawn`). The extractors wait on the CPU
+    between evaluations and run on the training device during one.
 
     Args:
         dataset: the held-out image-caption dataset (data.StreamingImageCaptions).
         num_samples: captions drawn and scored per evaluation (over all ranks).
         drawer: a SampleImages without an interval, whose prompts this fills with the captions.
         fid: torchmetrics' FID, or None; fid_comparable: whether it runs InceptionV3's FID weights.
-        clip: torchmetrics' CLIPScore, or None.
+        clip: PerImageCLIPScore, or None.
         real_stats: the --fid_real_stats file, or None; stats_from: what it must be computed from
             (`fid_stats.describe`).
     """
@@ -272,6 +276,23 @@ class ImageQuality:
                 fid_stats.write(self.real_stats, totals, self.stats_from)
                 print(f"FID's reference statistics written to {self.real_stats} (later runs read them)", flush=True)
 
+    def _drawn(self, state: State) -> Iterator[tuple[list[int], list[np.ndarray]]]:
+        """This rank's captions and their drawn images, DRAWN_PER_ROUND at a time, so that an evaluation
+        holds one round of images, not the rank's share (23.6 GB at MLPerf's 30,000 at 512 px on one
+        device). A denoiser sharded by FSDP draws the share in one call: `SampleImages.draw` pads every
+        call to the largest share so that the ranks' weight gathers pair up, and a rank with no caption
+        must still call it."""
+        from torch.distributed.fsdp import FSDPModule
+
+        from t2ibench.model import unwrap_model  # it imports the model; image_metrics is imported by checks
+
+        if any(isinstance(module, FSDPModule) for module in unwrap_model(state.model).denoiser.modules()):
+            yield self._mine, self.drawer.draw(state, self._mine)
+            return
+        for begin in range(0, len(self._mine), DRAWN_PER_ROUND):
+            part = self._mine[begin:begin + DRAWN_PER_ROUND]
+            yield part, self.drawer.draw(state, part)
+
     def _stop_unless_finite(self, keys: tuple[str, ...], state: State, what: str) -> None:
         """Stop every rank at once, in one line, when any rank's FID features of `what` hold NaN or
         infinity: they would reach the matrix square root, which crashes in oneMKL on such input."""
@@ -293,22 +314,21 @@ class ImageQuality:
             print(f"drawing and scoring {self.num_samples:,} held-out captions for "
                   f"{' and '.join(name for name, on in (('FID', self.fid), ('CLIP score', self.clip)) if on)} "
                   f"({dist.get_world_size()} rank(s), each its share)", flush=True)
-        drawn = self.drawer.draw(state, self._mine)
         device = state.device.tensor_to_device(torch.empty(0)).device
-        captions = [self.drawer.prompts[i] for i in self._mine]
         scores: dict[str, Any] = {"image_samples": self.num_samples}
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             for metric in (self.fid, self.clip):
                 if metric is not None:
                     metric.to(device)
-            for begin in range(0, len(drawn), SCORED_PER_CALL):
-                fake = torch.from_numpy(np.stack(drawn[begin:begin + SCORED_PER_CALL])).permute(0, 3, 1, 2)
-                fake = fake.contiguous().to(device)
-                if self.fid is not None:
-                    self.fid.update(fake, real=False)
-                if self.clip is not None:
-                    self.clip.update(fake, captions[begin:begin + SCORED_PER_CALL])
-            del drawn
+            for part, drawn in self._drawn(state):
+                captions = [self.drawer.prompts[i] for i in part]
+                for begin in range(0, len(drawn), SCORED_PER_CALL):
+                    fake = torch.from_numpy(np.stack(drawn[begin:begin + SCORED_PER_CALL])).permute(0, 3, 1, 2)
+                    fake = fake.contiguous().to(device)
+                    if self.fid is not None:
+                        self.fid.update(fake, real=False)
+                    if self.clip is not None:
+                        self.clip.update(fake, captions[begin:begin + SCORED_PER_CALL])
             if self.fid is not None:
                 self._stop_unless_finite(("fake_features_sum", "fake_features_cov_sum"), state, "drawn images")
                 scores["fid"] = float(self.fid.compute())
