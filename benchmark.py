@@ -367,8 +367,7 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
     if training_data.eval_loader is not None:
         images = image_metrics.for_run(settings, training_data.eval_loader.dataset, encoders, pauses, measured.ema)
         measured.validation = ValidationLog.for_run(settings, pauses, images)  # stops the run at its targets
-        evaluators.append(validation_evaluator(training_data.eval_loader, run.microbatch, settings.eval_samples,
-                                              settings.batch_size, capped=not settings.use_synth_data))
+        evaluators.append(validation_evaluator(training_data.eval_loader, run.microbatch, settings.eval_samples))
     write_whole()  # a checkpoint is complete under its name, or absent (a full disk leaves no part of it)
     restore_rng = RestoreRngOnStreamingResume()
     # RunRecord first: a resume it refuses stops before any other callback's set-up (the buckets' FLOPs).

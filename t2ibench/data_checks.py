@@ -270,8 +270,7 @@ def check_evaluation(settings: Settings, recorded_seed: int | None) -> int | Non
         if settings.eval_sources:
             fail("--use_synth_data evaluates on synthetic held-out samples and would ignore --eval_remote/--eval_local; "
                  "pass one or the other")
-        synthetic = settings.eval_samples or SYNTHETIC_EVAL_SAMPLES
-        check_dataset_size(synthetic, f"the synthetic held-out set (--eval_samples {synthetic})", settings)
+        # No global batch needed: every held-out sample is scored once, however few (validation.held_out_loader).
         check_image_flags(settings, None)
         return recorded_seed
     if not settings.eval_sources:
@@ -284,7 +283,8 @@ def check_evaluation(settings: Settings, recorded_seed: int | None) -> int | Non
             fail(f"--eval_local {source.local} holds no MDS dataset (no index.json); pass --eval_remote to stream one")
     num_samples, recorded_seed = check_sources(settings.eval_sources, settings, recorded_seed)
     read = held_out_read(num_samples, settings.eval_samples)
-    check_dataset_size(read, "the held-out data (--eval_remote/--eval_local)", settings)
+    if read < 1:  # any other count is scored whole, each sample once (validation.held_out_loader)
+        fail("--eval_remote/--eval_local holds no held-out sample; give shards of at least one")
     check_image_flags(settings, read)
     return recorded_seed
 

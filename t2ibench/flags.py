@@ -311,6 +311,10 @@ def benchmark_parser(description: str) -> Parser:
                    help="InceptionV3's FID weights (weights-inception-2015-12-05-6726825d.pth, the file torchmetrics' "
                         "FID downloads): FID of images drawn from the EMA weights against the held-out images; or a "
                         "TorchScript feature extractor (its FID is not comparable with published ones)")
+    g.add_argument("--fid_real_stats", type=str, default=None, metavar="PATH",
+                   help="the held-out images' FID statistics for --fid_weights: read from this file, or computed "
+                        "before the run's clock starts and written here for later runs (default: computed each run, "
+                        "before its clock starts)")
     g.add_argument("--clip_model", type=str, default=None, metavar="FOLDER",
                    help="a local transformers CLIP model folder, or a hub id in the local Hugging Face cache: CLIP "
                         "score of the drawn images and their captions (MLPerf's SD2: laion/CLIP-ViT-H-14-laion2B-s32B-b79K)")

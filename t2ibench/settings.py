@@ -124,6 +124,7 @@ class Settings:
 
     # -- FID and CLIP score at each evaluation (t2ibench.image_metrics)
     fid_weights: str | None  # local file: InceptionV3's FID weights or a TorchScript feature extractor
+    fid_real_stats: str | None  # local file of the held-out images' FID statistics (read, or written)
     clip_model: str | None  # local transformers CLIP model folder
     image_eval_samples: int | None  # held-out captions drawn per evaluation (None: all the evaluation reads)
     fid_target: float | None  # FID the run stops at or under (with the other targets given)

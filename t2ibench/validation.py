@@ -4,9 +4,13 @@ docs/metrics.md, "Validation loss".
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from composer import Evaluator
-from torch.utils.data import DataLoader
+from composer.utils import dist
+from streaming import StreamingDataset
+from torch.utils.data import DataLoader, Dataset
 from torchmetrics import Metric
 
 NUM_VALIDATION_TIMESTEPS = 8
@@ -62,12 +66,48 @@ class ValidationLoss(Metric):
         return [(s / c) if c else None for s, c in zip(self.sums.tolist(), self.counts.tolist())]
 
 
-def validation_evaluator(loader: DataLoader, microbatch: int | float | str | None, eval_samples: int | None,
-              global_batch_size: int, capped: bool) -> Evaluator:
-    """Composer's evaluator of the validation loss on the held-out `loader`, at the training microbatch
-    (when it is a number). `capped`: --eval_samples caps held-out shards at whole global batches
-    (synthetic held-out sets are already that many samples)."""
-    batches = -(-eval_samples // global_batch_size) if capped and eval_samples else -1
-    return Evaluator(label=EVAL_LABEL, dataloader=loader, metric_names=["ValidationLoss"],
-                     device_eval_microbatch_size=microbatch if isinstance(microbatch, int) else None,
-                     subset_num_batches=batches)
+class HeldOutSamples(Dataset):
+    """The first `count` samples of a held-out dataset, by index: a map-style view a DistributedSampler
+    splits over the ranks. A StreamingDataset read by its own iterator pads every rank to the same count
+    with repeated samples, and the loaders drop each rank's last partial batch (Streaming 0.13.0); by
+    index, every sample is read once and Composer drops the sampler's padding (below)."""
+
+    def __init__(self, dataset: Any, count: int):
+        self.dataset, self.count = dataset, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.dataset[index]
+
+
+def held_out_available(dataset: Any) -> int:
+    """The samples a held-out dataset holds: a StreamingDataset's len() is one rank's share."""
+    return int(dataset.num_samples) if isinstance(dataset, StreamingDataset) else len(dataset)
+
+
+def held_out_loader(loader: DataLoader, eval_samples: int | None) -> DataLoader:
+    """Every held-out sample the evaluation reads (`held_out_read`), exactly once over all ranks, on any
+    number of ranks and at any batch size, read as `loader` reads (batch size, workers).
+
+    Composer's DistributedSampler split: rank r reads samples r, r + W, ...; the last ranks end with one
+    repeated sample when W does not divide the count, and Composer 0.32.1's evaluation loop drops it
+    from the metric (`drop_last=False` with a dataset of known length: `Trainer._eval_loop`) while the
+    rank still runs its forward, so every rank runs as many batches (FSDP's gathers stay paired) and a
+    rank with no sample of its own waits on nobody."""
+    held_out = HeldOutSamples(loader.dataset, held_out_read(held_out_available(loader.dataset), eval_samples))
+    workers = loader.num_workers
+    return DataLoader(held_out, batch_size=loader.batch_size, drop_last=False, num_workers=workers,
+                      sampler=dist.get_sampler(held_out, shuffle=False, drop_last=False),
+                      pin_memory=loader.pin_memory, persistent_workers=workers > 0,
+                      prefetch_factor=loader.prefetch_factor if workers > 0 else None)
+
+
+def validation_evaluator(loader: DataLoader, microbatch: int | float | str | None,
+                         eval_samples: int | None) -> Evaluator:
+    """Composer's evaluator of the validation loss on every held-out sample `loader`'s dataset holds
+    (the first --eval_samples of them), each once, at the training microbatch (when it is a number)."""
+    return Evaluator(label=EVAL_LABEL, dataloader=held_out_loader(loader, eval_samples),
+                     metric_names=["ValidationLoss"],
+                     device_eval_microbatch_size=microbatch if isinstance(microbatch, int) else None)

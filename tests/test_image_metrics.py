@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -90,10 +91,12 @@ def args(files: dict[str, Path], *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def run(files) -> tuple[dict, Path, str]:
     """One run scored at batches 2 and 4, drawing the held-out captions as sample grids at the same
-    batches (the same images: caption i with seed + i, from the EMA weights)."""
+    batches (the same images: caption i with seed + i, from the EMA weights), three at a time."""
     out = files["root"] / "run"
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    # Rounds of 3 drawn images (256 in a run): the 8 captions drawn and scored in three rounds, as 30,000 are.
+    with contextlib.redirect_stdout(printed), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(image_metrics, "DRAWN_PER_ROUND", 3)
         results = benchmark.main(args(files, "--sample_prompts", str(files["captions"]), "--sample_interval", "2ba",
                                       "--samples_dir", str(out / "grids"), "--results_json", str(out / "r.json")))
     return results, out, printed.getvalue()
@@ -169,7 +172,7 @@ def test_inception_fid_weights_load_from_a_file_and_score(tmp_path):
     torch.manual_seed(0)
     weights = Unloaded("inception-v3-compat", ["2048"], str(tmp_path / "empty.pth")).state_dict()
     torch.save(weights, tmp_path / "inception.pth")
-    fid, comparable = image_metrics.load_fid(str(tmp_path / "inception.pth"))
+    fid, comparable = image_metrics.load_fid(str(tmp_path / "inception.pth"), 32)
     assert comparable is True
     images = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     fid.update(images[:3], real=True)
@@ -178,7 +181,7 @@ def test_inception_fid_weights_load_from_a_file_and_score(tmp_path):
     del weights["fc.weight"]  # a truncated file: one line, not a traceback
     torch.save(weights, tmp_path / "truncated.pth")
     with pytest.raises(SystemExit, match="not the layers of torch-fidelity's InceptionV3"):
-        image_metrics.load_fid(str(tmp_path / "truncated.pth"))
+        image_metrics.load_fid(str(tmp_path / "truncated.pth"), 32)
 
 
 def test_missing_and_wrong_files_and_flags_without_what_they_need_fail_in_one_line(files, tmp_path):
@@ -191,7 +194,7 @@ def test_missing_and_wrong_files_and_flags_without_what_they_need_fail_in_one_li
         (args(files, "--fid_weights", str(tmp_path / "notes.txt")), "--fid_weights", "is not a PyTorch weights file"),
         (args(files, "--fid_weights", str(tmp_path / "other.pth")), "--fid_weights", "holds no InceptionV3 FID weights"),
         (args(files, "--clip_model", str(tmp_path / "absent")), "--clip_model", "no such folder"),
-        (args(files, "--clip_model", str(tmp_path)), "--clip_model", "not a complete CLIP model folder"),
+        (args(files, "--clip_model", str(tmp_path)), "--clip_model", "has no config.json"),
         ([*TINY_MODEL, "--use_synth_data", "--fid_weights", str(files["extractor"])], "--fid_weights",
          "needs --eval_interval"),
         ([*TINY_MODEL, "--use_synth_data", "--eval_interval", "2ba", "--clip_model", str(files["clip"])],
@@ -201,6 +204,11 @@ def test_missing_and_wrong_files_and_flags_without_what_they_need_fail_in_one_li
         (args(files, "--image_eval_samples", "1"), "--image_eval_samples 1", "FID needs at least 2 images"),
         ([*without, "--clip_model", str(files["clip"]), "--fid_target", "90"], "--fid_target 90", "needs --fid_weights"),
         ([*without, "--image_eval_samples", "4"], "--image_eval_samples", "needs --fid_weights or --clip_model"),
+        (args(files, "--fid_real_stats", str(tmp_path)), "--fid_real_stats", "is not a regular file"),
+        (args(files, "--fid_real_stats", str(tmp_path / "notes.txt")), "--fid_real_stats",
+         "is not a statistics file this project wrote"),
+        ([*without, "--clip_model", str(files["clip"]), "--fid_real_stats", str(tmp_path / "new.npz")],
+         "--fid_real_stats", "needs --fid_weights"),
     ]
     for argv, flag, why in cases:
         message = error_of(benchmark.main, argv)
@@ -243,12 +251,147 @@ def test_clip_model_is_read_from_the_local_hub_cache_by_its_hub_id(files, tmp_pa
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0123abcd")
     probe = ("import sys; from t2ibench.image_metrics import load_clip; "
-             "print(type(load_clip(sys.argv[1])).__name__)")
+             "print(type(load_clip(sys.argv[1], 32)).__name__)")
     env = offline_env(HF_HUB_CACHE=str(tmp_path / "hub"))
     found = subprocess.run([sys.executable, "-c", probe, "test-org/tiny-clip"], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=120)
-    assert found.returncode == 0 and found.stdout.strip() == "CLIPScore", found.stderr[-2000:]
+    assert found.returncode == 0 and found.stdout.strip() == "PerImageCLIPScore", found.stderr[-2000:]
     absent = subprocess.run([sys.executable, "-c", probe, "test-org/absent"], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=120)
     assert absent.returncode != 0 and "nor a hub id in the local Hugging Face cache" in absent.stderr
     assert "Traceback" not in absent.stderr
+
+
+class OneRow(Extractor):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # one row whatever the batch: a wrong FID, silently
+        return self.conv(images.float() / 255.0).mean(dim=(0, 2, 3)).unsqueeze(0)
+
+
+class Flat(Extractor):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # (N,)
+        return self.conv(images.float() / 255.0).mean(dim=(1, 2, 3))
+
+
+class ImageShaped(Extractor):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # (N, 3, 299)
+        return torch.zeros(images.shape[0], 3, 299)
+
+
+class NotANumber(Extractor):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.conv(images.float() / 255.0).mean(dim=(2, 3)) * float("nan")
+
+
+class Needs299(Extractor):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # an InceptionV3-like network without a resize
+        if images.shape[-1] != 299:
+            raise RuntimeError("expected 299 x 299 input")
+        return self.conv(images.float() / 255.0).mean(dim=(2, 3))
+
+
+class NaNBeyondTwo(Extractor):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # passes the probe, then NaN on the run's batches
+        features = self.conv(images.float() / 255.0).mean(dim=(2, 3))
+        return features if images.shape[0] == 2 else features * float("nan")
+
+
+def scripted(module: torch.nn.Module, path: Path) -> str:
+    torch.jit.save(torch.jit.script(module), str(path))
+    return str(path)
+
+
+def test_user_models_are_probed_on_two_inputs_before_training_and_refused_in_one_line(files, tmp_path):
+    cases = [(OneRow(), "returns shape (1, 8) for 2 images, not (2, D)"),
+             (Flat(), "returns shape (2,) for 2 images"),
+             (ImageShaped(), "returns shape (2, 3, 299) for 2 images"),
+             (NotANumber(), "returns NaN or infinite features"),
+             (Needs299(), "fails on (2, 3, 32, 32) uint8 images (--image_size 32) (RuntimeError: expected 299 x 299 input)")]
+    for module, why in cases:
+        path = scripted(module, tmp_path / f"{type(module).__name__}.pt")
+        with pytest.raises(SystemExit, match=re.escape(f"--fid_weights {path}: the TorchScript ")) as refused:
+            image_metrics.load_fid(path, 32)
+        assert why in str(refused.value), str(refused.value)
+    # Through the command: one line, before any batch is trained (no checkpoint, no results).
+    message = error_of(benchmark.main, args(files, "--fid_weights", str(tmp_path / "OneRow.pt"), "--results_json",
+                                             str(tmp_path / "never.json")))
+    assert "returns shape (1, 8) for 2 images" in message and not (tmp_path / "never.json").exists()
+    # A CLIP folder whose weights are damaged (cut short): named, one line.
+    damaged = tmp_path / "damaged-clip"
+    shutil.copytree(files["clip"], damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])
+    message = error_of(benchmark.main, args(files, "--clip_model", str(damaged)))
+    assert f"--clip_model {damaged}: its files do not load as a CLIP model" in message
+
+
+def test_a_non_finite_feature_stops_every_rank_in_one_line_before_the_matrix_square_root(files, tmp_path):
+    # Finite on the probe's two images, NaN on the batch of 8 held-out images at the first evaluation:
+    # stopped on every rank before torchmetrics' compute() (oneMKL's square root ends the process on NaN).
+    path = scripted(NaNBeyondTwo(), tmp_path / "nan.pt")
+    message = error_of(benchmark.main, args(files, "--fid_weights", path, "--clip_model", str(files["clip"])))
+    assert "--fid_weights: the extractor returned NaN or infinite features for the held-out images" in message
+
+
+def random_clip(folder: Path) -> Path:
+    """tiny_clip's shape with its random weights as drawn: cosines of either sign."""
+    tiny_clip(folder)
+    from transformers import CLIPConfig
+    torch.manual_seed(1)
+    CLIPModel(CLIPConfig.from_pretrained(folder)).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.filterwarnings("ignore:Encountered caption longer")  # torchmetrics' own slice, the reference
+def test_clip_score_clips_each_image_and_keeps_a_long_captions_end_token(tmp_path):
+    folder = random_clip(tmp_path / "clip")
+    clip = image_metrics.load_clip(str(folder), 32)
+    model, processor = clip.model, clip.processor
+    images = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    captions = [f"photo {i}" for i in range(6)]
+    clip.update(images, captions)
+    ours = float(clip.compute())
+    # torchmetrics' score of each image alone is its definition, max(100 cos, 0); the run's is their mean.
+    alone = [float(clip_score(image, caption, model_name_or_path=lambda: (model, processor)))
+             for image, caption in zip(images, captions)]
+    assert ours == pytest.approx(sum(alone) / len(alone), rel=1e-5)
+    batched = float(clip_score(list(images), captions, model_name_or_path=lambda: (model, processor)))
+    assert ours != pytest.approx(batched, rel=1e-3)  # some images score under 0: clipping the mean differs
+    # A caption of 100 one-token words: CLIP reads its first 75 and the end token, as the tokenizer cuts it.
+    words = ("a red square on a blue circle " * 15).split()[:100]
+    clip.reset()
+    clip.update(images[:1], [" ".join(words)])
+    long = float(clip.compute())
+    clip.reset()
+    clip.update(images[:1], [" ".join(words[:75])])
+    assert long == pytest.approx(float(clip.compute()), rel=1e-5)
+    sliced = float(clip_score(images[0], " ".join(words), model_name_or_path=lambda: (model, processor)))
+    assert long != pytest.approx(sliced, rel=1e-3)  # torchmetrics' slice drops the end token CLIP pools at
+
+
+@pytest.mark.multirank
+def test_three_ranks_with_fewer_captions_and_an_odd_held_out_count_score_as_one_rank(files, capsys):
+    # 7 held-out samples at 2 a rank on 3 ranks (no batch divides 7: ranks 1 and 2 end on the sampler's
+    # repeat) and 2 captions (rank 2 draws none): every sample once, every rank done, the figures of one
+    # rank. The one-rank run computes the held-out images' FID statistics and writes them; the three ranks
+    # read them before their clock starts. The learning rate moves no weight (float32), so both evaluate the same weights. Its own
+    # launches: no shared run has 3 ranks.
+    out = files["root"] / "three-ranks"
+    out.mkdir()
+    stats = out / "real.npz"
+    flags = args(files, "--batch_size", "6", "--lr", "1e-30", "--eval_interval", "1ba", "--max_duration", "1ba",
+                 "--eval_samples", "7", "--image_eval_samples", "2", "--fid_real_stats", str(stats))
+    one = benchmark.main([*flags, "--results_json", str(out / "one.json")])
+    assert f"FID's reference statistics written to {stats}" in capsys.readouterr().out and stats.is_file()
+    three = run_cli([*flags, "--results_json", str(out / "three.json")], launcher=composer_launcher(3), env=rank_env(),
+                    timeout=LAUNCH_TIMEOUT_S)
+    assert three.returncode == 0, three.stdout[-3000:] + three.stderr[-3000:]
+    assert "held-out images for FID's reference statistics" not in three.stdout  # read from the file
+    (alone,) = one["eval_history"]
+    (spread,) = json.loads((out / "three.json").read_text())["eval_history"]
+    assert spread["held_out_samples"] == alone["held_out_samples"] == 7
+    assert spread["image_samples"] == alone["image_samples"] == 2
+    for key in ("loss", "fid", "clip_score"):
+        assert spread[key] == pytest.approx(alone[key], rel=1e-4), key
+    # The file fits only what it was computed from: another caption count is refused, before training.
+    message = error_of(benchmark.main, [*flags, "--image_eval_samples", "3"])
+    assert f"--fid_real_stats {stats} was computed with num_images 2, this run has 3" in message

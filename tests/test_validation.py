@@ -16,7 +16,8 @@ from PIL import Image
 import benchmark
 from t2ibench.families import family_of
 from t2ibench.objectives import DDPMObjective
-from tests.helpers import TINY_SYNTH, Launch, rank_env, supervise, two_ranks
+from tests.helpers import (LAUNCH_TIMEOUT_S, TINY_SYNTH, Launch, composer_launcher, rank_env, run_cli, supervise,
+                           two_ranks)
 
 TINY = [*TINY_SYNTH, "--warmup_batches", "1", "--log_interval", "1ba"]
 # Two ranks of 2 samples (global batch 4), evaluated every 2 batches on 8 held-out samples (4 a rank).
@@ -80,7 +81,6 @@ def test_sd2_fixed_timesteps_span_the_schedule():
     (["--eval_samples", "8"], "--eval_samples needs --eval_interval"),
     (["--eval_interval", "0ba"], "--eval_interval '0ba' must be a positive"),
     (["--eval_interval", "2ba", "--eval_local", "/nonexistent"], "--use_synth_data evaluates on synthetic held-out"),
-    (["--eval_interval", "2ba", "--eval_samples", "2"], "fewer than one global batch"),
 ])
 def test_incomplete_validation_flags_fail_in_one_line(flags, message, capsys):
     with pytest.raises(SystemExit, match=message):
@@ -158,3 +158,22 @@ def test_two_ranks_that_miss_the_target_train_to_max_duration_and_say_not_conver
     assert [(e["batch"], e["samples_trained"], e["held_out_samples"]) for e in r["eval_history"]] == [
         (2, 8, 8), (4, 16, 8), (6, 24, 8)]
     assert "target       loss <= 1e-09 not reached in 24 samples (converged: false" in launches["unreached"].output()
+
+
+@pytest.mark.multirank
+def test_three_ranks_score_two_held_out_samples_each_once_as_one_rank_does(tmp_path):
+    # Fewer held-out samples than ranks: rank 2 has none of its own (it runs its forward on the sampler's
+    # repeat, which Composer leaves out of the metric) and waits on nobody. The learning rate is so small
+    # that no weight moves (float32), so both runs evaluate the same weights: the one-rank run is the
+    # reference for the loss. Its own launch: no shared run has 3 ranks.
+    flags = [*TINY, "--batch_size", "3", "--max_duration", "1ba", "--eval_interval", "1ba", "--eval_samples", "2",
+             "--lr", "1e-30", "--seed", "5"]
+    three = run_cli([*flags, "--results_json", str(tmp_path / "three.json")], launcher=composer_launcher(3),
+                    env=rank_env(), timeout=LAUNCH_TIMEOUT_S)
+    assert three.returncode == 0, three.stdout[-3000:] + three.stderr[-3000:]
+    one = benchmark.main([*flags, "--results_json", str(tmp_path / "one.json")])
+    (spread,) = json.loads((tmp_path / "three.json").read_text())["eval_history"]
+    (alone,) = one["eval_history"]
+    assert spread["held_out_samples"] == alone["held_out_samples"] == 2
+    assert spread["loss"] == pytest.approx(alone["loss"], rel=1e-5)
+    assert [value is None for value in spread["per_timestep"]] == [value is None for value in alone["per_timestep"]]

@@ -59,7 +59,10 @@ class ValidationLog(Callback):
 
     def fit_start(self, state: State, logger: Logger) -> None:
         # After the set-up (model, data, the run record's checks, the buckets' FLOP counts at the
-        # throughput callback's FIT_START): off the clock, as MLPerf's run start follows initialization.
+        # throughput callback's FIT_START) and the --fid_real_stats file: off the clock, as MLPerf's run
+        # start follows initialization (its SD2 reference reads COCO's FID statistics from a file it ships).
+        if self.images is not None:
+            self.images.read_stats()
         self._fit_start = time.perf_counter()
         if self.reached is not None:
             state.stop_training()  # a retried job whose run had reached its target: nothing more to train
