@@ -370,11 +370,14 @@ class StreamBuckets:
     def bucket_of_sample(self, index: int) -> Bucket:
         return self.stream_buckets[int(self.stream_per_shard[self.spanner[index][0]])]
 
-    def _count_steps(self, samples_per_stream: list[int]) -> None:
+    def _count_steps(self) -> None:
+        """The epoch's steps from each stream's samples an epoch as Streaming drew them (`choose`)."""
         world = self._parallel_rank_world
-        canonical = self.num_canonical_nodes or world.num_nodes  # Streaming's default for a per_stream epoch
-        self.epoch_steps = sum(stream_steps(samples, canonical, world.num_nodes, world.ranks_per_node,
-                                            self.batch_size) for samples in samples_per_stream)
+        # Streaming 0.13's default canonical nodes (StreamingDataset._resume), where the flag leaves them unset.
+        canonical = self.num_canonical_nodes or (
+            64 * world.num_nodes if self.shuffle_algo in ("py1s", "py2s") else world.num_nodes)
+        self.epoch_steps = sum(stream_steps(int(stream.choose), canonical, world.num_nodes, world.ranks_per_node,
+                                            self.batch_size) for stream in self.streams)
 
     def __len__(self) -> int:
         return self.epoch_steps * self.batch_size  # this rank's samples of an epoch
@@ -389,13 +392,13 @@ class BucketedImageCaptions(StreamBuckets, StreamingImageCaptions):
     decoded into its stream's bucket, resized to cover it and cropped, at a random corner drawn from
     (seed, epoch, sample) or centered (`crop`)."""
 
-    def __init__(self, *, streams: list[Stream], stream_buckets: tuple[Bucket, ...], samples_per_stream: list[int],
-                 crop: str = "random", **kwargs: Any):
+    def __init__(self, *, streams: list[Stream], stream_buckets: tuple[Bucket, ...], crop: str = "random",
+                 **kwargs: Any):
         if crop not in CROPS:
             raise ValueError(f"crop must be one of {CROPS}, not {crop!r}")
         super().__init__(**kwargs, streams=streams, batching_method="per_stream")
         self.stream_buckets, self.crop = tuple(stream_buckets), crop
-        self._count_steps(samples_per_stream)
+        self._count_steps()
 
     def _check_caption(self, sample: dict[str, Any]) -> str:
         caption = sample[self.caption_key]
@@ -430,9 +433,9 @@ def epoch_samples(settings: StreamingSettings) -> int | None:
 
 def bucket_streams(sources: list[Source], buckets: tuple[Bucket, ...], image_size: int, kind: str,
                    global_batch: int, epoch_size: int | None, timeout_s: float = 60.0
-                   ) -> tuple[list[Stream], tuple[Bucket, ...], list[int]]:
-    """One `Stream` per bucket folder of each sorted source (`t2ibench.bucket_folders`), the run's bucket
-    of each and its samples an epoch. Only each source's small record is read (downloaded from a remote);
+                   ) -> tuple[list[Stream], tuple[Bucket, ...]]:
+    """One `Stream` per bucket folder of each sorted source (`t2ibench.bucket_folders`) and the run's bucket
+    of each. Only each source's small record is read (downloaded from a remote);
     a folder with fewer samples an epoch than one global batch is left out, named in one line on rank 0.
     An unsorted source, or one of the other kind: ValueError in one line."""
     records = []
@@ -459,7 +462,7 @@ def bucket_streams(sources: list[Source], buckets: tuple[Bucket, ...], image_siz
                          f"({counts}{', ...' if len(planned) > 6 else ''}): use more data or a smaller --batch_size")
     proportions = kept[0].proportion is not None
     streams = [Stream(remote=s.remote, local=s.local, proportion=s.proportion if proportions else None) for s in kept]
-    return streams, tuple(s.bucket for s in kept), [s.samples_per_epoch for s in kept]
+    return streams, tuple(s.bucket for s in kept)
 
 
 def laion_dataloader(remote: str | None = None, local: str | None = None, tokenizer: Any = None, image_size: int = 512,
@@ -482,11 +485,10 @@ def laion_dataloader(remote: str | None = None, local: str | None = None, tokeni
                   image_key=image_key, caption_key=caption_key, max_bad_fraction=max_bad_fraction,
                   bad_check_after=bad_check_after, **{**settings.dataset_kwargs(seed), **streaming_kwargs})
     if buckets:
-        streams, stream_buckets, samples = bucket_streams(
+        streams, stream_buckets = bucket_streams(
             resolve_sources(sources, remote, local), buckets, image_size, IMAGES,
             batch_size_per_device * dist.get_world_size(), epoch_samples(settings), settings.download_timeout)
-        dataset = BucketedImageCaptions(streams=streams, stream_buckets=stream_buckets, samples_per_stream=samples,
-                                        crop=crop, **common)
+        dataset = BucketedImageCaptions(streams=streams, stream_buckets=stream_buckets, crop=crop, **common)
     else:
         dataset = StreamingImageCaptions(remote=remote, local=local, sources=sources, **common)
     warn_about_large_epoch(dataset)
@@ -615,11 +617,10 @@ class BucketedLatents(StreamBuckets, StreamingLatents):
     """Precomputed latents sorted into bucket folders (`latents.py --aspect_buckets`), one stream per
     folder, in batches of one bucket (`StreamBuckets`): each folder's latents have its bucket's shape."""
 
-    def __init__(self, *, streams: list[Stream], stream_buckets: tuple[Bucket, ...], samples_per_stream: list[int],
-                 **kwargs: Any):
+    def __init__(self, *, streams: list[Stream], stream_buckets: tuple[Bucket, ...], **kwargs: Any):
         super().__init__(**kwargs, streams=streams, batching_method="per_stream")
         self.stream_buckets = tuple(stream_buckets)
-        self._count_steps(samples_per_stream)
+        self._count_steps()
         for (where, shard), bucket in zip(first_shards(self), self.stream_buckets):  # each folder at its bucket's shape
             shape = column_arrays(list(getattr(shard, "column_names", [])),
                                   list(getattr(shard, "column_encodings", []))).get("latent_mean", (None, None))[1]
@@ -660,10 +661,10 @@ def latents_dataloader(*, synthetic: bool, remote: str | None = None, local: str
     common = dict(batch_size=batch_size_per_device, text_dim=text_dim, family=family, config=config,
                   **{**settings.dataset_kwargs(seed), **streaming_kwargs})
     if buckets:
-        streams, stream_buckets, samples = bucket_streams(
+        streams, stream_buckets = bucket_streams(
             resolve_sources(sources, remote, local), buckets, image_size, LATENTS,
             batch_size_per_device * dist.get_world_size(), epoch_samples(settings), settings.download_timeout)
-        dataset = BucketedLatents(streams=streams, stream_buckets=stream_buckets, samples_per_stream=samples, **common)
+        dataset = BucketedLatents(streams=streams, stream_buckets=stream_buckets, **common)
     else:
         dataset = StreamingLatents(remote=remote, local=local, sources=sources, image_size=image_size, **common)
     warn_about_large_epoch(dataset)
