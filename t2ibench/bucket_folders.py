@@ -83,14 +83,18 @@ def read_record(folder: str | os.PathLike) -> BucketRecord | None:
 def fetch_record(remote: str, local: str, timeout_s: float) -> BucketRecord | None:
     """The record of a remote sorted dataset, downloaded into its cache `local` (with Streaming's own
     downloader, as its index files are); None when the remote has none (an unsorted dataset)."""
-    from streaming.base.storage import download_file
+    from streaming.base.storage import CloudDownloader
 
     target = Path(local, RECORD_FILE)
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        download_file(f"{remote.rstrip('/')}/{RECORD_FILE}", str(target), timeout_s)
+        CloudDownloader.direct_download(f"{remote.rstrip('/')}/{RECORD_FILE}", str(target), timeout_s)
     except FileNotFoundError:
         return None
+    except Exception as error:  # noqa: BLE001  botocore's ClientError for a missing object
+        if getattr(error, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+            return None
+        raise
     return parse_record(target.read_text(), f"{remote.rstrip('/')}/{RECORD_FILE}")
 
 
