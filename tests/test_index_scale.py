@@ -18,6 +18,34 @@ def test_written_index_opens_as_an_mds_dataset(tmp_path):
     assert dataset.shards[0].column_names == index_scale.KINDS["latents"]["names"]
 
 
+def test_a_bucketed_epoch_start_is_streamings_per_stream_over_one_stream_per_folder(tmp_path):
+    index_scale.write_dataset(tmp_path / "b", "latents", 40, 25, buckets=7)  # 40 shards over 7 folders
+    assert len([p for p in (tmp_path / "b").iterdir() if p.is_dir()]) == 7
+    args = argparse.Namespace(local=str(tmp_path / "b"), batch_size=4, shuffle_algo="py1e", epoch_size=None,
+                              num_canonical_nodes=None, workers=2, aspect_buckets=7)
+    result = index_scale.child(args)
+    assert result["epoch_samples"] == 40 * 25 and sum(w["leader"] for w in result["workers"]) == 1
+    # Full batches of one stream only: each folder's part-filled last batch is not dealt out.
+    assert 40 * 25 - 7 * 4 <= sum(w["samples"] for w in result["workers"]) <= 40 * 25
+
+
+def test_bucket_epoch_counts_what_an_epoch_trains(capsys):
+    from tests.helpers import bench_script
+
+    result = bench_script("bucket_epoch").main(["--samples", "20000", "--ranks_per_node", "2", "--workers", "2"])
+    assert result["trained"] + result["left_out"] == result["total"] == 20_000
+    assert 0 <= result["left_out"] < 25 * 8  # at most a part-filled global batch of each of the 25 buckets
+    assert "photos trained" in capsys.readouterr().out
+
+
+def test_bench_data_times_the_bucketed_loader_beside_the_square_one(capsys):
+    from tests.helpers import bench_script
+
+    rows = bench_script("bench_data").main(["--num_samples", "48", "--image_size", "64", "--batch_size", "4",
+                                            "--num_workers", "0", "--aspect_buckets"])
+    assert [row["loader"] for row in rows] == ["square", "bucketed"] and all(row["images_per_sec"] > 0 for row in rows)
+
+
 def test_epoch_start_in_workers_is_measured_and_projected(tmp_path):
     rows = {"index": [], "epoch": []}
     for num_shards, per_shard in ((40, 25), (80, 25)):
