@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root
 
 import data
 from convert import COLUMNS
-from t2ibench.cli import BATCH_SIZE, IMAGE_SIZE, NON_NEGATIVE_INT, POSITIVE_INT, Parser
+from t2ibench.cli import BATCH_SIZE, IMAGE_SIZE, NON_NEGATIVE_INT, POSITIVE_INT, REPEATS, Parser
 from t2ibench.tokenizer import bundled_tokenizer
 
 A100_IMAGES_PER_SEC = 16.0  # the 2023 benchmark, per A100 at 512x512
@@ -163,7 +163,7 @@ def build_parser() -> Parser:
     p.add_argument("--source_size", default="1024x768", help="generated image size WIDTHxHEIGHT")
     p.add_argument("--aspect_buckets", action="store_true",
                    help="generated photos of six aspect ratios: the square loader against the bucketed one")
-    p.add_argument("--repeats", type=POSITIVE_INT, default=1, help="times each setting is timed (the median is shown)")
+    p.add_argument("--repeats", type=REPEATS, default=1, help="times each setting is timed (the median is shown)")
     p.add_argument("--image_dtype", default="uint8",
                    help="comma-separated: uint8 (what training uses) and/or float32 (images scaled in the workers)")
     return p
