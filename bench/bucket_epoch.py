@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
-from t2ibench.buckets import Bucket, default_buckets, nearest_bucket  # noqa: E402
+from t2ibench.buckets import default_buckets, nearest_bucket  # noqa: E402
 from t2ibench.cli import BATCH_SIZE, POSITIVE_INT, Parser  # noqa: E402
 
 # (aspect ratio width / height, share of photos)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from t2ibench.bucket_folders import IMAGES, LATENTS, RECORD_FILE, BucketWriters, record_of
+from t2ibench.bucket_folders import LATENTS, RECORD_FILE, BucketWriters, record_of
 from t2ibench.buckets import Bucket, nearest_bucket
 from t2ibench.errors import fail
 from t2ibench.files import staged_folder
@@ -185,16 +185,14 @@ def sort_dataset(job: SortJob, folder: str, out: str, workers: int, progress: bo
     if done:
         say(f"resuming: {len(done)} of {len(shards)} input shard(s) already sorted in {sorting}")
     tasks = [(job, folder, str(sorting), n, writer_kwargs) for n in todo]
+    pool = None
+    if workers > 1 and len(tasks) > 1:  # started before tqdm's thread, so forking is safe (as convert.py's)
+        context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        pool = context.Pool(min(workers, len(tasks)), initializer=_worker_start)
     bar = tqdm(total=samples, initial=sum(shards[n]["samples"] for n in done), unit=" sample", desc="sort",
                disable=not progress, mininterval=1.0, dynamic_ncols=True, file=sys.stderr)
-    pool = None
     try:
-        if workers > 1 and len(tasks) > 1:
-            context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-            pool = context.Pool(min(workers, len(tasks)), initializer=_worker_start)
-            results = pool.imap_unordered(_sort_one, tasks)
-        else:
-            results = map(_sort_one, tasks)
+        results = pool.imap_unordered(_sort_one, tasks) if pool is not None else map(_sort_one, tasks)
         for number, counts in results:
             done[number] = counts
             bar.update(shards[number]["samples"])
