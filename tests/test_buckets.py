@@ -285,3 +285,29 @@ def test_the_memory_model_counts_the_largest_bucket_in_tokens_for_flux_and_pixel
         return memory.plan("flux1-tiny", size, 80 * 2**30, per_device_batch=4, num_gpus=1)["activation_bytes_per_image"]
     square, double = activations(64), activations((64, 128))
     assert 1.3 * square < double < 2 * square, (square, double)
+
+
+def test_two_sources_mix_as_their_proportions_say_each_with_its_own_buckets(bucket_folders):
+    from streaming import Stream, StreamingDataset
+
+    from t2ibench.bucket_folders import IMAGES, BucketFolder, BucketRecord, plan_streams
+    from t2ibench.sources import Source
+
+    # Source A: the two largest folders; source B: three others (folders of the fixture, read as two datasets).
+    a_names, b_names = ["64x64", "48x80"], ["80x48", "40x96", "96x40"]
+    record = {name: BucketRecord(IMAGES, 64, tuple(BucketFolder(buckets.parse_bucket(n), FOLDER_SAMPLES[n])
+                                                   for n in names)) for name, names in (("a", a_names), ("b", b_names))}
+    sources = [Source(None, str(bucket_folders), 0.3), Source(None, str(bucket_folders), 0.7)]
+    listed = tuple(buckets.parse_bucket(n) for n in FOLDER_SAMPLES)
+    planned = plan_streams(sources, [record["a"], record["b"]], listed, 64, epoch_size=None)
+    dataset = StreamingDataset(streams=[Stream(local=s.local, proportion=s.proportion) for s in planned], batch_size=1,
+                               batching_method="per_stream", shuffle=False)
+    drawn = [int(stream.choose) for stream in dataset.streams]
+    # The plan (which decides what is left out) counts what Streaming draws, to the one sample Streaming's
+    # rounding hands to a stream drawn at random; the steps are counted from Streaming's own draws.
+    assert all(abs(n - s.samples_per_epoch) <= 1 for n, s in zip(drawn, planned))
+    total = sum(drawn)
+    assert abs(sum(drawn[:2]) / total - 0.3) < 1e-3 and abs(sum(drawn[2:]) / total - 0.7) < 1e-3
+    # Within a source, its buckets keep their mix.
+    assert abs(drawn[0] / drawn[1] - FOLDER_SAMPLES["64x64"] / FOLDER_SAMPLES["48x80"]) < 1e-2
+    assert abs(drawn[2] / drawn[4] - FOLDER_SAMPLES["80x48"] / FOLDER_SAMPLES["96x40"]) < 1e-2
