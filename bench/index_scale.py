@@ -364,7 +364,7 @@ def project(rows: dict[str, list[dict]], args: argparse.Namespace) -> dict:
             print(f"projected with {name} {fits[name]:.3g} (--{name}) instead of the fit")
     print(f"\nprojection for {TARGET_SAMPLES:,} samples, {args.gpus_per_node} ranks x {args.workers} workers per "
           f"node (the same per node on 64 nodes: each node holds the index and its own copy of the partition), "
-          f"{f'{args.aspect_buckets} bucket streams per_stream' if args.aspect_buckets else 'square'}, "
+          f"{f'{args.aspect_buckets} bucket streams per_stream' if getattr(args, 'aspect_buckets', 0) else 'square'}, "
           f"shuffle {args.shuffle_algo}; budget {args.budget_gib:g} GiB and {args.budget_s:g} s per rank. "
           "'rank' = the larger of the open peak and the rank's index + its workers' private memory + (local rank 0) "
           "the partition builder's peak; "
