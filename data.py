@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from t2ibench.bucket_folders import (IMAGES, LATENTS, fetch_record, left_out, left_out_line, plan_streams,
                                      read_record, stream_steps, unsorted_problem)
 from t2ibench.buckets import CROPS, Bucket, crop_generator, place
-from t2ibench.errors import STORAGE_MODULES
+from t2ibench.errors import STORAGE_MODULES, fail
 from t2ibench.families import FAMILIES, ModelFamily
 from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
 from t2ibench.images import (CROP_KEY, GEOMETRY_KEYS, ORIGINAL_SIZE_KEY, ImageGeometry,  # noqa: F401
@@ -448,7 +448,8 @@ def bucket_streams(sources: list[Source], buckets: tuple[Bucket, ...], image_siz
     """One `Stream` per bucket folder of each sorted source (`t2ibench.bucket_folders`) and the run's bucket
     of each. Only each source's small record is read (downloaded from a remote);
     a folder with fewer samples an epoch than one global batch is left out, named in one line on rank 0.
-    An unsorted source, or one of the other kind: ValueError in one line."""
+    An unsorted source, one of the other kind, or no folder of a global batch: one line (errors.fail), before
+    anything is trained (benchmark.py's checks refuse the first two before the loader is built)."""
     records = []
     for source in sources:
         if source.remote and is_remote(source.remote):
@@ -457,9 +458,9 @@ def bucket_streams(sources: list[Source], buckets: tuple[Bucket, ...], image_siz
             record = read_record(source.remote or source.local)
         where = source.remote or source.local
         if record is None:
-            raise ValueError(unsorted_problem("--remote" if source.remote else "--local", where, []))
+            fail(unsorted_problem("--remote" if source.remote else "--local", where, []))
         if record.kind != kind:
-            raise ValueError(f"{where} holds {record.kind} sorted into buckets, not {kind}: "
+            fail(f"{where} holds {record.kind} sorted into buckets, not {kind}: "
                              + ("add --precomputed" if record.kind == LATENTS else "drop --precomputed"))
         records.append(record)
     planned = plan_streams(sources, records, buckets, image_size, epoch_size)
@@ -469,7 +470,7 @@ def bucket_streams(sources: list[Source], buckets: tuple[Bucket, ...], image_siz
               file=sys.stderr, flush=True)
     if not kept:
         counts = ", ".join(f"{s.label}: {s.samples_per_epoch}" for s in planned[:6])
-        raise ValueError(f"--aspect_buckets: no bucket folder holds one global batch of {global_batch} samples an epoch "
+        fail(f"--aspect_buckets: no bucket folder holds one global batch of {global_batch} samples an epoch "
                          f"({counts}{', ...' if len(planned) > 6 else ''}): use more data or a smaller --batch_size")
     proportions = kept[0].proportion is not None
     streams = [Stream(remote=s.remote, local=s.local, proportion=s.proportion if proportions else None) for s in kept]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from t2ibench.buckets import Bucket, nearest_bucket, parse_bucket
+from t2ibench.errors import fail
 
 RECORD_FILE = "buckets.json"  # top-level: the folders and their samples; written last, so it marks a whole dataset
 FORMAT = "t2ibench-aspect-buckets"
@@ -189,7 +190,7 @@ def plan_streams(sources: list[Any], records: list[BucketRecord], run_buckets: t
     """The streams of every folder of every source, with the samples each contributes to an epoch as
     Streaming draws them: a source's proportion is spread over its folders by their samples (so the
     sources mix as their proportions say and each keeps its own buckets' mix); without proportions every
-    sample once, scaled to --epoch_size when given. A latents folder the run's list lacks: ValueError."""
+    sample once, scaled to --epoch_size when given. A latents folder the run's list lacks: one line."""
     planned: list[tuple[Any, BucketRecord, BucketFolder, Bucket, float | None]] = []
     for source, record in zip(sources, records):
         for folder in record.folders:
@@ -197,8 +198,8 @@ def plan_streams(sources: list[Any], records: list[BucketRecord], run_buckets: t
                 continue
             bucket = run_bucket(folder, record, run_buckets, image_size)
             if bucket is None:
-                raise ValueError(f"{source.remote or source.local}: latents stored at {folder.bucket.name}, which "
-                                 "the run's --aspect_buckets list does not hold")
+                fail(f"{source.remote or source.local}: latents stored at {folder.bucket.name}, which the run's "
+                     "--aspect_buckets list does not hold: pass the list they were computed with")
             share = None if source.proportion is None else source.proportion * folder.samples / record.num_samples
             planned.append((source, record, folder, bucket, share))
     total = sum(folder.samples for _, _, folder, _, _ in planned)
