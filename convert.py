@@ -5,11 +5,14 @@
     python convert.py ~/photos --out /data/mds/photos                       # folder of images + .txt
     python convert.py /data/laion-wds --out s3://my-bucket/laion/mds        # img2dataset webdataset
     python convert.py /data/laion-parquet/*.parquet --out /data/mds/laion   # img2dataset parquet
+    python convert.py ~/photos --out /data/mds/photos-bucketed --aspect_buckets  # one folder per bucket
 
 INPUT: folders (searched recursively) or files of any mix of those kinds (`t2ibench.convert_inputs`
 reads them). OUT: a new or empty local folder, or a URI MDSWriter uploads to (s3://, gs://, oci://,
 azure://...). Columns `jpg` (image bytes), `caption`, `key`; what each input may hold, what is
-skipped and why, and how to convert a large dataset in parts: docs/data.md.
+skipped and why, and how to convert a large dataset in parts: docs/data.md. With --aspect_buckets
+each image goes to the folder of the bucket nearest its aspect ratio (`t2ibench.bucket_folders`), for
+benchmark.py --aspect_buckets.
 """
 from __future__ import annotations
 
@@ -32,11 +35,13 @@ from PIL import Image, ImageOps
 from tqdm import tqdm
 
 from t2ibench import errors
-from t2ibench.cli import NON_NEGATIVE_INT, POSITIVE_INT, Parser, Range
+from t2ibench.cli import IMAGE_SIZE, NON_NEGATIVE_INT, POSITIVE_INT, Parser, Range
 from t2ibench.convert_inputs import (EMPTY_CAPTION, FORMAT_CHOICES, MISSING_CAPTION, MISSING_IMAGE, PARQUET_CAPTION_COLUMNS,
                                      PARQUET_IMAGE_COLUMNS, STAGING, TOO_SMALL, UNDECODABLE, Candidate, ConvertError,
                                      Report, find_sources, iter_candidates)
-from t2ibench.images import load_image, to_rgb
+from t2ibench.bucket_folders import IMAGES, RECORD_FILE, BucketWriters, read_record, record_of
+from t2ibench.buckets import Bucket, nearest_bucket, resolve_buckets
+from t2ibench.images import load_image, oriented_size, to_rgb
 from t2ibench.locations import (check_output, is_remote, missing_upload_credentials, normalise, scheme,
                                 upload_schemes)
 from t2ibench.files import Hold, acquire
@@ -135,6 +140,13 @@ def _dataset_files(folder: Path) -> set[str]:
         owned.add("index.json")
     except (OSError, ValueError, TypeError, AttributeError, KeyError):
         pass  # no (readable) index: nothing else is ours
+    try:  # a dataset sorted into bucket folders (--aspect_buckets): its record and its folders
+        record = read_record(folder)
+    except ValueError:
+        record = None
+    if record is not None:
+        owned.add(RECORD_FILE)
+        owned.update(entry.folder for entry in record.folders)
     return owned
 
 
@@ -202,15 +214,18 @@ def publish(output: Output) -> None:
     if output.writer_out == output.out:
         return
     staging, path = Path(output.writer_out), Path(output.writer_out).parent
-    index = json.loads((staging / INDEX_FILE).read_text())
-    missing = missing_shard_files(staging, index)
-    if missing:  # never an index whose files are not all there
-        raise ConvertError(f"--out {output.out}: {len(missing)} of the {len(index['shards'])} shard file(s) just "
-                           f"written are gone from {staging} ({missing[0]}...): something else deleted them while "
-                           "this ran; the old dataset, if any, is untouched; run the conversion again")
+    record = read_record(staging)  # --aspect_buckets: one dataset per bucket folder, the record last
+    for folder in [staging / entry.folder for entry in record.folders] if record else [staging]:
+        index = json.loads((folder / INDEX_FILE).read_text())
+        missing = missing_shard_files(folder, index)
+        if missing:  # never an index whose files are not all there
+            raise ConvertError(f"--out {output.out}: {len(missing)} of the {len(index['shards'])} shard file(s) just "
+                               f"written are gone from {folder} ({missing[0]}...): something else deleted them while "
+                               "this ran; the old dataset, if any, is untouched; run the conversion again")
     for old in output.replaced:
-        old.unlink()
-    names = sorted(os.listdir(staging), key=lambda name: name == "index.json")
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    last = RECORD_FILE if record else "index.json"
+    names = sorted(os.listdir(staging), key=lambda name: name == last)
     for name in names:
         os.replace(staging / name, path / name)
     staging.rmdir()
@@ -232,8 +247,9 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
             hashes: tuple[str, ...] = ("sha1", "xxh64"), size_limit: int | str = "64mb", min_size: int = 0,
             max_size: int = 0, quality: int = 95, overwrite: bool = False, workers: int = 1,
             image_column: str | None = None, caption_column: str | None = None, progress: bool = True,
-            allow_truncated: bool = False) -> Report:
-    """Convert `inputs` to MDS shards in `out`; returns the report (also printed by main)."""
+            allow_truncated: bool = False, buckets: tuple[Bucket, ...] = (), image_size: int = 1024) -> Report:
+    """Convert `inputs` to MDS shards in `out`; returns the report (also printed by main). With `buckets`,
+    one MDS folder per bucket (images sorted by their aspect ratio at `image_size`) and the record."""
     inputs = [normalise("INPUT", name, ()) if scheme(name) == "file" else name for name in inputs]
     out = normalise("--out", out, upload_schemes())
     if fmt not in FORMAT_CHOICES:
@@ -253,6 +269,10 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
     problem = codec_problem(compression, hashes, " (zstd:19 sets a level)") or size_limit_problem(size_limit)
     if problem:
         raise ConvertError(problem)
+    if buckets and is_remote(out):
+        # The bucket folders and their record are published together from a local staging folder.
+        raise ConvertError(f"--aspect_buckets writes a local --out, not {out}: convert into a folder, then copy it to "
+                           "the store whole (aws s3 sync FOLDER s3://...), the record buckets.json last")
     # --out probed before any input is read: writable, a folder, and not an input nor inside one
     # (nor holding one, which --overwrite would delete).
     problem = check_output("--out", out, folder=True, inputs=[("INPUT", name) for name in inputs])
@@ -266,7 +286,7 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
         return _convert(inputs, out, hold, fmt=fmt, compression=compression, hashes=hashes, size_limit=size_limit,
                         min_size=min_size, max_size=max_size, quality=quality, overwrite=overwrite, workers=workers,
                         image_column=image_column, caption_column=caption_column, progress=progress,
-                        allow_truncated=allow_truncated)
+                        allow_truncated=allow_truncated, buckets=buckets, image_size=image_size)
     finally:
         if hold is not None:
             hold.release()
@@ -275,7 +295,7 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
 def _convert(inputs: list[str], out: str, hold: Hold | None, *, fmt: str, compression: str | None,
              hashes: tuple[str, ...], size_limit: int | str, min_size: int, max_size: int, quality: int,
              overwrite: bool, workers: int, image_column: str | None, caption_column: str | None, progress: bool,
-             allow_truncated: bool) -> Report:
+             allow_truncated: bool, buckets: tuple[Bucket, ...], image_size: int) -> Report:
     """The conversion itself, with --out checked and held (convert)."""
     report = Report(out=out)
     sources, total = find_sources(inputs, fmt, image_column, caption_column, report, allow_truncated)
@@ -290,8 +310,9 @@ def _convert(inputs: list[str], out: str, hold: Hold | None, *, fmt: str, compre
         if workers > 1:
             context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
             pool = context.Pool(workers, initializer=_default_sigterm)
-        writer = MDSWriter(out=output.writer_out, columns=COLUMNS, compression=compression or None,
-                           hashes=sorted(hashes), size_limit=size_limit)
+        writer_kwargs = dict(compression=compression or None, hashes=sorted(hashes), size_limit=size_limit)
+        writer = (BucketWriters(output.writer_out, lambda bucket: COLUMNS, **writer_kwargs) if buckets
+                  else MDSWriter(out=output.writer_out, columns=COLUMNS, **writer_kwargs))
         with tqdm(total=total, unit=" img", desc="convert", disable=not progress,
                   mininterval=1.0, dynamic_ncols=True) as bar:
             candidates = iter_candidates(sources, report, image_column, caption_column)
@@ -301,7 +322,11 @@ def _convert(inputs: list[str], out: str, hold: Hold | None, *, fmt: str, compre
                     if reason:
                         report.skipped[reason] += 1
                     else:
-                        writer.write({"jpg": sample.image, "caption": sample.caption, "key": sample.key})
+                        row = {"jpg": sample.image, "caption": sample.caption, "key": sample.key}
+                        if buckets:  # the header alone: the image was decoded by `prepare` already
+                            writer.write(nearest_bucket(*oriented_size(sample.image), buckets, image_size), row)
+                        else:
+                            writer.write(row)
                         report.written += 1
                         report.reencoded += reencoded
                 bar.update(len(batch))
@@ -310,9 +335,12 @@ def _convert(inputs: list[str], out: str, hold: Hold | None, *, fmt: str, compre
             raise ConvertError("no sample could be converted (" + (", ".join(
                 f"{n:,} {reason}" for reason, n in report.skipped.most_common()) or "no samples found") +
                 "); nothing was written")
-        writer.finish()  # index.json last
-        report.shards = len(writer.shards)
+        counts = writer.finish()  # index.json last
+        report.shards = writer.num_shards if buckets else len(writer.shards)
         writer = None
+        if buckets:  # the record, listing every folder, is what makes the dataset whole
+            (Path(output.writer_out) / RECORD_FILE).write_text(
+                record_of(IMAGES, image_size, counts, buckets).to_json())
         publish(output)
         if pool is not None:
             pool.close()  # the workers finish their loop and exit; no signals needed
@@ -321,7 +349,7 @@ def _convert(inputs: list[str], out: str, hold: Hold | None, *, fmt: str, compre
     except BaseException:
         # No index.json for a dataset that is not whole: MDSWriter's context manager would write one.
         if writer is not None:
-            writer.cancel_future_jobs()
+            writer.cancel() if buckets else writer.cancel_future_jobs()
         discard(output)
         raise
     finally:
@@ -347,6 +375,12 @@ def build_parser() -> Parser:
     p.add_argument("--image_column", default=None, help=f"parquet image column (default: first of {PARQUET_IMAGE_COLUMNS})")
     p.add_argument("--caption_column", default=None, help=f"parquet caption column (default: first of {PARQUET_CAPTION_COLUMNS})")
     p.add_argument("--overwrite", action="store_true", help="replace the MDS dataset already in --out")
+    p.add_argument("--aspect_buckets", nargs="?", const="default", default=None, metavar="FILE",
+                   help="one MDS folder per aspect-ratio bucket, each image in the bucket nearest its aspect ratio, for "
+                        "benchmark.py --aspect_buckets. The bare flag: the default list at --image_size; FILE: one "
+                        "HEIGHTxWIDTH a line")
+    p.add_argument("--image_size", type=IMAGE_SIZE, default=1024,
+                   help="with --aspect_buckets: the side of the square whose pixels the default list's buckets hold")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     # Damaged input and debugging.
     p.add_argument("--allow_truncated", action="store_true",
@@ -369,11 +403,16 @@ def main(argv: list[str] | None = None) -> Report:
     compression = None if args.compression.lower() in ("", "none") else args.compression
     hashes = tuple(h for h in args.hashes.split(",") if h.strip())
     with errors.command("convert.py", debug=args.debug, explain=disk_error):
+        if args.aspect_buckets is None and args.image_size != 1024:
+            raise ConvertError("--image_size applies to --aspect_buckets only: add --aspect_buckets, or leave it out")
+        # Sides in multiples of 8 px (SDXL's latent patch); a run maps each folder to its own list by aspect ratio.
+        buckets = resolve_buckets(args.aspect_buckets, args.image_size, 8)
         report = convert(args.inputs, args.out, fmt=args.fmt, compression=compression, hashes=hashes,
                          size_limit=args.size_limit, min_size=args.min_size, max_size=args.max_size,
                          quality=args.quality, overwrite=args.overwrite, workers=args.workers,
                          image_column=args.image_column, caption_column=args.caption_column,
-                         progress=not args.no_progress, allow_truncated=args.allow_truncated)
+                         progress=not args.no_progress, allow_truncated=args.allow_truncated, buckets=buckets,
+                         image_size=args.image_size)
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(report.summary(), flush=True)

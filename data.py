@@ -1,7 +1,7 @@
 """Training data: every dataset `benchmark.py` reads, from one place (the 2023 benchmark's data.py):
 LAION-style image-caption MDS shards streamed with MosaicML Streaming, the precomputed latents
 latents.py writes (their format: `t2ibench.precomputed`), their aspect-ratio-bucketed forms
-(`t2ibench.bucketed_stream`), and synthetic images or latents (`t2ibench.synthetic_data`, re-exported).
+(one Streaming stream per bucket folder, `t2ibench.bucket_folders`), and synthetic images or latents (`t2ibench.synthetic_data`, re-exported).
 
 The samples each dataset yields, and why images cross as uint8, are in docs/data.md. This file stays
 at the root, where users of the 2023 benchmark import it from; the package never imports it.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from collections import Counter
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -21,17 +22,19 @@ from streaming import Stream, StreamingDataLoader, StreamingDataset
 from streaming.base.dataset import _ShardState
 from torch.utils.data import DataLoader
 
-from t2ibench.bucketed_stream import BucketedStream, check_first_epoch
-from t2ibench.buckets import CROPS, Bucket, crop_generator, nearest_bucket, place
-from t2ibench.errors import STORAGE_MODULES
+from t2ibench.bucket_folders import (IMAGES, LATENTS, fetch_record, left_out, left_out_line, plan_streams,
+                                     read_record, stream_steps, unsorted_problem)
+from t2ibench.buckets import CROPS, Bucket, crop_generator, place
+from t2ibench.errors import STORAGE_MODULES, fail
 from t2ibench.families import FAMILIES, ModelFamily
 from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
 from t2ibench.images import (CROP_KEY, GEOMETRY_KEYS, ORIGINAL_SIZE_KEY, ImageGeometry,  # noqa: F401
                              decode_pixels, decode_pixels_placed, decode_pixels_with_geometry, load_image,  # data's API
                              oriented_size, to_rgb)
-from t2ibench.precomputed import (BUCKET_KEY, DEFAULT_FAMILY, LATENT_KEYS, TEXT_FORMATS, TEXT_STATES,
+from t2ibench.precomputed import (DEFAULT_FAMILY, LATENT_KEYS, TEXT_FORMATS, TEXT_STATES,
                                   TEXT_STATES_KEY, TOKENS,
                                   column_arrays, stored_shapes, text_format, token_column)
+from t2ibench.locations import is_remote
 from t2ibench.sources import Source, parse_sources
 from t2ibench.streaming import (BAD_CHECK_AFTER, MAX_BAD_FRACTION, ResumesAfterItsEpoch, StreamingSettings,
                                 register_shm_prefixes_one_job_at_a_time)
@@ -274,11 +277,14 @@ class StreamingImageCaptions(ResumesAfterItsEpoch, NamedShardErrors, StreamingDa
     def __init__(self, *, remote: str | None = None, local: str | None = None, tokenizer: Any, image_size: int,
                  batch_size: int, sources: list[Source] | None = None, family: ModelFamily | None = None,
                  image_key: str = "jpg", caption_key: str = "caption", max_bad_fraction: float = MAX_BAD_FRACTION,
-                 bad_check_after: int = BAD_CHECK_AFTER, shuffle: bool = True, **streaming_kwargs: Any):
-        sources = resolve_sources(sources, remote, local)
-        if len(sources) == 1 and not sources[0].remote:
-            _check_local_only(sources[0].local)
-        super().__init__(**stream_arguments(sources), batch_size=batch_size, shuffle=shuffle, **streaming_kwargs)
+                 bad_check_after: int = BAD_CHECK_AFTER, shuffle: bool = True, streams: list[Stream] | None = None,
+                 **streaming_kwargs: Any):
+        if streams is None:
+            sources = resolve_sources(sources, remote, local)
+            if len(sources) == 1 and not sources[0].remote:
+                _check_local_only(sources[0].local)
+        locations = stream_arguments(sources) if streams is None else {"remote": None, "local": None, "streams": streams}
+        super().__init__(**locations, batch_size=batch_size, shuffle=shuffle, **streaming_kwargs)
         self.family = family or DEFAULT_FAMILY
         self.tokenizers = tokenizer if isinstance(tokenizer, dict) else {"tokenizer": tokenizer}
         self.image_size = image_size
@@ -348,28 +354,51 @@ class StreamingImageCaptions(ResumesAfterItsEpoch, NamedShardErrors, StreamingDa
                            f"(the first tried: sample {index} in {self.shard_name(index)})")
 
 
-class BucketedImageCaptions(BucketedStream, StreamingImageCaptions):
-    """Image-caption pairs in aspect-ratio buckets (`--aspect_buckets`, `BucketedStream`): a sample's
-    bucket comes from its image's header (`t2ibench.buckets.nearest_bucket`); it is decoded when its
-    bucket's batch is full, resized to cover the bucket and cropped, at a random corner drawn from
-    (seed, epoch, sample) or centered (`crop`).
-    """
+class StreamBuckets:
+    """A StreamingDataset mix-in for `--aspect_buckets`: one `Stream` per bucket folder
+    (`t2ibench.bucket_folders`) and Streaming's `per_stream` batching, which puts every global batch (all
+    ranks' samples of one step) in one stream, so every rank trains one bucket in every step, and resumes
+    mid-epoch on a global batch. A sample's bucket is its stream's: nothing is read per sample before
+    the first step but Streaming's index files.
 
-    def __init__(self, *, buckets: tuple[Bucket, ...], crop: str = "random", **kwargs: Any):
-        super().__init__(**kwargs)
-        if not buckets:
-            raise ValueError("BucketedImageCaptions needs at least one bucket")
+    `__len__` is the epoch's true length: Streaming 0.13 counts a square epoch's samples, which would size
+    `--max_duration Nep`'s schedule for batches per_stream batching does not make."""
+
+    stream_buckets: tuple[Bucket, ...]  # the run's bucket of each stream
+    epoch_steps: int  # global batches of an epoch (set by `_count_steps`)
+
+    def bucket_of_sample(self, index: int) -> Bucket:
+        return self.stream_buckets[int(self.stream_per_shard[self.spanner[index][0]])]
+
+    def _count_steps(self) -> None:
+        """The epoch's steps from each stream's samples an epoch as Streaming drew them (`choose`)."""
+        world = self._parallel_rank_world
+        # Streaming 0.13's default canonical nodes (StreamingDataset._resume), where the flag leaves them unset.
+        canonical = self.num_canonical_nodes or (
+            64 * world.num_nodes if self.shuffle_algo in ("py1s", "py2s") else world.num_nodes)
+        self.epoch_steps = sum(stream_steps(int(stream.choose), canonical, world.num_nodes, world.ranks_per_node,
+                                            self.batch_size) for stream in self.streams)
+
+    def __len__(self) -> int:
+        return self.epoch_steps * self.batch_size  # this rank's samples of an epoch
+
+    def current_epoch(self) -> int:
+        """The epoch being iterated (Streaming counts the next one from the start of `__iter__`)."""
+        return max(0, self.next_epoch - 1)
+
+
+class BucketedImageCaptions(StreamBuckets, StreamingImageCaptions):
+    """Image-caption pairs in aspect-ratio buckets (`--aspect_buckets`, `StreamBuckets`): each sample is
+    decoded into its stream's bucket, resized to cover it and cropped, at a random corner drawn from
+    (seed, epoch, sample) or centered (`crop`)."""
+
+    def __init__(self, *, streams: list[Stream], stream_buckets: tuple[Bucket, ...], crop: str = "random",
+                 **kwargs: Any):
         if crop not in CROPS:
             raise ValueError(f"crop must be one of {CROPS}, not {crop!r}")
-        self.buckets, self.crop = tuple(buckets), crop
-
-    def bucket_of(self, index: int) -> tuple[Bucket, int]:
-        """The bucket of sample `index` (or of the sample that replaces it), from its header alone."""
-        def size(sample: dict[str, Any]) -> tuple[int, int]:
-            self._check_caption(sample)
-            return oriented_size(sample[self.image_key])
-        candidate, (width, height) = self.first_usable(index, size, counted=False)
-        return nearest_bucket(width, height, self.buckets, self.image_size), candidate
+        super().__init__(**kwargs, streams=streams, batching_method="per_stream")
+        self.stream_buckets, self.crop = tuple(stream_buckets), crop
+        self._count_steps()
 
     def _check_caption(self, sample: dict[str, Any]) -> str:
         caption = sample[self.caption_key]
@@ -377,8 +406,10 @@ class BucketedImageCaptions(BucketedStream, StreamingImageCaptions):
             raise TypeError(f"caption is {type(caption).__name__}, not str")
         return caption
 
-    def item_in(self, index: int, bucket: Bucket, epoch: int) -> dict[str, torch.Tensor]:
-        """Sample `index` decoded into `bucket` (a replacement for an undecodable one goes into it too)."""
+    def get_item(self, index: int) -> dict[str, torch.Tensor]:
+        """Sample `index` decoded into its stream's bucket (a replacement for an undecodable one goes into it too)."""
+        bucket, epoch = self.bucket_of_sample(index), self.current_epoch()
+
         def decode(sample: dict[str, Any]) -> dict[str, torch.Tensor]:
             caption = self._check_caption(sample)
             encoded = sample[self.image_key]
@@ -391,6 +422,59 @@ class BucketedImageCaptions(BucketedStream, StreamingImageCaptions):
         candidate, item = self.first_usable(index, decode)
         return {**item, "sample_index": torch.tensor(candidate)}
 
+
+class PartFilledBatches(logging.Filter):
+    """Streaming 0.13's per_stream batching logs, for every stream of every epoch, that it drops the stream's
+    last part-filled global batch: expected for every bucket, and said once by the run (bucket_streams)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "some batches with an inadequate number of samples" not in record.getMessage()
+
+
+logging.getLogger("streaming.base.batching.per_stream").addFilter(PartFilledBatches())
+
+
+def epoch_samples(settings: StreamingSettings) -> int | None:
+    """--epoch_size in samples (Streaming's abbreviations: 200m), None when unset."""
+    if settings.epoch_size is None:
+        return None
+    from streaming.base.util import number_abbrev_to_int
+    return number_abbrev_to_int(settings.epoch_size)
+
+
+def bucket_streams(sources: list[Source], buckets: tuple[Bucket, ...], image_size: int, kind: str,
+                   global_batch: int, epoch_size: int | None, timeout_s: float = 60.0
+                   ) -> tuple[list[Stream], tuple[Bucket, ...]]:
+    """One `Stream` per bucket folder of each sorted source (`t2ibench.bucket_folders`) and the run's bucket
+    of each. Only each source's small record is read (downloaded from a remote);
+    a folder with fewer samples an epoch than one global batch is left out, named in one line on rank 0.
+    An unsorted source, one of the other kind, or no folder of a global batch: one line (errors.fail), before
+    anything is trained (benchmark.py's checks refuse the first two before the loader is built)."""
+    records = []
+    for source in sources:
+        if source.remote and is_remote(source.remote):
+            record = fetch_record(source.remote, source.local, timeout_s)
+        else:
+            record = read_record(source.remote or source.local)
+        where = source.remote or source.local
+        if record is None:
+            fail(unsorted_problem("--remote" if source.remote else "--local", where, []))
+        if record.kind != kind:
+            fail(f"{where} holds {record.kind} sorted into buckets, not {kind}: "
+                             + ("add --precomputed" if record.kind == LATENTS else "drop --precomputed"))
+        records.append(record)
+    planned = plan_streams(sources, records, buckets, image_size, epoch_size)
+    kept, dropped = left_out(planned, global_batch)
+    if dropped and dist.get_global_rank() == 0:
+        print("note: " + left_out_line(dropped, sum(s.samples_per_epoch for s in planned), global_batch),
+              file=sys.stderr, flush=True)
+    if not kept:
+        counts = ", ".join(f"{s.label}: {s.samples_per_epoch}" for s in planned[:6])
+        fail(f"--aspect_buckets: no bucket folder holds one global batch of {global_batch} samples an epoch "
+                         f"({counts}{', ...' if len(planned) > 6 else ''}): use more data or a smaller --batch_size")
+    proportions = kept[0].proportion is not None
+    streams = [Stream(remote=s.remote, local=s.local, proportion=s.proportion if proportions else None) for s in kept]
+    return streams, tuple(s.bucket for s in kept)
 
 
 def laion_dataloader(remote: str | None = None, local: str | None = None, tokenizer: Any = None, image_size: int = 512,
@@ -408,15 +492,18 @@ def laion_dataloader(remote: str | None = None, local: str | None = None, tokeni
     Streaming requires). With `buckets`, every batch holds one aspect-ratio bucket (BucketedImageCaptions,
     cropped as `crop` says).
     """
-    bucketed = dict(buckets=buckets, crop=crop) if buckets else {}
-    dataset = (BucketedImageCaptions if buckets else StreamingImageCaptions)(
-        **bucketed, remote=remote, local=local, sources=sources, tokenizer=tokenizer, image_size=image_size,
-        batch_size=batch_size_per_device, family=family, image_key=image_key, caption_key=caption_key,
-        max_bad_fraction=max_bad_fraction, bad_check_after=bad_check_after,
-        **{**(settings or StreamingSettings()).dataset_kwargs(seed), **streaming_kwargs})
-    warn_about_large_epoch(dataset)
+    settings = settings or StreamingSettings()
+    common = dict(tokenizer=tokenizer, image_size=image_size, batch_size=batch_size_per_device, family=family,
+                  image_key=image_key, caption_key=caption_key, max_bad_fraction=max_bad_fraction,
+                  bad_check_after=bad_check_after, **{**settings.dataset_kwargs(seed), **streaming_kwargs})
     if buckets:
-        check_first_epoch(dataset, num_workers, show_progress=dist.get_global_rank() == 0)
+        streams, stream_buckets = bucket_streams(
+            resolve_sources(sources, remote, local), buckets, image_size, IMAGES,
+            batch_size_per_device * dist.get_world_size(), epoch_samples(settings), settings.download_timeout)
+        dataset = BucketedImageCaptions(streams=streams, stream_buckets=stream_buckets, crop=crop, **common)
+    else:
+        dataset = StreamingImageCaptions(remote=remote, local=local, sources=sources, **common)
+    warn_about_large_epoch(dataset)
     return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **loader_kwargs(num_workers))
 
 
@@ -450,9 +537,11 @@ class StreamingLatents(ResumesAfterItsEpoch, NamedShardErrors, StreamingDataset)
     def __init__(self, *, remote: str | None = None, local: str | None = None, batch_size: int,
                  sources: list[Source] | None = None, image_size: int | None = None, text_dim: int | None = None,
                  shuffle: bool = True, shuffle_seed: int = 9176, family: ModelFamily | None = None,
-                 config: str | None = None, **streaming_kwargs: Any):
-        super().__init__(**stream_arguments(resolve_sources(sources, remote, local)), batch_size=batch_size,
-                         shuffle=shuffle, shuffle_seed=shuffle_seed, **streaming_kwargs)
+                 config: str | None = None, streams: list[Stream] | None = None, **streaming_kwargs: Any):
+        locations = (stream_arguments(resolve_sources(sources, remote, local)) if streams is None
+                     else {"remote": None, "local": None, "streams": streams})
+        super().__init__(**locations, batch_size=batch_size, shuffle=shuffle, shuffle_seed=shuffle_seed,
+                         **streaming_kwargs)
         self.family = family or DEFAULT_FAMILY
         self.vocabulary = self.family.vocabulary_sizes(config or self.family.configs[0])  # token ids must be below
         # The shapes the run expects: the family's at `config`; SD2 without one: text_dim only.
@@ -536,24 +625,22 @@ class StreamingLatents(ResumesAfterItsEpoch, NamedShardErrors, StreamingDataset)
         return item
 
 
-class BucketedLatents(BucketedStream, StreamingLatents):
-    """Precomputed latents stored at each sample's bucket shape (`latents.py --aspect_buckets`), in batches
-    of one bucket (`BucketedStream`): a sample's bucket is its stored `bucket` column (height, width).
-    Latents keep their shape, so the epoch holds the full batches of one bucket every rank can fill
-    (`t2ibench.bucket_plan`): what is left in a bucket waits for the next epoch's order."""
+class BucketedLatents(StreamBuckets, StreamingLatents):
+    """Precomputed latents sorted into bucket folders (`latents.py --aspect_buckets`), one stream per
+    folder, in batches of one bucket (`StreamBuckets`): each folder's latents have its bucket's shape."""
 
-    regroup_leftovers = False
-
-    def __init__(self, *, buckets: tuple[Bucket, ...], **kwargs: Any):
-        super().__init__(**kwargs)
-        self.buckets = tuple(buckets)
-
-    def bucket_of(self, index: int) -> tuple[Bucket, int]:
-        height, width = (int(side) for side in self.read_sample(index)[BUCKET_KEY])
-        return Bucket(height, width), index
-
-    def item_in(self, index: int, bucket: Bucket, epoch: int) -> dict[str, torch.Tensor]:
-        return self.get_item(index)
+    def __init__(self, *, streams: list[Stream], stream_buckets: tuple[Bucket, ...], **kwargs: Any):
+        super().__init__(**kwargs, streams=streams, batching_method="per_stream")
+        self.stream_buckets = tuple(stream_buckets)
+        self._count_steps()
+        for (where, shard), bucket in zip(first_shards(self), self.stream_buckets):  # each folder at its bucket's shape
+            shape = column_arrays(list(getattr(shard, "column_names", [])),
+                                  list(getattr(shard, "column_encodings", []))).get("latent_mean", (None, None))[1]
+            latent_side = self.family.latent_downsample
+            if shape is not None and tuple(shape[1:]) != (bucket.height // latent_side, bucket.width // latent_side):
+                raise ValueError(f"{where} holds latents of {shape[1] * latent_side}x{shape[2] * latent_side} images, "
+                                 f"not of its bucket {bucket.name}: sort the latents again with latents.py "
+                                 "--aspect_buckets")
 
 
 def latents_dataloader(*, synthetic: bool, remote: str | None = None, local: str | None = None, image_size: int,
@@ -583,12 +670,14 @@ def latents_dataloader(*, synthetic: bool, remote: str | None = None, local: str
                                    latent_shift=latent_shift)
         sampler = dist.get_sampler(dataset, shuffle=settings.shuffle, drop_last=True, seed=seed)
         return DataLoader(dataset, batch_size=batch_size_per_device, sampler=sampler, **kwargs)
-    dataset = (BucketedLatents if buckets else StreamingLatents)(
-                               **({"buckets": buckets} if buckets else {}), remote=remote, local=local,
-                               sources=sources, batch_size=batch_size_per_device,
-                               image_size=image_size, text_dim=text_dim, family=family, config=config,
-                               **{**settings.dataset_kwargs(seed), **streaming_kwargs})
-    warn_about_large_epoch(dataset)
+    common = dict(batch_size=batch_size_per_device, text_dim=text_dim, family=family, config=config,
+                  **{**settings.dataset_kwargs(seed), **streaming_kwargs})
     if buckets:
-        check_first_epoch(dataset, num_workers, show_progress=dist.get_global_rank() == 0)
+        streams, stream_buckets = bucket_streams(
+            resolve_sources(sources, remote, local), buckets, image_size, LATENTS,
+            batch_size_per_device * dist.get_world_size(), epoch_samples(settings), settings.download_timeout)
+        dataset = BucketedLatents(streams=streams, stream_buckets=stream_buckets, **common)
+    else:
+        dataset = StreamingLatents(remote=remote, local=local, sources=sources, image_size=image_size, **common)
+    warn_about_large_epoch(dataset)
     return StreamingDataLoader(dataset, batch_size=batch_size_per_device, **kwargs)

@@ -236,6 +236,9 @@ def validate(parsed: argparse.Namespace) -> tuple[argparse.Namespace, ModelFamil
              "and train on them together (benchmark.py --precomputed --remote 0.7=A,0.3=B)")
     source = sources[0]
     out = normalise("--out", parsed.out, upload_schemes())  # file:///path is the path /path
+    if buckets and is_remote(out):  # the chunks are sorted into bucket folders at the end, on this machine
+        fail(f"--aspect_buckets writes a local --out, not {out}: compute into a folder, then copy its bucket folders "
+             "and buckets.json to the store (buckets.json last)")
     if not source.remote and not Path(source.local).is_dir():
         fail(f"--local {source.local} is not a folder; give --remote to stream shards into it")
     if not source.remote and not Path(source.local, INDEX_FILE).is_file():
@@ -500,6 +503,18 @@ def encode_chunks(args: argparse.Namespace, family: ModelFamily, source: Indexed
             prefetcher.shutdown(wait=False, cancel_futures=True)
 
 
+def sort_into_buckets(args: argparse.Namespace, index: dict) -> dict[str, int]:
+    """The chunks' latents sorted by their bucket into OUT/HxW folders and OUT/buckets.json
+    (t2ibench.bucket_sort, as sort_buckets.py sorts latents of before): what benchmark.py --aspect_buckets
+    trains on. The chunks stay, so that a rerun with more --max_chunks or a new chunk resumes."""
+    from t2ibench.bucket_sort import SortJob, sort_dataset
+
+    job = SortJob(os.path.abspath(args.out), "latents", args.buckets, args.image_size, args.image_key, index)
+    sorted_report = sort_dataset(job, args.out, args.out, 1, not args.no_progress,
+                                 dict(compression=args.compression, hashes=args.hashes, size_limit=args.size_limit))
+    return sorted_report["buckets"]
+
+
 def finish(args: argparse.Namespace, num_samples: int, num_chunks: int, all_stats: list[dict], elapsed: float,
            world: int, device: torch.device) -> dict:
     """Rank 0, after every rank is done: merge the chunk indexes when all chunks are complete; report."""
@@ -547,6 +562,8 @@ def finish(args: argparse.Namespace, num_samples: int, num_chunks: int, all_stat
                   # full shards of --size_limit (this dataset's last shard, maybe its only one, is partial)
                   projected_shards=math.ceil(SAMPLES_AT_SCALE / max(1, bytes_to_int(args.size_limit) // max(
                       1, math.ceil(sum(s["raw_data"]["bytes"] for s in index["shards"]) / max(samples, 1))))))
+    if args.buckets:  # one MDS folder per bucket, each of one shape, for one Streaming stream each
+        report["buckets"] = sort_into_buckets(args, index)
     print(f"done: {samples:,} of {num_samples:,} samples in {args.out} ({num_samples - samples:,} skipped: "
           f"undecodable), {report['bytes_per_sample_stored']:,} bytes per sample stored "
           f"({report['bytes_per_sample_raw']:,} before compression, format {report['format']}); "

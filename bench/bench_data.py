@@ -4,6 +4,7 @@
     python bench/bench_data.py --num_workers 1,4,8 --local /data/mds/laion  # your shards, already local
     python bench/bench_data.py --num_workers 8 --remote s3://bucket/laion/mds --local /tmp/bench-cache
     python bench/bench_data.py --num_workers 2 --image_dtype uint8,float32   # bytes vs floats from the workers
+    python bench/bench_data.py --num_workers 2 --aspect_buckets              # bucketed vs square, mixed photos
 
 It times the real training loader (`data.laion_dataloader`: Streaming, JPEG decode, resize, center
 crop, tokenization, collation, transfer from the worker processes) on MDS shards, with no model.
@@ -11,7 +12,9 @@ Without --remote/--local it first writes shards of photo-like JPEGs (1024x768 by
 the file size of real photos; random pixels would be far larger and slower to decode, flat colors
 far faster) into a temporary folder, streams them from there, and deletes them at the end.
 `--image_dtype float32` makes the workers send float32 images in [-1, 1] (what the loader did
-before images crossed as uint8), to compare both in one run.
+before images crossed as uint8), to compare both in one run. `--aspect_buckets` generates photos of six aspect ratios, writes them both as
+one dataset and sorted into bucket folders (as convert.py --aspect_buckets does), and times the square
+loader against the bucketed one (one Streaming stream per bucket) side by side, alternating.
 
 What to compare with: the 2023 benchmark trained at 16 images/s per A100 (48 to 150 on an H100,
 depending on the code) with 8 loader workers per GPU, and claimed loading ran >= 30x ahead of the
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root
 
 import data
 from convert import COLUMNS
-from t2ibench.cli import BATCH_SIZE, IMAGE_SIZE, NON_NEGATIVE_INT, POSITIVE_INT, Parser
+from t2ibench.cli import BATCH_SIZE, IMAGE_SIZE, NON_NEGATIVE_INT, POSITIVE_INT, REPEATS, Parser
 from t2ibench.tokenizer import bundled_tokenizer
 
 A100_IMAGES_PER_SEC = 16.0  # the 2023 benchmark, per A100 at 512x512
@@ -81,6 +84,34 @@ def write_photo_shards(out: Path, num_samples: int, width: int, height: int, dis
     return float(np.mean([len(j) for j in jpegs]))
 
 
+MIXED_SIZES = ((1024, 768), (768, 1024), (1024, 1024), (1536, 640), (1152, 768), (640, 1536))  # --aspect_buckets
+
+
+def write_mixed_photos(out: Path, num_samples: int, image_size: int) -> Path:
+    """`num_samples` photo-like JPEGs cycling through MIXED_SIZES, as one MDS dataset (out/square) and sorted
+    into the default list's bucket folders at `image_size` (out/buckets). Returns `out`."""
+    from t2ibench.bucket_folders import IMAGES, RECORD_FILE, BucketWriters, record_of
+    from t2ibench.buckets import default_buckets, nearest_bucket
+
+    rng = np.random.default_rng(0)
+    jpegs = []
+    for i in range(min(48, num_samples)):
+        buffer = io.BytesIO()
+        photo_like(rng, *MIXED_SIZES[i % len(MIXED_SIZES)]).save(buffer, format="JPEG", quality=90)
+        jpegs.append((buffer.getvalue(), MIXED_SIZES[i % len(MIXED_SIZES)]))
+    listed = default_buckets(image_size, 8)
+    buckets = BucketWriters(out / "buckets", lambda bucket: COLUMNS, compression="zstd", hashes=["sha1", "xxh64"])
+    with MDSWriter(out=str(out / "square"), columns=COLUMNS, compression="zstd", hashes=["sha1", "xxh64"]) as writer:
+        for i in range(num_samples):
+            jpeg, (width, height) = jpegs[i % len(jpegs)]
+            sample = {"jpg": jpeg, "caption": f"a photo, number {i}", "key": str(i)}
+            writer.write(sample)
+            buckets.write(nearest_bucket(width, height, listed, image_size), sample)
+    counts = buckets.finish()
+    (out / "buckets" / RECORD_FILE).write_text(record_of(IMAGES, image_size, counts, listed).to_json())
+    return out
+
+
 def float32_collate(samples: list[dict]) -> dict:
     """Collate in the worker, then scale images to float32 [-1, 1] there: the previous loader's output."""
     batch = default_collate(samples)
@@ -89,7 +120,7 @@ def float32_collate(samples: list[dict]) -> dict:
 
 
 def measure(remote: str | None, local: str, tokenizer, image_size: int, batch_size: int, num_workers: int,
-            max_batches: int, image_dtype: str = "uint8") -> tuple[int, float, float]:
+            max_batches: int, image_dtype: str = "uint8", buckets: tuple = ()) -> tuple[int, float, float]:
     """Images timed, wall seconds and CPU seconds of this process, over one epoch (or `max_batches`).
 
     The clock starts when the first round of batches has arrived (one per worker: they are built
@@ -98,7 +129,7 @@ def measure(remote: str | None, local: str, tokenizer, image_size: int, batch_si
     of a sample on one core, whatever else the machine is doing; wall time is not.
     """
     loader = data.laion_dataloader(remote=remote, local=local, tokenizer=tokenizer, image_size=image_size,
-                                   batch_size_per_device=batch_size, num_workers=num_workers, seed=0)
+                                   batch_size_per_device=batch_size, num_workers=num_workers, seed=0, buckets=buckets)
     if image_dtype == "float32":
         loader.collate_fn = float32_collate  # read when the workers start, so this takes effect
     warmup = max(1, num_workers)
@@ -130,6 +161,9 @@ def build_parser() -> Parser:
     p.add_argument("--max_batches", type=NON_NEGATIVE_INT, default=0, help="timed batches per setting (0: one whole epoch)")
     p.add_argument("--num_samples", type=POSITIVE_INT, default=512, help="generated samples (without --remote/--local)")
     p.add_argument("--source_size", default="1024x768", help="generated image size WIDTHxHEIGHT")
+    p.add_argument("--aspect_buckets", action="store_true",
+                   help="generated photos of six aspect ratios: the square loader against the bucketed one")
+    p.add_argument("--repeats", type=REPEATS, default=1, help="times each setting is timed (the median is shown)")
     p.add_argument("--image_dtype", default="uint8",
                    help="comma-separated: uint8 (what training uses) and/or float32 (images scaled in the workers)")
     return p
@@ -156,6 +190,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     scratch = Path(tempfile.mkdtemp(prefix="bench-data-"))
     try:
         remote, local, source = args.remote, args.local, args.remote or args.local
+        if args.aspect_buckets:
+            return compare_buckets(args, workers, tokenizer, scratch)
         if not source:
             started = time.perf_counter()
             mean_bytes = write_photo_shards(scratch / "mds", args.num_samples, width, height)
@@ -198,6 +234,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"~{per_gpu:.0f} images/s per GPU = {per_gpu / A100_IMAGES_PER_SEC:.0f}x the model on an A100 "
           f"({A100_IMAGES_PER_SEC:.0f} images/s), {per_gpu / H100_IMAGES_PER_SEC:.1f}x on an H100 at "
           f"{H100_IMAGES_PER_SEC:.0f} images/s.")
+    return rows
+
+
+def compare_buckets(args: argparse.Namespace, workers: list[int], tokenizer, scratch: Path) -> list[dict]:
+    """The square loader and the bucketed one on the same generated photos, alternating, --repeats times."""
+    import statistics
+
+    from t2ibench.buckets import default_buckets
+
+    write_mixed_photos(scratch, args.num_samples, args.image_size)
+    print(f"data: {args.num_samples} generated JPEGs of {len(MIXED_SIZES)} aspect ratios; loader {args.image_size} px, "
+          f"batch {args.batch_size}\n{'loader':>9} | {'workers':>7} | {'images/s (median)':>17} | each", flush=True)
+    rows = []
+    for n in workers:
+        rates: dict[str, list[float]] = {"square": [], "bucketed": []}
+        for repeat in range(args.repeats):
+            for name, buckets in (("square", ()), ("bucketed", default_buckets(args.image_size, 8))):
+                folder = scratch / ("buckets" if buckets else "square")
+                images, seconds, _ = measure(str(folder), str(scratch / f"cache-{name}-{n}-{repeat}"), tokenizer,
+                                             args.image_size, args.batch_size, n, args.max_batches, buckets=buckets)
+                rates[name].append(images / seconds)
+        for name, each in rates.items():
+            rows.append({"loader": name, "workers": n, "images_per_sec": statistics.median(each), "each": each})
+            print(f"{name:>9} | {n:>7} | {statistics.median(each):>17.1f} | "
+                  + ", ".join(f"{rate:.1f}" for rate in each), flush=True)
     return rows
 
 

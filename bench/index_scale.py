@@ -2,6 +2,7 @@
 
     python bench/index_scale.py                                      # the default ladder, a few minutes
     python bench/index_scale.py --shards 1000 10000 --samples_per_shard 100 --workers 2   # quick look
+    python bench/index_scale.py --aspect_buckets 41      # the same, bucketed: 41 folders, one stream each, per_stream
 
 A StreamingDataset holds its whole index (an object per shard) in every process that opens it: each
 training rank, and each of its DataLoader workers (forked from the rank: pages are shared until
@@ -21,7 +22,9 @@ proportional share (PSS) from /proc/<pid>/smaps_rollup, and the peak RSS of the 
 the partition. Then it fits each figure linearly (per shard for opening, per sample for the
 epoch) and projects to 2 billion samples at the shard sizes of convert.py (256px JPEGs of about
 20 KB) and latents.py (the tokens format at 256 and 512 px), for an 8-GPU node with 8 workers per
-GPU, with and without --epoch_size.
+GPU, with and without --epoch_size. With --aspect_buckets N the shards are split over N bucket folders (as
+convert.py --aspect_buckets writes them), opened as one Streaming stream each and batched per_stream, as
+benchmark.py --aspect_buckets trains: run it beside a square run and compare the two projections.
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ sys.path.insert(0, str(ROOT))
 from streaming.base.shuffle import algos  # noqa: E402
 
 from t2ibench import errors  # noqa: E402
-from t2ibench.cli import BATCH_SIZE, BUDGET_SECONDS, NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT, SECONDS, Parser, read_text  # noqa: E402
+from t2ibench.cli import (BATCH_SIZE, BUDGET_SECONDS, NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT,  # noqa: E402
+                           POSITIVE_INT, SECONDS, Parser, read_text)
 from t2ibench.errors import fail  # noqa: E402
 from t2ibench.locations import check_output, check_outputs_apart, normalise  # noqa: E402
 
@@ -76,6 +80,17 @@ def memory() -> dict[str, float]:
     uss = fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
     return {"rss": fields.get("Rss", 0.0), "uss": uss, "pss": fields.get("Pss", 0.0),
             "shared": fields.get("Shared_Clean", 0) + fields.get("Shared_Dirty", 0), "peak_rss": peak}
+
+
+def write_dataset(folder: Path, kind: str, num_shards: int, samples_per_shard: int, buckets: int) -> None:
+    """One index (buckets 0: square), or the shards split over `buckets` folders, an index each."""
+    if not buckets:
+        write_index(folder, kind, num_shards, samples_per_shard)
+        return
+    for k in range(buckets):
+        share = num_shards // buckets + (k < num_shards % buckets)
+        if share:
+            write_index(folder / f"bucket{k:03d}", kind, share, samples_per_shard)
 
 
 def write_index(folder: Path, kind: str, num_shards: int, samples_per_shard: int) -> None:
@@ -128,9 +143,15 @@ def child(args: argparse.Namespace) -> dict:
 
     base = memory()
     started = time.perf_counter()
-    dataset = EpochStart(local=args.local, remote=None, batch_size=args.batch_size, shuffle=True,
-                         shuffle_algo=args.shuffle_algo, epoch_size=args.epoch_size,
-                         num_canonical_nodes=args.num_canonical_nodes)
+    if getattr(args, "aspect_buckets", 0):  # one stream per bucket folder, batched per_stream (data.StreamBuckets)
+        from streaming import Stream
+
+        folders = sorted(p for p in Path(args.local).iterdir() if p.is_dir())
+        where = {"streams": [Stream(local=str(folder)) for folder in folders], "batching_method": "per_stream"}
+    else:
+        where = {"local": args.local, "remote": None}
+    dataset = EpochStart(**where, batch_size=args.batch_size, shuffle=True, shuffle_algo=args.shuffle_algo,
+                         epoch_size=args.epoch_size, num_canonical_nodes=args.num_canonical_nodes)
     opened = {"seconds": time.perf_counter() - started, "memory": memory(), "base": base}
     if args.workers:
         loader = DataLoader(dataset, batch_size=None, num_workers=args.workers)
@@ -146,6 +167,8 @@ def measure(local: Path, args: argparse.Namespace, workers: int, epoch_size: int
            "--shuffle_algo", args.shuffle_algo, "--batch_size", str(args.batch_size)]
     if args.streaming_spanner:
         cmd.append("--streaming_spanner")
+    if args.aspect_buckets:
+        cmd += ["--aspect_buckets", str(args.aspect_buckets)]
     if epoch_size:
         cmd += ["--epoch_size", str(epoch_size)]
     if args.num_canonical_nodes:
@@ -227,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open with Streaming's own Spanner (an int64 per sample) instead of data.CompactSpanner")
     p.add_argument("--from_json", type=str, default=None,
                    help="project from the rows of an earlier --json instead of measuring (e.g. another budget)")
+    p.add_argument("--aspect_buckets", type=NON_NEGATIVE_INT, default=0,
+                   help="0: one square dataset; N: the shards split over N bucket folders, one stream each, per_stream")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--local", type=str, default=None, help=argparse.SUPPRESS)
     return p
@@ -289,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
             for num_shards, per_shard in configs:
                 local = root / f"{ladder}-{num_shards}x{per_shard}"
                 started = time.perf_counter()
-                write_index(local, "latents", num_shards, per_shard)
+                write_dataset(local, "latents", num_shards, per_shard, args.aspect_buckets)
                 written = time.perf_counter() - started
                 row = summarize(num_shards, per_shard, measure(local, args, args.workers, args.epoch_size))
                 rows[ladder].append(row)
@@ -339,7 +364,9 @@ def project(rows: dict[str, list[dict]], args: argparse.Namespace) -> dict:
             fits[name] = getattr(args, name)
             print(f"projected with {name} {fits[name]:.3g} (--{name}) instead of the fit")
     print(f"\nprojection for {TARGET_SAMPLES:,} samples, {args.gpus_per_node} ranks x {args.workers} workers per "
-          f"node, shuffle {args.shuffle_algo}; budget {args.budget_gib:g} GiB and {args.budget_s:g} s per rank. "
+          f"node (the same per node on 64 nodes: each node holds the index and its own copy of the partition), "
+          f"{f'{args.aspect_buckets} bucket streams per_stream' if getattr(args, 'aspect_buckets', 0) else 'square'}, "
+          f"shuffle {args.shuffle_algo}; budget {args.budget_gib:g} GiB and {args.budget_s:g} s per rank. "
           "'rank' = the larger of the open peak and the rank's index + its workers' private memory + (local rank 0) "
           "the partition builder's peak; "
           "'node' adds the other ranks and the shared partition")

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("benchmark.py", "latents.py", "convert.py", "export.py", "cost.py")
+COMMANDS = ("benchmark.py", "latents.py", "convert.py", "sort_buckets.py", "export.py", "cost.py")
 WIDTH = 110  # help text columns: fixed, so the file does not depend on the terminal it was made in
 HEADER = """# Flags
 

@@ -1,6 +1,6 @@
 """Aspect-ratio buckets (`--aspect_buckets`, SDXL and Flux.1): the list a run trains on (the default one
 scaled to --image_size, or a user's file), the bucket each image goes to and where it is cropped, and the
-synthetic steps' buckets (streamed ones: t2ibench.bucket_plan). The rules, SDXL's
+synthetic steps' buckets (streamed ones: one Streaming stream per bucket folder, t2ibench.bucket_folders). The rules, SDXL's
 list and a picture of the default one are in docs/data.md#aspect-ratio-buckets.
 """
 from __future__ import annotations
@@ -247,20 +247,6 @@ def place(width: int, height: int, bucket: Bucket, rng: np.random.Generator | No
 def crop_generator(seed: int, epoch: int, index: int) -> np.random.Generator:
     """The random crop of sample `index` in `epoch`: the same on every rank, worker count and restart."""
     return np.random.default_rng((seed, epoch, index))
-
-
-# -----------------------------------------------------------------------------------------------
-# A bucketed stream's position: the batches each loader worker had handed out (t2ibench.bucket_plan
-# plans them).
-# -----------------------------------------------------------------------------------------------
-
-def batches_before(sample_in_epoch: int, num_ranks: int, workers_per_rank: int, worker_of_rank: int,
-                   batch_size: int) -> int:
-    """The batches loader worker `worker_of_rank` of every rank had handed out when the run had trained
-    `sample_in_epoch` samples of the epoch (all ranks): PyTorch's DataLoader takes batch j of a rank from
-    worker j % workers_per_rank."""
-    per_rank = sample_in_epoch // (num_ranks * batch_size)
-    return len(range(worker_of_rank, per_rank, workers_per_rank))
 
 
 def picture(buckets: tuple[Bucket, ...], image_size: int) -> str:

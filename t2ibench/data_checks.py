@@ -11,6 +11,8 @@ from pathlib import Path
 
 from composer.core import Time
 
+from t2ibench.bucket_folders import LATENTS, read_record, unsorted_problem
+from t2ibench.bucket_folders import RECORD_FILE as BUCKETS_RECORD
 from t2ibench.errors import fail, storage_error
 from t2ibench.families import FAMILIES, ModelFamily
 from t2ibench.image_metrics import check_image_flags
@@ -121,11 +123,9 @@ def precomputed_shard_problem(shard: dict, family: ModelFamily, config: str, ima
     array = arrays.get  # (dtype, shape) of an ndarray column, None for any other or a missing one
     fixed = "latents.py stores every array with a fixed shape (ndarray:float16:4,64,64): write them with latents.py"
 
-    if (BUCKET_KEY in encodings) != bucketed:
+    if BUCKET_KEY in encodings and not bucketed:
         return ("holds latents stored per aspect-ratio bucket (latents.py --aspect_buckets): train with "
-                "--aspect_buckets and the same list" if not bucketed else
-                "holds square latents: train without --aspect_buckets, or precompute them with latents.py "
-                "--aspect_buckets")
+                "--aspect_buckets and the same list")
     channels, side = family.latent_channels(config), image_size // family.latent_downsample
     for key in LATENT_KEYS if not bucketed else ():  # bucketed: each sample has its bucket's shape
         found = array(key)
@@ -181,7 +181,8 @@ def check_data(settings: Settings) -> tuple[int, int | None]:
     if not settings.remote and not Path(settings.sources[0].local).is_dir():
         fail(f"--local {settings.local} is not a folder; give --remote to stream shards into it")
     for source in settings.sources:
-        if source.remote and not is_remote(source.remote) and not Path(source.remote, "index.json").is_file():
+        if source.remote and not is_remote(source.remote) and not Path(source.remote, "index.json").is_file() \
+                and not Path(source.remote, BUCKETS_RECORD).is_file():
             fail(f"--remote {source.remote} holds no MDS dataset (no index.json); write one with convert.py first")
     num_samples, recorded_seed = check_sources(settings.sources, settings, None)
     if settings.epoch_size is None:
@@ -192,22 +193,30 @@ def check_data(settings: Settings) -> tuple[int, int | None]:
     return number_abbrev_to_int(settings.epoch_size), recorded_seed
 
 
-def check_sources(sources: tuple[Source, ...], settings: Settings, recorded_seed: int | None) -> tuple[int, int | None]:
-    """check_source for each source in turn: their samples in all, and the one seed their records give."""
+def check_sources(sources: tuple[Source, ...], settings: Settings, recorded_seed: int | None,
+                  held_out: bool = False) -> tuple[int, int | None]:
+    """check_source for each source in turn: their samples in all, and the one seed their records give.
+    Held-out data is read square, bucketed run or not."""
     num_samples = 0
     for source in sources:
-        samples, recorded_seed = check_source(source, settings, recorded_seed)
+        samples, recorded_seed = check_source(source, settings, recorded_seed, held_out)
         num_samples += samples
     return num_samples, recorded_seed
 
 
-def check_source(source: Source, settings: Settings, recorded_seed: int | None) -> tuple[int, int | None]:
+def check_source(source: Source, settings: Settings, recorded_seed: int | None,
+                 held_out: bool = False) -> tuple[int, int | None]:
     """One source's cache, record and index (see check_data); returns its number of samples, and the
     encoders' seed recorded so far (`recorded_seed`, or this source's)."""
     local, remote = source.local, source.remote
     if Path(local).exists() and not Path(local).is_dir():
         fail(f"--local {local} is a file, not a folder")
     check_cache(source, timeout=settings.download_timeout)
+    if settings.buckets and not held_out:
+        return check_sorted_source(source, settings, recorded_seed)
+    if Path(remote or local, BUCKETS_RECORD).is_file():
+        fail(f"{source.label} is sorted into aspect-ratio bucket folders ({BUCKETS_RECORD}): train on it with "
+             "--aspect_buckets")
     if settings.precomputed and (not remote or not is_remote(remote)):
         recorded_seed = check_precompute_record(Path(remote or local, RECORD_FILE), settings, recorded_seed)
     if remote and not is_remote(remote) and Path(remote, "index.json").is_file():
@@ -243,6 +252,55 @@ def check_source(source: Source, settings: Settings, recorded_seed: int | None) 
             recorded_seed = check_precompute_record(Path(folder, RECORD_FILE), settings, recorded_seed,
                                                     f"{remote.rstrip('/')}/{RECORD_FILE}")
         return check_index(read_index(Path(folder, "index.json"), remote), f"--remote {remote}", settings), recorded_seed
+
+
+def check_sorted_source(source: Source, settings: Settings, recorded_seed: int | None) -> tuple[int, int | None]:
+    """A source of a bucketed run: sorted into bucket folders (their record), of the run's kind; a local one's
+    folders are checked as check_source checks a dataset. An unsorted one, or latents of before, are refused
+    in one line naming sort_buckets.py. Returns its samples and the encoders' seed recorded so far."""
+    where = source.remote or source.local
+    flag = "--remote" if source.remote else "--local"
+    local_data = not source.remote or not is_remote(source.remote)
+    with tempfile.TemporaryDirectory() as folder:
+        found = Path(where) if local_data else Path(folder)
+        if not local_data:
+            from streaming.base.storage import CloudDownloader
+            for name in (BUCKETS_RECORD, "index.json", RECORD_FILE):
+                try:  # small files: the record, else the index that says what the dataset is
+                    CloudDownloader.direct_download(f"{where.rstrip('/')}/{name}", f"{folder}/{name}",
+                                                    settings.download_timeout)
+                except FileNotFoundError:
+                    continue
+                except Exception as error:  # noqa: BLE001  any store's client error: reported, not hidden
+                    if settings.debug:
+                        raise
+                    fail(f"{flag} {where}: cannot read {name}: {storage_error(error) or error}")
+                if name == BUCKETS_RECORD:
+                    break
+        try:
+            record = read_record(found)
+        except ValueError as error:
+            fail(f"{flag} {where}: {error}; sort the dataset again with sort_buckets.py")
+        if record is None:
+            if not (found / "index.json").is_file():
+                fail(f"{flag} {where} holds no dataset sorted into bucket folders (no {BUCKETS_RECORD}): write one with "
+                     "convert.py --aspect_buckets")
+            index = read_index(found / "index.json", where)
+            columns = list(index["shards"][0].get("column_names", [])) if index["shards"] else []
+            fail(unsorted_problem(flag, where, columns))
+        if settings.precomputed != (record.kind == LATENTS):
+            fail(f"{flag} {where} holds {record.kind} sorted into bucket folders: "
+                 + ("add --precomputed" if record.kind == LATENTS else "drop --precomputed"))
+        if settings.precomputed:
+            recorded_seed = check_precompute_record(found / RECORD_FILE, settings, recorded_seed,
+                                                    f"{where.rstrip('/')}/{RECORD_FILE}")
+    if local_data:
+        for entry in record.folders:
+            folder_path = Path(where, entry.folder)
+            index = read_index(folder_path / "index.json", f"{flag} {where}")
+            check_index(index, f"{flag} {folder_path}", settings)
+            check_shard_files(folder_path, index, f"{flag} {folder_path}", settings, every_shard=True)
+    return record.num_samples, recorded_seed
 
 
 def check_evaluation(settings: Settings, recorded_seed: int | None) -> int | None:
@@ -281,7 +339,7 @@ def check_evaluation(settings: Settings, recorded_seed: int | None) -> int | Non
             fail(f"--eval_remote {source.remote} holds no MDS dataset (no index.json)")
         if not source.remote and not Path(source.local, "index.json").is_file():
             fail(f"--eval_local {source.local} holds no MDS dataset (no index.json); pass --eval_remote to stream one")
-    num_samples, recorded_seed = check_sources(settings.eval_sources, settings, recorded_seed)
+    num_samples, recorded_seed = check_sources(settings.eval_sources, settings, recorded_seed, held_out=True)
     read = held_out_read(num_samples, settings.eval_samples)
     if read < 1:  # any other count is scored whole, each sample once (validation.held_out_loader)
         fail("--eval_remote/--eval_local holds no held-out sample; give shards of at least one")

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 RECORD_KEY = "data_order"  # RunRecord's state key of the record (since issue 45: older checkpoints lack it)
 RANKS = "ranks"  # the world size: no flag of its own (the launcher's), named so in the record and messages
+NODES = "nodes"  # the nodes the ranks are on (the launcher's too)
 # Refused at an epoch's start too: the resumed run keeps the checkpoint's value whatever the flag says
 # (Composer 0.32 seeds from the checkpoint's rank_zero_seed; Streaming 0.13 restores its shuffle seed
 # and canonical nodes from the loader's state), so the flag would be ignored, or half applied (the
@@ -28,7 +29,7 @@ LEGACY_KEYS = {"aspect_buckets": "--aspect_buckets", "image_size": "--image_size
 SHOWN_BUCKETS = 4  # a longer list is shown as its count and ends
 
 
-def data_order(settings: Settings, world_size: int) -> dict[str, Any]:
+def data_order(settings: Settings, world_size: int, nodes: int = 1) -> dict[str, Any]:
     """{flag: value} of every setting that decides which samples the run's steps see, in this kind of
     run (synthetic or real, square or bucketed, images or latents); a setting of no effect there is
     left out. Plain values (lists, numbers, strings), as a checkpoint keeps them."""
@@ -51,9 +52,11 @@ def data_order(settings: Settings, world_size: int) -> dict[str, Any]:
                   "--sampling_granularity": settings.sampling_granularity,
                   "--num_canonical_nodes": settings.num_canonical_nodes})
     if settings.buckets:
-        # The plan walks each rank's and each loader worker's part of Streaming's epoch (bucket_plan); a
-        # square epoch's order depends on neither (Streaming's is the same for any ranks and workers).
-        order.update({RANKS: world_size, "--num_workers": settings.num_workers})
+        # One stream per bucket, batched per_stream (Streaming 0.13): a step's global batch is its stream's next
+        # samples, but which rank takes which follows the node layout (a stream's samples are dealt over the
+        # nodes, then their ranks: 2 nodes x 4 ranks and 1 x 8 deal them differently). The loader workers do
+        # not matter: a resumed epoch is dealt anew over them from the next global batch.
+        order.update({RANKS: world_size, NODES: nodes})
         if not settings.precomputed:  # an image's bucket and crop (stored latents have theirs)
             order.update({"--image_size": settings.image_size, "--bucket_crop": settings.bucket_crop})
     return order

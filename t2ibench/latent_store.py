@@ -119,9 +119,23 @@ def clear_output(out: str) -> None:
              "it; choose a new or empty folder")
     ours = {RECORD_FILE, f".{RECORD_FILE}.tmp", INDEX_FILE}
     chunk = re.compile(r"chunk\d{6}")
+    # --aspect_buckets: the chunks sorted into bucket folders, their record, and a sort cut short
+    from t2ibench.bucket_folders import RECORD_FILE as BUCKETS_RECORD, read_record
+    from t2ibench.bucket_sort import SORTING
+    from t2ibench.files import STAGING_FOLDER
+
+    try:
+        record = read_record(path)
+    except ValueError:
+        record = None
+    sorted_folders = {entry.folder for entry in record.folders} if record else set()
+    ours |= {BUCKETS_RECORD}
     partial = partial_file_name(RECORD_FILE)  # files.atomic_file's, left by a kill
     foreign = []
     for entry in sorted(path.iterdir()):
+        if entry.is_dir() and not entry.is_symlink() and (entry.name in sorted_folders
+                                                          or entry.name in (SORTING, STAGING_FOLDER)):
+            continue
         if entry.is_dir() and not entry.is_symlink() and chunk.fullmatch(entry.name):
             foreign += [f"{entry.name}/{f.name}" for f in sorted(entry.iterdir())
                         if not (f.is_file() and (f.name == INDEX_FILE or SHARD_NAME.fullmatch(f.name)))]

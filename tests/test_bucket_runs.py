@@ -1,9 +1,10 @@
 """--aspect_buckets end to end on CPU with real photographs of mixed aspect ratios (a panorama, a 3000 x 1
 line and its tall twin, an EXIF-rotated phone portrait, landscapes, portraits, squares) converted by
-convert.py into several MDS shards: sdxl-tiny trained with Streaming's shuffled order on loader workers,
-every batch one bucket with each image's own size and crop; the run on two ranks and two workers each
-SIGKILLed mid-epoch and resumed with --autoresume to the uninterrupted run's weights and EMA, bit for
-bit; the refusals, each one line before anything is built."""
+convert.py --aspect_buckets into one MDS folder per bucket: sdxl-tiny trained on one Streaming stream per
+folder (per_stream batching) on loader workers, every batch one bucket with each image's own size and
+crop; the run on two ranks and two workers each SIGKILLed off a worker boundary and resumed with
+--autoresume to the uninterrupted run's weights and EMA, bit for bit; sort_buckets.py on the shards of
+before, killed and resumed; the refusals, each one line before anything is built."""
 from __future__ import annotations
 
 import json
@@ -23,8 +24,11 @@ from PIL import Image
 import benchmark
 import convert
 import latents
+import sort_buckets
+from t2ibench.bucket_folders import RECORD_FILE, read_record
 from t2ibench.buckets import Bucket, default_buckets, nearest_bucket, read_buckets
-from tests.helpers import MIXED_ASPECT_PHOTOS, Launch, error_of, kill_at, mixed_aspect_folder, supervise, two_ranks
+from tests.helpers import (MIXED_ASPECT_PHOTOS, Launch, error_of, kill_at, killed_in_child, mixed_aspect_folder,
+                           supervise, two_ranks)
 
 NUM_PHOTOS = 64
 NUM_KINDS = len(MIXED_ASPECT_PHOTOS)
@@ -32,13 +36,25 @@ XL = ["--model_config", "sdxl-tiny", "--seed", "17", "--warmup_batches", "1", "-
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    """NUM_PHOTOS photos cycling through MIXED_ASPECT_PHOTOS, converted by convert.py into small shards."""
+def flat_shards(tmp_path_factory) -> Path:
+    """NUM_PHOTOS photos cycling through MIXED_ASPECT_PHOTOS, converted by convert.py into small shards
+    without buckets (the datasets users have)."""
     tmp = tmp_path_factory.mktemp("bucket-photos")
     out = tmp / "mds"
     report = convert.convert([str(mixed_aspect_folder(tmp / "photos", NUM_PHOTOS))], str(out), size_limit="16kb",
                              workers=1, progress=False)
     assert report.written == NUM_PHOTOS and report.shards >= 3
+    return out
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """The same photos converted by convert.py --aspect_buckets: one folder per bucket of the default list at 64."""
+    tmp = tmp_path_factory.mktemp("bucket-folders")
+    out = tmp / "mds"
+    report = convert.convert([str(mixed_aspect_folder(tmp / "photos", NUM_PHOTOS))], str(out), size_limit="16kb",
+                             workers=1, progress=False, buckets=default_buckets(64, 8), image_size=64)
+    assert report.written == NUM_PHOTOS and report.shards >= 8
     return out
 
 
@@ -53,10 +69,11 @@ def copy_of(shards: Path, where: Path) -> Path:
 # thread: they run while the in-process tests do).
 # -----------------------------------------------------------------------------------------------
 
-# 64 photos, 2 a rank: 16 samples per worker, an epoch of 16 batches; killed after batch 4 of 6.
-RESUME = XL + ["--batch_size", "4", "--num_workers", "2", "--max_duration", "6ba", "--save_interval", "2ba",
+# 64 photos in 8 buckets of 8, 2 a rank: an epoch of 16 steps; killed after batch 3 of 6, so that the next
+# batch is loader worker 1's (off a worker boundary: the old planner resumed those to other weights).
+RESUME = XL + ["--batch_size", "4", "--num_workers", "2", "--max_duration", "6ba", "--save_interval", "3ba",
                "--use_ema", "--run_name", "bucket-resume", "--autoresume", "--log_interval", "1ba"]
-KILL_AFTER = "ep0-ba4-rank0.pt"
+KILL_AFTER = "ep0-ba3-rank0.pt"
 
 
 class TwoRankRuns:
@@ -109,7 +126,16 @@ def two_rank_runs(shards, tmp_path_factory):
 # One rank, in this process.
 # -----------------------------------------------------------------------------------------------
 
-class Batches(Callback):
+class EpochLength(Callback):
+    """The batches Composer counted in an epoch of the loader (what --max_duration Nep's schedule is sized from)."""
+
+    dataloader_len: int | None = None
+
+    def fit_start(self, state, logger) -> None:
+        self.dataloader_len = int(state.dataloader_len) if state.dataloader_len is not None else None
+
+
+class Batches(EpochLength):
     """Every batch the run trained on: image shape, original sizes, crops and sample indices."""
 
     def __init__(self) -> None:
@@ -131,44 +157,32 @@ def one_rank_epoch(shards, tmp_path_factory, request):
     batches = Batches()
     results = benchmark.main(XL + ["--local", str(copy_of(shards, tmp / "mds")), "--batch_size", "4",
                                    "--num_workers", "2", "--max_duration", "1ep"], extra_callbacks=[batches])
-    return batches.seen, results
+    return batches.seen, results, batches.dataloader_len
 
 
 def test_every_batch_holds_one_bucket_with_each_images_own_size_and_crop(one_rank_epoch):
-    seen, results = one_rank_epoch
-    assert len(seen) == NUM_PHOTOS // 4  # the batches of a square epoch: nothing lost to the buckets
+    seen, results, dataloader_len = one_rank_epoch
+    assert len(seen) == NUM_PHOTOS // 4 == dataloader_len  # 8 buckets of 8: nothing lost; the length Composer read
     indices = [i for batch in seen for i in batch["index"]]
     assert len(set(indices)) == len(indices) == NUM_PHOTOS  # every photo once
     listed = default_buckets(64, 8)
-    shown = {name: (h, w) if orientation == 6 else (w, h) for name, w, h, orientation in MIXED_ASPECT_PHOTOS}
-    shapes, mixed = Counter(), []
-    for position, batch in enumerate(seen):
+    shown = {(h, w) if orientation == 6 else (w, h) for name, w, h, orientation in MIXED_ASPECT_PHOTOS}
+    shapes = Counter()
+    for batch in seen:
         _, channels, height, width = batch["shape"]
         shapes[(height, width)] += 1
-        nearest = set()
-        for index, original, crop in zip(batch["index"], batch["original_size"], batch["crop"]):
-            name = MIXED_ASPECT_PHOTOS[index % len(MIXED_ASPECT_PHOTOS)][0]
-            width_shown, height_shown = shown[name]
-            assert original == [height_shown, width_shown]  # SDXL's time ids: the size as shown (EXIF applied)
-            bucket = nearest_bucket(width_shown, height_shown, listed, 64)
-            nearest.add((bucket.height, bucket.width))
+        for original, crop in zip(batch["original_size"], batch["crop"]):
+            height_shown, width_shown = original  # SDXL's time ids: the size as shown (EXIF applied)
+            assert (width_shown, height_shown) in shown
+            # Every image in the bucket nearest its aspect ratio: a bucket folder is one stream, a step one stream.
+            assert nearest_bucket(width_shown, height_shown, listed, 64) == Bucket(height, width)
             assert crop[0] >= 0 and crop[1] >= 0 and (crop[0] == 0 or crop[1] == 0)  # cropped along one side only
-        if nearest != {(height, width)}:
-            mixed.append(position)
-    # Each worker (batches w, w + 2, ...) emits its buckets' batches as they fill, then, at the end of its
-    # samples, the leftovers sorted by aspect ratio: only its last batches may hold images of other buckets.
-    for worker in range(2):
-        own = list(range(worker, len(seen), 2))
-        tail = [p for p in own if p in mixed]
-        assert tail == own[len(own) - len(tail):], (worker, mixed)
-        assert len(tail) <= len(listed) - 1
-    assert len(mixed) < len(seen) / 2, mixed
     assert len(shapes) >= 6  # portraits, squares, landscapes, the line and the column
     assert results["final_loss"] is not None and results["images_per_sec"] > 0
 
 
 def test_the_results_count_the_images_of_each_bucket(one_rank_epoch):
-    seen, results = one_rank_epoch
+    seen, results, _ = one_rank_epoch
     counted = Counter()
     for batch in seen:
         counted[f"{batch['shape'][2]}x{batch['shape'][3]}"] += batch["shape"][0]
@@ -268,7 +282,7 @@ def test_buckets_are_refused_in_one_line_where_they_do_not_apply(shards, tmp_pat
                                         "--max_duration", "1ba"])
     assert "--aspect_buckets with --precomputed --use_synth_data: synthetic latents are square" in message
     message = error_of(benchmark.main, [*XL, "--precomputed", *local])  # image shards, not latents
-    assert "holds image shards" in message and "not precomputed latents" in message
+    assert "holds images sorted into bucket folders: drop --precomputed" in message
     message = error_of(benchmark.main, ["--model_config", "sdxl-tiny", "--synthetic_bucket_weights", "64x64=1",
                                         "--use_synth_data", "--batch_size", "2", "--max_duration", "1ba"])
     assert "--synthetic_bucket_weights needs --aspect_buckets" in message
@@ -348,7 +362,7 @@ def test_two_ranks_resume_mid_epoch_after_sigkill_to_the_uninterrupted_weights_a
     assert reference.proc.returncode == 0, reference.output()[-4000:]
     assert killed.proc.returncode == -signal.SIGKILL
     assert resumed.proc.returncode == 0, resumed.output()[-4000:]
-    assert "batch 5/6 " in resumed.output() and "batch 1/6 " not in resumed.output()
+    assert "batch 4/6 " in resumed.output() and "batch 1/6 " not in resumed.output()
     final = os.readlink(runs.tmp / "reference" / "latest-rank0.pt")
     assert final == "ep0-ba6-rank0.pt" and os.readlink(runs.tmp / "killed" / "latest-rank0.pt") == final
     ref = torch.load(runs.tmp / "reference" / final, map_location="cpu", weights_only=False)["state"]
@@ -375,78 +389,81 @@ THREE = "96x40\n64x64\n40x96\n"  # tall, square, wide: few buckets, so that each
 
 
 @pytest.fixture(scope="module")
-def bucketed_latents(shards, tmp_path_factory, request):
+def bucketed_latents(flat_shards, tmp_path_factory, request):
     if any("two_rank_runs" in item.fixturenames for item in request.session.items):
         request.getfixturevalue("two_rank_runs")
     tmp = tmp_path_factory.mktemp("bucket-latents")
     listed = tmp / "three.txt"
     listed.write_text(THREE)
-    source = copy_of(shards, tmp / "mds")
+    source = copy_of(flat_shards, tmp / "mds")
     latents.main(["--model_config", "sdxl-tiny", "--local", str(source), "--out", str(tmp / "lat"),
                   "--batch_size", "4", "--chunk_size", "32", "--num_workers", "0", "--no_progress",
                   "--aspect_buckets", str(listed)])
     return tmp, listed
 
 
-def test_latents_are_stored_at_each_samples_bucket_and_train_one_bucket_a_batch(bucketed_latents, tmp_path):
+def test_latents_are_stored_in_one_folder_per_bucket_and_train_one_bucket_a_batch(bucketed_latents, tmp_path):
     from streaming import StreamingDataset
 
     tmp, listed = bucketed_latents
     assert json.loads((tmp / "lat" / "precompute.json").read_text())["aspect_buckets"] == ["96x40", "64x64", "40x96"]
-    stored = StreamingDataset(local=str(tmp / "lat"), batch_size=1, shuffle=False)
+    record = read_record(tmp / "lat")
     three = (Bucket(96, 40), Bucket(64, 64), Bucket(40, 96))
     names = Counter()
-    for i in range(stored.num_samples):
-        sample = stored[i]
-        height, width = (int(side) for side in sample["bucket"])
-        names[f"{height}x{width}"] += 1
-        assert sample["latent_mean"].shape == (4, height // 8, width // 8)
-        _, stored_width, stored_height, orientation = MIXED_ASPECT_PHOTOS[int(sample["index"]) % NUM_KINDS]
-        shown = (stored_height, stored_width) if orientation == 6 else (stored_width, stored_height)
-        assert nearest_bucket(*shown, three, 64) == Bucket(height, width)  # the nearest of the list, centered
+    for folder in record.folders:
+        stored = StreamingDataset(local=str(tmp / "lat" / folder.folder), batch_size=1, shuffle=False)
+        assert stored.num_samples == folder.samples and "bucket" not in stored[0]  # the folder is the bucket
+        for i in range(stored.num_samples):
+            sample = stored[i]
+            names[folder.folder] += 1
+            assert sample["latent_mean"].shape == (4, folder.bucket.height // 8, folder.bucket.width // 8)
+            _, stored_width, stored_height, orientation = MIXED_ASPECT_PHOTOS[int(sample["index"]) % NUM_KINDS]
+            shown = (stored_height, stored_width) if orientation == 6 else (stored_width, stored_height)
+            assert nearest_bucket(*shown, three, 64) == folder.bucket  # the nearest of the list, centered
     assert set(names) == {"96x40", "64x64", "40x96"} and sum(names.values()) == NUM_PHOTOS
-    batches = []
+    class Latents(EpochLength):
+        seen: list = []
 
-    class Latents(Callback):
         def after_dataloader(self, state, logger) -> None:
-            batches.append(tuple(state.batch["latent_mean"].shape))
+            self.seen.append(tuple(state.batch["latent_mean"].shape))
 
+    batches = Latents()
+
+    # 3 a batch, which no bucket's count divides: the epoch is each bucket's full batches, and Composer's
+    # epoch length says so (the old planner's loader reported a square epoch's, 22, to the LR schedule).
     results = benchmark.main(["--model_config", "sdxl-tiny", "--precomputed", "--local",
-                              str(copy_of(tmp / "lat", tmp_path / "lat")), "--batch_size", "2", "--num_workers", "0",
+                              str(copy_of(tmp / "lat", tmp_path / "lat")), "--batch_size", "3", "--num_workers", "0",
                               "--max_duration", "1ep", "--warmup_batches", "1", "--aspect_buckets", str(listed)],
-                             extra_callbacks=[Latents()])
-    # Every full batch the stored buckets hold (one rank, one loader): each bucket's count // 2, in one bucket each.
-    full = sum(count // 2 for count in names.values())
-    assert len(batches) == full and {shape[2:] for shape in batches} <= {(12, 5), (8, 8), (5, 12)}
-    assert sum(results["images_per_bucket"].values()) == 2 * full and results["largest_bucket"]["bucket"] == "64x64"
+                             extra_callbacks=[batches])
+    full = sum(count // 3 for count in names.values())
+    assert len(batches.seen) == full == batches.dataloader_len and full < -(-NUM_PHOTOS // 3)
+    assert {shape[2:] for shape in batches.seen} <= {(12, 5), (8, 8), (5, 12)}
+    assert sum(results["images_per_bucket"].values()) == 3 * full and results["largest_bucket"]["bucket"] == "64x64"
 
 
-def test_a_small_precomputed_set_trains_every_full_batch_or_is_refused_saying_what_it_holds(bucketed_latents,
-                                                                                           tmp_path):
+def test_a_bucket_with_fewer_samples_than_a_global_batch_is_named_and_left_out(bucketed_latents, tmp_path, capsys):
     tmp, listed = bucketed_latents
-    counts = sorted(Counter(f"{int(s[0])}x{int(s[1])}" for s in stored_buckets(tmp / "lat")).values())
+    counts = {folder.folder: folder.samples for folder in read_record(tmp / "lat").folders}
     data = copy_of(tmp / "lat", tmp_path / "lat")
     run = ["--model_config", "sdxl-tiny", "--precomputed", "--local", str(data), "--num_workers", "0",
            "--max_duration", "1ep", "--warmup_batches", "0", "--aspect_buckets", str(listed)]
-    # A batch as large as the smallest bucket: the worst case over the list (what an epoch held before) is
-    # no batch at all, but the stored column holds one batch or more in every bucket.
-    batch = counts[0]
+    batch = min(counts.values()) + 1  # the smallest buckets hold less than one batch: left out, named
+    small = sorted(name for name, count in counts.items() if count < batch)
+    capsys.readouterr()
     results = benchmark.main([*run, "--batch_size", str(batch)])
-    assert sum(results["images_per_bucket"].values()) == batch * sum(count // batch for count in counts)
+    line = capsys.readouterr().err
+    left = sum(counts[name] for name in small)
+    assert f"note: --aspect_buckets: {len(small)} bucket folder(s) hold fewer samples an epoch than one global " \
+           f"batch of {batch} (--batch_size): " in line and all(f"{name} ({counts[name]})" in line for name in small)
+    assert f"left out of training, {left:,} of {NUM_PHOTOS:,} samples" in line
+    assert set(results["images_per_bucket"]) == set(counts) - set(small)
     # Larger than every bucket: refused before training, saying what the data holds.
-    message = error_of(benchmark.main, [*run, "--batch_size", str(counts[-1] + 1)])
-    assert f"the data holds 0 full batch(es) of {counts[-1] + 1} samples in one bucket" in message
-    assert "use more data, a smaller --batch_size" in message
+    message = error_of(benchmark.main, [*run, "--batch_size", str(max(counts.values()) + 1)])
+    assert f"no bucket folder holds one global batch of {max(counts.values()) + 1} samples an epoch" in message
+    assert "use more data or a smaller --batch_size" in message
 
 
-def stored_buckets(folder: Path) -> list:
-    from streaming import StreamingDataset
-
-    stored = StreamingDataset(local=str(folder), batch_size=1, shuffle=False)
-    return [stored[i]["bucket"] for i in range(stored.num_samples)]
-
-
-def test_latents_of_other_buckets_are_refused_in_one_line(bucketed_latents, tmp_path):
+def test_latents_of_other_buckets_and_unsorted_data_are_refused_in_one_line(bucketed_latents, flat_shards, tmp_path):
     tmp, listed = bucketed_latents
     local = ["--model_config", "sdxl-tiny", "--precomputed", "--local", str(tmp / "lat"), "--batch_size", "2",
              "--max_duration", "1ba"]
@@ -454,10 +471,40 @@ def test_latents_of_other_buckets_are_refused_in_one_line(bucketed_latents, tmp_
     assert "--aspect_buckets default: the latents were stored in other buckets" in message
     assert "3 buckets, 96x40 ... 40x96" in message and "this run: 11 buckets" in message
     message = error_of(benchmark.main, local)
-    assert "holds latents stored per aspect-ratio bucket (latents.py --aspect_buckets)" in message
+    assert "is sorted into aspect-ratio bucket folders (buckets.json): train on it with --aspect_buckets" in message
     message = error_of(latents.main, ["--model_config", "tiny", "--local", str(tmp / "mds"), "--out",
                                       str(tmp_path / "sd2"), "--aspect_buckets"], prog="latents.py")
     assert "--aspect_buckets does not apply to --model_config tiny: SD2 trains on squares" in message
+    # Images converted without buckets, and latents of the per-sample bucket column before bucket folders: one
+    # line naming the command that sorts them.
+    message = error_of(benchmark.main, [*XL, "--local", str(flat_shards), "--batch_size", "4", "--max_duration", "1ba"])
+    assert f"--local {flat_shards} holds images not sorted into aspect-ratio buckets" in message
+    assert "sort it once with `python sort_buckets.py" in message
+    old = tmp_path / "old"
+    sorted_parts = {RECORD_FILE, *(folder.folder for folder in read_record(tmp / "lat").folders)}
+    shutil.copytree(tmp / "lat", old, ignore=lambda folder, names: [name for name in names if name in sorted_parts])
+    message = error_of(benchmark.main, [*local[:3], "--local", str(old), *local[5:], "--aspect_buckets", str(listed)])
+    assert "holds latents stored with a per-sample bucket column by an older latents.py" in message
+    assert "sort it once with `python sort_buckets.py" in message
+    # ... and sort_buckets.py sorts them into what latents.py writes now.
+    sort_buckets.main([str(old), "--out", str(tmp_path / "sorted"), "--workers", "1", "--no_progress"])
+    assert read_record(tmp_path / "sorted") == read_record(tmp / "lat")
+
+
+@pytest.mark.multirank  # forks the killed sort
+def test_sort_buckets_sorts_images_once_and_resumes_after_a_kill(flat_shards, shards, tmp_path, capsys):
+    out = tmp_path / "sorted"
+    argv = [str(flat_shards), "--out", str(out), "--image_size", "64", "--no_progress", "--size_limit", "16kb"]
+    # SIGKILLed as it marks the third input shard done: two are kept, the rest is redone.
+    killed_in_child(lambda: sort_buckets.main([*argv, "--workers", "1"]), "replace", "s00002.partial")
+    assert not (out / RECORD_FILE).exists()
+    capsys.readouterr()
+    report = sort_buckets.main([*argv, "--workers", "2"])
+    assert "resuming: 2 of" in capsys.readouterr().err and report["resumed_shards"] == 2
+    assert read_record(out) == read_record(shards)  # convert.py --aspect_buckets' folders, the same counts
+    assert sorted(os.listdir(out)) == sorted([RECORD_FILE, *(f.folder for f in read_record(shards).folders)])
+    message = error_of(sort_buckets.main, argv, prog="sort_buckets.py")
+    assert "is not empty" in message
 
 
 # -----------------------------------------------------------------------------------------------
@@ -479,19 +526,13 @@ def saved_mid_epoch(shards, tmp_path_factory) -> tuple[list[str], Path]:
 
 
 @pytest.mark.parametrize("change, expected", [
-    # The bucketed order of real data depends on the ranks and on each rank's loader workers.
-    (["--num_workers", "1"], "--num_workers 0 then, 1 now"),
     (["--batch_size", "8", "--bucket_crop", "center", "--image_size", "72"],
      "--batch_size 4 then, 8 now; --image_size 64 then, 72 now; --bucket_crop random then, center now"),
     (["--aspect_buckets"], "--aspect_buckets 96x40,64x64,40x96 then, 11 buckets, 128x32 ... 32x128 now"),
-    ([], "--aspect_buckets 96x40,64x64,40x96 then, none (square) now"),  # the flag left out
-])
+])  # the flag left out: the bucket folders are refused first (test_latents_of_other_buckets_..._refused)
 def test_a_mid_epoch_resume_that_would_change_the_samples_of_a_step_is_refused_in_one_line(saved_mid_epoch, change,
                                                                                             expected):
     run, tmp = saved_mid_epoch
-    if not change:
-        at = run.index("--aspect_buckets")
-        run = run[:at] + run[at + 2:]
     saved = sorted(os.listdir(tmp / "ckpt"))
     message = error_of(benchmark.main, [*run, *change, "--max_duration", "4ba", "--autoresume"])
     assert f"{expected}: the checkpoint stopped mid-epoch (epoch 0, after its batch 2), so the rest of the epoch " \

@@ -1,7 +1,8 @@
 """Aspect-ratio buckets (t2ibench/buckets.py): the default list (SDXL's at 1024, the same rule at other
 sizes), a user's list and its one-line errors, the nearest bucket without more upscaling than the square
 path, the cover-and-crop placement, real photographs decoded into their buckets (EXIF-rotated, a 3000 x 1
-line), and one worker's stream of samples turned into one-bucket batches, replayed after a restart."""
+line), and Streaming's per_stream partition of one MDS folder per bucket: every bucket trains, one bucket a
+step on every rank, a resume off a worker boundary takes the same steps, the node layout decides the order."""
 from __future__ import annotations
 
 import io
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from t2ibench import bucket_plan, buckets
+from t2ibench import buckets
 from t2ibench.buckets import Bucket
 from t2ibench.errors import UserError
 from t2ibench.images import decode_pixels, decode_pixels_placed, oriented_size
@@ -158,64 +159,113 @@ def test_the_phone_portrait_is_decoded_upright():
 # One worker's stream as one-bucket batches.
 # -----------------------------------------------------------------------------------------------
 
-LISTED = (Bucket(2, 1), Bucket(1, 1), Bucket(1, 2), Bucket(1, 4))
+# -----------------------------------------------------------------------------------------------
+# One stream per bucket folder, batched per_stream by Streaming (t2ibench.bucket_folders): Streaming's
+# own partition of real MDS folders, on the world of 8 ranks x 8 loader workers the old planner failed on.
+# -----------------------------------------------------------------------------------------------
+
+# Samples per bucket folder: a long tail as photos have, one bucket holding 0.05% of the data (8 of
+# 16,008) and one fewer than a global batch of 8 (7).
+FOLDER_SAMPLES = {"64x64": 6000, "48x80": 4000, "80x48": 3000, "40x96": 2000, "96x40": 993, "32x128": 8, "128x32": 7}
 
 
-def partition(num_samples: int, ranks: int, workers: int, seed: int) -> np.ndarray:
-    """A shuffled epoch split as Streaming's is: [node, rank of node, worker of rank, samples], -1 padding."""
-    ids = np.random.default_rng(seed).permutation(num_samples)
-    per_slot = -(-num_samples // (ranks * workers))
-    padded = np.concatenate([ids, -np.ones(per_slot * ranks * workers - num_samples, dtype=ids.dtype)])
-    return padded.reshape(1, ranks, workers, per_slot)
+@pytest.fixture(scope="module")
+def bucket_folders(tmp_path_factory):
+    """One small MDS folder per bucket (an int a sample: the partition is what is tested, not the data)."""
+    from streaming import MDSWriter
+
+    root = tmp_path_factory.mktemp("folders")
+    start = 0
+    for name, count in FOLDER_SAMPLES.items():
+        with MDSWriter(out=str(root / name), columns={"id": "int"}, size_limit=1 << 14) as writer:
+            for i in range(start, start + count):
+                writer.write({"id": i})
+        start += count
+    return root
 
 
-TABLE = np.array([(i * 7919) % 13 % len(LISTED) for i in range(600)])  # sample -> bucket position in LISTED
+def per_stream_work(root, names, batch_size: int, nodes: int, ranks_per_node: int, workers: int,
+                    sample_in_epoch: int = 0, epoch: int = 0):
+    """Streaming 0.13's per_stream partition of the folders `names`: [node, rank, worker, batch, sample]."""
+    from streaming import Stream, StreamingDataset
+    from streaming.base.batching import generate_work
+    from streaming.base.world import World
+
+    dataset = StreamingDataset(streams=[Stream(local=str(root / name)) for name in names], batch_size=batch_size,
+                               batching_method="per_stream", shuffle=True, shuffle_seed=17, num_canonical_nodes=nodes)
+    world = World(nodes, ranks_per_node, workers, 0)
+    dataset._set_shuffle_block_size(world)  # what Streaming's _resume does before an epoch
+    return dataset, generate_work("per_stream", dataset, world, epoch, sample_in_epoch)
 
 
-@pytest.mark.parametrize("ranks, workers, batch, regroup", [(1, 1, 4, False), (2, 2, 3, False), (4, 2, 2, True),
-                                                            (8, 1, 5, True), (3, 3, 4, True)])
-def test_every_rank_trains_the_same_bucket_at_every_step(ranks, workers, batch, regroup):
-    work = partition(600, ranks, workers, seed=ranks * 10 + workers)
-    slots = bucket_plan.epoch_batches(work, TABLE, batch, LISTED, regroup)
-    assert len({len(slot) for slot in slots}) == 1 and len(slots) == workers  # the slots cut to the shortest
-    used = []
-    for worker, slot in enumerate(slots):
-        for planned in slot:
-            assert len(planned.samples) == ranks and all(len(samples) == batch for samples in planned.samples)
-            for rank, samples in enumerate(planned.samples):
-                assert set(samples) <= set(work[0, rank, worker].tolist())  # each rank from its own part
-            used.extend(s for samples in planned.samples for s in samples)
-    assert len(used) == len(set(used))  # no sample twice
-    full = [planned for slot in slots for planned in slot
-            if all(TABLE[s] == planned.bucket for samples in planned.samples for s in samples)]
-    if not regroup:  # stored latents: every batch wholly its bucket's
-        assert len(full) == sum(len(slot) for slot in slots)
+def global_batches(work) -> list[tuple[int, ...]]:
+    """The steps in the order the ranks' DataLoaders take them (batch j from worker j % workers), each the
+    samples of every rank; padding (-1) batches dropped."""
+    nodes, ranks, workers, rows, batch = work.shape
+    steps = work.transpose(3, 2, 0, 1, 4).reshape(rows * workers, nodes * ranks * batch)
+    return [tuple(step) for step in steps.tolist() if min(step) >= 0]
 
 
-def test_stored_latents_hold_every_full_batch_every_rank_can_fill():
-    # One worker slot: per bucket, the batches are the fewest any rank can fill (its count // batch).
-    work = partition(400, ranks=2, workers=1, seed=3)
-    slot = bucket_plan.slot_batches([work[0, r, 0] for r in range(2)], TABLE, 4, LISTED, regroup=False)
-    for bucket in range(len(LISTED)):
-        fill = min(int((TABLE[work[0, r, 0]] == bucket).sum()) // 4 for r in range(2))
-        assert sum(planned.bucket == bucket for planned in slot) == fill
-    # Images can be cropped into any bucket: the leftovers become batches too, all but the last few.
-    regrouped = bucket_plan.slot_batches([work[0, r, 0] for r in range(2)], TABLE, 4, LISTED, regroup=True)
-    assert len(regrouped) == 200 // 4
+@pytest.mark.parametrize("nodes, ranks_per_node, workers, batch", [(1, 8, 8, 1), (2, 4, 8, 1), (1, 2, 2, 3)])
+def test_every_bucket_with_a_global_batch_trains_and_an_epoch_leaves_out_less_than_a_batch_a_bucket(
+        bucket_folders, nodes, ranks_per_node, workers, batch):
+    from t2ibench.bucket_folders import stream_steps
+
+    global_batch = nodes * ranks_per_node * batch
+    names = [name for name, count in FOLDER_SAMPLES.items() if count >= global_batch]  # bucket_streams' rule
+    dataset, work = per_stream_work(bucket_folders, names, batch, nodes, ranks_per_node, workers)
+    steps = global_batches(work)
+    bounds = np.cumsum([0] + [FOLDER_SAMPLES[name] for name in names])
+    for step in steps:  # one bucket a step, on every rank
+        assert len({int(np.searchsorted(bounds, sample, side="right")) for sample in step}) == 1
+    trained = Counter(int(np.searchsorted(bounds, sample, side="right")) - 1 for step in steps for sample in step)
+    total = sum(FOLDER_SAMPLES[name] for name in names)
+    assert set(trained) == set(range(len(names)))  # the 0.05% bucket too (the old planner never trained it)
+    assert total - sum(trained.values()) < len(names) * global_batch  # at most a part-filled batch a bucket
+    # The steps Streaming makes are those the loader's length counts (--max_duration Nep's schedule).
+    assert len(steps) == sum(stream_steps(FOLDER_SAMPLES[name], nodes, nodes, ranks_per_node, batch) for name in names)
 
 
-def test_the_plan_depends_on_the_partition_and_the_table_alone():
-    work = partition(300, ranks=2, workers=2, seed=5)
-    first = bucket_plan.epoch_batches(work, TABLE, 3, LISTED, True)
-    assert bucket_plan.epoch_batches(work.copy(), TABLE.copy(), 3, LISTED, True) == first
-    assert bucket_plan.global_batches(work, TABLE, 3, LISTED, True) == sum(len(slot) for slot in first)
+@pytest.mark.parametrize("samples, canonical, nodes, ranks_per_node, batch", [
+    (7, 1, 1, 8, 1), (8, 1, 1, 8, 1), (993, 4, 2, 4, 2), (1001, 8, 2, 3, 4), (5, 8, 1, 2, 1), (640, 2, 4, 2, 8)])
+def test_stream_steps_counts_the_full_global_batches_of_streamings_partition(samples, canonical, nodes,
+                                                                              ranks_per_node, batch):
+    from streaming.base.partition import get_partitions
+
+    from t2ibench.bucket_folders import stream_steps
+
+    work = get_partitions("orig", samples, canonical, nodes, ranks_per_node, 2, batch)
+    batches = work.transpose(3, 2, 0, 1, 4).reshape(-1, nodes * ranks_per_node * batch)
+    full = int(np.count_nonzero(batches.min(axis=1) >= 0))
+    assert stream_steps(samples, canonical, nodes, ranks_per_node, batch) == full
 
 
-def test_batches_before_counts_each_workers_share_of_the_trained_batches():
-    # 2 ranks x 3 workers, 4 images a device: 40 samples trained = 5 batches per rank, from workers 0,1,2,0,1.
-    assert [buckets.batches_before(40, 2, 3, w, 4) for w in range(3)] == [2, 2, 1]
-    assert [buckets.batches_before(0, 2, 3, w, 4) for w in range(3)] == [0, 0, 0]
-    assert buckets.batches_before(24, 2, 1, 0, 4) == 3
+def test_a_mid_epoch_resume_off_a_worker_boundary_takes_the_same_steps_in_the_same_order(bucket_folders):
+    names = [name for name, count in FOLDER_SAMPLES.items() if count >= 4]
+    _, whole = per_stream_work(bucket_folders, names, 2, 1, 2, 2)
+    uninterrupted = global_batches(whole)
+    for trained_steps in (1, 3, 4):  # 1 and 3: the next step is worker 1's
+        _, resumed = per_stream_work(bucket_folders, names, 2, 1, 2, 2, sample_in_epoch=trained_steps * 4)
+        assert global_batches(resumed) == uninterrupted[trained_steps:]
+
+
+def test_the_node_layout_is_part_of_the_order_the_resume_check_compares(bucket_folders):
+    from types import SimpleNamespace
+
+    from t2ibench.data_order import data_order
+    from t2ibench.sources import Source
+
+    names = [name for name, count in FOLDER_SAMPLES.items() if count >= 8]
+    _, one_node = per_stream_work(bucket_folders, names, 1, 1, 8, 1)
+    _, two_nodes = per_stream_work(bucket_folders, names, 1, 2, 4, 1)
+    by_rank = [work.reshape(8, -1)[:, :20].tolist() for work in (one_node, two_nodes)]
+    assert by_rank[0] != by_rank[1]  # the same 8 ranks take other samples: the order is not the same
+    settings = SimpleNamespace(use_synth_data=False, precomputed=False, seed=17, batch_size=8, num_workers=2,
+                               buckets=(Bucket(64, 64),), sources=(Source(None, "/data/x"),), shuffle=True,
+                               shuffle_algo="py1e", shuffle_block_size=None, epoch_size=None, sampling_granularity=1,
+                               num_canonical_nodes=None, image_size=64, bucket_crop="random")
+    assert data_order(settings, 8, 1) != data_order(settings, 8, 2)
+    assert data_order(settings, 8, 1)["nodes"] == 1 and "--num_workers" not in data_order(settings, 8, 1)
 
 
 def test_the_memory_model_counts_the_largest_bucket_in_tokens_for_flux_and_pixels_for_sdxl():
@@ -235,3 +285,29 @@ def test_the_memory_model_counts_the_largest_bucket_in_tokens_for_flux_and_pixel
         return memory.plan("flux1-tiny", size, 80 * 2**30, per_device_batch=4, num_gpus=1)["activation_bytes_per_image"]
     square, double = activations(64), activations((64, 128))
     assert 1.3 * square < double < 2 * square, (square, double)
+
+
+def test_two_sources_mix_as_their_proportions_say_each_with_its_own_buckets(bucket_folders):
+    from streaming import Stream, StreamingDataset
+
+    from t2ibench.bucket_folders import IMAGES, BucketFolder, BucketRecord, plan_streams
+    from t2ibench.sources import Source
+
+    # Source A: the two largest folders; source B: three others (folders of the fixture, read as two datasets).
+    a_names, b_names = ["64x64", "48x80"], ["80x48", "40x96", "96x40"]
+    record = {name: BucketRecord(IMAGES, 64, tuple(BucketFolder(buckets.parse_bucket(n), FOLDER_SAMPLES[n])
+                                                   for n in names)) for name, names in (("a", a_names), ("b", b_names))}
+    sources = [Source(None, str(bucket_folders), 0.3), Source(None, str(bucket_folders), 0.7)]
+    listed = tuple(buckets.parse_bucket(n) for n in FOLDER_SAMPLES)
+    planned = plan_streams(sources, [record["a"], record["b"]], listed, 64, epoch_size=None)
+    dataset = StreamingDataset(streams=[Stream(local=s.local, proportion=s.proportion) for s in planned], batch_size=1,
+                               batching_method="per_stream", shuffle=False)
+    drawn = [int(stream.choose) for stream in dataset.streams]
+    # The plan (which decides what is left out) counts what Streaming draws, to the one sample Streaming's
+    # rounding hands to a stream drawn at random; the steps are counted from Streaming's own draws.
+    assert all(abs(n - s.samples_per_epoch) <= 1 for n, s in zip(drawn, planned))
+    total = sum(drawn)
+    assert abs(sum(drawn[:2]) / total - 0.3) < 1e-3 and abs(sum(drawn[2:]) / total - 0.7) < 1e-3
+    # Within a source, its buckets keep their mix.
+    assert abs(drawn[0] / drawn[1] - FOLDER_SAMPLES["64x64"] / FOLDER_SAMPLES["48x80"]) < 1e-2
+    assert abs(drawn[2] / drawn[4] - FOLDER_SAMPLES["80x48"] / FOLDER_SAMPLES["96x40"]) < 1e-2

@@ -29,12 +29,13 @@ from t2ibench import cli, flags
 import index_scale
 import latents
 import learns
+import sort_buckets
 import step_ops
 from tests.helpers import (REAL_2BA, ROOT, TINY_2BA, TINY_SYNTH, bench_script, error_of, free_port, jpeg,
                            write_images, write_latents)
 
 COMMANDS = {"benchmark.py": benchmark, "convert.py": convert, "latents.py": latents, "export.py": export,
-            "cost.py": cost, "learns.py": learns, "index_scale.py": index_scale, "blocks.py": blocks,
+            "cost.py": cost, "sort_buckets.py": sort_buckets, "learns.py": learns, "index_scale.py": index_scale, "blocks.py": blocks,
             "step_ops.py": step_ops, **{f"{name}.py": bench_script(name) for name in (
                 "memory", "value_check", "cpu_speed", "bench_data", "bench_ema", "check_step", "unet_flops",
                 "gpu_report", "time_to_target")}}
@@ -62,7 +63,9 @@ NOT_NUMBERS = {
                      "--samples_dir", "--eval_remote", "--eval_local", "--profile_dir", "--aspect_buckets",
                      "--fid_weights", "--clip_model", "--mlperf_log", "--mlperf_org", "--mlperf_platform",
                      "--fid_real_stats"},
-    "convert.py": {"inputs", "--out", "--image_column", "--caption_column"},
+    "convert.py": {"inputs", "--out", "--image_column", "--caption_column", "--aspect_buckets"},
+    "sort_buckets.py": {"input", "--out", "--aspect_buckets", "--image_key", "--compression", "--hashes",
+                        "--size_limit"},
     "latents.py": {"--remote", "--local", "--out", "--model_name", "--model_config", "--image_key", "--caption_key",
                    "--aspect_buckets"},
     "export.py": {"checkpoint", "--out", "--model_name"},
