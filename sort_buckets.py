@@ -26,7 +26,7 @@ from t2ibench.buckets import DEFAULT, resolve_buckets
 from t2ibench.cli import IMAGE_SIZE, POSITIVE_INT, Parser
 from t2ibench.errors import fail
 from t2ibench.files import STAGING_FOLDER, hold_output
-from t2ibench.locations import check_output, is_remote
+from t2ibench.locations import check_output, file_kind, is_remote
 from t2ibench.mds import INDEX_FILE, codec_problem, size_limit_problem
 
 PATCH_PX = 8  # sides of the default list in multiples of SDXL's latent patch; runs map folders by aspect ratio
@@ -57,11 +57,17 @@ def validate(args: argparse.Namespace) -> tuple[SortJob, dict, dict[str, str]]:
     from t2ibench.cli import check_workers
 
     source = Path(args.input).expanduser()
-    if is_remote(args.input) or not (source / INDEX_FILE).is_file():
+    if is_remote(args.input):
+        fail(f"INPUT {args.input} is remote: sort_buckets.py reads a local MDS folder; copy the dataset here first")
+    if not source.is_dir():
+        kind = file_kind(source) if source.exists() else None
+        fail(f"INPUT {args.input} is {kind or 'a file'}, not a folder; give a local MDS folder" if source.exists()
+             else f"INPUT {args.input}: no such folder; give a local MDS folder")
+    if not (source / INDEX_FILE).is_file():
         if (source / RECORD_FILE).is_file():
             fail(f"INPUT {args.input} is sorted into bucket folders already ({RECORD_FILE}): train on it with "
                  "benchmark.py --aspect_buckets")
-        fail(f"INPUT {args.input} is not a local MDS folder (no {INDEX_FILE}): copy the dataset here first")
+        fail(f"INPUT {args.input} is not an MDS folder (no {INDEX_FILE}); give the folder convert.py or MDSWriter wrote")
     try:
         index = json.loads((source / INDEX_FILE).read_text())
         shard = index["shards"][0]
