@@ -9,11 +9,12 @@ the same device under results/.
     python bench/gpu_report.py --out /tmp/report --smoke            # no GPU: the tiny models on CPU
     python bench/gpu_report.py --out gpu-results --rows matrix --gpus 8 --budget_s 36000   # the matrix on a node
     python bench/gpu_report.py --dry_run --rows matrix --gpus 8 --gpu_memory_gib 79.1   # plan a node you are not on
+    python bench/gpu_report.py --dry_run --device h200 --predictions h200.json  # plan and predict a GPU not here
 
 Its parts, one job each: gpu_rows.py (the rows), gpu_plan.py (each row's command for the node),
 gpu_budget.py (the budget rule), gpu_launch.py (running a row), gpu_record.py (the environment, earlier
-results, README.md). The rows, the budget rule and the files: docs/gpu-runs.md, "Ten minutes of a GPU"
-and "The GPU matrix".
+results, README.md), gpu_predict.py (each row predicted from the H100's measurements). The rows, the budget
+rule and the files: docs/gpu-runs.md, "Ten minutes of a GPU", "The GPU matrix" and "Devices".
 """
 from __future__ import annotations
 
@@ -29,13 +30,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]  # the project root
 sys.path.insert(0, str(ROOT))
 
-from gpu_budget import (ASSUMED_MFU, CPU_FIRST_FLOPS_PER_SECOND, PEAK_TFLOPS, Estimator,  # noqa: E402
-                        peak_tflops_of, row_timeout)
+from gpu_budget import (ASSUMED_MFU, CPU_FIRST_FLOPS_PER_SECOND, UNKNOWN_GPU_PEAK_TFLOPS, Estimator,  # noqa: E402
+                        row_timeout)
 from gpu_launch import pretrained_available, row_env, run_blocks, run_training  # noqa: E402
 from gpu_plan import blocks_command, blocks_options, plan_row, run_setting  # noqa: E402
+from gpu_predict import predict_rows, read_predictions  # noqa: E402
 from gpu_record import Outcome, earlier_results, environment, write_readme  # noqa: E402
 from gpu_rows import DEFAULT_MODEL_NAME, ROW_GROUPS, ROW_NAMES, ROWS, ReportRow  # noqa: E402
-from t2ibench import errors, files  # noqa: E402
+from t2ibench import devices, errors, files  # noqa: E402
 from t2ibench.cli import (BUDGET_SECONDS, GPU_COUNT, GPU_MEMORY_GIB, NON_NEGATIVE_INT, POSITIVE_FLOAT,  # noqa: E402
                           POSITIVE_INT, Parser)
 from t2ibench.errors import fail  # noqa: E402
@@ -69,9 +71,17 @@ def build_parser() -> Parser:
     p.add_argument("--gpu_memory_gib", type=GPU_MEMORY_GIB, default=None,
                    help="memory of one GPU in GiB for the microbatches (default: the visible GPU's, as torch reports "
                         "it; an 80 GB A100/H100 reports 79.1)")
+    p.add_argument("--device", default=None, choices=devices.DEVICE_CHOICES,
+                   help="the GPU (t2ibench.devices' table): with --dry_run, the GPU to plan and predict, not here; "
+                        "otherwise the visible GPU's must be it (default: the visible GPU, recognised by name, its "
+                        "memory read from CUDA)")
+    p.add_argument("--predictions", type=Path, default=None,
+                   help="with --dry_run: write each row's prediction from the H100's measurements here (JSON); "
+                        "otherwise: the predictions to put beside each measurement (default: the newest "
+                        "results/predicted-<device>-*/predictions.json of this GPU, if any)")
     p.add_argument("--peak_tflops", type=POSITIVE_FLOAT, default=None,
-                   help="peak bf16 TFLOP/s of one GPU for the first estimates (default: the visible GPU's, else the "
-                        "lowest known)")
+                   help="peak bf16 TFLOP/s of one GPU for the first estimates (default: --device's or the visible "
+                        f"GPU's in t2ibench.devices, else {UNKNOWN_GPU_PEAK_TFLOPS:g})")
     p.add_argument("--batches", type=POSITIVE_INT, default=None,
                    help=f"batches of each training row, warm-up included (default: {BATCHES}; --smoke {SMOKE_BATCHES})")
     p.add_argument("--warmup_batches", type=NON_NEGATIVE_INT, default=None,
@@ -126,8 +136,21 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     if not on_cpu and visible == 0:
         fail("no CUDA GPU visible (torch.cuda.device_count() is 0): run it on a GPU, plan a node with --dry_run "
              "--gpus N --gpu_memory_gib M, or pass --smoke to check the tool on CPU")
-    if parsed.dry_run and not parsed.smoke and visible == 0 and parsed.gpu_memory_gib is None:
-        fail("--dry_run without a visible GPU needs --gpu_memory_gib (the memory of the node's GPUs to plan for)")
+    if parsed.dry_run and not parsed.smoke and visible == 0 and parsed.gpu_memory_gib is None and not parsed.device:
+        fail("--dry_run without a visible GPU needs --device NAME or --gpu_memory_gib (the node's GPUs to plan for)")
+    gpu_device = None if parsed.smoke else devices.named_or_visible(parsed.device) if (
+        parsed.device or visible) else None
+    if parsed.device and not on_cpu and devices.visible().key != parsed.device:
+        fail(f"--device {parsed.device}: the visible GPU is {torch.cuda.get_device_name(0)}; plan another GPU with "
+             "--dry_run, or drop --device")
+    if parsed.predictions is not None and not parsed.dry_run and not parsed.predictions.is_file():
+        fail(f"--predictions {parsed.predictions} is not a file: name a predictions.json a dry run wrote")
+    if parsed.predictions is not None and parsed.dry_run:
+        problem = check_output("--predictions", str(parsed.predictions), folder=False)
+        if problem:
+            fail(problem)
+        if gpu_device is None or not gpu_device.bf16_flops_per_sec:
+            fail("--predictions with --dry_run predicts a GPU of t2ibench.devices' table: give --device NAME")
     if not on_cpu and parsed.gpus > visible:
         fail(f"--gpus {parsed.gpus}: only {visible} GPU(s) visible")
     if parsed.fp8 != "off" and not on_cpu and torch.cuda.get_device_capability() < MIN_CAPABILITY:
@@ -138,7 +161,7 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
                 if row.setting else row for row in rows]
     # Absolute: the rows run from the project root, and write there.
     return argparse.Namespace(**{**vars(parsed), "out": (out or DRY_RUN_OUT).absolute(), "batches": batches,
-                                 "warmup_batches": warmup}, report_rows=rows)
+                                 "warmup_batches": warmup}, report_rows=rows, gpu_device=gpu_device)
 
 
 def node_memory_bytes(args: argparse.Namespace) -> float:
@@ -147,16 +170,16 @@ def node_memory_bytes(args: argparse.Namespace) -> float:
         return args.gpu_memory_gib * 2**30
     if args.smoke:
         return SMOKE_GPU_MEMORY_BYTES
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory
+    return args.gpu_device.cuda_memory_bytes  # --device's (the table's), or the visible GPU's as CUDA reports it
 
 
-def first_estimator(args: argparse.Namespace, device_name: str) -> Estimator:
+def first_estimator(args: argparse.Namespace) -> Estimator:
     """The budget rule before any row ran: its first FLOP/s, of all the row's GPUs together."""
     if args.smoke:
         return Estimator(CPU_FIRST_FLOPS_PER_SECOND)
-    peak = args.peak_tflops or peak_tflops_of(device_name) or min(tflops for _, tflops in PEAK_TFLOPS)
+    known = args.gpu_device.bf16_flops_per_sec / 1e12 if args.gpu_device and args.gpu_device.bf16_flops_per_sec \
+        else None
+    peak = args.peak_tflops or known or UNKNOWN_GPU_PEAK_TFLOPS
     return Estimator(ASSUMED_MFU * peak * 1e12 * args.gpus)
 
 
@@ -183,7 +206,8 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
     files.write_text(out / "environment.json", json.dumps(info, indent=2) + "\n")
     earlier = earlier_results(args.results_root, out)
     gpu_memory_bytes = node_memory_bytes(args)
-    estimator = first_estimator(args, info["device"])
+    estimator = first_estimator(args)
+    predicted = {} if args.smoke else read_predictions(args.predictions, args.gpu_device, ROOT / "results")
     print(f"gpu_report.py: {len(args.report_rows)} rows on {args.gpus} x {info['device']} within "
           f"{args.budget_s:.0f} s" + ("" if pretrained or args.smoke else
                                       f"; SD2's encoders random (--model_name {args.model_name} is neither a local "
@@ -202,7 +226,7 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
         if outcome.estimate_s > left:
             outcome.status = f"skipped: estimated {outcome.estimate_s:.0f} s, {max(0.0, left):.0f} s left"
             print(f"{tag}: {outcome.status}", flush=True)
-            write_readme(args, info, list(outcomes.values()), earlier, time.monotonic() - start)
+            write_readme(args, info, list(outcomes.values()), earlier, time.monotonic() - start, predicted)
             continue
         outcome.timeout_s = row_timeout(outcome.estimate_s, left)
         print(f"{tag}: starting, estimated {outcome.estimate_s:.0f} s (timeout {outcome.timeout_s:.0f} s), "
@@ -212,7 +236,7 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
         # Planning on the meta device (a training row's microbatch, a blocks row's node) is part of the row's time.
         if row.setting:
             planned = plan_row(row.name, row.setting, args.gpus, gpu_memory_bytes, out, args.batches,
-                               args.warmup_batches, args.smoke, args.model_name)
+                               args.warmup_batches, args.smoke, args.model_name, args.gpu_device)
             left_of_row = max(1.0, began + outcome.timeout_s - time.monotonic())
             outcome.status, outcome.result = run_training(planned, out, left_of_row, env)
             outcome.wall_s = time.monotonic() - began
@@ -233,8 +257,8 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
         figure = headline(outcome)
         print(f"{tag}: {outcome.status} in {outcome.wall_s:.0f} s{f', {figure}' if figure else ''}; "
               f"{max(0.0, deadline - time.monotonic()):.0f} s left", flush=True)
-        write_readme(args, info, list(outcomes.values()), earlier, time.monotonic() - start)
-    text = write_readme(args, info, list(outcomes.values()), earlier, time.monotonic() - start)
+        write_readme(args, info, list(outcomes.values()), earlier, time.monotonic() - start, predicted)
+    text = write_readme(args, info, list(outcomes.values()), earlier, time.monotonic() - start, predicted)
     print("\n" + text, flush=True)
     return list(outcomes.values())
 
@@ -275,11 +299,10 @@ def headline(outcome: Outcome) -> str:
 def dry_run(args: argparse.Namespace) -> list[dict]:
     """Each row's plan for the node (a training row's microbatch, checkpointing and why, predicted memory; a
     blocks row's command) and its estimate by the budget rule's first estimates, printed; nothing runs."""
-    import torch
-
     gpu_memory_bytes = node_memory_bytes(args)
-    estimator = first_estimator(args, torch.cuda.get_device_name(0) if torch.cuda.device_count() else "")
-    print(f"{len(args.report_rows)} rows on {args.gpus} GPU(s) of {gpu_memory_bytes / 2**30:.1f} GiB, "
+    estimator = first_estimator(args)
+    named = f" {args.gpu_device.label}" if args.gpu_device else ""
+    print(f"{len(args.report_rows)} rows on {args.gpus}{named} GPU(s) of {gpu_memory_bytes / 2**30:.1f} GiB, "
           f"{args.batches} batches per training row ({args.warmup_batches} warm-up), each at its global batch by "
           "gradient accumulation; nothing runs (--dry_run)", flush=True)
     planned = []
@@ -287,7 +310,7 @@ def dry_run(args: argparse.Namespace) -> list[dict]:
         seconds = estimate(row, estimator, args, math.inf)
         if row.setting:
             run = plan_row(row.name, row.setting, args.gpus, gpu_memory_bytes, args.out, args.batches,
-                           args.warmup_batches, args.smoke, args.model_name)
+                           args.warmup_batches, args.smoke, args.model_name, args.gpu_device)
             predicted = run.plan.get("predicted_bytes_at_microbatch")
             print(f"  {row.name} ({run.setting.model_config} {run.setting.resolution}): microbatch {run.microbatch} "
                   f"x {run.batch_size // args.gpus // run.microbatch} per GPU per step, global batch {run.batch_size}, "
@@ -313,7 +336,9 @@ def dry_run(args: argparse.Namespace) -> list[dict]:
     total = sum(row["estimated_seconds"] for row in planned)
     print(f"estimated time: about {total / 60:.0f} minutes (the budget rule's first estimates: each launch's "
           f"start-up, its compilation, its batches at the first FLOP/s; docs/gpu-runs.md); --budget_s "
-          f"{args.budget_s:.0f}", flush=True)
+          f"{args.budget_s:.0f}: {'every row fits' if total <= args.budget_s else 'not every row fits'}", flush=True)
+    if args.predictions is not None:  # each row predicted from the H100's measurements, and written
+        predict_rows(args, planned, gpu_memory_bytes)
     return planned
 
 
