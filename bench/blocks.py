@@ -8,6 +8,8 @@ the sharded-training traffic added, samples/s per GPU predicted for a node.
         --gpus 1 --num_workers 0 --compare_results_json run.json --json                                # the run, predicted
     python bench/blocks.py --model_config flux1-schnell --precomputed --activation_checkpointing --fsdp shard_grad_op \\
         --microbatch 64 --gpus 8 --measured_json results/h100-2026-11-26/blocks2.jsonl           # again, no GPU
+    python bench/blocks.py --model_config flux1-schnell --precomputed --activation_checkpointing --fsdp shard_grad_op \
+        --microbatch 64 --gpus 8 --measured_json results/h100-2026-11-26/blocks2.jsonl --device h200  # on an H200
     python bench/blocks.py --model_config sdxl-base --precomputed --precomputed_format text_states --use_ema \\
         --activation_checkpointing --global_batch 64 --microbatch 32 --gpus 1 --count_memory            # each part's memory
 
@@ -45,8 +47,10 @@ The step of the full model, per GPU of `G`, per-GPU batch `B/G` in microbatches 
     predicted samples/s per GPU = (B/G) / (compute + traffic / --link_gbps)   (not overlapped; the JSON's)
                                 = (B/G) / max(compute, traffic / --link_gbps)  (fully overlapped)
 
-`--link_gbps` is in gigabytes per second per direction per GPU (default: NVLink 4 on an H100, 450);
-a multi-node figure takes the slower inter-node rate. The prediction is labelled **predicted**: it
+`--link_gbps` is in gigabytes per second per direction per GPU (default: the predicted GPU's link in
+t2ibench.devices, NVLink 4 on an H100, 450); a multi-node figure takes the slower inter-node rate.
+`--device NAME` predicts another GPU of t2ibench.devices from a saved measurement (`--measured_json`): each
+part's time scaled by the roofline of its counted work (docs/gpu-runs.md, "Devices"), its memory and link. The prediction is labelled **predicted**: it
 assumes a node of the device it ran on and times nothing of a node (no collective, no straggler).
 `--compile` compiles each part as benchmark.py's `--compile` compiles the run (t2ibench.compiling with
 the family's `compile_blocks`: the blocks inside each block timed, the encoders' layers in the rest);
