@@ -160,8 +160,13 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
         rows = [dataclasses.replace(row, setting=dataclasses.replace(row.setting, fp8=parsed.fp8, compile=True))
                 if row.setting else row for row in rows]
     # Absolute: the rows run from the project root, and write there.
+    # The predictions made for this GPU before: beside each measurement, and the estimates' rate. A dry run's
+    # --predictions is what it writes: it reads the committed ones.
+    predicted = {} if parsed.smoke else read_predictions(None if parsed.dry_run else parsed.predictions, gpu_device,
+                                                         ROOT / "results")
     return argparse.Namespace(**{**vars(parsed), "out": (out or DRY_RUN_OUT).absolute(), "batches": batches,
-                                 "warmup_batches": warmup}, report_rows=rows, gpu_device=gpu_device)
+                                 "warmup_batches": warmup}, report_rows=rows, gpu_device=gpu_device,
+                              predicted=predicted)
 
 
 def node_memory_bytes(args: argparse.Namespace) -> float:
@@ -190,7 +195,14 @@ def estimate(row: ReportRow, estimator: Estimator, args: argparse.Namespace, lef
         return estimator.blocks_seconds()
     setting = run_setting(row, args.smoke, args.gpus)
     fixed = estimator.fixed_seconds(setting)
-    return fixed if fixed > left_s else estimator.run_seconds(setting, args.batches)
+    if fixed > left_s:
+        return fixed
+    # A row predicted for this GPU (bench/gpu_predict.py, one GPU's images/s) runs its batches at its prediction,
+    # closer than the first FLOP/s (an SD2 guess for every model); on several GPUs, the budget rule's own rate.
+    ahead = args.predicted.get(row.name, {}).get("images_per_sec") if args.gpus == 1 else None
+    if ahead:
+        return fixed + args.batches * setting.global_batch / ahead
+    return estimator.run_seconds(setting, args.batches)
 
 
 # -- the report ----------------------------------------------------------------------------------------
@@ -207,7 +219,7 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
     earlier = earlier_results(args.results_root, out)
     gpu_memory_bytes = node_memory_bytes(args)
     estimator = first_estimator(args)
-    predicted = {} if args.smoke else read_predictions(args.predictions, args.gpu_device, ROOT / "results")
+    predicted = args.predicted
     print(f"gpu_report.py: {len(args.report_rows)} rows on {args.gpus} x {info['device']} within "
           f"{args.budget_s:.0f} s" + ("" if pretrained or args.smoke else
                                       f"; SD2's encoders random (--model_name {args.model_name} is neither a local "
@@ -334,12 +346,29 @@ def dry_run(args: argparse.Namespace) -> list[dict]:
                   f"    {shlex.join(command)}", flush=True)
             planned.append({"name": row.name, "command": command, "estimated_seconds": seconds})
     total = sum(row["estimated_seconds"] for row in planned)
+    ahead = [row.name for row in args.report_rows if row.name in args.predicted]
     print(f"estimated time: about {total / 60:.0f} minutes (the budget rule's first estimates: each launch's "
-          f"start-up, its compilation, its batches at the first FLOP/s; docs/gpu-runs.md); --budget_s "
-          f"{args.budget_s:.0f}: {'every row fits' if total <= args.budget_s else 'not every row fits'}", flush=True)
+          f"start-up, its compilation, its batches at the first FLOP/s"
+          + (f" or, for {', '.join(ahead)}, at its prediction for this GPU" if ahead else "")
+          + "; docs/gpu-runs.md)", flush=True)
+    held = budget_held(args, planned)
+    print(f"--budget_s {args.budget_s:.0f}: " + ("every row fits" if len(held) == len(planned) else
+          f"{len(held)} of {len(planned)} rows fit by these estimates, in the report's order: {', '.join(held) or 'none'}; "
+          f"the others would be skipped (give them --rows in a window of their own)"), flush=True)
     if args.predictions is not None:  # each row predicted from the H100's measurements, and written
         predict_rows(args, planned, gpu_memory_bytes)
     return planned
+
+
+def budget_held(args: argparse.Namespace, planned: list[dict]) -> list[str]:
+    """The rows a run would start by these estimates, in order: each whose estimate the time left holds (a
+    comparison row only after its run)."""
+    left, held = args.budget_s, []
+    for row, plan in zip(args.report_rows, planned):
+        if plan["estimated_seconds"] <= left and (not row.compare_with or row.compare_with in held):
+            held.append(row.name)
+            left -= plan["estimated_seconds"]
+    return held
 
 
 def main(argv: list[str] | None = None) -> list[Outcome] | list[dict]:
