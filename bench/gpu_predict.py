@@ -259,10 +259,10 @@ def describe(prediction: dict) -> str:
 
 
 def read_predictions(path: Path | None, device: devices.Device | None, results_root: Path) -> dict[str, dict]:
-    """The rows' predictions for this GPU: --predictions, else the newest results/predicted-<device>-*/
-    predictions.json of the visible GPU; {} where there is none."""
+    """The rows' predictions for this GPU: --predictions, else the newest results/predicted-*-<date>/<device>.json
+    (by its folder's date) of the visible GPU; {} where there is none."""
     if path is None and device is not None:
-        found = sorted(results_root.glob(f"predicted-{device.key}-*/predictions.json"))
+        found = sorted(results_root.glob(f"predicted-*/{device.key}.json"), key=lambda p: p.parent.name[-10:])
         path = found[-1] if found else None
     if path is None:
         return {}

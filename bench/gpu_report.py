@@ -78,7 +78,7 @@ def build_parser() -> Parser:
     p.add_argument("--predictions", type=Path, default=None,
                    help="with --dry_run: write each row's prediction from the H100's measurements here (JSON); "
                         "otherwise: the predictions to put beside each measurement (default: the newest "
-                        "results/predicted-<device>-*/predictions.json of this GPU, if any)")
+                        "results/predicted-*/<device>.json of this GPU, if any)")
     p.add_argument("--peak_tflops", type=POSITIVE_FLOAT, default=None,
                    help="peak bf16 TFLOP/s of one GPU for the first estimates (default: --device's or the visible "
                         f"GPU's in t2ibench.devices, else {UNKNOWN_GPU_PEAK_TFLOPS:g})")

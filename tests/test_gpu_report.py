@@ -159,7 +159,7 @@ def test_blocks_rows_are_commands_blocks_py_accepts(tmp_path, smoke):
 
     import blocks
 
-    args = argparse.Namespace(out=tmp_path, smoke=smoke, model_name=gpu_rows.DEFAULT_MODEL_NAME)
+    args = argparse.Namespace(out=tmp_path, smoke=smoke, model_name=gpu_rows.DEFAULT_MODEL_NAME, gpu_device=None)
     gpu_memory_bytes = 79.1 * 2**30  # an H100's, as torch reports it
     measured = {"sd2-512-precomputed": {
         "model_config": "sd2-base", "image_size": 512, "precomputed": True, "precomputed_format": "tokens",

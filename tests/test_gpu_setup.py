@@ -202,13 +202,16 @@ def test_the_flag_and_a_given_microbatch_are_respected():
 def test_the_runtime_takes_the_counted_setup_on_a_gpu(monkeypatch):
     flags = [*TINY_2BA, "--image_size", "64", "--batch_size", "256", "--precision", "amp_bf16"]
     settings = benchmark.validate(benchmark.parse_args(flags), 1)
-    # A GPU of TINY_GPU_BYTES as torch reports it; nothing else of CUDA is touched before the model.
+    # An H100, recognised by its name, of TINY_GPU_BYTES as torch reports it (the memory is CUDA's, not the
+    # table's); nothing else of CUDA is touched before the model.
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(total_memory=TINY_GPU_BYTES))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     pending = Runtime(1, True, "amp_bf16", "amp_bf16", 256, "auto", "step", False, "auto: decided with the data")
     run = pending.with_counted_setup(settings, None)
     # The run's own settings (no EMA in TINY_2BA: choose_setup's default counts its per-step launches).
-    expected = choose_setup("tiny", 64, TINY_GPU_BYTES, 256, **counted_settings(settings, 1, "amp_bf16", None, "step"))
+    expected = choose_setup("tiny", 64, TINY_GPU_BYTES, 256, device=devices.reference(),
+                            **counted_settings(settings, 1, "amp_bf16", None, "step"))
     assert (run.microbatch, run.activation_checkpointing, run.activation_checkpointing_reason) == \
         (expected.microbatch, expected.activation_checkpointing, expected.reason)
     assert run.activation_checkpointing  # the tiny model is all launches (see above)
