@@ -135,7 +135,7 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     on_cpu = parsed.smoke or parsed.dry_run  # runs nothing on a GPU
     if not on_cpu and visible == 0:
         fail("no CUDA GPU visible (torch.cuda.device_count() is 0): run it on a GPU, plan a node with --dry_run "
-             "--gpus N --gpu_memory_gib M, or pass --smoke to check the tool on CPU")
+             "--gpus N --device NAME (or --gpu_memory_gib M), or pass --smoke to check the tool on CPU")
     if parsed.dry_run and not parsed.smoke and visible == 0 and parsed.gpu_memory_gib is None and not parsed.device:
         fail("--dry_run without a visible GPU needs --device NAME or --gpu_memory_gib (the node's GPUs to plan for)")
     gpu_device = None if parsed.smoke else devices.named_or_visible(parsed.device) if (

@@ -74,7 +74,7 @@ def test_without_a_gpu_it_refuses_unless_smoke_or_a_dry_run_of_a_named_node(tmp_
     message = error_of(gpu_report.main, ["--out", str(tmp_path / "report")], prog="gpu_report.py")
     assert "no CUDA GPU visible" in message and "--smoke" in message and "--dry_run" in message
     message = error_of(gpu_report.main, ["--dry_run", "--gpus", "8"], prog="gpu_report.py")
-    assert "--dry_run without a visible GPU needs --gpu_memory_gib" in message
+    assert "--dry_run without a visible GPU needs --device NAME or --gpu_memory_gib" in message
     assert "--out is required" in error_of(gpu_report.main, ["--smoke"], prog="gpu_report.py")
     assert not (tmp_path / "report").exists()
 
