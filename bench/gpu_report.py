@@ -159,11 +159,11 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     if parsed.fp8 != "off":  # float8 runs compiled: benchmark.py refuses it eager, slower than bf16
         rows = [dataclasses.replace(row, setting=dataclasses.replace(row.setting, fp8=parsed.fp8, compile=True))
                 if row.setting else row for row in rows]
-    # Absolute: the rows run from the project root, and write there.
     # The predictions made for this GPU before: beside each measurement, and the estimates' rate. A dry run's
-    # --predictions is what it writes: it reads the committed ones.
-    predicted = {} if parsed.smoke else read_predictions(None if parsed.dry_run else parsed.predictions, gpu_device,
-                                                         ROOT / "results")
+    # --predictions is what it writes: it reads the committed ones. They are bf16's: none for --fp8's rows.
+    predicted = {} if parsed.smoke or parsed.fp8 != "off" else read_predictions(
+        None if parsed.dry_run else parsed.predictions, gpu_device, ROOT / "results")
+    # Absolute: the rows run from the project root, and write there.
     return argparse.Namespace(**{**vars(parsed), "out": (out or DRY_RUN_OUT).absolute(), "batches": batches,
                                  "warmup_batches": warmup}, report_rows=rows, gpu_device=gpu_device,
                               predicted=predicted)
