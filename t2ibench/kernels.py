@@ -91,6 +91,9 @@ def classify(name: str, args: Any, out: Any) -> str | None:
     return "elementwise"
 
 
+FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
+
+
 def op_work(func: Any, args: Any, kwargs: dict, out: Any) -> tuple[float, float, bool]:
     """One op's work for the roofline (t2ibench.devices.scaled_seconds): its FLOPs (torch's FlopCounterMode
     table: matmuls, convolutions, attention; 0 for the rest), the bytes of the tensors it reads and writes
@@ -102,7 +105,11 @@ def op_work(func: Any, args: Any, kwargs: dict, out: Any) -> tuple[float, float,
         a, b = args[0], args[1]
         return 2.0 * a.shape[0] * a.shape[1] * b.shape[1], num_bytes, True
     count = flop_registry.get(packet)
-    return (float(count(*args, **(kwargs or {}), out_val=out)) if count else 0.0), num_bytes, False
+    flops = float(count(*args, **(kwargs or {}), out_val=out)) if count else 0.0
+    # torchao's float8 tensors (torchao 0.11) reach a dispatch mode as the matmul of their original dtype and
+    # call torch._scaled_mm below it: a matmul of one of them runs in float8.
+    fp8 = bool(flops) and any(getattr(t, "_data", t).dtype in FLOAT8_DTYPES for t in tensors)
+    return flops, num_bytes, fp8
 
 
 class KernelCounter(TorchDispatchMode):
