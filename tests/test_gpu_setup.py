@@ -348,3 +348,19 @@ def test_a_named_gpu_weighs_launches_and_collectives_at_its_own_rates():
         assert candidate.traffic_seconds_per_step == pytest.approx(sent / 900e9)
         assert candidate.cost_flops_per_image == pytest.approx(
             candidate.kernels_per_image * launch + candidate.flops_per_image + sent / 900e9 / 1024 * rate)
+
+
+def test_the_counted_work_of_a_float8_linear_runs_its_matmuls_at_the_fp8_peak():
+    # torchao's float8 tensors reach the counter as bf16 matmuls: counted with their FLOPs, flagged float8, so
+    # that the roofline takes them at the fp8 peak (forward, and the two matmuls of backward).
+    model = torch.nn.Module()
+    model.denoiser = torch.nn.Sequential(torch.nn.Linear(64, 64, device="meta"))
+    memory.use_float8(model, "tensorwise", {"0": 64}, torch.bfloat16, "cuda")
+    x = torch.randn(64, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    counter = kernels.KernelCounter(work=True)
+    with counter:
+        model.denoiser(x).sum().backward()
+    matmuls = [(flops, fp8) for flops, _, fp8 in counter.work if flops]
+    assert matmuls == [(2 * 64**3, True)] * 3
+    h100 = devices.reference()
+    assert devices.roofline_seconds([(2 * 64**3, 0.0, True)], h100) == pytest.approx(2 * 64**3 / h100.fp8_flops_per_sec)
