@@ -18,7 +18,7 @@ import argparse
 import dataclasses
 import os
 
-from t2ibench import errors
+from t2ibench import devices, errors
 from t2ibench.cli import BATCH_SIZE, GPU_COUNT, POSITIVE_FLOAT, Parser
 from t2ibench.cost_results import (Measurement, Targets, average_by_gpus, bucket_mix, check_consistent, describe_mix,
                                    load_results, pixel_fraction)
@@ -37,11 +37,13 @@ from t2ibench.scale import (MLPERF_FLUX_TARGET_EVAL_LOSS,
 # The one-time pass of a run on precomputed latents (cost.py --precompute): latents.py encodes each
 # distinct image once. Its default speed comes from the encoders' FLOPs (the family's count, per
 # 512x512 image: VAE encoder 1,117 GFLOP; the text encoder's 45 only with --store_text_states) on an
-# A100 (312 dense bf16 TFLOP/s) at an assumed 40% MFU: 312e12 x 0.4 / 1.117e12 = 111.7 images/s per GPU.
-# For SDXL at 1024 (VAE encoder 4,879 GFLOP, PRICED_MODELS) the same rule gives 25.6.
+# A100 (312 dense bf16 TFLOP/s, t2ibench.devices) at an assumed 40% MFU: 312e12 x 0.4 / 1.117e12 = 111.7
+# images/s per GPU. For SDXL at 1024 (VAE encoder 4,879 GFLOP, PRICED_MODELS) the same rule gives 25.6.
+# With --device, that GPU's dense bf16 peak in place of the A100's.
 PRECOMPUTE_IMAGES = 2_000_000_000  # distinct images behind the 2.9B samples (about LAION-2B)
 VAE_ENCODER_FLOPS = PRICED_MODELS["sd2-base"][2]
-PRECOMPUTE_PEAK_FLOPS, PRECOMPUTE_MFU = 312e12, 0.40
+PRECOMPUTE_DEVICE = "a100-80gb"
+PRECOMPUTE_PEAK_FLOPS, PRECOMPUTE_MFU = devices.get(PRECOMPUTE_DEVICE).bf16_flops_per_sec, 0.40
 PRECOMPUTE_IMAGES_PER_SEC = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / VAE_ENCODER_FLOPS  # per GPU
 # Flux.1-schnell at 256x256 (families/flux.py's count): VAE encoder 272.9, CLIP-L 13.3, T5-XXL
 # (256 tokens) 2,396.6 GFLOP per image; its pass encodes MLPerf's training set once. Only the VAE's
@@ -99,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                         + ", ".join(f"{size} for {config}" for config, (_, size) in PAIR_MODELS.items())
                         + "); default: sd2-base, the 2023 table's. Results files of another model or size are not "
                         "fitted with the pairs")
+    p.add_argument("--device", default=None, choices=devices.DEVICE_CHOICES,
+                   help="the GPU the figures are for (t2ibench.devices' table): named in the table's caption and "
+                        "title, and the latents pass timed at its dense bf16 peak (default: the results' device; the "
+                        "pass at an A100's). Results measured on another GPU are refused")
     p.add_argument("--usd_per_gpu_hour", type=POSITIVE_FLOAT, default=USD_PER_GPU_HOUR,
                    help=f"price of one GPU-hour in US dollars (default {USD_PER_GPU_HOUR})")
     p.add_argument("--plot", metavar="PATH.png",
@@ -374,6 +380,13 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     measurements += flagged
     if not measurements:
         fail("no measurements: give results JSON files or --gpus N --images_per_sec X")
+    device = devices.get(parsed.device) if parsed.device else None
+    for m in measurements:  # an H100's figures priced as another GPU's would be a wrong table
+        seen = devices.recognise(m.device) if m.device else None
+        if device and seen and seen.key != device.key:
+            fail(f"--device {device.key}: {m.source} was measured on {m.device}; price it without --device, or give "
+                 f"figures of the {device.label}")
+    peak_flops = device.bf16_flops_per_sec if device else PRECOMPUTE_PEAK_FLOPS
     flux = measured_model(measurements)[0] == "flux1-schnell"  # the first result that names its model
     model, size = measured_model(measurements)
     # A run timed to its target is priced by its clock's samples/s; the samples, by the flags, the runs or MLPerf.
@@ -391,19 +404,19 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     fraction = pixel_fraction(bucket_mix(measurements), size) if measurements[0].aspect_buckets.bucketed else None
     precompute_images_per_sec = parsed.precompute_images_per_sec
     if precompute_images_per_sec is None and flux:
-        precompute_images_per_sec = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / (
+        precompute_images_per_sec = peak_flops * PRECOMPUTE_MFU / (
             FLUX_VAE_ENCODER_FLOPS * (fraction or 1.0) + FLUX_TEXT_ENCODER_FLOPS)
     if precompute_images_per_sec is None:  # a priced model's VAE encoder at its size; else SD2's at 512
         priced = PRICED_MODELS.get(model)
         vae_flops = priced[2] if priced and priced[1] == size else VAE_ENCODER_FLOPS
-        precompute_images_per_sec = PRECOMPUTE_PEAK_FLOPS * PRECOMPUTE_MFU / (vae_flops * (fraction or 1.0))
+        precompute_images_per_sec = peak_flops * PRECOMPUTE_MFU / (vae_flops * (fraction or 1.0))
     resolved = {
         "files": files, "results": results, **paths,
         "samples": samples, "trained_to": trained_to, "target_notes": target_notes, "samples_to_target": targets,
         "precompute_images": ((MLPERF_FLUX_TRAIN_SAMPLES if flux else PRECOMPUTE_IMAGES)
                               if parsed.precompute_images is None else parsed.precompute_images),
         "precompute_images_per_sec": precompute_images_per_sec,
-        "measurements": clocked, "flux": flux,
+        "measurements": clocked, "flux": flux, "device_label": device.label if device else None,
         # The mix's pixels the pass's default speed counts (None: square images, or the speed was given).
         "precompute_pixel_fraction": fraction if parsed.precompute_images_per_sec is None else None,
     }
@@ -447,7 +460,7 @@ def table(args: argparse.Namespace) -> list[Row]:
                      "(MXFP8, CUDA graphs; published elsewhere, not measured here)"
                      + ("; they train square 256x256 images, these results aspect-ratio buckets" if mix else ""))
 
-    device = next((m.device for m in measurements if m.device), None)
+    device = args.device_label or next((m.device for m in measurements if m.device), None)
     to = f" to {args.trained_to}" if args.trained_to else ""
     caption = (f"{what}: {args.samples:,.0f} " + ("samples" if to else "images") + f"{to} at "
                f"${args.usd_per_gpu_hour:,.2f} per GPU-hour" + (f" ({device})" if device else "")

@@ -8,6 +8,8 @@ the sharded-training traffic added, samples/s per GPU predicted for a node.
         --gpus 1 --num_workers 0 --compare_results_json run.json --json                                # the run, predicted
     python bench/blocks.py --model_config flux1-schnell --precomputed --activation_checkpointing --fsdp shard_grad_op \\
         --microbatch 64 --gpus 8 --measured_json results/h100-2026-11-26/blocks2.jsonl           # again, no GPU
+    python bench/blocks.py --model_config flux1-schnell --precomputed --activation_checkpointing --fsdp shard_grad_op \
+        --microbatch 64 --gpus 8 --measured_json results/h100-2026-11-26/blocks2.jsonl --device h200  # on an H200
     python bench/blocks.py --model_config sdxl-base --precomputed --precomputed_format text_states --use_ema \\
         --activation_checkpointing --global_batch 64 --microbatch 32 --gpus 1 --count_memory            # each part's memory
 
@@ -45,8 +47,10 @@ The step of the full model, per GPU of `G`, per-GPU batch `B/G` in microbatches 
     predicted samples/s per GPU = (B/G) / (compute + traffic / --link_gbps)   (not overlapped; the JSON's)
                                 = (B/G) / max(compute, traffic / --link_gbps)  (fully overlapped)
 
-`--link_gbps` is in gigabytes per second per direction per GPU (default: NVLink 4 on an H100, 450);
-a multi-node figure takes the slower inter-node rate. The prediction is labelled **predicted**: it
+`--link_gbps` is in gigabytes per second per direction per GPU (default: the predicted GPU's link in
+t2ibench.devices, NVLink 4 on an H100, 450); a multi-node figure takes the slower inter-node rate.
+`--device NAME` predicts another GPU of t2ibench.devices from a saved measurement (`--measured_json`): each
+part's time scaled by the roofline of its counted work (docs/gpu-runs.md, "Devices"), its memory and link. The prediction is labelled **predicted**: it
 assumes a node of the device it ran on and times nothing of a node (no collective, no straggler).
 `--compile` compiles each part as benchmark.py's `--compile` compiles the run (t2ibench.compiling with
 the family's `compile_blocks`: the blocks inside each block timed, the encoders' layers in the rest);
@@ -84,15 +88,16 @@ sys.path.insert(0, str(ROOT))  # the project root: run as python bench/NAME.py
 from blocks_files import compared_run, measured_lines, saved_measurement, saved_parts  # noqa: E402
 from blocks_harness import harness_seconds_per_step, run_settings  # noqa: E402
 from blocks_parts import Setup, device_name, meta_model, mode_for  # noqa: E402
-from blocks_timing import count_memory, measure, measure_updates, unique_setups  # noqa: E402
+from blocks_timing import count_memory, count_work, measure, measure_updates, unique_setups  # noqa: E402
 from gpu_rows import GLOBAL_BATCH, MLPERF_FLUX_GLOBAL_BATCH  # noqa: E402
-from t2ibench import errors, flags, fp8, memory, precomputed  # noqa: E402
+from t2ibench import devices, errors, flags, fp8, memory, precomputed  # noqa: E402
 from t2ibench.cli import (BATCH_SIZE, GPU_COUNT, IMAGE_SIZE, MAX_REPEATS, NON_NEGATIVE_INT, POSITIVE_FLOAT,  # noqa: E402
                           REPEATS, SEED, WARMUP_REPEATS, Parser, Range, check_workers)
 from t2ibench.errors import fail  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
 from t2ibench.norms import NORM_PRECISIONS  # noqa: E402
-from t2ibench.parallel import FSDP_CHOICES, NVLINK4_GB_PER_SEC, resolve_mode, traffic_bytes_per_gpu  # noqa: E402
+from t2ibench.gpu_setup import LAUNCH_SECONDS  # noqa: E402
+from t2ibench.parallel import FSDP_CHOICES, resolve_mode, traffic_bytes_per_gpu  # noqa: E402
 from t2ibench.precision import PRECISION_CHOICES, resolve_precision  # noqa: E402
 from t2ibench.precomputed import TEXT_FORMATS  # noqa: E402
 from t2ibench.scale import MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU  # noqa: E402
@@ -138,8 +143,13 @@ def build_parser() -> Parser:
     g.add_argument("--num_workers", type=NON_NEGATIVE_INT, default=8, help="loader processes of the harness, as benchmark.py's")
     g = p.add_argument_group("the node and the measurement")
     g.add_argument("--gpus", type=GPU_COUNT, nargs="+", default=[8, 16], help="GPU counts to predict for")
-    g.add_argument("--link_gbps", type=POSITIVE_FLOAT, default=NVLINK4_GB_PER_SEC,
-                   help="gigabytes (not bits) per second per direction per GPU for the collectives")
+    g.add_argument("--device", type=str, default=None, choices=devices.DEVICE_CHOICES,
+                   help="the GPU to predict (t2ibench.devices' table): with --measured_json, the measured times "
+                        "scaled to it by the roofline rule (docs/gpu-runs.md, \"Devices\"), its memory for the "
+                        "microbatch, its link for --link_gbps; default: the visible GPU, else the measurement's")
+    g.add_argument("--link_gbps", type=POSITIVE_FLOAT, default=None,
+                   help="gigabytes (not bits) per second per direction per GPU for the collectives (default: the "
+                        "predicted GPU's link in t2ibench.devices, an H100's NVLink 4 where none is known: 450)")
     g.add_argument("--warmup", type=WARMUP_REPEATS, default=3, help="untimed runs of each part first")
     g.add_argument("--repeats", type=REPEATS, default=10, help="timed runs of each part (the median is taken)")
     g.add_argument("--harness_batches", type=HARNESS_BATCHES, default=12, help="batches the harness is timed over")
@@ -175,7 +185,8 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     on_gpu = torch.cuda.is_available()
     if lines is not None:  # the device the measurement ran on, not this machine's
         on_gpu = lines[0]["device"] != "cpu"
-    # --count_memory counts for a CUDA GPU (this one, or an H100's memory) whatever runs it.
+    target, measured_on = predicted_device(parsed, lines, on_gpu)
+    # --count_memory counts for a CUDA GPU (--device's, this one, or an H100's memory) whatever runs it.
     gpu_step = on_gpu or parsed.count_memory
     precision = resolve_precision(parsed.precision, gpu_step)
     fp8.check(parsed.fp8, precision)
@@ -208,8 +219,7 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     if microbatch is None:
         per_gpu = global_batch // max(parsed.gpus)  # a microbatch that divides every count's per-GPU batch
         if gpu_step:  # the largest that fits at every count (fewer GPUs shard less: more fixed bytes each)
-            gpu_memory_bytes = (torch.cuda.get_device_properties(0).total_memory if on_gpu
-                                else memory.GPU_MEMORY_GIB["H100 80GB"] * memory.GIB)
+            gpu_memory_bytes = (target or devices.reference()).cuda_memory_bytes
             microbatch = max(1, min(memory.plan(
                 parsed.model_config, image_size, gpu_memory_bytes, precision=precision,
                 norm_precision=parsed.norm_precision, precomputed=parsed.precomputed, precomputed_format=text_format,
@@ -225,11 +235,59 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     args = argparse.Namespace(**{**vars(parsed), "image_size": image_size, "device": "cuda" if on_gpu else "cpu",
                                  "device_type": "cuda" if gpu_step else "cpu", "precision": precision,
                                  "text_format": text_format, "global_batch": global_batch, "microbatch": microbatch,
-                                 "setups": setups})
+                                 "setups": setups, "target": target, "measured_on": measured_on,
+                                 "link_gbps": parsed.link_gbps or (target or devices.reference()).link_gb_per_sec})
     # A saved line stands for the resolved settings only, so it is chosen once they are.
     args = argparse.Namespace(**{**vars(args), "saved": saved_measurement(args, lines) if lines else None})
     # The compared run is checked against the resolved settings, so it is added to them last.
     return argparse.Namespace(**{**vars(args), "compared": compared_run(args) if args.compare_results_json else None})
+
+
+def predicted_device(parsed: argparse.Namespace, lines: list[dict] | None,
+                     on_gpu: bool) -> tuple[devices.Device | None, devices.Device | None]:
+    """(the GPU predicted, the GPU the times were measured on; None: a CPU, or a GPU outside the table).
+    --device predicts another GPU than the one timed only from a saved measurement (--measured_json) of a
+    GPU the table has; timing here, it must name the visible GPU."""
+    if lines is not None:
+        name = lines[0]["device"]
+        measured_on = devices.recognise(name) if on_gpu else None
+        if parsed.device and measured_on is None:
+            fail(f"--device {parsed.device}: the measurement of --measured_json {parsed.measured_json} ran on {name}, "
+                 f"which t2ibench.devices' table lacks, so its times cannot be scaled; drop --device")
+        return (devices.get(parsed.device) if parsed.device else measured_on), measured_on
+    here = devices.visible() if torch.cuda.is_available() else None
+    if parsed.device and not parsed.count_memory and (here is None or here.key != parsed.device):
+        fail(f"--device {parsed.device}: timing runs on {'this ' + here.label if here else 'the CPU'}; predict "
+             f"another GPU from a saved measurement (--measured_json FILE --device {parsed.device}), or count its "
+             "memory with --count_memory")
+    return (devices.get(parsed.device) if parsed.device else here), here
+
+
+def scaled_to_device(args: argparse.Namespace, measured: dict[str, dict],
+                     updates: dict[str, float]) -> tuple[dict[str, dict], dict[str, float]]:
+    """The measured times on --device (docs/gpu-runs.md, "Devices"): each part's time less its launches
+    (eager parts: its counted kernels at gpu_setup.LAUNCH_SECONDS, held) scaled by the roofline of its work,
+    counted on the meta device, on the measured GPU against --device; the per-parameter updates, which only
+    move memory, by the ratio of the two GPUs' HBM bandwidth."""
+    source, target = args.measured_on, args.target
+    scaled = {}
+    for setup in unique_setups(args):
+        work = count_work(args, setup)
+        times = measured[setup.label]
+
+        def on_target(seconds: float, label: str) -> float:
+            ops, launches = work[label]
+            return devices.scaled_seconds(seconds, source, target, ops,
+                                          fixed_seconds=0.0 if args.compile else launches * LAUNCH_SECONDS)
+
+        blocks = [{**b, "seconds": on_target(b["seconds"], b["name"]), "peak_memory_bytes": None,
+                   "compile_seconds": None} for b in times["blocks"]]
+        rest = on_target(times["rest_seconds"], "the rest")
+        scaled[setup.label] = {**times, "blocks": blocks, "rest_seconds": rest, "rest_peak_memory_bytes": None,
+                               "rest_compile_seconds": None,
+                               "composed_microbatch_seconds": rest + sum(b["count"] * b["seconds"] for b in blocks)}
+    bandwidth = source.hbm_bytes_per_sec / target.hbm_bytes_per_sec
+    return scaled, {key: value * bandwidth for key, value in updates.items()}
 
 
 # -- the composition, the report -------------------------------------------------------------------
@@ -303,6 +361,9 @@ def report(result: dict[str, Any]) -> str:
     first = "after one untimed run that compiles it and " if result["compile"] else "after "
     lines = [f"{header(result)}; measured on {result['device']} (median of {result['repeats']} {first}"
              f"{result['warmup']} warm-up, one part at a time{saved}), per microbatch{scaled}:"]
+    if result.get("predicted_device"):
+        lines[0] = lines[0][:-1] + (f", each part scaled to an {result['predicted_device']} by the roofline of its "
+                                    "counted work (docs/gpu-runs.md, \"Devices\"; never measured there):")
     for label, times in result["measured"].items():
         lines.append(f"  weights {label}:")
         for b in times["blocks"]:
@@ -377,6 +438,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             measured, updates, harness_per_image, params = saved_parts(args)
             line = args.saved["line"]
             device, warmup, repeats = line["device"], line["warmup"], line["repeats"]
+            if args.target is not None and args.target.key != args.measured_on.key:
+                measured, updates = scaled_to_device(args, measured, updates)
         else:
             from t2ibench.runtime import Runtime
 
@@ -396,6 +459,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         predicted = compose(args, measured, updates, harness_per_image, params, root_params)
         result = {
             **settings_of(args), "link_gbps": args.link_gbps, "device": device,
+            "predicted_device": (args.target.label if args.target and args.measured_on
+                                 and args.target.key != args.measured_on.key else None),
             "warmup": warmup, "repeats": repeats, "denoiser_params": params, "root_unit_params": root_params,
             "measured": measured, "compile_seconds": total_compile_seconds(measured) if args.compile else None,
             "per_parameter": updates,

@@ -20,6 +20,7 @@ from blocks_parts import (OPTIMIZER_PROBE_PARAMS, Setup, adamw_step, block_calls
                           ema_step, groups, meta_model, meta_rest, rest_step, rows, weight_casts_step)
 from t2ibench import memory
 from t2ibench.compiling import compile_seconds
+from t2ibench.kernels import KernelCounter
 from t2ibench.weight_casts import resolve_weight_casts
 
 
@@ -157,3 +158,30 @@ def count_memory(args: argparse.Namespace) -> dict[str, Any]:
 
 def unique_setups(args: argparse.Namespace) -> list[Setup]:
     return sorted(set(args.setups.values()), key=lambda s: (s.sharded, s.weight_casts))
+
+
+# count_work's counts by the settings they depend on: a prediction for several GPUs counts each set-up once.
+_WORK: dict[tuple, dict] = {}
+
+
+def count_work(args: argparse.Namespace, setup: Setup) -> dict[str, tuple[list[tuple[float, float, bool]], int]]:
+    """Each part's work on the meta device (per op its FLOPs, bytes and float8: t2ibench.kernels.op_work) and
+    its kernel launches, for the rule that scales its measured time to another GPU (t2ibench.devices)."""
+    key = (setup, args.device_type, args.microbatch, *(getattr(args, name) for name in (
+        "model_config", "image_size", "precision", "norm_precision", "precomputed", "text_format",
+        "activation_checkpointing", "fp8", "use_ema")))
+    if key not in _WORK:
+        _WORK[key] = _counted_work(args, setup)
+    return _WORK[key]
+
+
+def _counted_work(args: argparse.Namespace, setup: Setup) -> dict[str, tuple[list[tuple[float, float, bool]], int]]:
+    _, built = step_parts(args, setup, "meta")
+    counted = {}
+    for label, part in built.items():
+        step = part.build(part.make_meta())
+        counter = KernelCounter(work=True)
+        with counter:
+            step()
+        counted[label] = (counter.work, sum(counter.kernels.values()))
+    return counted

@@ -21,16 +21,12 @@ FIRST_BLOCKS_SECONDS = 180.0
 # transformer), and on a CPU (--smoke) what the tiny UNet ran at on a loaded 2-core machine.
 ASSUMED_MFU = 0.18
 CPU_FIRST_FLOPS_PER_SECOND = 1e8
-# Peak dense bf16 TFLOP/s by device name (Composer's table, which needs a Trainer state to ask).
-PEAK_TFLOPS = (("h200", 989.5), ("h100", 989.5), ("a100", 312.0), ("a10", 125.0))
 # A row's own timeout: twice its estimate (at least a minute more), never past the budget; a row that
 # hangs is ended with its process group and recorded, and the report goes on.
 TIMEOUT_FACTOR, TIMEOUT_SLACK_SECONDS = 2.0, 60.0
-
-
-def peak_tflops_of(device_name: str) -> float | None:
-    name = device_name.lower()
-    return next((tflops for key, tflops in PEAK_TFLOPS if key in name), None)
+# The first estimates' peak for a GPU outside t2ibench.devices' table: an A10's dense bf16 (125 TFLOP/s),
+# slower than any GPU of the table, so that its rows err long.
+UNKNOWN_GPU_PEAK_TFLOPS = 125.0
 
 
 @functools.lru_cache(maxsize=None)

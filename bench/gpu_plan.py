@@ -46,10 +46,11 @@ def plan_options(setting: Setting, gpus: int, on_gpu: bool = True) -> dict:
 
 
 def plan_row(name: str, setting: Setting, gpus: int, gpu_memory_bytes: float, out: Path, batches: int,
-             warmup: int, smoke: bool, model_name: str) -> PlannedRun:
+             warmup: int, smoke: bool, model_name: str, device=None) -> PlannedRun:
     """The row's set-up (checkpointing as benchmark.py's flag resolves it on this node, and the memory
     model's largest microbatch for it) and its full command: through Composer's launcher on `gpus`
-    ranks, or on --smoke's one rank benchmark.py alone."""
+    ranks, or on --smoke's one rank benchmark.py alone. `device` (t2ibench.devices.Device, None: an H100's
+    rates): the GPU whose launch cost and link `auto` weighs, as benchmark.py's run on it weighs them."""
     from t2ibench import memory
     from t2ibench.gpu_setup import choose_setup
 
@@ -67,7 +68,7 @@ def plan_row(name: str, setting: Setting, gpus: int, gpu_memory_bytes: float, ou
         # Microbatches are powers of two: the largest one at most the per-GPU batch caps them.
         setup = choose_setup(setting.model_config, setting.resolution, gpu_memory_bytes,
                              1 << (per_device.bit_length() - 1),
-                             activation_checkpointing=setting.activation_checkpointing, **options)
+                             activation_checkpointing=setting.activation_checkpointing, device=device, **options)
         checkpointing = setup.activation_checkpointing
         plan = memory.plan(setting.model_config, setting.resolution, gpu_memory_bytes,
                            activation_checkpointing=checkpointing, **options)
@@ -145,7 +146,7 @@ def blocks_command(row: ReportRow, args: argparse.Namespace, gpu_memory_bytes: f
         flags += ["--microbatch", str(SMOKE_MICROBATCH), "--gpus", "1"]
     else:  # the run of its set-up on a node of these GPUs: its checkpointing and microbatch
         node = plan_row(row.name, row.blocks_of, NODE_GPUS, gpu_memory_bytes, args.out, 1, 0, False,
-                                  args.model_name)
+                        args.model_name, args.gpu_device)
         flags, notes = blocks_flags(row.blocks_of, node.activation_checkpointing)
         flags += ["--microbatch", str(node.microbatch), "--gpus", str(NODE_GPUS)]
     return [sys.executable, str(ROOT / "bench" / "blocks.py"), *flags, *(SMOKE_BLOCKS_FLAGS if args.smoke else []),

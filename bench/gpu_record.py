@@ -235,11 +235,22 @@ def earlier_cells(outcome: Outcome, earlier: list[Earlier]) -> tuple[str, str]:
             + (f"; it had {', '.join(differs)}" if differs else "") + ")", f"{ratio:.2f}")
 
 
-def run_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:
+def predicted_cells(name: str, figure: float | None, predicted: dict[str, dict]) -> str:
+    """The row's prediction made before it ran (bench/gpu_predict.py) and the measurement over it: two cells."""
+    p = predicted.get(name) or {}
+    before = p.get("images_per_sec") or p.get("samples_per_sec_per_gpu")
+    if not before:
+        return "| - | - "
+    return f"| {before:.1f} | {f'{figure / before:.2f}' if figure else '-'} "
+
+
+def run_table(outcomes: list[Outcome], earlier: list[Earlier], predicted: dict[str, dict] | None = None) -> list[str]:
     by_name = {o.name: o for o in outcomes}
-    lines = ["| row | set-up | status | images/s | MFU | peak GiB allocated / reserved | counted GiB | compile s "
+    predicted = predicted or {}
+    lines = ["| row | set-up | status | images/s | predicted before | measured / predicted | MFU "
+             "| peak GiB allocated / reserved | counted GiB | compile s "
              "| in this report | earlier, same set-up and device | ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for outcome in outcomes:
         row = next(r for r in ROWS if r.name == outcome.name)
         r = outcome.result or {}
@@ -248,13 +259,16 @@ def run_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:
                                 f"checkpointing {'on' if r.get('activation_checkpointing') else 'off'}"
                                 + allocator_words(r) if r else "")
         if not outcome.ok:
-            lines.append(f"| {outcome.name} | {setup} | {outcome.status} | | | | | | | | |")
+            lines.append(f"| {outcome.name} | {setup} | {outcome.status} | {predicted_cells(outcome.name, None, predicted)}"
+                         "| | | | | | | |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
         counted = (r.get("memory_model") or {}).get("predicted_bytes_at_microbatch")
         earlier_cell, ratio = earlier_cells(outcome, earlier)
         lines.append(f"| {outcome.name} | {setup}{''.join(f'; {n}' for n in outcome.notes)} | ok "
-                     f"| {r['images_per_sec']:.1f}{per_device(r)} | {mfu} | {gib(r.get('peak_memory_bytes'))} / "
+                     f"| {r['images_per_sec']:.1f}{per_device(r)} "
+                     f"{predicted_cells(outcome.name, r.get('images_per_sec_per_device') or r['images_per_sec'], predicted)}"
+                     f"| {mfu} | {gib(r.get('peak_memory_bytes'))} / "
                      f"{gib(r.get('peak_memory_reserved_bytes'))} | {gib(counted)} "
                      f"| {compile_cell(outcome)} | {versus(outcome, by_name, row)} | {earlier_cell} "
                      f"| {ratio} |")
@@ -277,11 +291,13 @@ def allocator_words(r: dict) -> str:
                if r.get("cuda_memory_outside_torch_bytes") is not None else ""))
 
 
-def blocks_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:
+def blocks_table(outcomes: list[Outcome], earlier: list[Earlier], predicted: dict[str, dict] | None = None) -> list[str]:
     by_name = {o.name: o for o in outcomes}
-    lines = ["| row | set-up | status | predicted samples/s per GPU | measured run: images/s per GPU, predicted / "
+    predicted = predicted or {}
+    lines = ["| row | set-up | status | predicted samples/s per GPU | predicted before (from the H100) | this / "
+             "before | measured run: images/s per GPU, predicted / "
              "measured | compile s | in this report | earlier, same set-up and device | ratio |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for outcome in outcomes:
         row = next(r for r in ROWS if r.name == outcome.name)
         r = outcome.result or {}
@@ -289,7 +305,8 @@ def blocks_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:
                                 f"global batch {r['global_batch']}" if r else "")
         setup += "".join(f"; {note}" for note in outcome.notes)
         if not outcome.ok:
-            lines.append(f"| {outcome.name} | {setup} | {outcome.status} | | | | | | |")
+            lines.append(f"| {outcome.name} | {setup} | {outcome.status} | {predicted_cells(outcome.name, None, predicted)}"
+                         "| | | | | | |")
             continue
         first = r["predicted"][0]
         compared = r.get("comparison")
@@ -297,13 +314,20 @@ def blocks_table(outcomes: list[Outcome], earlier: list[Earlier]) -> list[str]:
                     else "-")
         earlier_cell, ratio = earlier_cells(outcome, earlier)
         lines.append(f"| {outcome.name} | {setup} | ok | {first['samples_per_sec_per_gpu']:.2f} on {first['gpus']} "
-                     f"({first['fsdp']}) | {measured} | {compile_cell(outcome)} "
+                     f"({first['fsdp']}) {predicted_cells(outcome.name, first['samples_per_sec_per_gpu'], predicted)}"
+                     f"| {measured} | {compile_cell(outcome)} "
                      f"| {versus(outcome, by_name, row)} | {earlier_cell} | {ratio} |")
     return lines
 
 
+def source_of(predicted: dict[str, dict] | None) -> str:
+    """Where the predictions beside the measurements came from."""
+    paths = sorted({p["path"] for p in (predicted or {}).values() if p.get("path")})
+    return ", ".join(f"`{p}`" for p in paths) if paths else "none for this GPU: `--predictions FILE`"
+
+
 def write_readme(args: argparse.Namespace, info: dict, outcomes: list[Outcome], earlier: list[Earlier],
-                 elapsed_s: float) -> str:
+                 elapsed_s: float, predicted: dict[str, dict] | None = None) -> str:
     """README.md and report.json of the rows so far (rewritten after each row: a report cut short still
     tells what ran)."""
     versions = info["versions"]
@@ -335,13 +359,16 @@ def write_readme(args: argparse.Namespace, info: dict, outcomes: list[Outcome], 
                  "memory model. "
                  "MFU counts the encoders' forward passes where they run. Peak memory: CUDA's max allocated (on a "
                  "CPU, the process's peak RSS); counted: the memory model's prediction at the row's microbatch. "
-                 "Ratios: this row's images/s over the other's (all devices together).", "", *run_table(runs, earlier),
-                 ""]
+                 "Ratios: this row's images/s over the other's (all devices together). Predicted before: the row's "
+                 "images/s per GPU predicted from the H100's measurements before this run (" + source_of(predicted)
+                 + "; docs/gpu-runs.md, \"Devices\"), and the measurement over it.", "",
+                 *run_table(runs, earlier, predicted), ""]
     if blocks:
         text += ["## Blocks (bench/blocks.py: predicted, not measured)", "",
                  "Each distinct block timed on this device, the step composed and a node predicted; the "
                  "comparison rows predict a training row above and divide by its measurement. Ratios: predicted "
-                 "samples/s per GPU over the other's.", "", *blocks_table(blocks, earlier), ""]
+                 "samples/s per GPU over the other's; predicted before: the same figure scaled from the H100's "
+                 f"blocks before this run ({source_of(predicted)}).", "", *blocks_table(blocks, earlier, predicted), ""]
     text += ["Each row's results are `<row>.json`, its command and output `logs/<row>.log`; rows skipped or failed "
              "say why. Rerun some with `--rows NAME...` (docs/gpu-runs.md)."]
     readme = "\n".join(text) + "\n"

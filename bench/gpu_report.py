@@ -9,11 +9,12 @@ the same device under results/.
     python bench/gpu_report.py --out /tmp/report --smoke            # no GPU: the tiny models on CPU
     python bench/gpu_report.py --out gpu-results --rows matrix --gpus 8 --budget_s 36000   # the matrix on a node
     python bench/gpu_report.py --dry_run --rows matrix --gpus 8 --gpu_memory_gib 79.1   # plan a node you are not on
+    python bench/gpu_report.py --dry_run --device h200 --predictions h200.json  # plan and predict a GPU not here
 
 Its parts, one job each: gpu_rows.py (the rows), gpu_plan.py (each row's command for the node),
 gpu_budget.py (the budget rule), gpu_launch.py (running a row), gpu_record.py (the environment, earlier
-results, README.md). The rows, the budget rule and the files: docs/gpu-runs.md, "Ten minutes of a GPU"
-and "The GPU matrix".
+results, README.md), gpu_predict.py (each row predicted from the H100's measurements). The rows, the budget
+rule and the files: docs/gpu-runs.md, "Ten minutes of a GPU", "The GPU matrix" and "Devices".
 """
 from __future__ import annotations
 
@@ -29,13 +30,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]  # the project root
 sys.path.insert(0, str(ROOT))
 
-from gpu_budget import (ASSUMED_MFU, CPU_FIRST_FLOPS_PER_SECOND, PEAK_TFLOPS, Estimator,  # noqa: E402
-                        peak_tflops_of, row_timeout)
+from gpu_budget import (ASSUMED_MFU, CPU_FIRST_FLOPS_PER_SECOND, UNKNOWN_GPU_PEAK_TFLOPS, Estimator,  # noqa: E402
+                        row_timeout)
 from gpu_launch import pretrained_available, row_env, run_blocks, run_training  # noqa: E402
 from gpu_plan import blocks_command, blocks_options, plan_row, run_setting  # noqa: E402
+from gpu_predict import predict_rows, read_predictions  # noqa: E402
 from gpu_record import Outcome, earlier_results, environment, write_readme  # noqa: E402
 from gpu_rows import DEFAULT_MODEL_NAME, ROW_GROUPS, ROW_NAMES, ROWS, ReportRow  # noqa: E402
-from t2ibench import errors, files  # noqa: E402
+from t2ibench import devices, errors, files  # noqa: E402
 from t2ibench.cli import (BUDGET_SECONDS, GPU_COUNT, GPU_MEMORY_GIB, NON_NEGATIVE_INT, POSITIVE_FLOAT,  # noqa: E402
                           POSITIVE_INT, Parser)
 from t2ibench.errors import fail  # noqa: E402
@@ -69,9 +71,17 @@ def build_parser() -> Parser:
     p.add_argument("--gpu_memory_gib", type=GPU_MEMORY_GIB, default=None,
                    help="memory of one GPU in GiB for the microbatches (default: the visible GPU's, as torch reports "
                         "it; an 80 GB A100/H100 reports 79.1)")
+    p.add_argument("--device", default=None, choices=devices.DEVICE_CHOICES,
+                   help="the GPU (t2ibench.devices' table): with --dry_run, the GPU to plan and predict, not here; "
+                        "otherwise the visible GPU's must be it (default: the visible GPU, recognised by name, its "
+                        "memory read from CUDA)")
+    p.add_argument("--predictions", type=Path, default=None,
+                   help="with --dry_run: write each row's prediction from the H100's measurements here (JSON); "
+                        "otherwise: the predictions to put beside each measurement (default: the newest "
+                        "results/predicted-*/<device>.json of this GPU, if any)")
     p.add_argument("--peak_tflops", type=POSITIVE_FLOAT, default=None,
-                   help="peak bf16 TFLOP/s of one GPU for the first estimates (default: the visible GPU's, else the "
-                        "lowest known)")
+                   help="peak bf16 TFLOP/s of one GPU for the first estimates (default: --device's or the visible "
+                        f"GPU's in t2ibench.devices, else {UNKNOWN_GPU_PEAK_TFLOPS:g})")
     p.add_argument("--batches", type=POSITIVE_INT, default=None,
                    help=f"batches of each training row, warm-up included (default: {BATCHES}; --smoke {SMOKE_BATCHES})")
     p.add_argument("--warmup_batches", type=NON_NEGATIVE_INT, default=None,
@@ -125,9 +135,22 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     on_cpu = parsed.smoke or parsed.dry_run  # runs nothing on a GPU
     if not on_cpu and visible == 0:
         fail("no CUDA GPU visible (torch.cuda.device_count() is 0): run it on a GPU, plan a node with --dry_run "
-             "--gpus N --gpu_memory_gib M, or pass --smoke to check the tool on CPU")
-    if parsed.dry_run and not parsed.smoke and visible == 0 and parsed.gpu_memory_gib is None:
-        fail("--dry_run without a visible GPU needs --gpu_memory_gib (the memory of the node's GPUs to plan for)")
+             "--gpus N --device NAME (or --gpu_memory_gib M), or pass --smoke to check the tool on CPU")
+    if parsed.dry_run and not parsed.smoke and visible == 0 and parsed.gpu_memory_gib is None and not parsed.device:
+        fail("--dry_run without a visible GPU needs --device NAME or --gpu_memory_gib (the node's GPUs to plan for)")
+    gpu_device = None if parsed.smoke else devices.named_or_visible(parsed.device) if (
+        parsed.device or visible) else None
+    if parsed.device and not on_cpu and devices.visible().key != parsed.device:
+        fail(f"--device {parsed.device}: the visible GPU is {torch.cuda.get_device_name(0)}; plan another GPU with "
+             "--dry_run, or drop --device")
+    if parsed.predictions is not None and not parsed.dry_run and not parsed.predictions.is_file():
+        fail(f"--predictions {parsed.predictions} is not a file: name a predictions.json a dry run wrote")
+    if parsed.predictions is not None and parsed.dry_run:
+        problem = check_output("--predictions", str(parsed.predictions), folder=False)
+        if problem:
+            fail(problem)
+        if gpu_device is None or not gpu_device.bf16_flops_per_sec:
+            fail("--predictions with --dry_run predicts a GPU of t2ibench.devices' table: give --device NAME")
     if not on_cpu and parsed.gpus > visible:
         fail(f"--gpus {parsed.gpus}: only {visible} GPU(s) visible")
     if parsed.fp8 != "off" and not on_cpu and torch.cuda.get_device_capability() < MIN_CAPABILITY:
@@ -136,9 +159,14 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
     if parsed.fp8 != "off":  # float8 runs compiled: benchmark.py refuses it eager, slower than bf16
         rows = [dataclasses.replace(row, setting=dataclasses.replace(row.setting, fp8=parsed.fp8, compile=True))
                 if row.setting else row for row in rows]
+    # The predictions made for this GPU before: beside each measurement, and the estimates' rate. A dry run's
+    # --predictions is what it writes: it reads the committed ones. They are bf16's: none for --fp8's rows.
+    predicted = {} if parsed.smoke or parsed.fp8 != "off" else read_predictions(
+        None if parsed.dry_run else parsed.predictions, gpu_device, ROOT / "results")
     # Absolute: the rows run from the project root, and write there.
     return argparse.Namespace(**{**vars(parsed), "out": (out or DRY_RUN_OUT).absolute(), "batches": batches,
-                                 "warmup_batches": warmup}, report_rows=rows)
+                                 "warmup_batches": warmup}, report_rows=rows, gpu_device=gpu_device,
+                              predicted=predicted)
 
 
 def node_memory_bytes(args: argparse.Namespace) -> float:
@@ -147,16 +175,16 @@ def node_memory_bytes(args: argparse.Namespace) -> float:
         return args.gpu_memory_gib * 2**30
     if args.smoke:
         return SMOKE_GPU_MEMORY_BYTES
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory
+    return args.gpu_device.cuda_memory_bytes  # --device's (the table's), or the visible GPU's as CUDA reports it
 
 
-def first_estimator(args: argparse.Namespace, device_name: str) -> Estimator:
+def first_estimator(args: argparse.Namespace) -> Estimator:
     """The budget rule before any row ran: its first FLOP/s, of all the row's GPUs together."""
     if args.smoke:
         return Estimator(CPU_FIRST_FLOPS_PER_SECOND)
-    peak = args.peak_tflops or peak_tflops_of(device_name) or min(tflops for _, tflops in PEAK_TFLOPS)
+    known = args.gpu_device.bf16_flops_per_sec / 1e12 if args.gpu_device and args.gpu_device.bf16_flops_per_sec \
+        else None
+    peak = args.peak_tflops or known or UNKNOWN_GPU_PEAK_TFLOPS
     return Estimator(ASSUMED_MFU * peak * 1e12 * args.gpus)
 
 
@@ -167,7 +195,14 @@ def estimate(row: ReportRow, estimator: Estimator, args: argparse.Namespace, lef
         return estimator.blocks_seconds()
     setting = run_setting(row, args.smoke, args.gpus)
     fixed = estimator.fixed_seconds(setting)
-    return fixed if fixed > left_s else estimator.run_seconds(setting, args.batches)
+    if fixed > left_s:
+        return fixed
+    # A row predicted for this GPU (bench/gpu_predict.py, one GPU's images/s) runs its batches at its prediction,
+    # closer than the first FLOP/s (an SD2 guess for every model); on several GPUs, the budget rule's own rate.
+    ahead = args.predicted.get(row.name, {}).get("images_per_sec") if args.gpus == 1 else None
+    if ahead:
+        return fixed + args.batches * setting.global_batch / ahead
+    return estimator.run_seconds(setting, args.batches)
 
 
 # -- the report ----------------------------------------------------------------------------------------
@@ -183,7 +218,8 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
     files.write_text(out / "environment.json", json.dumps(info, indent=2) + "\n")
     earlier = earlier_results(args.results_root, out)
     gpu_memory_bytes = node_memory_bytes(args)
-    estimator = first_estimator(args, info["device"])
+    estimator = first_estimator(args)
+    predicted = args.predicted
     print(f"gpu_report.py: {len(args.report_rows)} rows on {args.gpus} x {info['device']} within "
           f"{args.budget_s:.0f} s" + ("" if pretrained or args.smoke else
                                       f"; SD2's encoders random (--model_name {args.model_name} is neither a local "
@@ -202,7 +238,7 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
         if outcome.estimate_s > left:
             outcome.status = f"skipped: estimated {outcome.estimate_s:.0f} s, {max(0.0, left):.0f} s left"
             print(f"{tag}: {outcome.status}", flush=True)
-            write_readme(args, info, list(outcomes.values()), earlier, time.monotonic() - start)
+            write_readme(args, info, list(outcomes.values()), earlier, time.monotonic() - start, predicted)
             continue
         outcome.timeout_s = row_timeout(outcome.estimate_s, left)
         print(f"{tag}: starting, estimated {outcome.estimate_s:.0f} s (timeout {outcome.timeout_s:.0f} s), "
@@ -212,7 +248,7 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
         # Planning on the meta device (a training row's microbatch, a blocks row's node) is part of the row's time.
         if row.setting:
             planned = plan_row(row.name, row.setting, args.gpus, gpu_memory_bytes, out, args.batches,
-                               args.warmup_batches, args.smoke, args.model_name)
+                               args.warmup_batches, args.smoke, args.model_name, args.gpu_device)
             left_of_row = max(1.0, began + outcome.timeout_s - time.monotonic())
             outcome.status, outcome.result = run_training(planned, out, left_of_row, env)
             outcome.wall_s = time.monotonic() - began
@@ -233,8 +269,8 @@ def report(args: argparse.Namespace, argv: list[str]) -> list[Outcome]:
         figure = headline(outcome)
         print(f"{tag}: {outcome.status} in {outcome.wall_s:.0f} s{f', {figure}' if figure else ''}; "
               f"{max(0.0, deadline - time.monotonic()):.0f} s left", flush=True)
-        write_readme(args, info, list(outcomes.values()), earlier, time.monotonic() - start)
-    text = write_readme(args, info, list(outcomes.values()), earlier, time.monotonic() - start)
+        write_readme(args, info, list(outcomes.values()), earlier, time.monotonic() - start, predicted)
+    text = write_readme(args, info, list(outcomes.values()), earlier, time.monotonic() - start, predicted)
     print("\n" + text, flush=True)
     return list(outcomes.values())
 
@@ -275,11 +311,10 @@ def headline(outcome: Outcome) -> str:
 def dry_run(args: argparse.Namespace) -> list[dict]:
     """Each row's plan for the node (a training row's microbatch, checkpointing and why, predicted memory; a
     blocks row's command) and its estimate by the budget rule's first estimates, printed; nothing runs."""
-    import torch
-
     gpu_memory_bytes = node_memory_bytes(args)
-    estimator = first_estimator(args, torch.cuda.get_device_name(0) if torch.cuda.device_count() else "")
-    print(f"{len(args.report_rows)} rows on {args.gpus} GPU(s) of {gpu_memory_bytes / 2**30:.1f} GiB, "
+    estimator = first_estimator(args)
+    named = f" {args.gpu_device.label}" if args.gpu_device else ""
+    print(f"{len(args.report_rows)} rows on {args.gpus}{named} GPU(s) of {gpu_memory_bytes / 2**30:.1f} GiB, "
           f"{args.batches} batches per training row ({args.warmup_batches} warm-up), each at its global batch by "
           "gradient accumulation; nothing runs (--dry_run)", flush=True)
     planned = []
@@ -287,7 +322,7 @@ def dry_run(args: argparse.Namespace) -> list[dict]:
         seconds = estimate(row, estimator, args, math.inf)
         if row.setting:
             run = plan_row(row.name, row.setting, args.gpus, gpu_memory_bytes, args.out, args.batches,
-                           args.warmup_batches, args.smoke, args.model_name)
+                           args.warmup_batches, args.smoke, args.model_name, args.gpu_device)
             predicted = run.plan.get("predicted_bytes_at_microbatch")
             print(f"  {row.name} ({run.setting.model_config} {run.setting.resolution}): microbatch {run.microbatch} "
                   f"x {run.batch_size // args.gpus // run.microbatch} per GPU per step, global batch {run.batch_size}, "
@@ -311,10 +346,29 @@ def dry_run(args: argparse.Namespace) -> list[dict]:
                   f"    {shlex.join(command)}", flush=True)
             planned.append({"name": row.name, "command": command, "estimated_seconds": seconds})
     total = sum(row["estimated_seconds"] for row in planned)
+    ahead = [row.name for row in args.report_rows if row.name in args.predicted]
     print(f"estimated time: about {total / 60:.0f} minutes (the budget rule's first estimates: each launch's "
-          f"start-up, its compilation, its batches at the first FLOP/s; docs/gpu-runs.md); --budget_s "
-          f"{args.budget_s:.0f}", flush=True)
+          f"start-up, its compilation, its batches at the first FLOP/s"
+          + (f" or, for {', '.join(ahead)}, at its prediction for this GPU" if ahead else "")
+          + "; docs/gpu-runs.md)", flush=True)
+    held = budget_held(args, planned)
+    print(f"--budget_s {args.budget_s:.0f}: " + ("every row fits" if len(held) == len(planned) else
+          f"{len(held)} of {len(planned)} rows fit by these estimates, in the report's order: {', '.join(held) or 'none'}; "
+          f"the others would be skipped (give them --rows in a window of their own)"), flush=True)
+    if args.predictions is not None:  # each row predicted from the H100's measurements, and written
+        predict_rows(args, planned, gpu_memory_bytes)
     return planned
+
+
+def budget_held(args: argparse.Namespace, planned: list[dict]) -> list[str]:
+    """The rows a run would start by these estimates, in order: each whose estimate the time left holds (a
+    comparison row only after its run)."""
+    left, held = args.budget_s, []
+    for row, plan in zip(args.report_rows, planned):
+        if plan["estimated_seconds"] <= left and (not row.compare_with or row.compare_with in held):
+            held.append(row.name)
+            left -= plan["estimated_seconds"]
+    return held
 
 
 def main(argv: list[str] | None = None) -> list[Outcome] | list[dict]:

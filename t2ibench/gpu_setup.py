@@ -13,9 +13,9 @@ import dataclasses
 import functools
 from typing import Any
 
-from t2ibench import kernels, memory
+from t2ibench import devices, kernels, memory
 from t2ibench.families import family_of
-from t2ibench.parallel import NVLINK4_GB_PER_SEC, traffic_bytes_per_gpu
+from t2ibench.parallel import traffic_bytes_per_gpu
 from t2ibench.precomputed import TEXT_STATES, batch_text_format
 
 # The GPU time one kernel launch adds to a step, counted in the FLOPs the step would have computed
@@ -31,8 +31,22 @@ MIN_CHECKPOINTING_GAIN = 1.10
 # The rate the fitted H100 steps compute at once their launches are spread: SDXL 425 and SD2 353
 # TFLOP/s (docs/speed.md, the cost of a launch), their mean. A second the step spends in collectives
 # costs it this many FLOPs, so that the collectives' time, at the link rate of the same GPU
-# (t2ibench.parallel.NVLINK4_GB_PER_SEC, an H100's NVLink 4), adds to a cost counted in FLOPs.
+# (t2ibench.devices: an H100's NVLink 4), adds to a cost counted in FLOPs.
 FITTED_FLOPS_PER_SEC = 3.9e14
+# A launch's GPU time on the fitted H100, about 18 us. On another GPU (`device_rates`) a launch takes the
+# same time (the host issues it) and the step computes at the fitted rate times the ratio of the two
+# GPUs' dense bf16 peaks, so a launch costs more FLOPs on a faster GPU; bench/gpu_predict.py holds the
+# launches' time fixed across GPUs by the same rule.
+LAUNCH_SECONDS = LAUNCH_COST_FLOPS / FITTED_FLOPS_PER_SEC
+
+
+def device_rates(device: devices.Device | None) -> tuple[float, float]:
+    """(the FLOPs a launch costs, the FLOP/s the step computes at) on `device` (None: the fitted H100's)."""
+    ref = devices.reference()
+    if device is None or not device.bf16_flops_per_sec:
+        return LAUNCH_COST_FLOPS, FITTED_FLOPS_PER_SEC
+    rate = FITTED_FLOPS_PER_SEC * device.bf16_flops_per_sec / ref.bf16_flops_per_sec
+    return LAUNCH_SECONDS * rate, rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,20 +59,22 @@ class Candidate:
     kernels_per_image: float | None = None  # launches per image, the step's per-step ones spread over its batch
     flops_per_image: float | None = None  # arithmetic per image, the recomputed forward included
     traffic_bytes_per_step: float = 0.0  # what each GPU sends per step (DDP's all-reduce, FSDP's per microbatch)
-    traffic_seconds_per_step: float = 0.0  # that at the link rate (NVLINK4_GB_PER_SEC), not overlapped
+    traffic_seconds_per_step: float = 0.0  # that at the GPU's link rate, not overlapped
     images_per_step: int = 1  # the per-GPU batch the step's collectives are spread over
+    launch_cost_flops: float = LAUNCH_COST_FLOPS  # on the GPU weighed (device_rates)
+    fitted_flops_per_sec: float = FITTED_FLOPS_PER_SEC
 
     @property
     def compute_flops_per_image(self) -> float | None:
-        """The GPU's own time per image, in FLOPs: the launches at LAUNCH_COST_FLOPS each, plus the arithmetic."""
+        """The GPU's own time per image, in FLOPs: the launches at `launch_cost_flops` each, plus the arithmetic."""
         if self.kernels_per_image is None or self.flops_per_image is None:
             return None
-        return self.kernels_per_image * LAUNCH_COST_FLOPS + self.flops_per_image
+        return self.kernels_per_image * self.launch_cost_flops + self.flops_per_image
 
     @property
     def traffic_flops_per_image(self) -> float:
-        """The collectives' time per image, in the FLOPs the GPU computes in it (FITTED_FLOPS_PER_SEC)."""
-        return self.traffic_seconds_per_step / self.images_per_step * FITTED_FLOPS_PER_SEC
+        """The collectives' time per image, in the FLOPs the GPU computes in it (`fitted_flops_per_sec`)."""
+        return self.traffic_seconds_per_step / self.images_per_step * self.fitted_flops_per_sec
 
     @property
     def cost_flops_per_image(self) -> float | None:
@@ -116,7 +132,8 @@ def choose_setup(model_config: str, image_size: int, gpu_memory_bytes: float, pe
                  activation_checkpointing: str = "auto", microbatch: int | None = None, precision: str = "amp_bf16",
                  norm_precision: str = "autocast", precomputed: bool = False, precomputed_format: str | None = None,
                  use_ema: bool = True, fsdp: str = "none", num_gpus: int = 1, weight_casts: str = "microbatch",
-                 fp8: str = "off", link_gb_per_sec: float = NVLINK4_GB_PER_SEC) -> Setup:
+                 fp8: str = "off", link_gb_per_sec: float | None = None,
+                 device: devices.Device | None = None) -> Setup:
     """The set-up a run with these (resolved) settings uses on GPUs of `gpu_memory_bytes`.
 
     `activation_checkpointing` "on" or "off": as given, at `microbatch` or else the largest that fits.
@@ -125,7 +142,8 @@ def choose_setup(model_config: str, image_size: int, gpu_memory_bytes: float, pe
     dividing `per_device_batch`; None: any): checkpointing when its predicted cost per image is
     MIN_CHECKPOINTING_GAIN times lower, else none. A cost is the launches and arithmetic, plus on
     several GPUs the collectives the step sends (`traffic_bytes_per_gpu`) at `link_gb_per_sec`
-    gigabytes per second per GPU (default an H100's NVLink; a multi-node run's link is slower). Off
+    gigabytes per second per GPU (default `device`'s link, else an H100's NVLink; a multi-node run's link
+    is slower), launches and collectives costed at `device`'s rates (`device_rates`; None: the H100's). Off
     without counting the checkpointed step when even its arithmetic and one microbatch's collectives
     alone would not be that much lower, or when it fits no larger microbatch; on when nothing fits
     without it. A microbatch of 1 when nothing fits at all (the run's own OOM then says so)."""
@@ -133,7 +151,10 @@ def choose_setup(model_config: str, image_size: int, gpu_memory_bytes: float, pe
     options = dict(precision=precision, norm_precision=norm_precision, precomputed=precomputed,
                    precomputed_format=text_format, use_ema=use_ema, fsdp=fsdp, num_gpus=num_gpus,
                    weight_casts=weight_casts, fp8=fp8)
-    weighing = {**options, "link_gb_per_sec": link_gb_per_sec}  # what a candidate's cost takes
+    link_gb_per_sec = link_gb_per_sec or (device or devices.reference()).link_gb_per_sec
+    launch_cost, rate = device_rates(device)
+    weighing = {**options, "link_gb_per_sec": link_gb_per_sec, "launch_cost_flops": launch_cost,
+                "fitted_flops_per_sec": rate}  # what a candidate's cost takes
 
     def planned(checkpointing: bool) -> dict[str, Any]:
         return memory.plan(model_config, image_size, gpu_memory_bytes, per_device_batch=per_device_batch,
@@ -228,11 +249,12 @@ def _traffic(model_config: str, microbatch: int, per_device_batch: int, options:
     """A step's collectives at `microbatch`, as Candidate's fields: the bytes each GPU sends (once per
     step, and per microbatch under FSDP), their seconds at the link rate, the images they are spread
     over. Nothing on one GPU (no parameter counted)."""
+    rates = dict(launch_cost_flops=options["launch_cost_flops"], fitted_flops_per_sec=options["fitted_flops_per_sec"])
     if options["num_gpus"] == 1:
-        return dict(images_per_step=per_device_batch)
+        return dict(images_per_step=per_device_batch, **rates)
     units = memory.fsdp_unit_params(model_config)
     once, per_microbatch = traffic_bytes_per_gpu(options["fsdp"], options["num_gpus"], units["denoiser"],
                                                  units["root"], options["precision"])
     sent = once + -(-per_device_batch // microbatch) * per_microbatch
     return dict(traffic_bytes_per_step=sent, traffic_seconds_per_step=sent / (options["link_gb_per_sec"] * 1e9),
-                images_per_step=per_device_batch)
+                images_per_step=per_device_batch, **rates)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
 
 from t2ibench.families import family_of
 from t2ibench.memory.step import build_meta_step
@@ -30,6 +32,12 @@ MULTI_TENSOR_MAX_BLOCKS = 320
 MULTI_TENSOR_CHUNK_ELEMENTS = 65536
 # ATen/native/cuda/Shape.cu (torch 2.7): torch.cat (and stack) copies at most this many inputs a launch.
 CAT_INPUTS_PER_LAUNCH = 128
+# Bytes of HBM the once-per-step updates read and write per fp32 parameter (4 bytes a tensor): fused AdamW
+# reads the weight, gradient and two moments and writes three; the gradient norm reads the gradient; each
+# microbatch after the first adds its gradient into the sum (two reads, one write); the EMA's lerp reads
+# two and writes one; one GPU's bf16 copies (weight casts per step) are refreshed (fp32 in, bf16 out)
+# and the first gradient upcast (bf16 in, fp32 out).
+STEP_BYTES_PER_PARAM = {"adamw": 28, "grad_norm": 4, "accumulation": 12, "ema": 12, "copies": 12}
 NO_KERNEL = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "alias",
                        "lift_fresh", "_unsafe_view", "set_", "resize_", "_reshape_alias", "_local_scalar_dense",
                        "is_same_size", "_has_compatible_shallow_copy_type", "sym_size", "sym_stride"})
@@ -83,15 +91,38 @@ def classify(name: str, args: Any, out: Any) -> str | None:
     return "elementwise"
 
 
-class KernelCounter(TorchDispatchMode):
-    """Counts kernel launches of the ops it sees, by kind, and host syncs (`.item()` and the like)."""
+FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
 
-    def __init__(self):
+
+def op_work(func: Any, args: Any, kwargs: dict, out: Any) -> tuple[float, float, bool]:
+    """One op's work for the roofline (t2ibench.devices.scaled_seconds): its FLOPs (torch's FlopCounterMode
+    table: matmuls, convolutions, attention; 0 for the rest), the bytes of the tensors it reads and writes
+    (each once: a lower bound for an op that reads an input twice), and whether it multiplies float8."""
+    packet = func.overloadpacket
+    tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+    num_bytes = float(sum(t.numel() * t.element_size() for t in tensors))
+    if packet is torch.ops.aten._scaled_mm:  # float8: (m, k) @ (k, n)
+        a, b = args[0], args[1]
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1], num_bytes, True
+    count = flop_registry.get(packet)
+    flops = float(count(*args, **(kwargs or {}), out_val=out)) if count else 0.0
+    # torchao's float8 tensors (torchao 0.11) reach a dispatch mode as the matmul of their original dtype and
+    # call torch._scaled_mm below it: a matmul of one of them runs in float8.
+    fp8 = bool(flops) and any(getattr(t, "_data", t).dtype in FLOAT8_DTYPES for t in tensors)
+    return flops, num_bytes, fp8
+
+
+class KernelCounter(TorchDispatchMode):
+    """Counts kernel launches of the ops it sees, by kind, and host syncs (`.item()` and the like); with
+    `work`, also each launching op's FLOPs and bytes (`op_work`)."""
+
+    def __init__(self, work: bool = False):
         super().__init__()
         self.kernels: Counter[str] = Counter()
         self.host_syncs = 0
         self.phase = "forward"  # set by the caller: casts are also counted by phase
         self.casts_by_phase: Counter[str] = Counter()
+        self.work: list[tuple[float, float, bool]] | None = [] if work else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -104,12 +135,16 @@ class KernelCounter(TorchDispatchMode):
             lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
             kind = "casts" if name == "_foreach_copy_" and lists[0][0].dtype != lists[1][0].dtype else "elementwise"
             self.kernels[kind] += multi_tensor_launches([t.numel() for t in lists[0]], len(lists))
+            if self.work is not None:
+                self.work.append(op_work(func, args, kwargs or {}, out))
         else:
             kind = classify(name, args, out)
             if kind is not None:
                 self.kernels[kind] += 1
                 if kind == "casts":
                     self.casts_by_phase[self.phase] += 1
+                if self.work is not None:
+                    self.work.append(op_work(func, args, kwargs or {}, out))
         return out
 
 
@@ -123,6 +158,15 @@ class StepKernels:
     per_step: dict[str, int]  # launched once per optimizer step, by kind
     host_syncs_per_step: int
     casts_per_microbatch_by_phase: dict[str, int]  # forward (and loss) against backward (recomputation included)
+    work_per_microbatch: tuple[tuple[float, float, bool], ...] = ()  # each op's (FLOPs, bytes, fp8), with work=True
+    work_per_step: tuple[tuple[float, float, bool], ...] = ()  # the once-per-step updates' bytes
+
+    def work_per_image(self) -> list[tuple[float, float, bool]]:
+        """The step's work (count_step_kernels' `work`) spread over its images, for the roofline."""
+        scale = self.microbatches_per_step / self.batch_size_per_device
+        return ([(f * scale, b * scale, fp8) for f, b, fp8 in self.work_per_microbatch]
+                + [(f / self.batch_size_per_device, b / self.batch_size_per_device, fp8)
+                   for f, b, fp8 in self.work_per_step])
 
     @property
     def microbatches_per_step(self) -> int:
@@ -137,9 +181,10 @@ class StepKernels:
 def count_step_kernels(model_config: str, image_size: int, microbatch: int, batch_size_per_device: int, *,
                        precision: str = "amp_bf16", norm_precision: str = "autocast", precomputed: bool = False,
                        precomputed_format: str | None = None, activation_checkpointing: bool = False,
-                       weight_casts: str = "microbatch", use_ema: bool = True) -> StepKernels:
+                       weight_casts: str = "microbatch", use_ema: bool = True, work: bool = False) -> StepKernels:
     """Count one microbatch's forward, loss and backward on the meta device under CUDA's autocast
-    rules, and the step's once-per-step kernels, for a run with these settings on one GPU."""
+    rules, and the step's once-per-step kernels, for a run with these settings on one GPU; with `work`,
+    each op's FLOPs and bytes too (`op_work`), and the per-step updates' bytes (STEP_BYTES_PER_PARAM)."""
     if batch_size_per_device % microbatch:
         raise ValueError(f"microbatch {microbatch} does not divide the per-device batch {batch_size_per_device}")
     copies = weight_casts == "step" and precision != "fp32"
@@ -148,7 +193,7 @@ def count_step_kernels(model_config: str, image_size: int, microbatch: int, batc
                            text_format=text_format, activation_checkpointing=activation_checkpointing,
                            low_precision_weights=copies)
     model, batch = meta.model, meta.batch(microbatch)
-    counter = KernelCounter()
+    counter = KernelCounter(work=work)
     with torch.random.fork_rng(devices=[]), counter:
         with meta.rules():
             loss = model.loss(model(batch), batch)
@@ -178,8 +223,12 @@ def count_step_kernels(model_config: str, image_size: int, microbatch: int, batc
         step["ema"] += multi_tensor_launches(numels, 2)  # ema.py: _foreach_lerp_(shadow, params, w)
     for p in model.parameters():
         p.grad = None
+    per_param = (STEP_BYTES_PER_PARAM["adamw"] + STEP_BYTES_PER_PARAM["grad_norm"]
+                 + (microbatches - 1) * STEP_BYTES_PER_PARAM["accumulation"]
+                 + (STEP_BYTES_PER_PARAM["ema"] if use_ema else 0) + (STEP_BYTES_PER_PARAM["copies"] if copies else 0))
     return StepKernels(microbatch, batch_size_per_device, per_microbatch, dict(step),
-                       counter.host_syncs + COMPOSER_SYNCS_PER_STEP, dict(counter.casts_by_phase))
+                       counter.host_syncs + COMPOSER_SYNCS_PER_STEP, dict(counter.casts_by_phase),
+                       tuple(counter.work) if work else (), ((0.0, float(per_param * sum(numels)), False),) if work else ())
 
 
 def summary(kernels: StepKernels) -> dict[str, Any]:

@@ -20,13 +20,15 @@ from composer.utils import FSDP2Config, ParallelismConfig, dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils._pytree import tree_map
 
+from t2ibench import devices
+
 FSDP_MODES = ("none", "shard_grad_op", "full_shard")  # what a run applies: DDP, ZeRO-2, ZeRO-3
 FSDP_CHOICES = ("auto", *FSDP_MODES)  # --fsdp; auto: the family's default (resolve_mode)
-# The rate a GPU's collectives are timed at, in gigabytes per second per direction per GPU: an H100
-# SXM's NVLink 4 (900 GB/s both directions, 450 each way), the GPU the speed figures were fitted on.
-# bench/blocks.py's --link_gbps default and what gpu_setup's weighing assumes; a multi-node run's
-# collectives go at its slower inter-node rate.
-NVLINK4_GB_PER_SEC = 450.0
+# The rate a GPU's collectives are timed at, in gigabytes per second per direction per GPU, where no
+# device is named: the reference GPU's (t2ibench.devices: an H100 SXM's NVLink 4, 450 each way), the GPU
+# the speed figures were fitted on. A named device's is its own (bench/blocks.py --device, gpu_setup's
+# weighing); a multi-node run's collectives go at its slower inter-node rate.
+NVLINK4_GB_PER_SEC = devices.reference().link_gb_per_sec
 
 
 def resolve_mode(mode: str, parallelism: str, world_size: int) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 from composer.utils import dist, reproducibility
 
-from t2ibench import allocator, cpu_threads, memory
+from t2ibench import allocator, cpu_threads, devices, memory
 from t2ibench.allocator import AllocatorSetting
 from t2ibench.buckets import largest_bucket
 from t2ibench.cpu_threads import CpuThreads
@@ -87,11 +87,12 @@ class Runtime:
         batches: t2ibench.callbacks.oom_fallback)."""
         if not self.on_gpu:
             return self
-        memory_bytes = torch.cuda.get_device_properties(0).total_memory
+        gpu = devices.visible()  # recognised by name (its FLOP/s and link), its memory as CUDA reports it
+        memory_bytes = gpu.cuda_memory_bytes
         counted, at = counted_image_size(settings)
         if settings.activation_checkpointing == "auto":
             setup = choose_setup(
-                settings.model_config, counted, memory_bytes, self.batch_size_per_device,
+                settings.model_config, counted, memory_bytes, self.batch_size_per_device, device=gpu,
                 microbatch=None if self.microbatch == "auto" else self.microbatch, **counted_settings(
                     settings, self.world_size, self.precision, text_format, self.weight_casts))
             if self.is_rank_zero:

@@ -17,7 +17,7 @@ import torch
 
 import benchmark
 import blocks
-from t2ibench import memory
+from t2ibench import devices, memory
 from t2ibench.compiling import graphs_compiled
 from t2ibench.families import family_of
 from t2ibench.memory import build_meta_model
@@ -276,6 +276,34 @@ def test_a_saved_h100_line_predicts_the_chosen_flux_set_up_without_a_gpu():
     root = memory.fsdp_unit_params("flux1-schnell")["root"]
     assert before["traffic_bytes_per_gpu"] == pytest.approx(2 * 7 / 8 * (2 * (2 * params - root) + 4 * params))
     assert row["samples_per_sec_per_gpu"] > before["samples_per_sec_per_gpu"]
+
+
+@pytest.mark.parametrize("device", ["h200", "b200"])
+def test_a_saved_h100_line_predicts_another_gpu_each_part_scaled_by_its_roofline(device):
+    # Each part's time less its launches scales by the roofline of its counted work: never slower on a GPU
+    # with more of both bandwidth and FLOP/s, never faster than the larger of the two ratios; the updates by
+    # HBM bandwidth; the collectives at the GPU's own link.
+    target, h100 = devices.get(device), devices.reference()
+    argv = H100_FLUX + ["--fsdp", "shard_grad_op", "--microbatch", "64", "--gpus", "8"]
+    on_h100 = blocks.main(argv)
+    there = blocks.main(argv + ["--device", device])
+    assert on_h100["predicted_device"] is None and there["predicted_device"] == target.label
+    assert there["link_gbps"] == target.link_gb_per_sec and there["device"] == on_h100["device"]  # measured there
+    fastest = max(target.bf16_flops_per_sec / h100.bf16_flops_per_sec, target.hbm_bytes_per_sec / h100.hbm_bytes_per_sec)
+    before, after = on_h100["measured"]["sharded"], there["measured"]["sharded"]
+    for measured, scaled in zip(before["blocks"] + [{"seconds": before["rest_seconds"]}],
+                                after["blocks"] + [{"seconds": after["rest_seconds"]}]):
+        assert 1 <= measured["seconds"] / scaled["seconds"] <= fastest + 1e-9
+    assert there["per_parameter"]["adamw_seconds_per_param"] == pytest.approx(
+        on_h100["per_parameter"]["adamw_seconds_per_param"] * h100.hbm_bytes_per_sec / target.hbm_bytes_per_sec)
+    (row,), (base,) = there["predicted"], on_h100["predicted"]
+    assert row["comm_seconds"] == pytest.approx(row["traffic_bytes_per_gpu"] / (target.link_gb_per_sec * 1e9))
+    assert row["samples_per_sec_per_gpu"] > base["samples_per_sec_per_gpu"]
+
+
+def test_device_predicts_another_gpu_only_from_a_saved_measurement():
+    message = error_of(blocks.main, ["--model_config", "flux1-tiny", "--device", "h200", "--gpus", "1"], prog="blocks.py")
+    assert "--device h200: timing runs on the CPU" in message and "--measured_json" in message
 
 
 @pytest.mark.parametrize("argv, expect", [

@@ -10,7 +10,7 @@ import pytest
 
 import benchmark
 import cost
-from t2ibench import cost_scaling, cost_table
+from t2ibench import cost_scaling, cost_table, devices
 from t2ibench.buckets import parse_bucket
 from t2ibench.mlperf import newest_rcp_round, reference_samples_to_target, round_label
 from tests.helpers import ROOT, TINY_SYNTH, error_of
@@ -582,3 +582,29 @@ def test_runs_are_averaged_and_labelled_only_against_every_target_they_had(tmp_p
     assert f"{missed} did not reach its target (FID <= 90 and CLIP score >= 15)" in capsys.readouterr().out
     bad = timed(tmp_path / "bad.json", 8, 1, 1.0, fid_target="ninety")
     assert f"{bad}: 'fid_target' must be a positive FID or null" in error_of(cost.main, [bad], "cost.py")
+
+
+@pytest.mark.parametrize("device", ["h200", "b200"])
+def test_device_names_the_gpu_and_times_the_latents_pass_at_its_peak(device, capsys):
+    # Flux.1's predicted figures for a GPU never measured: the table says which GPU, and the one-time pass of
+    # T5-XXL, CLIP and the VAE runs at that GPU's dense bf16 peak (at the same assumed 40% MFU as the A100's).
+    gpu = devices.get(device)
+    rows = cost.main(["--model_config", "flux1-schnell", "--gpus", "8", "--images_per_sec", "200", "--num_gpus", "8",
+                      "64", "--precompute", "--device", device])
+    out = capsys.readouterr().out
+    assert gpu.label in out.splitlines()[0]
+    per_gpu = gpu.bf16_flops_per_sec * cost.PRECOMPUTE_MFU / cost.FLUX_PRECOMPUTE_FLOPS
+    assert f"at {per_gpu:,.1f} images/s per GPU" in out
+    plain = cost.main(["--model_config", "flux1-schnell", "--gpus", "8", "--images_per_sec", "200", "--num_gpus", "8",
+                       "64", "--device", device])
+    assert rows[0].gpu_hours - plain[0].gpu_hours == pytest.approx(
+        cost.MLPERF_FLUX_TRAIN_SAMPLES / per_gpu / 3600)
+    # Without --device the pass is an A100's, as before.
+    assert cost.PRECOMPUTE_PEAK_FLOPS == devices.get(cost.PRECOMPUTE_DEVICE).bf16_flops_per_sec == 312e12
+
+
+def test_device_refuses_results_measured_on_another_gpu(tmp_path):
+    h100 = write_json(tmp_path / "h100.json", images_per_sec=115.0, world_size=1, device="NVIDIA H100 80GB HBM3",
+                      image_size=512, global_batch_size=512)
+    message = error_of(cost.main, [h100, "--device", "h200"])
+    assert "--device h200" in message and "was measured on NVIDIA H100 80GB HBM3" in message

@@ -22,10 +22,11 @@ import cost
 import gpu_budget
 import gpu_launch
 import gpu_plan
+import gpu_predict
 import gpu_record
 import gpu_report
 import gpu_rows
-from t2ibench import memory
+from t2ibench import devices, memory
 from t2ibench.gpu_setup import choose_setup
 from tests.helpers import ROOT, error_of
 
@@ -73,7 +74,7 @@ def test_without_a_gpu_it_refuses_unless_smoke_or_a_dry_run_of_a_named_node(tmp_
     message = error_of(gpu_report.main, ["--out", str(tmp_path / "report")], prog="gpu_report.py")
     assert "no CUDA GPU visible" in message and "--smoke" in message and "--dry_run" in message
     message = error_of(gpu_report.main, ["--dry_run", "--gpus", "8"], prog="gpu_report.py")
-    assert "--dry_run without a visible GPU needs --gpu_memory_gib" in message
+    assert "--dry_run without a visible GPU needs --device NAME or --gpu_memory_gib" in message
     assert "--out is required" in error_of(gpu_report.main, ["--smoke"], prog="gpu_report.py")
     assert not (tmp_path / "report").exists()
 
@@ -158,7 +159,7 @@ def test_blocks_rows_are_commands_blocks_py_accepts(tmp_path, smoke):
 
     import blocks
 
-    args = argparse.Namespace(out=tmp_path, smoke=smoke, model_name=gpu_rows.DEFAULT_MODEL_NAME)
+    args = argparse.Namespace(out=tmp_path, smoke=smoke, model_name=gpu_rows.DEFAULT_MODEL_NAME, gpu_device=None)
     gpu_memory_bytes = 79.1 * 2**30  # an H100's, as torch reports it
     measured = {"sd2-512-precomputed": {
         "model_config": "sd2-base", "image_size": 512, "precomputed": True, "precomputed_format": "tokens",
@@ -541,3 +542,59 @@ def test_an_earlier_result_with_a_rate_no_run_measures_is_no_earlier_figure():
     for rate in (-5, 5e-324, 1e308, 0):  # once a table cell of -5.00, or a ratio of 0 or inf
         assert gpu_record.kind_of({**run, "images_per_sec": rate}) is None
 
+
+
+# -- a GPU that is not here: --device, the predictions (bench/gpu_predict.py) ------------------------------
+
+@pytest.mark.parametrize("device", ["h200", "b200"])
+def test_dry_run_of_a_named_gpu_plans_its_memory_and_says_whether_the_budget_holds(device, capsys):
+    gpu = devices.get(device)
+    (row,) = gpu_report.main(["--dry_run", "--device", device, "--rows", "sd2-512-precomputed"])
+    printed = capsys.readouterr().out
+    assert f"on 1 {gpu.label} GPU(s) of {gpu.cuda_memory_gib:.1f} GiB" in printed
+    assert row["plan"]["gpu_memory_bytes"] == pytest.approx(gpu.cuda_memory_bytes)
+    assert row["plan"]["predicted_bytes_at_microbatch"] <= memory.usable_bytes(gpu.cuda_memory_bytes)
+    # More memory than an H100's: a microbatch at least as large as the H100's plan, which measured 32.
+    h100 = memory.plan("sd2-base", 512, memory.GPU_MEMORY_GIB["H100 80GB"] * memory.GIB, precomputed=True,
+                       precomputed_format="tokens", per_device_batch=512, weight_casts="step")
+    assert row["microbatch"] >= min(h100["microbatch"], 512) >= 32
+    assert "--budget_s 480: every row fits" in printed  # one row: its estimate is well under eight minutes
+    assert row["estimated_seconds"] < 480
+
+
+def test_predictions_of_a_gpu_not_here_rest_on_the_h100s_measurement_and_reproduce_it_on_an_h100(tmp_path, capsys):
+    written = tmp_path / "h200.json"
+    gpu_report.main(["--dry_run", "--device", "h200", "--rows", "sd2-512-precomputed", "--predictions", str(written)])
+    printed = capsys.readouterr().out
+    saved = json.loads(written.read_text())
+    assert saved["device"] == "h200" and saved["never_measured_here"]
+    h200 = saved["rows"]["sd2-512-precomputed"]
+    basis = json.loads((ROOT / gpu_predict.BASES["sd2-512-precomputed"].path).read_text())
+    assert h200["rests_on"]["measured"] == gpu_predict.BASES["sd2-512-precomputed"].path
+    assert h200["rests_on"]["measured_images_per_sec"] == basis["images_per_sec"]
+    assert h200["rests_on"]["flops_per_image"] > 1e12 and h200["rests_on"]["bytes_per_image"] > 1e9
+    # The H200 has the H100's FLOP/s and 1.43x its bandwidth: faster, by less than the bandwidth and the
+    # launches it saves at its larger microbatch together.
+    assert basis["images_per_sec"] < h200["images_per_sec"] < basis["images_per_sec"] * 4.8 / 3.35 * 1.2
+    assert f"predicted {h200['images_per_sec']:.1f} images/s" in printed
+    # The rule on the H100 itself, at the measured set-up, gives back the measurement.
+    run = gpu_plan.plan_row("sd2-512-precomputed", gpu_rows.REPORT_ROWS[0].setting, 1,
+                            memory.GPU_MEMORY_GIB["H100 80GB"] * memory.GIB, tmp_path, 5, 2, False, "none",
+                            devices.reference())
+    assert run.microbatch == basis["device_train_microbatch_size"]
+    again = gpu_predict.training_prediction("sd2-512-precomputed", run, devices.reference())
+    assert again["images_per_sec"] == pytest.approx(basis["images_per_sec"])
+    # On the H200 itself the report reads the predictions back: beside the measurement, and their ratio.
+    predicted = gpu_predict.read_predictions(written, devices.get("h200"), tmp_path)
+    result = {**basis, "device": "NVIDIA H200", "images_per_sec": 150.0, "images_per_sec_per_device": 150.0}
+    outcome = gpu_record.Outcome("sd2-512-precomputed", "run", "SD2", status="ok", result=result)
+    (line,) = gpu_record.run_table([outcome], [], predicted)[2:]
+    assert f"| 150.0 | {h200['images_per_sec']:.1f} | {150.0 / h200['images_per_sec']:.2f} |" in line
+
+
+def test_predictions_need_a_named_gpu_and_device_must_be_the_visible_one(tmp_path):
+    message = error_of(gpu_report.main, ["--dry_run", "--gpu_memory_gib", "139.8", "--predictions",
+                                         str(tmp_path / "p.json")], prog="gpu_report.py")
+    assert "--predictions with --dry_run predicts a GPU of t2ibench.devices' table: give --device NAME" in message
+    message = error_of(gpu_report.main, ["--dry_run", "--device", "h300"], prog="gpu_report.py")
+    assert "--device" in message and "invalid choice: 'h300'" in message

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import contextlib
 import io
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
@@ -17,9 +18,10 @@ from composer.core import Callback
 
 import benchmark
 import step_ops
-from t2ibench import kernels, memory
+from t2ibench import devices, kernels, memory
 from t2ibench.families import family_of
-from t2ibench.gpu_setup import FITTED_FLOPS_PER_SEC, LAUNCH_COST_FLOPS, MIN_CHECKPOINTING_GAIN, choose_setup
+from t2ibench.gpu_setup import (FITTED_FLOPS_PER_SEC, LAUNCH_COST_FLOPS, LAUNCH_SECONDS, MIN_CHECKPOINTING_GAIN,
+                                choose_setup, device_rates)
 from t2ibench.parallel import NVLINK4_GB_PER_SEC
 from t2ibench.runtime import Runtime, counted_settings
 from tests.helpers import TINY_2BA, bench_script, error_of
@@ -200,13 +202,16 @@ def test_the_flag_and_a_given_microbatch_are_respected():
 def test_the_runtime_takes_the_counted_setup_on_a_gpu(monkeypatch):
     flags = [*TINY_2BA, "--image_size", "64", "--batch_size", "256", "--precision", "amp_bf16"]
     settings = benchmark.validate(benchmark.parse_args(flags), 1)
-    # A GPU of TINY_GPU_BYTES as torch reports it; nothing else of CUDA is touched before the model.
+    # An H100, recognised by its name, of TINY_GPU_BYTES as torch reports it (the memory is CUDA's, not the
+    # table's); nothing else of CUDA is touched before the model.
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(total_memory=TINY_GPU_BYTES))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     pending = Runtime(1, True, "amp_bf16", "amp_bf16", 256, "auto", "step", False, "auto: decided with the data")
     run = pending.with_counted_setup(settings, None)
     # The run's own settings (no EMA in TINY_2BA: choose_setup's default counts its per-step launches).
-    expected = choose_setup("tiny", 64, TINY_GPU_BYTES, 256, **counted_settings(settings, 1, "amp_bf16", None, "step"))
+    expected = choose_setup("tiny", 64, TINY_GPU_BYTES, 256, device=devices.reference(),
+                            **counted_settings(settings, 1, "amp_bf16", None, "step"))
     assert (run.microbatch, run.activation_checkpointing, run.activation_checkpointing_reason) == \
         (expected.microbatch, expected.activation_checkpointing, expected.reason)
     assert run.activation_checkpointing  # the tiny model is all launches (see above)
@@ -283,3 +288,79 @@ def test_step_ops_json_and_the_sdxl_default_casts_once_per_step(sdxl_step_ops):
     num_tensors = sum(1 for _ in family_of("sdxl-base").meta_parts("sdxl-base").denoiser.parameters())
     assert old_result["kernels_per_microbatch"]["casts"] >= 2 * num_tensors
     assert old_result["casts_per_image"] > 7 * result["casts_per_image"]
+
+
+# -- the GPUs as data (t2ibench.devices) -----------------------------------------------------------------
+
+def test_every_gpu_of_the_table_has_its_figures_its_source_and_is_recognised_by_its_cuda_name():
+    names = {"NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H200": "h200",
+             "NVIDIA B200": "b200", "NVIDIA GB200": "gb200", "NVIDIA A100-SXM4-80GB": "a100-80gb",
+             "NVIDIA A100-SXM4-40GB": "a100-40gb", "AMD Instinct MI300X": "mi300x"}
+    assert {name: devices.recognise(name).key for name in names} == names
+    assert devices.recognise("NVIDIA GeForce RTX 4090") is None  # not in the table: its FLOP/s unknown
+    for device in devices.DEVICES.values():
+        assert "https://" in device.source and device.hbm_bytes_per_sec > 0 and device.link_bytes_per_sec > 0
+        assert device.bf16_flops_per_sec > 0 and device.memory_bytes > 0
+        # Float8 doubles bf16's dense rate on every GPU that has it; the A100 has none.
+        assert device.fp8_flops_per_sec is None or device.fp8_flops_per_sec == pytest.approx(
+            2 * device.bf16_flops_per_sec, rel=0.01)
+    assert devices.get("h200").bf16_flops_per_sec == devices.reference().bf16_flops_per_sec  # the same GH100
+    # The memory model's GPU sizes and the collectives' default link are the table's.
+    assert memory.GPU_MEMORY_GIB["H100 80GB"] == 79.1 and memory.GPU_MEMORY_GIB["H200 141GB"] == 139.8
+    assert NVLINK4_GB_PER_SEC == devices.reference().link_gb_per_sec == 450
+    with pytest.raises(SystemExit) as refused:  # one line, as a command prints it (errors.fail)
+        devices.get("h300")
+    assert "--device h300 is not a GPU this project knows" in str(refused.value) and "h200" in str(refused.value)
+    # docs/gpu-runs.md shows the table as the module holds it.
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "gpu-runs.md").read_text()
+    assert all(line in docs for line in devices.table_rows())
+
+
+def test_the_scaling_rule_scales_each_op_by_its_bound_and_holds_the_launches():
+    h100, h200, b200 = devices.reference(), devices.get("h200"), devices.get("b200")
+    compute, memory_bound = [(1e12, 1e6, False)], [(0.0, 1e9, False)]
+    assert devices.scaled_seconds(2.0, h100, h100, compute) == pytest.approx(2.0)
+    assert devices.scaled_seconds(2.0, h100, h200, compute) == pytest.approx(2.0)  # the same peak
+    assert devices.scaled_seconds(2.0, h100, h200, memory_bound) == pytest.approx(2.0 * 3.35 / 4.8)
+    # Launches (the fixed part) take the same time; the rest scales by the peaks' ratio.
+    assert devices.scaled_seconds(2.0, h100, b200, compute, fixed_seconds=0.5) == pytest.approx(
+        0.5 + 1.5 * h100.bf16_flops_per_sec / b200.bf16_flops_per_sec)
+    # The same matmul in float8 runs at the fp8 peak; a mix of both bounds scales between their ratios.
+    fp8 = [(1e12, 1e6, True)]
+    assert devices.scaled_seconds(2.0, h100, h100, compute, fp8) == pytest.approx(1.0, rel=1e-3)
+    both = devices.scaled_seconds(2.0, h100, b200, compute + memory_bound)
+    assert 2.0 * 3.35 / 8.0 < both < 2.0 * 989.4 / 2250
+
+
+def test_a_named_gpu_weighs_launches_and_collectives_at_its_own_rates():
+    # A launch takes the same time on a B200 as on the fitted H100, while its step computes 2.27x as fast:
+    # a launch costs more of its FLOPs, and its collectives go at NVLink 5's 900 GB/s.
+    b200 = devices.get("b200")
+    launch, rate = device_rates(b200)
+    assert rate == pytest.approx(FITTED_FLOPS_PER_SEC * 2.25e15 / 989.4e12)
+    assert launch == pytest.approx(LAUNCH_SECONDS * rate) and launch > LAUNCH_COST_FLOPS
+    assert device_rates(devices.get("h200")) == pytest.approx((LAUNCH_COST_FLOPS, FITTED_FLOPS_PER_SEC))
+    setup = choose_setup("tiny", 64, TINY_GPU_BYTES, 1024, precision="amp_bf16", fsdp="full_shard", num_gpus=8,
+                         device=b200)
+    assert setup.candidates
+    for candidate in setup.candidates:
+        sent = _sent_per_step("tiny", "full_shard", 8, 1024 // candidate.microbatch)
+        assert candidate.traffic_seconds_per_step == pytest.approx(sent / 900e9)
+        assert candidate.cost_flops_per_image == pytest.approx(
+            candidate.kernels_per_image * launch + candidate.flops_per_image + sent / 900e9 / 1024 * rate)
+
+
+def test_the_counted_work_of_a_float8_linear_runs_its_matmuls_at_the_fp8_peak():
+    # torchao's float8 tensors reach the counter as bf16 matmuls: counted with their FLOPs, flagged float8, so
+    # that the roofline takes them at the fp8 peak (forward, and the two matmuls of backward).
+    model = torch.nn.Module()
+    model.denoiser = torch.nn.Sequential(torch.nn.Linear(64, 64, device="meta"))
+    memory.use_float8(model, "tensorwise", {"0": 64}, torch.bfloat16, "cuda")
+    x = torch.randn(64, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    counter = kernels.KernelCounter(work=True)
+    with counter:
+        model.denoiser(x).sum().backward()
+    matmuls = [(flops, fp8) for flops, _, fp8 in counter.work if flops]
+    assert matmuls == [(2 * 64**3, True)] * 3
+    h100 = devices.reference()
+    assert devices.roofline_seconds([(2 * 64**3, 0.0, True)], h100) == pytest.approx(2 * 64**3 / h100.fp8_flops_per_sec)

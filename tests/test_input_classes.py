@@ -76,7 +76,7 @@ NOT_NUMBERS = {
     "index_scale.py": {"--out", "--json", "--from_json", "--child", "--local"},
     "step_ops.py": {"--model_config"},
     "blocks.py": {"--compare_results_json", "--measured_json"},
-    "gpu_report.py": {"--out", "--rows", "--results_root", "--model_name"},
+    "gpu_report.py": {"--out", "--rows", "--results_root", "--model_name", "--predictions"},
     "memory.py": {"--model_config"},
     "value_check.py": {"--workdir"},
     "cpu_speed.py": {"--json", "--child", "--shards", "--cache"},

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from t2ibench import allocator
+from t2ibench import allocator, devices
 from t2ibench.families import family_of
 from t2ibench.memory.autocast import CUDA_AUTOCAST, autocast_dtype, probe_cpu_autocast
 from t2ibench.memory.step import COUNTED_MICROBATCHES, build_meta_step, count_step
@@ -43,8 +43,9 @@ EXPANDABLE_SEGMENTS_RESERVE_FRACTION = 0.05
 # (`usable_bytes`); a run whose first batches still run out of memory halves its microbatch
 # (t2ibench.callbacks.oom_fallback).
 HEADROOM_FRACTION = 0.03
-# torch.cuda.get_device_properties(0).total_memory of common GPUs, GiB: what `auto` compares with.
-GPU_MEMORY_GIB = {"A100 40GB": 39.4, "A100 80GB": 79.1, "H100 80GB": 79.1, "H200 141GB": 139.8}
+# torch.cuda.get_device_properties(0).total_memory of common GPUs, GiB, by label: what `auto` compares
+# with where no GPU is visible (t2ibench.devices' table).
+GPU_MEMORY_GIB = devices.GPU_MEMORY_GIB
 MAX_MICROBATCH = 1024
 
 
