@@ -29,7 +29,11 @@ from composer.utils import dist
 from torch.utils.data import DataLoader
 
 import data
-from t2ibench import allocator, checks, cpu_convs, errors, flags, fp8, image_metrics, memory, parallel, stack
+from t2ibench.train import allocator, cpu_convs, fp8, parallel
+from t2ibench.commands import checks, flags, stack
+from t2ibench.core import errors
+from t2ibench.eval import image_metrics
+from t2ibench import memory
 from t2ibench.callbacks.buckets import BucketFlops, BucketThroughput
 from t2ibench.callbacks.empty_epoch import EmptyEpochError, StopOnEmptyEpoch
 from t2ibench.callbacks.loss_by_timestep import LossByTimestep
@@ -44,30 +48,30 @@ from t2ibench.callbacks.run_record import RunRecord
 from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
 from t2ibench.callbacks.validation import ValidationLog
-from t2ibench.buckets import Bucket, largest_bucket
-from t2ibench.checkpoints import write_whole
-from t2ibench.compiling import compile_step_parts
-from t2ibench.data_checks import SYNTHETIC_EVAL_SAMPLES
-from t2ibench.data_order import data_order
-from t2ibench.eval_curve import write_run_curve
+from t2ibench.datasets.buckets import Bucket, largest_bucket
+from t2ibench.train.checkpoints import write_whole
+from t2ibench.train.compiling import compile_step_parts
+from t2ibench.commands.data_checks import SYNTHETIC_EVAL_SAMPLES
+from t2ibench.train.data_order import data_order
+from t2ibench.eval.eval_curve import write_run_curve
 from t2ibench.families import ModelFamily, Parts, build_aside, require_pretrained
-from t2ibench.files import STAGING_FOLDER, no_room, hold_output, staged_folder, write_error, write_text
-from t2ibench.grad_norm import GradientNorm
-from t2ibench.model import DiffusionModel, vae_overflows_in
-from t2ibench.norms import set_norm_precision
-from t2ibench.precomputed import RECORD_FILE, TEXT_STATES
-from t2ibench.runtime import Runtime
-from t2ibench.sampling import load_prompts, write_pipeline
-from t2ibench.settings import Settings
-from t2ibench.sources import Source, record_cache
-from t2ibench.streaming import StreamingSettings
-from t2ibench.summary import print_summary
-from t2ibench.validation import validation_evaluator
-from t2ibench.weight_casts import CastWeightsOncePerStep
+from t2ibench.core.files import STAGING_FOLDER, no_room, hold_output, staged_folder, write_error, write_text
+from t2ibench.train.grad_norm import GradientNorm
+from t2ibench.train.model import DiffusionModel, vae_overflows_in
+from t2ibench.train.norms import set_norm_precision
+from t2ibench.datasets.precomputed import RECORD_FILE, TEXT_STATES
+from t2ibench.commands.runtime import Runtime
+from t2ibench.eval.sampling import load_prompts, write_pipeline
+from t2ibench.train.settings import Settings
+from t2ibench.datasets.sources import Source, record_cache
+from t2ibench.datasets.streaming import StreamingSettings
+from t2ibench.commands.summary import print_summary
+from t2ibench.eval.validation import validation_evaluator
+from t2ibench.train.weight_casts import CastWeightsOncePerStep
 
 
 def build_parser() -> flags.Parser:
-    """benchmark.py's flags (t2ibench.flags), with this file's docstring heading --help."""
+    """benchmark.py's flags (t2ibench.commands.flags), with this file's docstring heading --help."""
     return flags.benchmark_parser(__doc__)
 
 
@@ -76,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def validate(args: argparse.Namespace, world_size: int) -> Settings:
-    """The run's settings (t2ibench.checks.validate), with a bad flag reported as the command's error."""
+    """The run's settings (t2ibench.commands.checks.validate), with a bad flag reported as the command's error."""
     with errors.command("benchmark.py"):
         return checks.validate(args, world_size)
 
@@ -265,7 +269,7 @@ def apply_speed_settings(settings: Settings, run: Runtime, model: DiffusionModel
     frozen parts' dtype, the norms' precision and torch.compile."""
     if not run.on_gpu and run.precision == "amp_bf16":
         model.cpu_autocast_dtype = torch.bfloat16
-        cpu_convs.guard_convolutions(model.denoiser)  # torch 2.7.0's oneDNN bf16 weight gradient (t2ibench.cpu_convs)
+        cpu_convs.guard_convolutions(model.denoiser)  # torch 2.7.0's oneDNN bf16 weight gradient (t2ibench.train.cpu_convs)
     if settings.xformers:
         model.denoiser.enable_xformers_memory_efficient_attention()
     if run.activation_checkpointing:
@@ -295,7 +299,7 @@ def apply_speed_settings(settings: Settings, run: Runtime, model: DiffusionModel
             # accumulation Composer syncs gradients only on a batch's last microbatch, so that overlap
             # is worth little, while the splits cost fusion and compile time.
             torch._dynamo.config.optimize_ddp = False
-        # Every part that runs per step, block by block (t2ibench.compiling). After the float8
+        # Every part that runs per step, block by block (t2ibench.train.compiling). After the float8
         # conversion (build_model), so the converted layers run compiled, and before FSDP wraps the
         # blocks (the Trainer), whose hooks stay outside the graphs.
         compile_step_parts(model, settings.family.compile_blocks, num_buckets=len(settings.buckets))
@@ -491,7 +495,7 @@ def train(settings: Settings, run: Runtime, trainer: Trainer, built: Model, meas
         "activation_checkpointing_reason": run.activation_checkpointing_reason,
         "weight_casts": run.weight_casts,
         "cpu_threads": threads.threads if threads else None, "cpu_threads_rule": threads.rule if threads else None,
-        # The CUDA caching allocator's setting and whose it is (t2ibench.allocator), and how often it
+        # The CUDA caching allocator's setting and whose it is (t2ibench.train.allocator), and how often it
         # freed its cached memory and retried an allocation the device refused (memory_stats'
         # num_alloc_retries; the memory model's reserve is for none): rank 0's.
         "cuda_allocator_conf": run.allocator.conf if run.allocator else None,

@@ -7,11 +7,11 @@
     python convert.py /data/laion-parquet/*.parquet --out /data/mds/laion   # img2dataset parquet
     python convert.py ~/photos --out /data/mds/photos-bucketed --aspect_buckets  # one folder per bucket
 
-INPUT: folders (searched recursively) or files of any mix of those kinds (`t2ibench.convert_inputs`
+INPUT: folders (searched recursively) or files of any mix of those kinds (`t2ibench.datasets.convert_inputs`
 reads them). OUT: a new or empty local folder, or a URI MDSWriter uploads to (s3://, gs://, oci://,
 azure://...). Columns `jpg` (image bytes), `caption`, `key`; what each input may hold, what is
 skipped and why, and how to convert a large dataset in parts: docs/data.md. With --aspect_buckets
-each image goes to the folder of the bucket nearest its aspect ratio (`t2ibench.bucket_folders`), for
+each image goes to the folder of the bucket nearest its aspect ratio (`t2ibench.datasets.bucket_folders`), for
 benchmark.py --aspect_buckets.
 """
 from __future__ import annotations
@@ -34,18 +34,18 @@ from typing import Iterator
 from PIL import Image, ImageOps
 from tqdm import tqdm
 
-from t2ibench import errors
-from t2ibench.cli import IMAGE_SIZE, NON_NEGATIVE_INT, POSITIVE_INT, Parser, Range
-from t2ibench.convert_inputs import (EMPTY_CAPTION, FORMAT_CHOICES, MISSING_CAPTION, MISSING_IMAGE, PARQUET_CAPTION_COLUMNS,
+from t2ibench.core import errors
+from t2ibench.core.cli import IMAGE_SIZE, NON_NEGATIVE_INT, POSITIVE_INT, Parser, Range
+from t2ibench.datasets.convert_inputs import (EMPTY_CAPTION, FORMAT_CHOICES, MISSING_CAPTION, MISSING_IMAGE, PARQUET_CAPTION_COLUMNS,
                                      PARQUET_IMAGE_COLUMNS, STAGING, TOO_SMALL, UNDECODABLE, Candidate, ConvertError,
                                      Report, find_sources, iter_candidates)
-from t2ibench.bucket_folders import IMAGES, RECORD_FILE, BucketWriters, read_record, record_of
-from t2ibench.buckets import Bucket, nearest_bucket, resolve_buckets
-from t2ibench.images import load_image, oriented_size, to_rgb
-from t2ibench.locations import (check_output, is_remote, missing_upload_credentials, normalise, scheme,
+from t2ibench.datasets.bucket_folders import IMAGES, RECORD_FILE, BucketWriters, read_record, record_of
+from t2ibench.datasets.buckets import Bucket, nearest_bucket, resolve_buckets
+from t2ibench.core.images import load_image, oriented_size, to_rgb
+from t2ibench.core.locations import (check_output, is_remote, missing_upload_credentials, normalise, scheme,
                                 upload_schemes)
-from t2ibench.files import Hold, acquire
-from t2ibench.mds import INDEX_FILE, SHARD_NAME, MDSWriter, codec_problem, missing_shard_files, size_limit_problem
+from t2ibench.core.files import Hold, acquire
+from t2ibench.core.mds import INDEX_FILE, SHARD_NAME, MDSWriter, codec_problem, missing_shard_files, size_limit_problem
 
 COLUMNS = {"jpg": "bytes", "caption": "str", "key": "str"}  # the output's: what data.StreamingImageCaptions reads
 
@@ -260,9 +260,9 @@ def convert(inputs: list[str], out: str, *, fmt: str = "auto", compression: str 
         raise ConvertError(f"--quality {quality} must be a JPEG quality from 1 to 100 (default 95)")
     if workers < 1:
         raise ConvertError(f"--workers {workers} must be at least 1")
-    # Imported here: t2ibench.flags loads the model families (diffusers), which converting never needs
+    # Imported here: t2ibench.commands.flags loads the model families (diffusers), which converting never needs
     # otherwise; --help and the checks above stay fast.
-    from t2ibench.cli import check_workers
+    from t2ibench.core.cli import check_workers
     problem = check_workers("--workers", workers)
     if problem:
         raise ConvertError(problem)

@@ -18,18 +18,18 @@ import argparse
 import dataclasses
 import os
 
-from t2ibench import devices, errors
-from t2ibench.cli import BATCH_SIZE, GPU_COUNT, POSITIVE_FLOAT, Parser
-from t2ibench.cost_results import (Measurement, Targets, average_by_gpus, bucket_mix, check_consistent, describe_mix,
+from t2ibench.core import devices, errors
+from t2ibench.core.cli import BATCH_SIZE, GPU_COUNT, POSITIVE_FLOAT, Parser
+from t2ibench.costs.results import (Measurement, Targets, average_by_gpus, bucket_mix, check_consistent, describe_mix,
                                    load_results, pixel_fraction)
-from t2ibench.cost_scaling import (add_precompute, cost_table, default_num_gpus, fit_scaling, mlperf_rows, model_notes,
+from t2ibench.costs.scaling import (add_precompute, cost_table, default_num_gpus, fit_scaling, mlperf_rows, model_notes,
                                    nearest_reference_batch, samples_to_target)
-from t2ibench.cost_table import Row, format_table, plot, write_csv, write_markdown
-from t2ibench.errors import fail
-from t2ibench.files import write_error
-from t2ibench.locations import check_output, check_outputs_apart, normalise
-from t2ibench.mlperf import newest_rcp_round, rcp_rounds, reference_samples_to_target, round_label
-from t2ibench.scale import (MLPERF_FLUX_TARGET_EVAL_LOSS,
+from t2ibench.costs.table import Row, format_table, plot, write_csv, write_markdown
+from t2ibench.core.errors import fail
+from t2ibench.core.files import write_error
+from t2ibench.core.locations import check_output, check_outputs_apart, normalise
+from t2ibench.costs.mlperf import newest_rcp_round, rcp_rounds, reference_samples_to_target, round_label
+from t2ibench.costs.scale import (MLPERF_FLUX_TARGET_EVAL_LOSS,
                             MLPERF_FLUX_TRAIN_SAMPLES, PRICED_MODELS,
                             SAMPLES,  # 2023: 1.4M x 2048
                             USD_PER_GPU_HOUR)  # $2 per A100-hour
@@ -37,7 +37,7 @@ from t2ibench.scale import (MLPERF_FLUX_TARGET_EVAL_LOSS,
 # The one-time pass of a run on precomputed latents (cost.py --precompute): latents.py encodes each
 # distinct image once. Its default speed comes from the encoders' FLOPs (the family's count, per
 # 512x512 image: VAE encoder 1,117 GFLOP; the text encoder's 45 only with --store_text_states) on an
-# A100 (312 dense bf16 TFLOP/s, t2ibench.devices) at an assumed 40% MFU: 312e12 x 0.4 / 1.117e12 = 111.7
+# A100 (312 dense bf16 TFLOP/s, t2ibench.core.devices) at an assumed 40% MFU: 312e12 x 0.4 / 1.117e12 = 111.7
 # images/s per GPU. For SDXL at 1024 (VAE encoder 4,879 GFLOP, PRICED_MODELS) the same rule gives 25.6.
 # With --device, that GPU's dense bf16 peak in place of the A100's.
 PRECOMPUTE_IMAGES = 2_000_000_000  # distinct images behind the 2.9B samples (about LAION-2B)
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                         + "); default: sd2-base, the 2023 table's. Results files of another model or size are not "
                         "fitted with the pairs")
     p.add_argument("--device", default=None, choices=devices.DEVICE_CHOICES,
-                   help="the GPU the figures are for (t2ibench.devices' table): named in the table's caption and "
+                   help="the GPU the figures are for (t2ibench.core.devices' table): named in the table's caption and "
                         "title, and the latents pass timed at its dense bf16 peak (default: the results' device; the "
                         "pass at an A100's). Results measured on another GPU are refused")
     p.add_argument("--usd_per_gpu_hour", type=POSITIVE_FLOAT, default=USD_PER_GPU_HOUR,

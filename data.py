@@ -1,7 +1,7 @@
 """Training data: every dataset `benchmark.py` reads, from one place (the 2023 benchmark's data.py):
 LAION-style image-caption MDS shards streamed with MosaicML Streaming, the precomputed latents
-latents.py writes (their format: `t2ibench.precomputed`), their aspect-ratio-bucketed forms
-(one Streaming stream per bucket folder, `t2ibench.bucket_folders`), and synthetic images or latents (`t2ibench.synthetic_data`, re-exported).
+latents.py writes (their format: `t2ibench.datasets.precomputed`), their aspect-ratio-bucketed forms
+(one Streaming stream per bucket folder, `t2ibench.datasets.bucket_folders`), and synthetic images or latents (`t2ibench.datasets.synthetic_data`, re-exported).
 
 The samples each dataset yields, and why images cross as uint8, are in docs/data.md. This file stays
 at the root, where users of the 2023 benchmark import it from; the package never imports it.
@@ -22,26 +22,26 @@ from streaming import Stream, StreamingDataLoader, StreamingDataset
 from streaming.base.dataset import _ShardState
 from torch.utils.data import DataLoader
 
-from t2ibench.bucket_folders import (IMAGES, LATENTS, fetch_record, left_out, left_out_line, plan_streams,
+from t2ibench.datasets.bucket_folders import (IMAGES, LATENTS, fetch_record, left_out, left_out_line, plan_streams,
                                      read_record, stream_steps, unsorted_problem)
-from t2ibench.buckets import CROPS, Bucket, crop_generator, place
-from t2ibench.errors import STORAGE_MODULES, fail
+from t2ibench.datasets.buckets import CROPS, Bucket, crop_generator, place
+from t2ibench.core.errors import STORAGE_MODULES, fail
 from t2ibench.families import FAMILIES, ModelFamily
 from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
-from t2ibench.images import (CROP_KEY, GEOMETRY_KEYS, ORIGINAL_SIZE_KEY, ImageGeometry,  # noqa: F401
+from t2ibench.core.images import (CROP_KEY, GEOMETRY_KEYS, ORIGINAL_SIZE_KEY, ImageGeometry,  # noqa: F401
                              decode_pixels, decode_pixels_placed, decode_pixels_with_geometry, load_image,  # data's API
                              oriented_size, to_rgb)
-from t2ibench.precomputed import (DEFAULT_FAMILY, LATENT_KEYS, TEXT_FORMATS, TEXT_STATES,
+from t2ibench.datasets.precomputed import (DEFAULT_FAMILY, LATENT_KEYS, TEXT_FORMATS, TEXT_STATES,
                                   TEXT_STATES_KEY, TOKENS,
                                   column_arrays, stored_shapes, text_format, token_column)
-from t2ibench.locations import is_remote
-from t2ibench.sources import Source, parse_sources
-from t2ibench.streaming import (BAD_CHECK_AFTER, MAX_BAD_FRACTION, ResumesAfterItsEpoch, StreamingSettings,
+from t2ibench.core.locations import is_remote
+from t2ibench.datasets.sources import Source, parse_sources
+from t2ibench.datasets.streaming import (BAD_CHECK_AFTER, MAX_BAD_FRACTION, ResumesAfterItsEpoch, StreamingSettings,
                                 register_shm_prefixes_one_job_at_a_time)
-from t2ibench.synthetic_data import (BucketBatchSampler, SyntheticBucketedImages, SyntheticImageCaptions,  # noqa: F401
+from t2ibench.datasets.synthetic_data import (BucketBatchSampler, SyntheticBucketedImages, SyntheticImageCaptions,  # noqa: F401
                                      SyntheticLatents, geometry_tensors, loader_kwargs, sample_generator,  # data's API
                                      synthetic_dataloader)
-from t2ibench.tokenizer import MAX_LENGTH
+from t2ibench.core.tokenizer import MAX_LENGTH
 
 T = TypeVar("T")
 
@@ -84,7 +84,7 @@ def use_compact_spanner() -> None:
 
 
 use_compact_spanner()  # every dataset of this project, from the first one built
-register_shm_prefixes_one_job_at_a_time()  # two jobs started together on one node (t2ibench.streaming)
+register_shm_prefixes_one_job_at_a_time()  # two jobs started together on one node (t2ibench.datasets.streaming)
 
 
 _PREPARING = _ShardState.PREPARING  # Streaming's state of a shard being downloaded or decompressed
@@ -121,7 +121,7 @@ class NamedShardErrors:
         """Streaming's plan of an epoch, without numpy's divide-by-zero warnings for a shard of 0 samples:
         Streaming 0.13 divides the samples it takes from each shard by the shard's samples, and for such a
         shard gets 0 and 0, the right plan (nothing from it). Streaming's MDSWriter wrote one before a
-        first sample larger than --size_limit (convert.py did until t2ibench.mds.MDSWriter); those
+        first sample larger than --size_limit (convert.py did until t2ibench.core.mds.MDSWriter); those
         datasets are read without two lines of "divide by zero" per epoch."""
         with np.errstate(divide="ignore"):
             return super().resample_streams(epoch, stream_id)
@@ -209,7 +209,7 @@ def _check_local_only(local: str) -> None:
 
 def stream_arguments(sources: list[Source]) -> dict[str, Any]:
     """StreamingDataset's location arguments: remote/local for one source without a proportion,
-    else one `Stream` per source, each cached in its own folder (see `t2ibench.sources`)."""
+    else one `Stream` per source, each cached in its own folder (see `t2ibench.datasets.sources`)."""
     if len(sources) == 1 and sources[0].proportion is None:
         return {"remote": sources[0].remote, "local": sources[0].local, "streams": None}
     return {"remote": None, "local": None,
@@ -218,7 +218,7 @@ def stream_arguments(sources: list[Source]) -> dict[str, Any]:
 
 def resolve_sources(sources: list[Source] | None, remote: str | list[str] | None, local: str | None) -> list[Source]:
     """`sources` as benchmark.py parsed them, or, for a caller of this module, those `remote` and
-    `local` name (see t2ibench.sources.parse_sources)."""
+    `local` name (see t2ibench.datasets.sources.parse_sources)."""
     if sources is not None:
         return sources
     if not remote and not local:
@@ -266,7 +266,7 @@ class StreamingImageCaptions(ResumesAfterItsEpoch, NamedShardErrors, StreamingDa
         family: the model family whose token ids the samples carry (default: SD2), and, for a family
             with micro-conditioning (SDXL), each image's original size and crop (GEOMETRY_KEYS).
         image_key, caption_key: MDS column names of the encoded image and of the caption.
-        max_bad_fraction, bad_check_after: the bad-data policy (t2ibench.streaming.MAX_BAD_FRACTION).
+        max_bad_fraction, bad_check_after: the bad-data policy (t2ibench.datasets.streaming.MAX_BAD_FRACTION).
         shuffle and **streaming_kwargs: StreamingDataset's (`StreamingSettings.dataset_kwargs`).
 
     A sample whose image cannot be decoded (or whose caption is not a string) is replaced by the
@@ -356,7 +356,7 @@ class StreamingImageCaptions(ResumesAfterItsEpoch, NamedShardErrors, StreamingDa
 
 class StreamBuckets:
     """A StreamingDataset mix-in for `--aspect_buckets`: one `Stream` per bucket folder
-    (`t2ibench.bucket_folders`) and Streaming's `per_stream` batching, which puts every global batch (all
+    (`t2ibench.datasets.bucket_folders`) and Streaming's `per_stream` batching, which puts every global batch (all
     ranks' samples of one step) in one stream, so every rank trains one bucket in every step, and resumes
     mid-epoch on a global batch. A sample's bucket is its stream's: nothing is read per sample before
     the first step but Streaming's index files.
@@ -445,7 +445,7 @@ def epoch_samples(settings: StreamingSettings) -> int | None:
 def bucket_streams(sources: list[Source], buckets: tuple[Bucket, ...], image_size: int, kind: str,
                    global_batch: int, epoch_size: int | None, timeout_s: float = 60.0
                    ) -> tuple[list[Stream], tuple[Bucket, ...]]:
-    """One `Stream` per bucket folder of each sorted source (`t2ibench.bucket_folders`) and the run's bucket
+    """One `Stream` per bucket folder of each sorted source (`t2ibench.datasets.bucket_folders`) and the run's bucket
     of each. Only each source's small record is read (downloaded from a remote);
     a folder with fewer samples an epoch than one global batch is left out, named in one line on rank 0.
     An unsorted source, one of the other kind, or no folder of a global batch: one line (errors.fail), before
@@ -508,7 +508,7 @@ def laion_dataloader(remote: str | None = None, local: str | None = None, tokeni
 
 
 # -----------------------------------------------------------------------------------------------
-# Precomputed latents (written by latents.py; the format is t2ibench.precomputed's): training from them.
+# Precomputed latents (written by latents.py; the format is t2ibench.datasets.precomputed's): training from them.
 # -----------------------------------------------------------------------------------------------
 
 def all_finite(array: np.ndarray) -> bool:
@@ -523,11 +523,11 @@ class StreamingLatents(ResumesAfterItsEpoch, NamedShardErrors, StreamingDataset)
     """Precomputed shards (written by latents.py) streamed for training.
 
     Yields {"latent_mean": (4, S/8, S/8), "latent_logvar": (4, S/8, S/8)} in the stored dtype (fp16 by
-    default: `t2ibench.model.DiffusionModel` casts them) plus, by the shards' format (`text_format`),
+    default: `t2ibench.train.model.DiffusionModel` casts them) plus, by the shards' format (`text_format`),
     "captions": (77,) int64 token ids or "text_states": (77, D). `image_size` and `text_dim`, when
     given, are checked against the shapes the shards were written with, so that a run at another
     resolution or with another text encoder fails at once with a clear message. `remote` may name
-    several sources (see t2ibench.sources), or `sources` name them, parsed; they must all have the
+    several sources (see t2ibench.datasets.sources), or `sources` name them, parsed; they must all have the
     same format and shapes. In the text_states format the batches carry the family's
     `conditioning_keys` (SD2: text_states). A family with micro-conditioning requires and yields
     each image's original size and crop (GEOMETRY_KEYS), which latents.py stores for it. Other
@@ -654,7 +654,7 @@ def latents_dataloader(*, synthetic: bool, remote: str | None = None, local: str
 
     synthetic: SyntheticLatents (in `synthetic_format`) sharded over ranks with Composer's
     distributed sampler. Otherwise the shards written by latents.py, streamed from `remote` (one or
-    several sources, see t2ibench.sources; or `sources`, parsed) into `local` (or read from `local`
+    several sources, see t2ibench.datasets.sources; or `sources`, parsed) into `local` (or read from `local`
     when `remote` is None) by a StreamingDataLoader, which Composer checkpoints and resumes
     mid-epoch; `seed` seeds the shuffle. `settings` (or single settings as keyword arguments) go to
     StreamingDataset, as for laion_dataloader. The dataset's `text_format` says which text input

@@ -3,7 +3,7 @@
 What it keeps: one fp32 "shadow" tensor per trainable parameter (``requires_grad=True``), on the
 parameter's device, keyed by the parameter's name in ``state.model`` with wrapper prefixes removed
 (``module.`` of DDP, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``, ``_orig_mod.``), so
-for ``t2ibench.model.DiffusionModel`` the denoiser's entries are ``unet.*`` (``transformer.*`` for
+for ``t2ibench.train.model.DiffusionModel`` the denoiser's entries are ``unet.*`` (``transformer.*`` for
 Flux.1). Frozen parameters (the VAE and the text encoders) and buffers are not copied: they do not
 change, so averaging them is pure cost. Extra memory is therefore exactly 4 bytes per trainable
 parameter (3.46 GB for the SD2 UNet).

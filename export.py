@@ -29,14 +29,14 @@ from pathlib import Path
 
 import torch
 
-from t2ibench import errors
-from t2ibench.buckets import MAX_BUCKETS, SIZE_FORMAT, Bucket, parse_bucket, sides_problem
-from t2ibench.cli import SEED, Parser
-from t2ibench.errors import fail
+from t2ibench.core import errors
+from t2ibench.datasets.buckets import MAX_BUCKETS, SIZE_FORMAT, Bucket, parse_bucket, sides_problem
+from t2ibench.core.cli import SEED, Parser
+from t2ibench.core.errors import fail
 from t2ibench.families import FAMILIES, MODEL_CONFIGS, build_aside, detect_config
-from t2ibench.files import hold_output, killed_writer_leftovers, staged_folder, write_error
-from t2ibench.locations import LOAD_SCHEMES, check_output, file_problem, is_remote, normalise
-from t2ibench.sampling import SAMPLERS, write_pipeline
+from t2ibench.core.files import hold_output, killed_writer_leftovers, staged_folder, write_error
+from t2ibench.core.locations import LOAD_SCHEMES, check_output, file_problem, is_remote, normalise
+from t2ibench.eval.sampling import SAMPLERS, write_pipeline
 
 DEFAULT_SEED = 17  # benchmark.py's default --seed: what built the encoders of a checkpoint that records none
 
@@ -106,7 +106,7 @@ def recorded_settings(state: dict, checkpoint: str) -> dict:
 
 def trained_buckets(recorded: dict, patch_px: int, checkpoint: str) -> tuple[Bucket, ...]:
     """The --aspect_buckets list the run recorded (none for a square run or an older checkpoint), checked
-    by the rules of a list --aspect_buckets reads (t2ibench.buckets: each HEIGHTxWIDTH within --image_size's
+    by the rules of a list --aspect_buckets reads (t2ibench.datasets.buckets: each HEIGHTxWIDTH within --image_size's
     bound, both sides multiples of `patch_px`, none twice, at most MAX_BUCKETS), since the exported
     aspect_buckets.txt is read back as one. A break of any is one line naming the checkpoint."""
     names = recorded.get("aspect_buckets") or []

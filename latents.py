@@ -7,7 +7,7 @@
     composer benchmark.py --precomputed --remote s3://bucket/laion/latents-512 --local /tmp/latents-cache
 
 Reads image-caption MDS shards (convert.py's), runs the frozen VAE (and, with --store_text_states,
-the text encoders) once per sample, and writes MDS shards in the format of `t2ibench.precomputed`,
+the text encoders) once per sample, and writes MDS shards in the format of `t2ibench.datasets.precomputed`,
 chunk by chunk, so that rerunning the same command resumes. The format, its sizes, the choice of
 fp16 and how chunks are written and resumed are in docs/data.md.
 """
@@ -32,24 +32,25 @@ from composer.utils import dist, reproducibility
 from torch.utils.data import DataLoader, Dataset
 
 import data
-from t2ibench import errors, flags
-from t2ibench.cli import BATCH_SIZE, NON_NEGATIVE_INT, NUMBER_TEXT, POSITIVE_INT, SECONDS
-from t2ibench.errors import UserError, fail
+from t2ibench.core import errors
+from t2ibench.commands import flags
+from t2ibench.core.cli import BATCH_SIZE, NON_NEGATIVE_INT, NUMBER_TEXT, POSITIVE_INT, SECONDS
+from t2ibench.core.errors import UserError, fail
 from t2ibench.families import ModelFamily, require_pretrained
-from t2ibench.files import hold_output, take_over
-from t2ibench.locations import is_remote, missing_upload_credentials, normalise, overlap, \
+from t2ibench.core.files import hold_output, take_over
+from t2ibench.core.locations import is_remote, missing_upload_credentials, normalise, overlap, \
     unwritable, upload_schemes
-from t2ibench.buckets import Bucket, nearest_bucket, place, resolve_buckets
-from t2ibench.images import GEOMETRY_KEYS, ImageGeometry, decode_pixels_placed, oriented_size
-from t2ibench.latent_encoding import Encoded, Stats, encode
-from t2ibench.latent_store import (check_settings, chunk_name, chunk_writer, clear_output, completed_chunks, join,
+from t2ibench.datasets.buckets import Bucket, nearest_bucket, place, resolve_buckets
+from t2ibench.core.images import GEOMETRY_KEYS, ImageGeometry, decode_pixels_placed, oriented_size
+from t2ibench.commands.latent_encoding import Encoded, Stats, encode
+from t2ibench.commands.latent_store import (check_settings, chunk_name, chunk_writer, clear_output, completed_chunks, join,
                                    read_json, write_json)
-from t2ibench.mds import INDEX_FILE, MDSWriter, codec_problem, size_limit_problem
-from t2ibench.precomputed import (BUCKET_KEY, RECORD_FILE, STORAGE_DTYPES, TEXT_STATES,
+from t2ibench.core.mds import INDEX_FILE, MDSWriter, codec_problem, size_limit_problem
+from t2ibench.datasets.precomputed import (BUCKET_KEY, RECORD_FILE, STORAGE_DTYPES, TEXT_STATES,
                                   default_format, TOKEN_IDS_DTYPE, TOKENS, mds_columns,
                                   token_column)
-from t2ibench.scale import SAMPLES as SAMPLES_AT_SCALE
-from t2ibench.sources import Source, check_cache_current, parse_sources
+from t2ibench.costs.scale import SAMPLES as SAMPLES_AT_SCALE
+from t2ibench.datasets.sources import Source, check_cache_current, parse_sources
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class _ByIndex(Dataset):
 
 
 # -----------------------------------------------------------------------------------------------
-# The output folder (t2ibench.latent_store): held, checked and recorded by rank 0.
+# The output folder (t2ibench.commands.latent_store): held, checked and recorded by rank 0.
 # -----------------------------------------------------------------------------------------------
 
 def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int, held: contextlib.ExitStack) -> list[int]:
@@ -156,7 +157,7 @@ def plan_work(args: argparse.Namespace, settings: dict, num_chunks: int, held: c
 
 
 # -----------------------------------------------------------------------------------------------
-# The command: flags, checks, then the run (encoding: t2ibench.latent_encoding).
+# The command: flags, checks, then the run (encoding: t2ibench.commands.latent_encoding).
 # -----------------------------------------------------------------------------------------------
 
 def build_parser() -> flags.Parser:
@@ -505,9 +506,9 @@ def encode_chunks(args: argparse.Namespace, family: ModelFamily, source: Indexed
 
 def sort_into_buckets(args: argparse.Namespace, index: dict) -> dict[str, int]:
     """The chunks' latents sorted by their bucket into OUT/HxW folders and OUT/buckets.json
-    (t2ibench.bucket_sort, as sort_buckets.py sorts latents of before): what benchmark.py --aspect_buckets
+    (t2ibench.datasets.bucket_sort, as sort_buckets.py sorts latents of before): what benchmark.py --aspect_buckets
     trains on. The chunks stay, so that a rerun with more --max_chunks or a new chunk resumes."""
-    from t2ibench.bucket_sort import SortJob, sort_dataset
+    from t2ibench.datasets.bucket_sort import SortJob, sort_dataset
 
     job = SortJob(os.path.abspath(args.out), "latents", args.buckets, args.image_size, args.image_key, index)
     sorted_report = sort_dataset(job, args.out, args.out, 1, not args.no_progress,

@@ -19,15 +19,15 @@ import os
 import sys
 from pathlib import Path
 
-from t2ibench import errors
-from t2ibench.bucket_folders import IMAGES, LATENTS, RECORD_FILE
-from t2ibench.bucket_sort import BUCKET_COLUMN, SORTING, SortJob, sort_dataset, stored_buckets
-from t2ibench.buckets import DEFAULT, resolve_buckets
-from t2ibench.cli import IMAGE_SIZE, POSITIVE_INT, Parser
-from t2ibench.errors import fail
-from t2ibench.files import STAGING_FOLDER, hold_output
-from t2ibench.locations import check_output, file_kind, is_remote
-from t2ibench.mds import INDEX_FILE, codec_problem, size_limit_problem
+from t2ibench.core import errors
+from t2ibench.datasets.bucket_folders import IMAGES, LATENTS, RECORD_FILE
+from t2ibench.datasets.bucket_sort import BUCKET_COLUMN, SORTING, SortJob, sort_dataset, stored_buckets
+from t2ibench.datasets.buckets import DEFAULT, resolve_buckets
+from t2ibench.core.cli import IMAGE_SIZE, POSITIVE_INT, Parser
+from t2ibench.core.errors import fail
+from t2ibench.core.files import STAGING_FOLDER, hold_output
+from t2ibench.core.locations import check_output, file_kind, is_remote
+from t2ibench.core.mds import INDEX_FILE, codec_problem, size_limit_problem
 
 PATCH_PX = 8  # sides of the default list in multiples of SDXL's latent patch; runs map folders by aspect ratio
 
@@ -54,7 +54,7 @@ def build_parser() -> Parser:
 
 def validate(args: argparse.Namespace) -> tuple[SortJob, dict, dict[str, str]]:
     """The job, the writers' settings and the files copied beside the output; one line for each problem."""
-    from t2ibench.cli import check_workers
+    from t2ibench.core.cli import check_workers
 
     source = Path(args.input).expanduser()
     if is_remote(args.input):
@@ -88,7 +88,7 @@ def validate(args: argparse.Namespace) -> tuple[SortJob, dict, dict[str, str]]:
         if BUCKET_COLUMN not in columns:
             fail(f"INPUT {args.input} holds square latents: nothing to sort; compute latents per bucket with "
                  "latents.py --aspect_buckets")
-        from t2ibench.precomputed import RECORD_FILE as PRECOMPUTE_RECORD
+        from t2ibench.datasets.precomputed import RECORD_FILE as PRECOMPUTE_RECORD
 
         buckets = stored_buckets(index, str(source))
         recorded = json.loads((source / PRECOMPUTE_RECORD).read_text())

@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root
 
 import data
 from convert import COLUMNS
-from t2ibench.cli import BATCH_SIZE, IMAGE_SIZE, NON_NEGATIVE_INT, POSITIVE_INT, REPEATS, Parser
-from t2ibench.tokenizer import bundled_tokenizer
+from t2ibench.core.cli import BATCH_SIZE, IMAGE_SIZE, NON_NEGATIVE_INT, POSITIVE_INT, REPEATS, Parser
+from t2ibench.core.tokenizer import bundled_tokenizer
 
 A100_IMAGES_PER_SEC = 16.0  # the 2023 benchmark, per A100 at 512x512
 H100_IMAGES_PER_SEC = 150.0  # the fast end on an H100 (precomputed latents, tuned kernels)
@@ -90,8 +90,8 @@ MIXED_SIZES = ((1024, 768), (768, 1024), (1024, 1024), (1536, 640), (1152, 768),
 def write_mixed_photos(out: Path, num_samples: int, image_size: int) -> Path:
     """`num_samples` photo-like JPEGs cycling through MIXED_SIZES, as one MDS dataset (out/square) and sorted
     into the default list's bucket folders at `image_size` (out/buckets). Returns `out`."""
-    from t2ibench.bucket_folders import IMAGES, RECORD_FILE, BucketWriters, record_of
-    from t2ibench.buckets import default_buckets, nearest_bucket
+    from t2ibench.datasets.bucket_folders import IMAGES, RECORD_FILE, BucketWriters, record_of
+    from t2ibench.datasets.buckets import default_buckets, nearest_bucket
 
     rng = np.random.default_rng(0)
     jpegs = []
@@ -241,7 +241,7 @@ def compare_buckets(args: argparse.Namespace, workers: list[int], tokenizer, scr
     """The square loader and the bucketed one on the same generated photos, alternating, --repeats times."""
     import statistics
 
-    from t2ibench.buckets import default_buckets
+    from t2ibench.datasets.buckets import default_buckets
 
     write_mixed_photos(scratch, args.num_samples, args.image_size)
     print(f"data: {args.num_samples} generated JPEGs of {len(MIXED_SIZES)} aspect ratios; loader {args.image_size} px, "

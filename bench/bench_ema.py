@@ -1,6 +1,6 @@
 """Memory and update time of EMA: this repository's `ema.EMA` against `composer.algorithms.EMA`.
 
-The model is the real `t2ibench.model.DiffusionModel` (UNet trainable; VAE and text encoder frozen, as in
+The model is the real `t2ibench.train.model.DiffusionModel` (UNet trainable; VAE and text encoder frozen, as in
 training) built from `--model_config` shapes. Weights are random: the model is built on the meta
 device and materialized with uniform values, which is much faster than the modules' own init and
 does not change what an EMA costs. Both algorithms are driven the way Composer's Engine drives
@@ -42,8 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
-from t2ibench.cli import POSITIVE_INT, REPEATS, Parser  # noqa: E402
-from t2ibench.locations import check_output, normalise  # noqa: E402
+from t2ibench.core.cli import POSITIVE_INT, REPEATS, Parser  # noqa: E402
+from t2ibench.core.locations import check_output, normalise  # noqa: E402
 
 VARIANTS = ("ours", "composer")
 
@@ -51,7 +51,7 @@ VARIANTS = ("ours", "composer")
 def build_model(model_config: str, device: str, dtype: torch.dtype):
     """`DiffusionModel` with random weights; trainable UNet in `dtype`, frozen parts in fp32."""
     from t2ibench.families import MODEL_CONFIGS
-    from t2ibench.model import DiffusionModel
+    from t2ibench.train.model import DiffusionModel
     family = MODEL_CONFIGS[model_config]
     parts = family.meta_parts(model_config)
     unet, vae, text_encoder = parts.denoiser, parts.vae, parts.text_encoder

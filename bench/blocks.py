@@ -15,14 +15,14 @@ the sharded-training traffic added, samples/s per GPU predicted for a node.
 
 A model that fits no single GPU (Flux.1-schnell: about 190 GB of training state) cannot be run on the
 one GPU a user has, but each of its blocks can. On the visible device (CUDA, else CPU), set up as
-benchmark.py sets it up (t2ibench.runtime: cuDNN's autotuner on a GPU, threads on a CPU), this builds,
+benchmark.py sets it up (t2ibench.commands.runtime: cuDNN's autotuner on a GPU, threads on a CPU), this builds,
 times and frees one part at a time (so the device holds one part, never the model): the forward and
 backward of one microbatch through one of each distinct repeated block of the denoiser (the family's
 FSDP units, `ModelFamily.fsdp_blocks`: Flux.1's double-stream and single-stream blocks; one block per
 resolution level of SD2's and SDXL's UNets), with the inputs the full model hands it (shapes and
 dtypes read off the step on the meta device; fresh each time, as a block's input gradient is handed
-on, not summed), under the run's precision, norms, `--fp8` (t2ibench.fp8), weights (FSDP's gathered
-bf16 copy; one GPU's bf16 copies cast once per step, t2ibench.weight_casts) and
+on, not summed), under the run's precision, norms, `--fp8` (t2ibench.train.fp8), weights (FSDP's gathered
+bf16 copy; one GPU's bf16 copies cast once per step, t2ibench.train.weight_casts) and
 `--activation_checkpointing` (diffusers' gradient checkpointing, as benchmark.py turns it on: each
 layer the model checkpoints, recomputed in backward). Each part's time is the median of `--repeats`
 after `--warmup` runs. "The rest" is the training model's step with every block replaced by a stand-in
@@ -36,7 +36,7 @@ The step of the full model, per GPU of `G`, per-GPU batch `B/G` in microbatches 
 
     compute = (B/G / m) x (rest + sum over blocks of count x block)
               + params per GPU x (AdamW + EMA [+ weight casts, one GPU]) + harness
-    traffic = the bytes the run sends per GPU per step (t2ibench.parallel.traffic_bytes_per_gpu, which
+    traffic = the bytes the run sends per GPU per step (t2ibench.train.parallel.traffic_bytes_per_gpu, which
               gpu_setup's choice of set-up weighs too; ring collectives, each GPU sending (G-1)/G of
               the buffer): DDP one fp32 all-reduce of the gradients per step (2x); under Composer
               0.32.1's FSDP2 every microbatch gathers the weights again and reduce-scatters its
@@ -48,14 +48,14 @@ The step of the full model, per GPU of `G`, per-GPU batch `B/G` in microbatches 
                                 = (B/G) / max(compute, traffic / --link_gbps)  (fully overlapped)
 
 `--link_gbps` is in gigabytes per second per direction per GPU (default: the predicted GPU's link in
-t2ibench.devices, NVLink 4 on an H100, 450); a multi-node figure takes the slower inter-node rate.
-`--device NAME` predicts another GPU of t2ibench.devices from a saved measurement (`--measured_json`): each
+t2ibench.core.devices, NVLink 4 on an H100, 450); a multi-node figure takes the slower inter-node rate.
+`--device NAME` predicts another GPU of t2ibench.core.devices from a saved measurement (`--measured_json`): each
 part's time scaled by the roofline of its counted work (docs/gpu-runs.md, "Devices"), its memory and link. The prediction is labelled **predicted**: it
 assumes a node of the device it ran on and times nothing of a node (no collective, no straggler).
-`--compile` compiles each part as benchmark.py's `--compile` compiles the run (t2ibench.compiling with
+`--compile` compiles each part as benchmark.py's `--compile` compiles the run (t2ibench.train.compiling with
 the family's `compile_blocks`: the blocks inside each block timed, the encoders' layers in the rest);
 each part first runs once untimed to compile, and its compile seconds are reported apart from its timed
-runs. `--fp8` needs `--compile`, by benchmark.py's rule and in its words (t2ibench.fp8.check_compiled).
+runs. `--fp8` needs `--compile`, by benchmark.py's rule and in its words (t2ibench.train.fp8.check_compiled).
 `--compare_results_json` reads a benchmark.py run of the same set-up (refused, before any timing,
 when any setting that changes the step differs, `--compile` included, its device is not this one, it
 trained aspect-ratio buckets, which blocks.py does not time, or benchmark.py did not write it) and
@@ -68,9 +68,9 @@ measured one scales its times (per-image time held). `--count_memory` times noth
 one-GPU run's fixed bytes. `--json` ends with one line: the measured times, the composition and
 `predicted` (a list of {gpus, samples_per_sec_per_gpu}).
 
-Its parts, one job each: blocks_parts.py (the set-up, the blocks and the rest built as parts),
-blocks_timing.py (each part timed or counted), blocks_harness.py (the Trainer around the model),
-blocks_files.py (the saved lines and the run compared); here the flags, the composition and the report.
+Its parts, one job each: block_times/parts.py (the set-up, the blocks and the rest built as parts),
+block_times/timing.py (each part timed or counted), block_times/harness.py (the Trainer around the model),
+block_times/files.py (the saved lines and the run compared); here the flags, the composition and the report.
 """
 from __future__ import annotations
 
@@ -85,23 +85,27 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project root: run as python bench/NAME.py
 
-from blocks_files import compared_run, measured_lines, saved_measurement, saved_parts  # noqa: E402
-from blocks_harness import harness_seconds_per_step, run_settings  # noqa: E402
-from blocks_parts import Setup, device_name, meta_model, mode_for  # noqa: E402
-from blocks_timing import count_memory, count_work, measure, measure_updates, unique_setups  # noqa: E402
-from gpu_rows import GLOBAL_BATCH, MLPERF_FLUX_GLOBAL_BATCH  # noqa: E402
-from t2ibench import devices, errors, flags, fp8, memory, precomputed  # noqa: E402
-from t2ibench.cli import (BATCH_SIZE, GPU_COUNT, IMAGE_SIZE, MAX_REPEATS, NON_NEGATIVE_INT, POSITIVE_FLOAT,  # noqa: E402
+from block_times.files import compared_run, measured_lines, saved_measurement, saved_parts  # noqa: E402
+from block_times.harness import harness_seconds_per_step, run_settings  # noqa: E402
+from block_times.parts import Setup, device_name, meta_model, mode_for  # noqa: E402
+from block_times.timing import count_memory, count_work, measure, measure_updates, unique_setups  # noqa: E402
+from gpu.rows import GLOBAL_BATCH, MLPERF_FLUX_GLOBAL_BATCH  # noqa: E402
+from t2ibench.core import devices, errors  # noqa: E402
+from t2ibench.commands import flags  # noqa: E402
+from t2ibench.train import fp8  # noqa: E402
+from t2ibench import memory  # noqa: E402
+from t2ibench.datasets import precomputed  # noqa: E402
+from t2ibench.core.cli import (BATCH_SIZE, GPU_COUNT, IMAGE_SIZE, MAX_REPEATS, NON_NEGATIVE_INT, POSITIVE_FLOAT,  # noqa: E402
                           REPEATS, SEED, WARMUP_REPEATS, Parser, Range, check_workers)
-from t2ibench.errors import fail  # noqa: E402
+from t2ibench.core.errors import fail  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
-from t2ibench.norms import NORM_PRECISIONS  # noqa: E402
-from t2ibench.gpu_setup import LAUNCH_SECONDS  # noqa: E402
-from t2ibench.parallel import FSDP_CHOICES, resolve_mode, traffic_bytes_per_gpu  # noqa: E402
-from t2ibench.precision import PRECISION_CHOICES, resolve_precision  # noqa: E402
-from t2ibench.precomputed import TEXT_FORMATS  # noqa: E402
-from t2ibench.scale import MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU  # noqa: E402
-from t2ibench.weight_casts import WEIGHT_CAST_CHOICES, resolve_weight_casts, weight_casts_problem  # noqa: E402
+from t2ibench.train.norms import NORM_PRECISIONS  # noqa: E402
+from t2ibench.commands.gpu_setup import LAUNCH_SECONDS  # noqa: E402
+from t2ibench.train.parallel import FSDP_CHOICES, resolve_mode, traffic_bytes_per_gpu  # noqa: E402
+from t2ibench.train.precision import PRECISION_CHOICES, resolve_precision  # noqa: E402
+from t2ibench.datasets.precomputed import TEXT_FORMATS  # noqa: E402
+from t2ibench.costs.scale import MLPERF_FLUX_SAMPLES_PER_SEC_PER_GPU  # noqa: E402
+from t2ibench.train.weight_casts import WEIGHT_CAST_CHOICES, resolve_weight_casts, weight_casts_problem  # noqa: E402
 
 # fp16 is left out: fp8 refuses it and MLPerf's reference runs bf16.
 PRECISIONS = tuple(p for p in PRECISION_CHOICES if p != "amp_fp16")
@@ -135,7 +139,7 @@ def build_parser() -> Parser:
     flags.add_fp8(g)
     g.add_argument("--compile", action="store_true",
                    help="compile each part's blocks as benchmark.py's --compile compiles the run's "
-                        "(t2ibench.compiling); each part's compile seconds are reported apart from its timed runs; "
+                        "(t2ibench.train.compiling); each part's compile seconds are reported apart from its timed runs; "
                         "needed by --fp8")
     g.add_argument("--use_ema", action="store_true", help="add the EMA update per step (MLPerf's Flux.1 runs none)")
     g.add_argument("--fsdp", type=str, default="auto", choices=FSDP_CHOICES,
@@ -144,12 +148,12 @@ def build_parser() -> Parser:
     g = p.add_argument_group("the node and the measurement")
     g.add_argument("--gpus", type=GPU_COUNT, nargs="+", default=[8, 16], help="GPU counts to predict for")
     g.add_argument("--device", type=str, default=None, choices=devices.DEVICE_CHOICES,
-                   help="the GPU to predict (t2ibench.devices' table): with --measured_json, the measured times "
+                   help="the GPU to predict (t2ibench.core.devices' table): with --measured_json, the measured times "
                         "scaled to it by the roofline rule (docs/gpu-runs.md, \"Devices\"), its memory for the "
                         "microbatch, its link for --link_gbps; default: the visible GPU, else the measurement's")
     g.add_argument("--link_gbps", type=POSITIVE_FLOAT, default=None,
                    help="gigabytes (not bits) per second per direction per GPU for the collectives (default: the "
-                        "predicted GPU's link in t2ibench.devices, an H100's NVLink 4 where none is known: 450)")
+                        "predicted GPU's link in t2ibench.core.devices, an H100's NVLink 4 where none is known: 450)")
     g.add_argument("--warmup", type=WARMUP_REPEATS, default=3, help="untimed runs of each part first")
     g.add_argument("--repeats", type=REPEATS, default=10, help="timed runs of each part (the median is taken)")
     g.add_argument("--harness_batches", type=HARNESS_BATCHES, default=12, help="batches the harness is timed over")
@@ -207,7 +211,7 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
             fail(f"{problem} (or predict for --gpus 1 alone)")
         sharded = resolve_mode(parsed.fsdp, family.parallelism, gpus) != "none"
         casts = resolve_weight_casts(parsed.weight_casts, on_gpu=gpu_step, precision=precision, world_size=gpus)
-        # FSDP gathers its own bf16 copy of each unit: t2ibench.weight_casts' copies are for one device.
+        # FSDP gathers its own bf16 copy of each unit: t2ibench.train.weight_casts' copies are for one device.
         setups[gpus] = Setup(sharded, "microbatch" if sharded else casts)
     # benchmark.py's rule, for every set-up predicted: float8 compiled, rowwise on bf16 weights.
     fp8.check_compiled(parsed.fp8, parsed.compile, fp32_weights_under_autocast=precision != "fp32" and any(
@@ -253,7 +257,7 @@ def predicted_device(parsed: argparse.Namespace, lines: list[dict] | None,
         measured_on = devices.recognise(name) if on_gpu else None
         if parsed.device and measured_on is None:
             fail(f"--device {parsed.device}: the measurement of --measured_json {parsed.measured_json} ran on {name}, "
-                 f"which t2ibench.devices' table lacks, so its times cannot be scaled; drop --device")
+                 f"which t2ibench.core.devices' table lacks, so its times cannot be scaled; drop --device")
         return (devices.get(parsed.device) if parsed.device else measured_on), measured_on
     here = devices.visible() if torch.cuda.is_available() else None
     if parsed.device and not parsed.count_memory and (here is None or here.key != parsed.device):
@@ -441,7 +445,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.target is not None and args.target.key != args.measured_on.key:
                 measured, updates = scaled_to_device(args, measured, updates)
         else:
-            from t2ibench.runtime import Runtime
+            from t2ibench.commands.runtime import Runtime
 
             # The process as benchmark.py sets it up before its first step (cuDNN's autotuner on a GPU, the
             # threads of a CPU rank, the seeds), so every part is timed as the run computes it.

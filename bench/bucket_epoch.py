@@ -20,8 +20,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
-from t2ibench.buckets import default_buckets, nearest_bucket  # noqa: E402
-from t2ibench.cli import BATCH_SIZE, POSITIVE_INT, Parser  # noqa: E402
+from t2ibench.datasets.buckets import default_buckets, nearest_bucket  # noqa: E402
+from t2ibench.core.cli import BATCH_SIZE, POSITIVE_INT, Parser  # noqa: E402
 
 # (aspect ratio width / height, share of photos)
 PHOTO_MIX = ((4 / 3, .30), (3 / 2, .20), (16 / 9, .12), (3 / 4, .15), (2 / 3, .10), (1.0, .10), (3.0, .02),

@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root
 
 import numpy as np  # noqa: E402
 
-from t2ibench.buckets import UNIFORM, Bucket, resolve_buckets, synthetic_weights  # noqa: E402
+from t2ibench.datasets.buckets import UNIFORM, Bucket, resolve_buckets, synthetic_weights  # noqa: E402
 from t2ibench.callbacks.buckets import BucketFlops  # noqa: E402
-from t2ibench.cli import IMAGE_SIZE, Parser  # noqa: E402
-from t2ibench.errors import command  # noqa: E402
+from t2ibench.core.cli import IMAGE_SIZE, Parser  # noqa: E402
+from t2ibench.core.errors import command  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
 
 

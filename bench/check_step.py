@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
-from t2ibench.cli import BATCH_SIZE, IMAGE_SIZE, NON_NEGATIVE_FLOAT, SEED, Parser, Range
+from t2ibench.core.cli import BATCH_SIZE, IMAGE_SIZE, NON_NEGATIVE_FLOAT, SEED, Parser, Range
 from t2ibench.families import MODEL_CONFIGS, family_of
-from t2ibench.model import DiffusionModel
-from t2ibench.norms import set_norm_precision
+from t2ibench.train.model import DiffusionModel
+from t2ibench.train.norms import set_norm_precision
 
 # name -> (autocast dtype or None, channels_last, compile, norm precision under autocast). As in
 # benchmark.py, under autocast the frozen encoders are stored in its dtype and GroupNorm/LayerNorm

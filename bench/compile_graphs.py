@@ -7,7 +7,7 @@ machine (no GPU): one training step's forward on the meta device under CUDA auto
 For each part the step runs (the denoiser; the VAE encoder online; the text encoders on token ids):
 its blocks (`ModelFamily.compile_blocks`), the distinct graphs they need (a block's class with its
 parameters' shapes and its inputs' shapes, strides and dtypes, and whether grad is on: what dynamo
-specializes a static graph on, after t2ibench.compiling shares the attention processors), and the
+specializes a static graph on, after t2ibench.train.compiling shares the attention processors), and the
 forward ops (aten calls) of the part, of its distinct graphs and of what runs outside the blocks.
 Compiling a whole part traces, lowers and generates code for all of its ops (and their backward);
 block by block, for those of its distinct graphs. Strides are those the meta kernels give: a device
@@ -27,12 +27,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from t2ibench import errors, memory  # noqa: E402
-from t2ibench.cli import Parser, Range  # noqa: E402
-from t2ibench.flags import checked_image_size  # noqa: E402
+from t2ibench.core import errors  # noqa: E402
+from t2ibench import memory  # noqa: E402
+from t2ibench.core.cli import Parser, Range  # noqa: E402
+from t2ibench.commands.flags import checked_image_size  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
 from t2ibench.memory.autocast import CUDA_AUTOCAST, AutocastPolicy  # noqa: E402
-from t2ibench.precomputed import TEXT_FORMATS, batch_text_format  # noqa: E402
+from t2ibench.datasets.precomputed import TEXT_FORMATS, batch_text_format  # noqa: E402
 
 
 def build_parser() -> Parser:

@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from t2ibench import errors  # noqa: E402
-from t2ibench.cli import POSITIVE_INT, REPEATS, Parser  # noqa: E402
-from t2ibench.errors import fail  # noqa: E402
-from t2ibench.locations import check_output, normalise  # noqa: E402
+from t2ibench.core import errors  # noqa: E402
+from t2ibench.core.cli import POSITIVE_INT, REPEATS, Parser  # noqa: E402
+from t2ibench.core.errors import fail  # noqa: E402
+from t2ibench.core.locations import check_output, normalise  # noqa: E402
 
 OPTIMIZERS = {"default": None, "single": dict(foreach=False, fused=False), "foreach": dict(foreach=True),
               "fused": dict(fused=True)}

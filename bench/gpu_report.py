@@ -11,9 +11,9 @@ the same device under results/.
     python bench/gpu_report.py --dry_run --rows matrix --gpus 8 --gpu_memory_gib 79.1   # plan a node you are not on
     python bench/gpu_report.py --dry_run --device h200 --predictions h200.json  # plan and predict a GPU not here
 
-Its parts, one job each: gpu_rows.py (the rows), gpu_plan.py (each row's command for the node),
-gpu_budget.py (the budget rule), gpu_launch.py (running a row), gpu_record.py (the environment, earlier
-results, README.md), gpu_predict.py (each row predicted from the H100's measurements). The rows, the budget
+Its parts, one job each: gpu/rows.py (the rows), gpu/plan.py (each row's command for the node),
+gpu/budget.py (the budget rule), gpu/launch.py (running a row), gpu/record.py (the environment, earlier
+results, README.md), gpu/predict.py (each row predicted from the H100's measurements). The rows, the budget
 rule and the files: docs/gpu-runs.md, "Ten minutes of a GPU", "The GPU matrix" and "Devices".
 """
 from __future__ import annotations
@@ -30,19 +30,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]  # the project root
 sys.path.insert(0, str(ROOT))
 
-from gpu_budget import (ASSUMED_MFU, CPU_FIRST_FLOPS_PER_SECOND, UNKNOWN_GPU_PEAK_TFLOPS, Estimator,  # noqa: E402
-                        row_timeout)
-from gpu_launch import pretrained_available, row_env, run_blocks, run_training  # noqa: E402
-from gpu_plan import blocks_command, blocks_options, plan_row, run_setting  # noqa: E402
-from gpu_predict import predict_rows, read_predictions  # noqa: E402
-from gpu_record import Outcome, earlier_results, environment, write_readme  # noqa: E402
-from gpu_rows import DEFAULT_MODEL_NAME, ROW_GROUPS, ROW_NAMES, ROWS, ReportRow  # noqa: E402
-from t2ibench import devices, errors, files  # noqa: E402
-from t2ibench.cli import (BUDGET_SECONDS, GPU_COUNT, GPU_MEMORY_GIB, NON_NEGATIVE_INT, POSITIVE_FLOAT,  # noqa: E402
+from gpu.budget import ASSUMED_MFU, CPU_FIRST_FLOPS_PER_SECOND, UNKNOWN_GPU_PEAK_TFLOPS, Estimator, row_timeout
+from gpu.launch import pretrained_available, row_env, run_blocks, run_training  # noqa: E402
+from gpu.plan import blocks_command, blocks_options, plan_row, run_setting  # noqa: E402
+from gpu.predict import predict_rows, read_predictions  # noqa: E402
+from gpu.record import Outcome, earlier_results, environment, write_readme  # noqa: E402
+from gpu.rows import DEFAULT_MODEL_NAME, ROW_GROUPS, ROW_NAMES, ROWS, ReportRow  # noqa: E402
+from t2ibench.core import devices, errors, files  # noqa: E402
+from t2ibench.core.cli import (BUDGET_SECONDS, GPU_COUNT, GPU_MEMORY_GIB, NON_NEGATIVE_INT, POSITIVE_FLOAT,  # noqa: E402
                           POSITIVE_INT, Parser)
-from t2ibench.errors import fail  # noqa: E402
-from t2ibench.fp8 import FP8_MODES, MIN_CAPABILITY  # noqa: E402
-from t2ibench.locations import check_output  # noqa: E402
+from t2ibench.core.errors import fail  # noqa: E402
+from t2ibench.train.fp8 import FP8_MODES, MIN_CAPABILITY  # noqa: E402
+from t2ibench.core.locations import check_output  # noqa: E402
 
 DEFAULT_BUDGET_SECONDS = 480.0  # 8 of the ten minutes a GPU is often lent for: its start-up and the copy back
 # Each training row: 5 batches, the first 2 left out of the measurement (compilation happens in the first);
@@ -72,7 +71,7 @@ def build_parser() -> Parser:
                    help="memory of one GPU in GiB for the microbatches (default: the visible GPU's, as torch reports "
                         "it; an 80 GB A100/H100 reports 79.1)")
     p.add_argument("--device", default=None, choices=devices.DEVICE_CHOICES,
-                   help="the GPU (t2ibench.devices' table): with --dry_run, the GPU to plan and predict, not here; "
+                   help="the GPU (t2ibench.core.devices' table): with --dry_run, the GPU to plan and predict, not here; "
                         "otherwise the visible GPU's must be it (default: the visible GPU, recognised by name, its "
                         "memory read from CUDA)")
     p.add_argument("--predictions", type=Path, default=None,
@@ -81,7 +80,7 @@ def build_parser() -> Parser:
                         "results/predicted-*/<device>.json of this GPU, if any)")
     p.add_argument("--peak_tflops", type=POSITIVE_FLOAT, default=None,
                    help="peak bf16 TFLOP/s of one GPU for the first estimates (default: --device's or the visible "
-                        f"GPU's in t2ibench.devices, else {UNKNOWN_GPU_PEAK_TFLOPS:g})")
+                        f"GPU's in t2ibench.core.devices, else {UNKNOWN_GPU_PEAK_TFLOPS:g})")
     p.add_argument("--batches", type=POSITIVE_INT, default=None,
                    help=f"batches of each training row, warm-up included (default: {BATCHES}; --smoke {SMOKE_BATCHES})")
     p.add_argument("--warmup_batches", type=NON_NEGATIVE_INT, default=None,
@@ -150,7 +149,7 @@ def validate(parsed: argparse.Namespace) -> argparse.Namespace:
         if problem:
             fail(problem)
         if gpu_device is None or not gpu_device.bf16_flops_per_sec:
-            fail("--predictions with --dry_run predicts a GPU of t2ibench.devices' table: give --device NAME")
+            fail("--predictions with --dry_run predicts a GPU of t2ibench.core.devices' table: give --device NAME")
     if not on_cpu and parsed.gpus > visible:
         fail(f"--gpus {parsed.gpus}: only {visible} GPU(s) visible")
     if parsed.fp8 != "off" and not on_cpu and torch.cuda.get_device_capability() < MIN_CAPABILITY:
@@ -197,7 +196,7 @@ def estimate(row: ReportRow, estimator: Estimator, args: argparse.Namespace, lef
     fixed = estimator.fixed_seconds(setting)
     if fixed > left_s:
         return fixed
-    # A row predicted for this GPU (bench/gpu_predict.py, one GPU's images/s) runs its batches at its prediction,
+    # A row predicted for this GPU (bench/gpu/predict.py, one GPU's images/s) runs its batches at its prediction,
     # closer than the first FLOP/s (an SD2 guess for every model); on several GPUs, the budget rule's own rate.
     ahead = args.predicted.get(row.name, {}).get("images_per_sec") if args.gpus == 1 else None
     if ahead:

@@ -45,11 +45,11 @@ sys.path.insert(0, str(ROOT))
 
 from streaming.base.shuffle import algos  # noqa: E402
 
-from t2ibench import errors  # noqa: E402
-from t2ibench.cli import (BATCH_SIZE, BUDGET_SECONDS, NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT,  # noqa: E402
+from t2ibench.core import errors  # noqa: E402
+from t2ibench.core.cli import (BATCH_SIZE, BUDGET_SECONDS, NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT,  # noqa: E402
                            POSITIVE_INT, SECONDS, Parser, read_text)
-from t2ibench.errors import fail  # noqa: E402
-from t2ibench.locations import check_output, check_outputs_apart, normalise  # noqa: E402
+from t2ibench.core.errors import fail  # noqa: E402
+from t2ibench.core.locations import check_output, check_outputs_apart, normalise  # noqa: E402
 
 # Columns and sample sizes of the two kinds of shards (before compression).
 KINDS = {
@@ -286,9 +286,9 @@ def validate(parsed: argparse.Namespace) -> tuple[argparse.Namespace, dict | Non
         fail(problem)
     if args.from_json:
         return args, read_rows(args.from_json)
-    # Imported here, not at the top: t2ibench.flags loads the model families (diffusers), and every
+    # Imported here, not at the top: t2ibench.commands.flags loads the model families (diffusers), and every
     # measured --child process starts this script again, whose memory is what is measured.
-    from t2ibench.cli import check_workers
+    from t2ibench.core.cli import check_workers
     problem = check_workers("--workers", args.workers)  # the one measured rank's loader workers
     if problem:
         fail(problem)

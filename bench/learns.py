@@ -16,7 +16,7 @@ Without --data, images are drawn for each caption: a shape in the caption's colo
 position and size on a plain grey background (the caption must name a colour PIL knows and one of
 the shapes below). With --data, the classes are its distinct captions (or the --captions among them).
 
-The score: for each caption, latents are sampled with the project's sampler (t2ibench/sampling.py: diffusers
+The score: for each caption, latents are sampled with the project's sampler (t2ibench/eval/sampling.py: diffusers
 DDIM for SD2, flow-matching Euler for Flux; fixed seeds) from the denoiser, and each sample counts as
 right when the nearest (L2) of the
 encoded latents of all the dataset's images (VAE posterior means, scaled) belongs to its own
@@ -41,14 +41,14 @@ from PIL import Image, ImageColor, ImageDraw
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from t2ibench import errors  # noqa: E402
-from t2ibench.cli import BATCH_SIZE, IMAGE_SIZE, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED, Parser  # noqa: E402
-from t2ibench.errors import fail  # noqa: E402
+from t2ibench.core import errors  # noqa: E402
+from t2ibench.core.cli import BATCH_SIZE, IMAGE_SIZE, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED, Parser  # noqa: E402
+from t2ibench.core.errors import fail  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS  # noqa: E402
-from t2ibench.locations import check_output, check_outputs_apart, normalise  # noqa: E402
-from t2ibench.model import DiffusionModel  # noqa: E402
-from t2ibench.flags import CAPTION_DROP_PROB, GUIDANCE_SCALE, SAMPLE_STEPS  # noqa: E402
-from t2ibench.sampling import make_sampler, sample_latents  # noqa: E402
+from t2ibench.core.locations import check_output, check_outputs_apart, normalise  # noqa: E402
+from t2ibench.train.model import DiffusionModel  # noqa: E402
+from t2ibench.commands.flags import CAPTION_DROP_PROB, GUIDANCE_SCALE, SAMPLE_STEPS  # noqa: E402
+from t2ibench.eval.sampling import make_sampler, sample_latents  # noqa: E402
 
 # The miniatures: random encoders are all they have, so scoring is in latent space (see above).
 LEARNING_CONFIGS = ("tiny", "sdxl-tiny", "flux1-tiny")

@@ -14,7 +14,7 @@ Prints the bytes saved for backward per image (with the other norm precision bes
 low-precision GroupNorm/LayerNorm saves), the fixed bytes per GPU and what holds them, the largest
 power-of-two microbatch for `--gpu_memory_gib` and the FLOPs of the trained network per image.
 `--activation_checkpointing auto` (the default, as benchmark.py's) counts the set-up benchmark.py's
-defaults pick on such GPUs (t2ibench.gpu_setup: with or without checkpointing, and why).
+defaults pick on such GPUs (t2ibench.commands.gpu_setup: with or without checkpointing, and why).
 With `--json` the last line is one JSON object (`activation_bytes_per_image`, `fixed_bytes`,
 `microbatch`, `activation_checkpointing`, `activation_checkpointing_reason`, `weight_casts`,
 `train_flops_per_image`, ...). The step is counted on the meta device: no GPU, no
@@ -40,17 +40,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
-from t2ibench import flags, memory  # noqa: E402
-from t2ibench.cli import BATCH_SIZE, GPU_COUNT, GPU_MEMORY_GIB, IMAGE_SIZE, Parser  # noqa: E402
+from t2ibench.commands import flags  # noqa: E402
+from t2ibench import memory  # noqa: E402
+from t2ibench.core.cli import BATCH_SIZE, GPU_COUNT, GPU_MEMORY_GIB, IMAGE_SIZE, Parser  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, ModelFamily, family_of  # noqa: E402
-from t2ibench.fp8 import FP8_MODES  # noqa: E402
-from t2ibench.gpu_setup import choose_setup, from_flag  # noqa: E402
-from t2ibench.images import GEOMETRY_KEYS  # noqa: E402
-from t2ibench.model import DiffusionModel  # noqa: E402
-from t2ibench.norms import set_norm_precision  # noqa: E402
-from t2ibench.parallel import FSDP_CHOICES, enable_block_checkpointing, resolve_mode  # noqa: E402
-from t2ibench.precomputed import LATENT_KEYS, TEXT_FORMATS, TEXT_STATES, TOKENS, batch_text_format  # noqa: E402
-from t2ibench.weight_casts import (WEIGHT_CAST_CHOICES, CastWeightsOncePerStep, resolve_weight_casts,  # noqa: E402
+from t2ibench.train.fp8 import FP8_MODES  # noqa: E402
+from t2ibench.commands.gpu_setup import choose_setup, from_flag  # noqa: E402
+from t2ibench.core.images import GEOMETRY_KEYS  # noqa: E402
+from t2ibench.train.model import DiffusionModel  # noqa: E402
+from t2ibench.train.norms import set_norm_precision  # noqa: E402
+from t2ibench.train.parallel import FSDP_CHOICES, enable_block_checkpointing, resolve_mode  # noqa: E402
+from t2ibench.datasets.precomputed import LATENT_KEYS, TEXT_FORMATS, TEXT_STATES, TOKENS, batch_text_format  # noqa: E402
+from t2ibench.train.weight_casts import (WEIGHT_CAST_CHOICES, CastWeightsOncePerStep, resolve_weight_casts,  # noqa: E402
                                   weight_casts_problem)
 
 # The table's columns: (heading, precomputed, text format); None: the family's own precomputed format.

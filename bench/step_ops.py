@@ -6,10 +6,10 @@
     python bench/step_ops.py --model_config sd2-base --compare                    # every set-up side by side
 
 The step is benchmark.py's on one GPU, counted on the meta device under CUDA autocast's rules
-(t2ibench.kernels, with the memory model's machinery). Without `--microbatch` the microbatch is the
+(t2ibench.memory.kernels, with the memory model's machinery). Without `--microbatch` the microbatch is the
 one the memory model picks for `--gpu_memory_gib` with these settings. `--weight_casts auto` is
 benchmark.py's CUDA default on one GPU (step), and `--activation_checkpointing auto` its choice
-(t2ibench.gpu_setup): `--json` reports the set-up benchmark.py's defaults pick (`microbatch`,
+(t2ibench.commands.gpu_setup): `--json` reports the set-up benchmark.py's defaults pick (`microbatch`,
 `activation_checkpointing`, `weight_casts`, `activation_checkpointing_reason`). What the figures
 mean: docs/speed.md.
 """
@@ -22,12 +22,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from t2ibench import errors, flags, kernels, memory  # noqa: E402
-from t2ibench.cli import BATCH_SIZE, GPU_MEMORY_GIB, IMAGE_SIZE, Parser  # noqa: E402
+from t2ibench.core import errors  # noqa: E402
+from t2ibench.commands import flags  # noqa: E402
+from t2ibench.memory import kernels  # noqa: E402
+from t2ibench import memory  # noqa: E402
+from t2ibench.core.cli import BATCH_SIZE, GPU_MEMORY_GIB, IMAGE_SIZE, Parser  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS, family_of  # noqa: E402
-from t2ibench.gpu_setup import choose_setup, step_kernels  # noqa: E402
-from t2ibench.precomputed import TEXT_FORMATS, batch_text_format  # noqa: E402
-from t2ibench.weight_casts import WEIGHT_CAST_CHOICES, resolve_weight_casts, weight_casts_problem  # noqa: E402
+from t2ibench.commands.gpu_setup import choose_setup, step_kernels  # noqa: E402
+from t2ibench.datasets.precomputed import TEXT_FORMATS, batch_text_format  # noqa: E402
+from t2ibench.train.weight_casts import WEIGHT_CAST_CHOICES, resolve_weight_casts, weight_casts_problem  # noqa: E402
 
 
 def build_parser() -> Parser:

@@ -44,13 +44,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from t2ibench import errors  # noqa: E402
-from t2ibench.cli import POSITIVE_FLOAT, POSITIVE_INT, REPEATS, SEED, Parser  # noqa: E402
-from t2ibench.errors import fail  # noqa: E402
-from t2ibench.eval_curve import Curve, plot  # noqa: E402
-from t2ibench.files import hold_output, write_text  # noqa: E402
-from t2ibench.locations import check_output, normalise  # noqa: E402
-from t2ibench.mlperf import RULESET, USAGE, newest_rcp_round, rcp_verdict  # noqa: E402
+from t2ibench.core import errors  # noqa: E402
+from t2ibench.core.cli import POSITIVE_FLOAT, POSITIVE_INT, REPEATS, SEED, Parser  # noqa: E402
+from t2ibench.core.errors import fail  # noqa: E402
+from t2ibench.eval.eval_curve import Curve, plot  # noqa: E402
+from t2ibench.core.files import hold_output, write_text  # noqa: E402
+from t2ibench.core.locations import check_output, normalise  # noqa: E402
+from t2ibench.costs.mlperf import RULESET, USAGE, newest_rcp_round, rcp_verdict  # noqa: E402
 
 # The CPU default's target, from two calibration runs of 1,200 batches on a 2-core VM at one thread:
 # flux1-tiny passes 1.20 near 4,500 samples (280 batches of 16) whatever the seed, while its curve still
@@ -320,7 +320,7 @@ def required_runs(benchmark: str) -> int:
 
 def measure(args: argparse.Namespace, out: Path, argv: list[str] | None) -> dict:
     """Draw the data (CPU default), run every seed, score and draw; the score's record."""
-    from t2ibench.mlperf import benchmark_of
+    from t2ibench.costs.mlperf import benchmark_of
     from t2ibench.families import family_of
 
     runs_folder, mlperf_folder = out / "runs", out / MLPERF_FOLDER

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
-from t2ibench.cli import IMAGE_SIZE, Parser  # noqa: E402
+from t2ibench.core.cli import IMAGE_SIZE, Parser  # noqa: E402
 
 TEXT_TOKENS = 77
 

@@ -21,8 +21,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root: run as python bench/NAME.py
 
 import data  # noqa: E402
-from t2ibench import precomputed  # noqa: E402
-from t2ibench.cli import POSITIVE_INT, REPEATS, Parser  # noqa: E402
+from t2ibench.datasets import precomputed  # noqa: E402
+from t2ibench.core.cli import POSITIVE_INT, REPEATS, Parser  # noqa: E402
 from t2ibench.families import MODEL_CONFIGS  # noqa: E402
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from t2ibench.checkpoints import layout, layout_digests
+from t2ibench.train.checkpoints import layout, layout_digests
 
 
 def main(argv: list[str] | None = None) -> None:

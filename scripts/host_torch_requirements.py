@@ -15,7 +15,7 @@ libraries (`nvidia-*`, `cuda-*`) and triton are reached only through torch; they
 host's torch build (CUDA 12 libraries beside a CUDA 13 torch break `import torch`), and the script
 stops if the stack ever reaches one on its own. torchvision is left out too: Composer imports it,
 but it is built for one torch release and CUDA, so it is installed to match the host's torch
-(`t2ibench/stack.py` checks the pair).
+(`t2ibench/commands/stack.py` checks the pair).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ TORCH_STACK = {"torch", "torchvision", "triton"}
 TORCH_LIBRARY_PREFIXES = ("nvidia-", "cuda-")
 HEADER = """\
 # The pinned stack of requirements.txt for a host whose torch (>= 2.7) is already installed:
-#     pip install --no-deps -r requirements-host-torch.txt && python -m t2ibench.stack
+#     pip install --no-deps -r requirements-host-torch.txt && python -m t2ibench.commands.stack
 # --no-deps keeps pip from resolving Composer 0.32.1's torch<2.7.1 pin, which would replace the host's
 # torch. Every package the default install brings is here, pinned, except torch, torchvision, triton and
 # the CUDA libraries (nvidia-*, cuda-*), which are the host torch's own. Composer imports torchvision:

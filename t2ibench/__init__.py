@@ -5,5 +5,5 @@ One concern per module, importing nothing from the root (docs/design.md draws th
 step every family shares), `objectives`, `callbacks/` (one Composer callback per module), `checks`
 and `flags` (benchmark.py's checks; the flags benchmark.py and latents.py share), `runtime`,
 `sources`, `locations`, `streaming`, `errors`, `cli`, `sampling`, `images`, `mds`, `tokenizer`,
-`flops`, `scale`, `stack` (the installed torch and stack, `python -m t2ibench.stack`).
+`flops`, `scale`, `stack` (the installed torch and stack, `python -m t2ibench.commands.stack`).
 """

@@ -5,7 +5,7 @@ import atexit
 import functools
 import os
 
-# A CPU run takes the machine's cores for its intra-op threads (t2ibench.cpu_threads' rule, shared among
+# A CPU run takes the machine's cores for its intra-op threads (t2ibench.train.cpu_threads' rule, shared among
 # a node's ranks): beside the suite's other worker that oversubscribes the cores, a step many times
 # slower. And the thread count changes a step's float sums: runs a test compares bit for bit (one set-up
 # against another, across machines) keep one count. The user's count wins over the rule, so the suite,

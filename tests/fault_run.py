@@ -11,7 +11,7 @@ the batch's last collective, so the other ranks wait for it in the next batch's 
 `DIR/rank<R>.json`: the perf_counter times at which saves started, and the Throughput callback's
 `window_end`, so a test can check which saves fell inside the measured window, and `losses`: each
 batch's loss as Composer all-reduced it, at full precision (the progress line rounds), and
-`grad_norms`: each step's gradient norm as this rank's run reads it (t2ibench.grad_norm), and
+`grad_norms`: each step's gradient norm as this rank's run reads it (t2ibench.train.grad_norm), and
 `batch_shapes`: each batch's image (or latent) height and width on this rank. Other flags go to
 `benchmark.main` unchanged. `--compile_backend aot_eager` makes `--compile` trace with dynamo and AOT
 autograd (graphs, DDP, parameter names) but skip inductor's code generation, which on CPU compiles
@@ -33,7 +33,7 @@ from composer.utils import checkpoint, dist
 
 import benchmark
 from t2ibench.callbacks.throughput import Throughput
-from t2ibench.grad_norm import GradientNorm
+from t2ibench.train.grad_norm import GradientNorm
 
 SAVE_STARTS: list[float] = []
 

@@ -270,10 +270,10 @@ def write_images(out: Path, count: int, compression: str | None = None, size_lim
 
 
 def write_latents(out: Path, count: int = 8, text_dim: int = 64) -> Path:
-    """Precomputed shards of random 4x4x4 latents and text states, in the format t2ibench/precomputed.py defines."""
+    """Precomputed shards of random 4x4x4 latents and text states, in the format t2ibench/datasets/precomputed.py defines."""
     from streaming import MDSWriter
 
-    from t2ibench import precomputed
+    from t2ibench.datasets import precomputed
     columns = precomputed.mds_columns(latent_channels=4, latent_size=4, text_dim=text_dim, text_states=True)
     rng = np.random.default_rng(0)
     with MDSWriter(out=str(out), columns=columns) as writer:

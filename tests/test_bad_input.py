@@ -19,8 +19,8 @@ import pytest
 
 import benchmark
 import data
-from t2ibench import precomputed
-from t2ibench.sources import Source, record_cache
+from t2ibench.datasets import precomputed
+from t2ibench.datasets.sources import Source, record_cache
 from tests.helpers import REAL_2BA, ROOT, TINY_2BA, error_of, free_port, offline_env, run_cli, write_images, write_latents
 
 
@@ -122,7 +122,7 @@ def test_a_flag_that_would_do_nothing_is_refused_in_one_line(images, latents, da
 ])
 def test_the_same_flags_beside_what_they_need_are_taken(tmp_path, args):
     argv = [*TINY_2BA, *(a.format(tmp=tmp_path) for a in args)]
-    if "--bucket_crop" in argv:  # bucketed real images: the crop applies (tests/test_bucket_runs.py trains one)
+    if "--bucket_crop" in argv:  # bucketed real images: the crop applies (tests/datasets/test_bucket_runs.py trains one)
         argv = [a for a in argv if a != "--use_synth_data"] + ["--local", str(write_images(tmp_path / "mds", 6))]
     settings = benchmark.validate(benchmark.parse_args(argv), 1)
     assert settings.model_config in ("tiny", "sdxl-tiny")
@@ -160,7 +160,7 @@ def test_files_a_user_names_are_read_bounded_in_one_line(tmp_path, argv, expect)
 
 
 def test_a_byte_order_mark_is_skipped_in_every_file_read(tmp_path):
-    from t2ibench.sampling import load_prompts
+    from t2ibench.eval.sampling import load_prompts
 
     (tmp_path / "buckets.txt").write_bytes(BOM + b"64x64\n32x64\n")
     (tmp_path / "flags.args").write_bytes(BOM + b"--seed 5\n")
@@ -225,8 +225,8 @@ def test_counting_the_flops_of_many_buckets_says_how_far_it_is(tmp_path, capsys,
 
 @pytest.mark.parametrize("argv, expect", [
     (["benchmark.py", *XL_SYNTH, "--aspect_buckets", "/dev/zero"], "benchmark.py: error: --aspect_buckets /dev/zero holds"),
-    (["-m", "t2ibench.buckets", "0", "8"], "python -m t2ibench.buckets: error: image_size 0 must be an integer from 1 to"),
-    (["-m", "t2ibench.buckets", "60", "8"], "image_size 60 must be a multiple of patch_px 8"),
+    (["-m", "t2ibench.datasets.buckets", "0", "8"], "python -m t2ibench.datasets.buckets: error: image_size 0 must be an integer from 1 to"),
+    (["-m", "t2ibench.datasets.buckets", "60", "8"], "image_size 60 must be a multiple of patch_px 8"),
 ])
 def test_bounded_reads_and_the_bucket_picture_are_one_line_on_the_command_line(argv, expect):
     result = subprocess.run([sys.executable, *argv], cwd=ROOT, env=offline_env(), capture_output=True, text=True,
@@ -344,7 +344,7 @@ def test_a_cache_filled_from_another_remote_is_refused(images, latents, tmp_path
 
 
 def test_latent_shards_without_the_flag_suggest_it_in_data_too(latents, tmp_path):
-    from t2ibench.tokenizer import bundled_tokenizer
+    from t2ibench.core.tokenizer import bundled_tokenizer
     with pytest.raises(ValueError, match="--precomputed"):
         data.StreamingImageCaptions(remote=None, local=str(latents), tokenizer=bundled_tokenizer(), image_size=32,
                                     batch_size=1)
@@ -352,7 +352,7 @@ def test_latent_shards_without_the_flag_suggest_it_in_data_too(latents, tmp_path
 
 def test_too_many_bad_images_is_one_line(tmp_path):
     from streaming import MDSWriter
-    from t2ibench.tokenizer import bundled_tokenizer
+    from t2ibench.core.tokenizer import bundled_tokenizer
     with MDSWriter(out=str(tmp_path / "rotten"), columns={"jpg": "bytes", "caption": "str", "key": "str"}) as w:
         for i in range(6):
             w.write({"jpg": b"not an image %d" % i, "caption": "x", "key": str(i)})

@@ -10,11 +10,11 @@ import pytest
 import torch
 from composer.core import Callback
 
-from t2ibench import cpu_threads
+from t2ibench.train import cpu_threads
 from t2ibench.callbacks.resume_threads import saved_count
 from t2ibench.families import MODEL_CONFIGS
-from t2ibench.model import DiffusionModel, count_parameters
-from t2ibench.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize
+from t2ibench.train.model import DiffusionModel, count_parameters
+from t2ibench.core.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize
 from tests.helpers import ROOT, TINY_2BA, TINY_SYNTH, composer_launcher, error_of, offline_env, run_cli
 
 SD2 = MODEL_CONFIGS["sd2-base"]

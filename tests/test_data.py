@@ -26,9 +26,9 @@ from PIL import Image
 
 import convert
 import data
-from t2ibench import convert_inputs
-from t2ibench.model import scale_images
-from t2ibench.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize
+from t2ibench.datasets import convert_inputs
+from t2ibench.train.model import scale_images
+from t2ibench.core.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize
 from tests.helpers import ROOT, free_port, offline_env
 
 SIZE = 64  # training resolution in these tests

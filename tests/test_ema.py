@@ -189,7 +189,7 @@ def test_bf16_parameters_average_in_fp32(monkeypatch):
 
 def _tiny_sd():
     from t2ibench.families import MODEL_CONFIGS
-    from t2ibench.model import DiffusionModel
+    from t2ibench.train.model import DiffusionModel
     family = MODEL_CONFIGS["tiny"]
     torch.manual_seed(0)
     return DiffusionModel(family, family.build("tiny", tokenizers=False))
@@ -323,7 +323,7 @@ def test_export_loads_with_from_pretrained_and_swap_restores(tmp_path):
 def test_export_dir_option_writes_at_fit_end(tmp_path):
     from diffusers import UNet2DConditionModel
 
-    class TinySD(ComposerModel):  # a trainable `unet` attribute, as in t2ibench.model.DiffusionModel
+    class TinySD(ComposerModel):  # a trainable `unet` attribute, as in t2ibench.train.model.DiffusionModel
         def __init__(self):
             super().__init__()
             self.unet = _tiny_sd().unet

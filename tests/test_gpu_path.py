@@ -14,7 +14,7 @@ Two-rank launches through Composer's launcher (gloo), started together by one mo
 
 In-process: --compile compiling every module that runs per step (UNet, VAE encoder, text encoder) block by block,
 refusals (--xformers where absent, amp_fp16 on CPU) and uint8 images crossing from loader workers
-(the multi-rank `auto` microbatch: tests/test_memory.py; the GPU driver's plan: tests/test_gpu_report.py).
+(the multi-rank `auto` microbatch: tests/memory/test_memory.py; the GPU driver's plan: tests/bench/test_gpu_report.py).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 import benchmark
 import data
 from t2ibench.families import MODEL_CONFIGS
-from t2ibench.model import scale_images
+from t2ibench.train.model import scale_images
 from tests.helpers import TINY_SYNTH, Launch, supervise, two_ranks
 
 SD2 = MODEL_CONFIGS["sd2-base"]

@@ -25,7 +25,8 @@ import blocks
 import convert
 import cost
 import export
-from t2ibench import cli, flags
+from t2ibench.core import cli
+from t2ibench.commands import flags
 import index_scale
 import latents
 import learns
@@ -538,7 +539,7 @@ def test_a_shard_that_fails_while_training_is_named_in_one_line(tmp_path):
 
 def test_unwritable_home_still_builds_the_tokenizer(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XDG_CACHE_HOME"}
-    result = subprocess.run([sys.executable, "-c", "from t2ibench.tokenizer import bundled_tokenizer, tokenize; "
+    result = subprocess.run([sys.executable, "-c", "from t2ibench.core.tokenizer import bundled_tokenizer, tokenize; "
                              "print(tokenize(bundled_tokenizer(), ['a red square'])[0, :4].tolist())"],
                             cwd=ROOT, env={**env, "HOME": "/proc/no-home", "PYTHONPATH": str(ROOT)},
                             capture_output=True, text=True, timeout=600)

@@ -28,7 +28,7 @@ import convert
 import cost
 import export
 import latents
-from t2ibench import convert_inputs
+from t2ibench.datasets import convert_inputs
 from tests.helpers import ROOT, TINY_MODEL, error_of, jpeg, killed_in_child, write_images
 
 # A run that must end in one line within this many seconds, or it hangs (it hung until killed).
@@ -116,7 +116,7 @@ def test_a_second_convert_into_the_same_out_is_refused_and_the_first_completes(t
 
 def test_every_command_refuses_an_output_another_one_is_writing(tmp_path):
     """export.py, latents.py and benchmark.py hold their outputs as convert.py does (files.hold_output)."""
-    from t2ibench.files import acquire
+    from t2ibench.core.files import acquire
 
     checkpoint = tmp_path / "run.pt"
     checkpoint.write_bytes(b"not a checkpoint: never read, the output is refused first")
@@ -270,7 +270,7 @@ def write_latents(out: Path, count: int = 8, image_size: int = 32, channels: int
                   token_max: int = 100, nan: bool = False) -> Path:
     """Precomputed shards in latents.py's format (precomputed.mds_columns), written by MDSWriter, made wrong as asked."""
     from streaming import MDSWriter
-    from t2ibench import precomputed
+    from t2ibench.datasets import precomputed
     from t2ibench.families import MODEL_CONFIGS
 
     family = MODEL_CONFIGS["tiny"]
@@ -432,7 +432,7 @@ def test_a_damaged_parquet_page_names_the_file(tmp_path):
 
 def staged_pipeline(folder: Path) -> None:
     """What export.py and --ema_export_dir write, through the same staged folder: parts, model_index.json last."""
-    from t2ibench.files import staged_folder
+    from t2ibench.core.files import staged_folder
 
     folder.mkdir(parents=True, exist_ok=True)
     with staged_folder(folder, last="model_index.json") as staging:
@@ -450,7 +450,7 @@ def copy_with(folder: Path, to: Path, name: str, content: str = "mine") -> Path:
 
 
 def test_what_a_killed_export_left_is_taken_over_and_a_users_file_is_not(checkpoint, tmp_path):
-    from t2ibench.files import STAGING_FOLDER, acquire
+    from t2ibench.core.files import STAGING_FOLDER, acquire
 
     out = tmp_path / "pipe"
     # Killed while moving the finished parts into place (the 1st replace writes the staging marker).
@@ -483,7 +483,7 @@ def test_what_a_killed_export_left_is_taken_over_and_a_users_file_is_not(checkpo
 
 
 def test_an_ema_export_killed_while_written_does_not_block_the_rerun(tmp_path):
-    from t2ibench.files import STAGING_FOLDER
+    from t2ibench.core.files import STAGING_FOLDER
 
     ema = tmp_path / "ema"
     killed_in_child(lambda: staged_pipeline(ema), on="makedirs", match=f"{STAGING_FOLDER}/vae")
@@ -496,8 +496,8 @@ def test_an_ema_export_killed_while_written_does_not_block_the_rerun(tmp_path):
 
 
 def test_latents_killed_writing_its_record_does_not_block_the_rerun(tmp_path):
-    from t2ibench.files import write_text
-    from t2ibench.precomputed import RECORD_FILE
+    from t2ibench.core.files import write_text
+    from t2ibench.datasets.precomputed import RECORD_FILE
 
     images = write_images(tmp_path / "images", 4, compression="zstd")
     out = tmp_path / "latents"
@@ -532,7 +532,7 @@ def test_convert_killed_while_publishing_is_rerun_without_overwrite(tmp_path):
 def test_commands_killed_with_sigkill_while_exporting_finish_when_run_again(checkpoint, tmp_path):
     """The real commands, killed by a real SIGKILL mid-export (tests/kill_run.py), then rerun: export.py
     --out, and a benchmark.py --autoresume job whose --ema_export_dir was being written (a preempted job)."""
-    from t2ibench.files import STAGING_FOLDER
+    from t2ibench.core.files import STAGING_FOLDER
 
     out = tmp_path / "pipe"
     killed = run_command("tests/kill_run.py", "--on", "makedirs", "--match", f"{STAGING_FOLDER}/", "--nth", "2",

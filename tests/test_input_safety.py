@@ -21,8 +21,8 @@ from PIL import Image
 
 import convert
 import latents
-from t2ibench import convert_inputs
-from t2ibench.precomputed import RECORD_FILE
+from t2ibench.datasets import convert_inputs
+from t2ibench.datasets.precomputed import RECORD_FILE
 from tests.helpers import ROOT, error_of, offline_env
 
 TINY = ["--model_config", "tiny", "--image_size", "64", "--batch_size", "2", "--chunk_size", "2",
@@ -140,7 +140,7 @@ def test_convert_user_errors_are_one_line(tmp_path, no_aws, case, expected):
 
 
 def test_a_file_uri_is_its_path(tmp_path):
-    # One rule for every command (t2ibench.locations): file:///path is the path /path.
+    # One rule for every command (t2ibench.core.locations): file:///path is the path /path.
     photos = write_photos(tmp_path / "photos", 2)
     report = convert_main(f"file://{photos}", "--out", f"file://{tmp_path}/mds")
     assert report.written == 2 and (tmp_path / "mds" / "index.json").is_file()

@@ -16,10 +16,11 @@ import torch
 from composer.core import Callback
 
 import data
-from t2ibench import latent_encoding, latent_store, precomputed
-from t2ibench.locations import cache_folder
-from t2ibench.model import scale_images
-from t2ibench.sources import parse_sources
+from t2ibench.commands import latent_encoding, latent_store
+from t2ibench.datasets import precomputed
+from t2ibench.core.locations import cache_folder
+from t2ibench.train.model import scale_images
+from t2ibench.datasets.sources import parse_sources
 import latents
 from tests.helpers import ROOT, composer_launcher, offline_env
 
@@ -117,7 +118,7 @@ def test_sizes_and_columns():
 @pytest.mark.parametrize("fmt", ["tokens", "text_states"])
 def test_precompute_stores_every_sample_once_as_the_encoders_compute_it(single, states, reference, fmt):
     import data
-    from t2ibench.tokenizer import tokenize
+    from t2ibench.core.tokenizer import tokenize
 
     out, stdout = single if fmt == "tokens" else states
     assert sorted(p.name for p in out.glob("chunk*")) == [latent_store.chunk_name(k) for k in range(NUM_CHUNKS)]
@@ -297,7 +298,7 @@ def test_text_states_computed_online_from_stored_tokens_equal_the_stored_ones(si
     from composer.utils import reproducibility
 
     from t2ibench.families import MODEL_CONFIGS
-    from t2ibench.model import DiffusionModel
+    from t2ibench.train.model import DiffusionModel
 
     reproducibility.seed_all(SEED)  # as benchmark.py --precomputed on tokens builds its parts
     family = MODEL_CONFIGS["tiny"]
@@ -314,8 +315,8 @@ def test_text_states_computed_online_from_stored_tokens_equal_the_stored_ones(si
 
 
 def test_sources_syntax():
-    from t2ibench.errors import UserError
-    from t2ibench.sources import Source
+    from t2ibench.core.errors import UserError
+    from t2ibench.datasets.sources import Source
 
     def pairs(remote):
         return [(s.remote, s.proportion) for s in parse_sources(remote, "/tmp/x")]
@@ -413,7 +414,7 @@ def test_two_sources_mixed_in_one_run(single, states, source, tmp_path):
     # Mixed formats are refused; the image loader takes several sources too.
     with pytest.raises(ValueError, match="mix precomputed formats"):
         data.StreamingLatents(remote=f"{single[0]},{states[0]}", local=str(tmp_path / "mixed"), batch_size=4)
-    from t2ibench.tokenizer import bundled_tokenizer
+    from t2ibench.core.tokenizer import bundled_tokenizer
 
     source2 = tmp_path / "source2"
     shutil.copytree(source, source2)

@@ -15,7 +15,7 @@ import yaml
 
 import benchmark
 from t2ibench.callbacks.mlperf_log import hyperparameters
-from t2ibench.mlperf import RULESET, newest_rcp_round, rcp_rounds, rcp_verdict, reference_samples_to_target
+from t2ibench.costs.mlperf import RULESET, newest_rcp_round, rcp_rounds, rcp_verdict, reference_samples_to_target
 from tests.helpers import ROOT, error_of, mlperf_ruleset_copy
 
 RECIPE = f"@{ROOT}/recipes/flux1-mlperf.args"

@@ -3,7 +3,7 @@
 * warm-up + gradient clipping + caption dropout + min-SNR + offset noise + EMA start: a run cut
   after its checkpoint at batch 2 (a callback passed in raises) and resumed with --autoresume
   ends with the weights, EMA and loss bins of the run that was not cut, bit for bit;
-* --grad_clip_norm's clipping (t2ibench.grad_norm) is Composer's GradientClipping, to the bit;
+* --grad_clip_norm's clipping (t2ibench.train.grad_norm) is Composer's GradientClipping, to the bit;
 * caption dropout replaces rows by the empty caption in every data path, the same rows under a seed;
 * min-SNR-gamma weights match the formula for epsilon and v-prediction;
 * sample grids written while training; --ema_export_dir and export.py write pipelines that
@@ -26,9 +26,9 @@ from PIL import Image
 import benchmark
 from t2ibench.families import MODEL_CONFIGS
 from t2ibench.families.sd2 import TINY_SCALING_FACTOR
-from t2ibench.grad_norm import GradientNorm
-from t2ibench.model import DiffusionModel
-from t2ibench.tokenizer import tokenize
+from t2ibench.train.grad_norm import GradientNorm
+from t2ibench.train.model import DiffusionModel
+from t2ibench.core.tokenizer import tokenize
 from tests.helpers import ROOT, TINY_SYNTH
 
 SD2 = MODEL_CONFIGS["tiny"]

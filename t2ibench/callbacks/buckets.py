@@ -14,9 +14,9 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from t2ibench.buckets import Bucket
+from t2ibench.datasets.buckets import Bucket
 from t2ibench.callbacks.progress import format_seconds
-from t2ibench.compiling import compile_seconds
+from t2ibench.train.compiling import compile_seconds
 
 
 def batch_bucket(batch: dict[str, torch.Tensor], latent_downsample: int) -> str:
@@ -184,7 +184,7 @@ class BucketThroughput(Callback):
 
     def __init__(self, warmup_batches: int, latent_downsample: int):
         # What the bucketed order depends on is recorded and compared on resume by RunRecord
-        # (t2ibench.data_order); checkpoints before issue 45 kept the ranks and workers here too.
+        # (t2ibench.train.data_order); checkpoints before issue 45 kept the ranks and workers here too.
         self.warmup_batches, self.latent_downsample = warmup_batches, latent_downsample
         self.images: Counter[str] = Counter()  # every trained batch of this run, this rank
         self.measured_images: Counter[str] = Counter()

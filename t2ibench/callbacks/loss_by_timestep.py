@@ -8,7 +8,7 @@ from composer.core import Callback, State, Time, TimeUnit
 from composer.loggers import Logger
 from composer.utils import dist
 
-from t2ibench.model import unwrap_model
+from t2ibench.train.model import unwrap_model
 
 
 class LossByTimestep(Callback):

@@ -18,8 +18,8 @@ from mlperf_logging.mllog import constants as keys
 from mlperf_logging.mllog.mllog import MLLogger
 
 from t2ibench.callbacks.validation import ValidationLog
-from t2ibench.files import write_text
-from t2ibench.mlperf import BENCHMARKS, benchmark_of
+from t2ibench.core.files import write_text
+from t2ibench.costs.mlperf import BENCHMARKS, benchmark_of
 
 # MLPerf's init_start: when benchmark.main began (`note_init_start`); the set-up, data and model included,
 # is initialization, off the clock, which starts at run_start. A process's first run falls back on the import.
@@ -91,7 +91,7 @@ class MlperfLog(Callback):
         self.run_start_ms: int | None = None  # wall-clock ms of run_start; later events add the run's clock
         self.stopped = False
         self._scored = 0  # evaluations of validation.history already logged
-        name = f"t2ibench.mlperf.{id(self)}"  # one logger per run: mllog writes through a logging.Logger
+        name = f"t2ibench.costs.mlperf.{id(self)}"  # one logger per run: mllog writes through a logging.Logger
         sink = logging.getLogger(name)
         sink.propagate, sink.handlers = False, [_Lines(self.lines)]
         sink.setLevel(logging.INFO)
@@ -158,7 +158,7 @@ class MlperfLog(Callback):
         for entry in new:  # one per evaluation (none for a retried job's repeat of its checkpoint's)
             at, samples = entry["elapsed_seconds"], entry["samples_trained"]
             if entry is history[0]:
-                # The held-out samples the evaluation scored, as t2ibench.validation counts them.
+                # The held-out samples the evaluation scored, as t2ibench.eval.validation counts them.
                 self._event(keys.EVAL_SAMPLES, entry["held_out_samples"], seconds=at)
             if self.metrics == "images":
                 for metric, score, scale in (("FID", entry.get("fid"), 1.0), ("CLIP", entry.get("clip_score"), 0.01)):

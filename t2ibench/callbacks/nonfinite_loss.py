@@ -18,12 +18,12 @@ from composer.core import Callback, Precision, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from t2ibench.files import write_error, write_text
-from t2ibench.grad_norm import GradientNorm
-from t2ibench.locations import is_remote
+from t2ibench.core.files import write_error, write_text
+from t2ibench.train.grad_norm import GradientNorm
+from t2ibench.core.locations import is_remote
 
 if TYPE_CHECKING:
-    from t2ibench.settings import Settings
+    from t2ibench.train.settings import Settings
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -20,7 +20,7 @@ from composer.utils import dist
 from torch.profiler import ProfilerActivity, profile
 
 from t2ibench.callbacks.throughput import Pauses
-from t2ibench.files import atomic_path, write_error
+from t2ibench.core.files import atomic_path, write_error
 
 TOP_OPS = 15
 

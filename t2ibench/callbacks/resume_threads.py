@@ -1,5 +1,5 @@
 """A CPU run's intra-op thread count of every rank in its checkpoints, and a run that resumes from one
-computing on each rank with that rank's count (t2ibench.cpu_threads.resume): another count would sum
+computing on each rank with that rank's count (t2ibench.train.cpu_threads.resume): another count would sum
 the step's floats in another order. Logs nothing."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from t2ibench import cpu_threads
-from t2ibench.cpu_threads import CpuThreads
+from t2ibench.train import cpu_threads
+from t2ibench.train.cpu_threads import CpuThreads
 
 
 class KeepCpuThreadsOnResume(Callback):

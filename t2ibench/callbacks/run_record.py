@@ -1,5 +1,5 @@
 """Record the run's settings in every checkpoint, for export.py and for a run that resumes from it (its
-data order, t2ibench.data_order); logs nothing."""
+data order, t2ibench.train.data_order); logs nothing."""
 from __future__ import annotations
 
 import sys
@@ -9,8 +9,8 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from t2ibench.data_order import RECORD_KEY, resume_problem, saved_order
-from t2ibench.errors import fail
+from t2ibench.train.data_order import RECORD_KEY, resume_problem, saved_order
+from t2ibench.core.errors import fail
 
 
 class RunRecord(Callback):

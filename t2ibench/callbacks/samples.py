@@ -16,8 +16,8 @@ from composer.utils import dist
 
 from t2ibench.callbacks.throughput import Pauses
 from t2ibench.families import ModelFamily, Parts
-from t2ibench.model import unwrap_model
-from t2ibench.sampling import decode, image_grid, make_sampler, sample_latents
+from t2ibench.train.model import unwrap_model
+from t2ibench.eval.sampling import decode, image_grid, make_sampler, sample_latents
 
 
 class WeightAverage(Protocol):
@@ -44,7 +44,7 @@ class SampleImages(Callback):
         prompts: the captions to draw.
         folder: where the PNGs go (created by rank 0).
         interval: Composer time string in batches or epochs; None: no grid, only `draw` when asked
-            (t2ibench.image_metrics draws the held-out captions with it at each evaluation).
+            (t2ibench.eval.image_metrics draws the held-out captions with it at each evaluation).
         encoders: the parts used to encode prompts and decode latents (tokenizers, text encoders,
             VAE, latent scale and shift): the model's own, or separately built copies when the
             model trains without them (precomputed).

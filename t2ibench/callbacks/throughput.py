@@ -16,7 +16,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from t2ibench.callbacks.buckets import BucketFlops
-from t2ibench.compiling import compile_seconds, graphs_compiled, recompile_limit_hits, watch_recompile_limits
+from t2ibench.train.compiling import compile_seconds, graphs_compiled, recompile_limit_hits, watch_recompile_limits
 
 
 class Pauses:

@@ -14,9 +14,9 @@ from composer.loggers import Logger, WandBLogger
 from composer.utils import dist
 
 from t2ibench.callbacks.throughput import Pauses
-from t2ibench.errors import fail
-from t2ibench.image_metrics import ImageQuality
-from t2ibench.validation import EVAL_LABEL, ValidationLoss
+from t2ibench.core.errors import fail
+from t2ibench.eval.image_metrics import ImageQuality
+from t2ibench.eval.validation import EVAL_LABEL, ValidationLoss
 
 # The x axis of the validation curve in W&B: samples trained over all ranks (MLPerf counts samples).
 SAMPLES_KEY = "eval/samples_trained"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from t2ibench.errors import fail
+from t2ibench.core.errors import fail
 from t2ibench.families.family import ModelFamily, Parts, build_aside, require_pretrained
 from t2ibench.families.flux import Flux
 from t2ibench.families.sd2 import SD2

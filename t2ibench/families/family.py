@@ -20,10 +20,10 @@ from diffusers.models.autoencoders.vae import Encoder
 from diffusers.models.resnet import ResnetBlock2D
 from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
-from t2ibench.errors import fail
-from t2ibench.flops import count_flops, count_forward_backward
-from t2ibench.images import image_shape
-from t2ibench.objectives import Objective
+from t2ibench.core.errors import fail
+from t2ibench.families.flops import count_flops, count_forward_backward
+from t2ibench.core.images import image_shape
+from t2ibench.families.objectives import Objective
 
 TextInputs = dict[str, torch.Tensor]  # tokenized captions by batch key, e.g. {"captions": (B, 77) ids}
 Conditioning = dict[str, torch.Tensor]  # what the denoiser is conditioned on, e.g. {"text_states": (B, 77, D)}
@@ -117,7 +117,7 @@ class ModelFamily(ABC):
     # benchmark.py flags the family does not take, with why: refused by name when given.
     refused_flags: ClassVar[dict[str, str]] = {}
     # Precomputed data stores the text encoders' outputs by default (latents.py, and what --precomputed
-    # --use_synth_data imitates) rather than token ids: t2ibench.precomputed.default_format names it.
+    # --use_synth_data imitates) rather than token ids: t2ibench.datasets.precomputed.default_format names it.
     precomputes_text_states: ClassVar[bool] = False
     # MDS columns of token ids stored under another name than their batch key (SD2: captions -> token_ids).
     token_columns: ClassVar[dict[str, str]] = {}
@@ -287,7 +287,7 @@ class ModelFamily(ABC):
     def compile_blocks(self, module: torch.nn.Module) -> list[torch.nn.Module]:
         """The blocks of `module` (the denoiser, the VAE encoder or a text encoder) that `--compile`
         compiles one at a time, so that blocks of the same shapes run one compiled graph
-        (`t2ibench.compiling`): the outermost modules of `compile_block_classes`, except that a
+        (`t2ibench.train.compiling`): the outermost modules of `compile_block_classes`, except that a
         Transformer2DModel holding a single transformer block (all of SD2's) is compiled whole, its
         norm and projections with its block, at no more graphs; one holding several (SDXL's 2 and 10)
         has its blocks compiled, which repeat. No block holds another, so no graph is compiled inside

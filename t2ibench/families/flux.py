@@ -15,14 +15,14 @@ from transformers import ByT5Tokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderM
 from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 from transformers.models.t5.modeling_t5 import T5Block
 
-from t2ibench.errors import fail
+from t2ibench.core.errors import fail
 from t2ibench.families.family import TINY_VAE_LOGVAR_BIAS, ModelFamily, Parts, load_pretrained, new_text_encoder
-from t2ibench.flops import count_flops
-from t2ibench.images import image_shape
-from t2ibench.objectives import RectifiedFlowObjective
-from t2ibench.tokenizer import MAX_LENGTH as CLIP_MAX_LENGTH
-from t2ibench.tokenizer import VOCAB_SIZE as CLIP_VOCAB_SIZE
-from t2ibench.tokenizer import bundled_tokenizer, tokenize
+from t2ibench.families.flops import count_flops
+from t2ibench.core.images import image_shape
+from t2ibench.families.objectives import RectifiedFlowObjective
+from t2ibench.core.tokenizer import MAX_LENGTH as CLIP_MAX_LENGTH
+from t2ibench.core.tokenizer import VOCAB_SIZE as CLIP_VOCAB_SIZE
+from t2ibench.core.tokenizer import bundled_tokenizer, tokenize
 
 PATCH_SIZE = 2  # latents are cut into 2x2 patches: 16 channels -> 64 per token
 VAE_DOWNSAMPLE = 8  # pixels per latent pixel (four VAE blocks, three downsamplings)

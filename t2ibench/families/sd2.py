@@ -12,8 +12,8 @@ from diffusers import (DDIMScheduler, DDPMScheduler, EulerDiscreteScheduler, Sta
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from t2ibench.families.family import TINY_VAE_LOGVAR_BIAS, ModelFamily, Parts, load_pretrained
-from t2ibench.objectives import DDPMObjective
-from t2ibench.tokenizer import MAX_LENGTH, VOCAB_SIZE, bundled_tokenizer, tokenize
+from t2ibench.families.objectives import DDPMObjective
+from t2ibench.core.tokenizer import MAX_LENGTH, VOCAB_SIZE, bundled_tokenizer, tokenize
 
 LATENT_SCALE = 0.18215  # SD2's VAE scaling_factor: latents * 0.18215 have roughly unit variance
 _CROSS_DOWN = ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"]

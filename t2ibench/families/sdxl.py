@@ -14,9 +14,9 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokeniz
 
 from t2ibench.families.family import ModelFamily, Parts, load_pretrained
 from t2ibench.families.sd2 import SCHEDULER_CONFIG, TINY
-from t2ibench.images import CROP_KEY, ORIGINAL_SIZE_KEY
-from t2ibench.objectives import DDPMObjective
-from t2ibench.tokenizer import MAX_LENGTH, VOCAB_SIZE, bundled_tokenizer, tokenize
+from t2ibench.core.images import CROP_KEY, ORIGINAL_SIZE_KEY
+from t2ibench.families.objectives import DDPMObjective
+from t2ibench.core.tokenizer import MAX_LENGTH, VOCAB_SIZE, bundled_tokenizer, tokenize
 
 MODEL_NAME = "stabilityai/stable-diffusion-xl-base-1.0"
 VAE_SCALING_FACTOR = 0.13025  # SDXL VAE's: latents x 0.13025 have roughly unit variance

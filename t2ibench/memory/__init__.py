@@ -17,11 +17,11 @@ from t2ibench.memory.saved import LiveBytes, SavedForBackward
 from t2ibench.memory.step import (COUNTED_MICROBATCHES, MetaStep, StepCount, build_meta_model, build_meta_step,
                                   count_step, linear_rows_per_sample, meta_batch, use_checkpointing, use_float8)
 # The values the functions above accept, each list defined by its owner.
-from t2ibench.norms import NORM_PRECISIONS
-from t2ibench.parallel import FSDP_MODES
-from t2ibench.precision import PRECISIONS
-from t2ibench.precomputed import TEXT_FORMATS
-from t2ibench.weight_casts import WEIGHT_CASTS
+from t2ibench.train.norms import NORM_PRECISIONS
+from t2ibench.train.parallel import FSDP_MODES
+from t2ibench.train.precision import PRECISIONS
+from t2ibench.datasets.precomputed import TEXT_FORMATS
+from t2ibench.train.weight_casts import WEIGHT_CASTS
 
 __all__ = [
     "ALLOCATOR_RESERVE_FRACTION", "COUNTED_MICROBATCHES", "CUDA_AUTOCAST", "CUDA_CONTEXT_BYTES",

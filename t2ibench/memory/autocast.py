@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map_only
 
 from t2ibench.memory.saved import storage_key
-from t2ibench.norms import NORM_PRECISIONS
-from t2ibench.precision import PRECISIONS
+from t2ibench.train.norms import NORM_PRECISIONS
+from t2ibench.train.precision import PRECISIONS
 
 # CUDA autocast's policy in torch 2.7.0 (ATen/autocast_mode.h: AT_FORALL_LOWER_PRECISION_FP,
 # AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE), by the name of the Python function through which

@@ -10,13 +10,14 @@ from typing import Any
 
 import torch
 
-from t2ibench import allocator, devices
+from t2ibench.train import allocator
+from t2ibench.core import devices
 from t2ibench.families import family_of
 from t2ibench.memory.autocast import CUDA_AUTOCAST, autocast_dtype, probe_cpu_autocast
 from t2ibench.memory.step import COUNTED_MICROBATCHES, build_meta_step, count_step
-from t2ibench.parallel import FSDP_MODES
-from t2ibench.precomputed import TEXT_STATES, batch_text_format
-from t2ibench.weight_casts import WEIGHT_CASTS
+from t2ibench.train.parallel import FSDP_MODES
+from t2ibench.datasets.precomputed import TEXT_STATES, batch_text_format
+from t2ibench.train.weight_casts import WEIGHT_CASTS
 
 GIB = 2**30
 # Device memory the PyTorch allocator never sees: the CUDA context with its kernels (about 0.5-0.6
@@ -24,13 +25,13 @@ GIB = 2**30
 # hundred MiB for 8 ranks on NVLink).
 CUDA_CONTEXT_BYTES = int(1.5 * GIB)
 # The caching allocator's reserve over what tensors hold (max_memory_reserved / max_memory_allocated
-# - 1), by its setting (t2ibench.allocator). torch's default: blocks rounded up and split, and whole
+# - 1), by its setting (t2ibench.train.allocator). torch's default: blocks rounded up and split, and whole
 # segments cached for sizes no later request fits, which cannot go back to the device while one block
 # in them lives. 10% is a margin for a step with fixed shapes (H100, 2026-11-25/26: 1.4-2.3% for
 # SD2 precomputed and SDXL without checkpointing, 6.1-6.5% for SDXL with it; SD2 online, whose VAE
 # allocates other sizes than the UNet, 11-16%).
 ALLOCATOR_RESERVE_FRACTION = 0.10
-# With expandable segments (the default on CUDA, t2ibench.allocator): one segment per stream grows in
+# With expandable segments (the default on CUDA, t2ibench.train.allocator): one segment per stream grows in
 # 20 MiB pages (2 MiB for allocations under 1 MiB), and before it reports out of memory the allocator
 # unmaps every free page and retries, so a free hole costs no device memory at the limit. What stays
 # is blocks rounded and split and part-used pages: measured on an H100 (results/h100-2026-11-27),
@@ -44,7 +45,7 @@ EXPANDABLE_SEGMENTS_RESERVE_FRACTION = 0.05
 # (t2ibench.callbacks.oom_fallback).
 HEADROOM_FRACTION = 0.03
 # torch.cuda.get_device_properties(0).total_memory of common GPUs, GiB, by label: what `auto` compares
-# with where no GPU is visible (t2ibench.devices' table).
+# with where no GPU is visible (t2ibench.core.devices' table).
 GPU_MEMORY_GIB = devices.GPU_MEMORY_GIB
 MAX_MICROBATCH = 1024
 
@@ -77,8 +78,8 @@ def activation_model(model_config: str, image_size: int, *, precision: str = "am
     """Count the step at microbatch 2 and 4 under `precision` ("fp32", "amp_bf16", "amp_fp16").
 
     `sharded`: under FSDP (the denoiser's parameters reach the forward in the autocast dtype);
-    `weight_casts` "step" (t2ibench.weight_casts): the forward computes with bf16 copies of the
-    weights, so, as under FSDP, autocast casts none of them. `fp8`: `--fp8`'s recipe (t2ibench.fp8),
+    `weight_casts` "step" (t2ibench.train.weight_casts): the forward computes with bf16 copies of the
+    weights, so, as under FSDP, autocast casts none of them. `fp8`: `--fp8`'s recipe (t2ibench.train.fp8),
     "off" for none.
     Counted once per process and setting (seconds on a CPU: about 10 s for SD2, 30 s for SDXL at
     1024, longer for Flux.1's 11.9B parameters)."""
@@ -156,7 +157,7 @@ def fixed_bytes(model_config: str, *, precision: str = "amp_bf16", precomputed: 
 
     `weight_casts` "step": the bf16 copies of the weights live all run (in place of autocast's cached
     casts); the step's gradients are summed in fp32, as autocast's, from the first microbatch's
-    upcast on (t2ibench.weight_casts). That upcast holds the first backward's bf16 gradients beside
+    upcast on (t2ibench.train.weight_casts). That upcast holds the first backward's bf16 gradients beside
     the fp32 ones once the activations are gone (`plan` checks that moment apart: "step_end_bytes")."""
     if fsdp not in FSDP_MODES:
         raise ValueError(f"fsdp must be one of {FSDP_MODES}, not {fsdp!r}")
@@ -171,7 +172,7 @@ def fixed_bytes(model_config: str, *, precision: str = "amp_bf16", precomputed: 
     shards = num_gpus if fsdp != "none" else 1
     copies = fsdp == "none" and weight_casts == "step" and dtype is not None
     if copies:
-        gathered = compute_bytes * num_params  # t2ibench.weight_casts' bf16 copies
+        gathered = compute_bytes * num_params  # t2ibench.train.weight_casts' bf16 copies
     elif fsdp == "none":
         # Autocast's cached weight casts, kept by autograd until backward (counted in the step).
         gathered = weight_cast_bytes

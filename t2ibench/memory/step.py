@@ -10,13 +10,13 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint
 
-from t2ibench import fp8 as float8
+from t2ibench.train import fp8 as float8
 from t2ibench.families import family_of
-from t2ibench.images import GEOMETRY_KEYS, image_shape
+from t2ibench.core.images import GEOMETRY_KEYS, image_shape
 from t2ibench.memory.autocast import CUDA_AUTOCAST, AutocastPolicy, AutocastRules, autocast_dtype
 from t2ibench.memory.saved import LiveBytes, SavedForBackward, storage_key
-from t2ibench.model import DiffusionModel
-from t2ibench.precomputed import TEXT_STATES, batch_text_format
+from t2ibench.train.model import DiffusionModel
+from t2ibench.datasets.precomputed import TEXT_STATES, batch_text_format
 
 COUNTED_MICROBATCHES = (2, 4)  # the step is counted at these sizes; bytes are linear in the size from 2 on
 
@@ -89,7 +89,7 @@ def meta_batch(model: DiffusionModel, model_config: str, image_size: int | tuple
 def linear_rows_per_sample(model_config: str, image_size: int, text_format: str | None) -> dict[str, int]:
     """Rows of input each Linear layer of the denoiser sees per sample in the training step (its
     tokens; 1 for a layer applied once per sample), by module name, read off one forward on the meta
-    device (`text_format`: None online, else the precomputed format). t2ibench.fp8 converts by them."""
+    device (`text_format`: None online, else the precomputed format). t2ibench.train.fp8 converts by them."""
     model = build_meta_model(model_config, precomputed=text_format is not None, precomputed_format=text_format)
     microbatch, rows = COUNTED_MICROBATCHES[0], {}
 
@@ -150,9 +150,9 @@ def build_meta_step(model_config: str, image_size: int, *, precision: str, norm_
                     device_type: str = "cuda", fp8: str = "off") -> MetaStep:
     """The step a run with these settings takes, on the meta device, in training mode: the frozen
     parts in the autocast dtype; `low_precision_weights`: the denoiser's too, as the forward sees
-    them under FSDP's mixed precision or t2ibench.weight_casts' copies; `fp8` and
+    them under FSDP's mixed precision or t2ibench.train.weight_casts' copies; `fp8` and
     `activation_checkpointing` applied as benchmark.py applies them. `text_format`: None online,
-    else the precomputed format. The memory count and the kernel count (t2ibench.kernels) share it."""
+    else the precomputed format. The memory count and the kernel count (t2ibench.memory.kernels) share it."""
     dtype = autocast_dtype(precision)
     policy = policy.with_norms(norm_precision)
     model = build_meta_model(model_config, precomputed=text_format is not None, precomputed_format=text_format,
