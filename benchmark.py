@@ -32,7 +32,6 @@ import data
 from t2ibench.train import allocator, cpu_convs, fp8, parallel
 from t2ibench.commands import checks, flags, stack
 from t2ibench.core import errors
-from t2ibench.eval import image_metrics
 from t2ibench import memory
 from t2ibench.callbacks.buckets import BucketFlops, BucketThroughput
 from t2ibench.callbacks.empty_epoch import EmptyEpochError, StopOnEmptyEpoch
@@ -47,7 +46,7 @@ from t2ibench.callbacks.resume_threads import KeepCpuThreadsOnResume
 from t2ibench.callbacks.run_record import RunRecord
 from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses, Throughput
-from t2ibench.callbacks.validation import ValidationLog
+from t2ibench.callbacks.validation import ValidationLog, image_quality
 from t2ibench.datasets.buckets import Bucket, largest_bucket
 from t2ibench.train.checkpoints import write_whole
 from t2ibench.train.compiling import compile_step_parts
@@ -369,7 +368,7 @@ def build_trainer(settings: Settings, run: Runtime, built: Model, training_data:
         algorithms.append(CastWeightsOncePerStep(model.denoiser))
     evaluators = []
     if training_data.eval_loader is not None:
-        images = image_metrics.for_run(settings, training_data.eval_loader.dataset, encoders, pauses, measured.ema)
+        images = image_quality(settings, training_data.eval_loader.dataset, encoders, pauses, measured.ema)
         measured.validation = ValidationLog.for_run(settings, pauses, images)  # stops the run at its targets
         evaluators.append(validation_evaluator(training_data.eval_loader, run.microbatch, settings.eval_samples))
     write_whole()  # a checkpoint is complete under its name, or absent (a full disk leaves no part of it)

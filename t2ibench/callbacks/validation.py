@@ -6,6 +6,7 @@ logs and keeps: docs/metrics.md, "Validation loss", "FID and CLIP score" and "Ti
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,10 +14,12 @@ from composer.core import Callback, State
 from composer.loggers import Logger, WandBLogger
 from composer.utils import dist
 
+from t2ibench.callbacks.samples import SampleImages
 from t2ibench.callbacks.throughput import Pauses
 from t2ibench.core.errors import fail
-from t2ibench.eval.image_metrics import ImageQuality
-from t2ibench.eval.validation import EVAL_LABEL, ValidationLoss
+from t2ibench.eval import fid_stats
+from t2ibench.eval.image_metrics import ImageQuality, load_clip, load_fid
+from t2ibench.eval.validation import EVAL_LABEL, ValidationLoss, held_out_read
 
 # The x axis of the validation curve in W&B: samples trained over all ranks (MLPerf counts samples).
 SAMPLES_KEY = "eval/samples_trained"
@@ -202,3 +205,24 @@ def best_toward_targets(r: dict) -> list[str]:
         if r.get(target) is not None:
             best.append(f"best {name} {pick(values):{shown}}" if values else f"no {name} measured")
     return best
+
+
+def image_quality(settings: Any, held_out: Any, encoders: Any, pauses: Any, average: Any) -> ImageQuality | None:
+    """The run's ImageQuality (None without --fid_weights and --clip_model), its files loaded now: a
+    file that does not load stops the run here, before training. Built here, not in eval/image_metrics.py:
+    its drawer is the sampling callback, and eval/ may not import callbacks/. `held_out`: the held-out dataset;
+    `encoders`: the parts that encode captions and decode latents; `average`: the run's EMA or None."""
+    if settings.fid_weights is None and settings.clip_model is None:
+        return None
+    fid, comparable = load_fid(settings.fid_weights, settings.image_size) if settings.fid_weights else (None, False)
+    clip = load_clip(settings.clip_model, settings.image_size) if settings.clip_model else None
+    num_samples = settings.image_eval_samples or held_out_read(held_out.num_samples, settings.eval_samples)
+    stats_from = None
+    if settings.fid_real_stats is not None:
+        stats_from = fid_stats.describe(fid_stats.file_sha256(settings.fid_weights), settings.image_size, num_samples)
+        if Path(settings.fid_real_stats).is_file():  # refused now, before training, when it does not fit the run
+            fid_stats.read(settings.fid_real_stats, stats_from, int(fid.real_features_sum.shape[0]))
+    drawer = SampleImages(settings.family, [""] * num_samples, "", None, encoders=encoders, height=settings.image_size,
+                          width=settings.image_size, pauses=pauses, average=average, sampler=settings.sampler,
+                          num_steps=settings.sample_steps, guidance_scale=settings.guidance_scale, seed=settings.seed)
+    return ImageQuality(held_out, num_samples, drawer, fid, comparable, clip, settings.fid_real_stats, stats_from)

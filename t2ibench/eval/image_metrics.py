@@ -19,7 +19,6 @@ from torchmetrics.multimodal.clip_score import CLIPScore
 from t2ibench.eval import fid_stats
 from t2ibench.core.errors import fail
 from t2ibench.core.locations import file_problem
-from t2ibench.eval.validation import held_out_read
 
 # MLPerf's Stable Diffusion v2 target (Training v3.1-v5.0): both at one evaluation, on 30,000 COCO captions.
 MLPERF_SD2_FID, MLPERF_SD2_CLIP_SCORE = 90.0, 15.0  # CLIP: 0.15 as a cosine, 15.0 as torchmetrics reports it
@@ -383,25 +382,3 @@ def check_image_flags(settings: Any, held_out: int | None) -> None:
              "(--eval_remote/--eval_local, --eval_samples); give at most that many")
     if settings.fid_weights is not None and samples < 2:
         fail(f"--image_eval_samples {samples}: FID needs at least 2 images (a covariance); give more")
-
-
-def for_run(settings: Any, held_out: Any, encoders: Any, pauses: Any, average: Any) -> ImageQuality | None:
-    """The run's ImageQuality (None without --fid_weights and --clip_model), its files loaded now: a
-    file that does not load stops the run here, before training. `held_out`: the held-out dataset;
-    `encoders`: the parts that encode captions and decode latents; `average`: the run's EMA or None."""
-    if settings.fid_weights is None and settings.clip_model is None:
-        return None
-    from t2ibench.callbacks.samples import SampleImages  # it imports the model; image_metrics is imported by checks
-
-    fid, comparable = load_fid(settings.fid_weights, settings.image_size) if settings.fid_weights else (None, False)
-    clip = load_clip(settings.clip_model, settings.image_size) if settings.clip_model else None
-    num_samples = settings.image_eval_samples or held_out_read(held_out.num_samples, settings.eval_samples)
-    stats_from = None
-    if settings.fid_real_stats is not None:
-        stats_from = fid_stats.describe(fid_stats.file_sha256(settings.fid_weights), settings.image_size, num_samples)
-        if Path(settings.fid_real_stats).is_file():  # refused now, before training, when it does not fit the run
-            fid_stats.read(settings.fid_real_stats, stats_from, int(fid.real_features_sum.shape[0]))
-    drawer = SampleImages(settings.family, [""] * num_samples, "", None, encoders=encoders, height=settings.image_size,
-                          width=settings.image_size, pauses=pauses, average=average, sampler=settings.sampler,
-                          num_steps=settings.sample_steps, guidance_scale=settings.guidance_scale, seed=settings.seed)
-    return ImageQuality(held_out, num_samples, drawer, fid, comparable, clip, settings.fid_real_stats, stats_from)
