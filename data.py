@@ -31,10 +31,10 @@ from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
 from t2ibench.core.images import (CROP_KEY, GEOMETRY_KEYS, ORIGINAL_SIZE_KEY, ImageGeometry,  # noqa: F401
                              decode_pixels, decode_pixels_placed, decode_pixels_with_geometry, load_image,  # data's API
                              oriented_size, to_rgb)
-from t2ibench.datasets.precomputed import (DEFAULT_FAMILY, LATENT_KEYS, TEXT_FORMATS, TEXT_STATES,
-                                  TEXT_STATES_KEY, TOKENS,
-                                  column_arrays, stored_shapes, text_format, token_column)
 from t2ibench.core.locations import is_remote
+from t2ibench.datasets.precomputed import (DEFAULT_FAMILY, LATENT_KEYS, TEXT_FORMATS, TEXT_STATES, TOKENS,
+                                       column_arrays, stored_shapes, text_format, token_column)
+from t2ibench.families.family import TEXT_STATES_KEY
 from t2ibench.datasets.sources import Source, parse_sources
 from t2ibench.datasets.streaming import (BAD_CHECK_AFTER, MAX_BAD_FRACTION, ResumesAfterItsEpoch, StreamingSettings,
                                 register_shm_prefixes_one_job_at_a_time)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from t2ibench.families import MODEL_CONFIGS, ModelFamily
+from t2ibench.families.family import TEXT_STATES_KEY, TOKENS_KEY
 from t2ibench.core.images import GEOMETRY_KEYS
 from t2ibench.core.tokenizer import MAX_LENGTH
 
@@ -20,10 +21,9 @@ LATENT_DTYPES = ("float16", "float32")  # what a latent column may be stored as
 TOKEN_DTYPES = ("uint8", "uint16", "int16", "int32", "int64")  # what a token-id column may be stored as
 # --storage_dtype: the flag's name of each latent dtype (NumPy, hence MDS, has no bfloat16).
 STORAGE_DTYPES = dict(zip(("fp16", "fp32"), LATENT_DTYPES))
-TEXT_STATES_KEY = "text_states"  # SD2's column and batch key of the text_states format
-TOKEN_IDS_COLUMN = "token_ids"  # SD2's column of the tokens format; yielded as "captions", like image batches
+# SD2's columns: TEXT_STATES_KEY in the text_states format; TOKEN_IDS_COLUMN in the tokens format, yielded as
+# TOKENS_KEY, like image batches (the families' keys, families/family.py).
 TOKEN_IDS_DTYPE = "uint16"  # CLIP's 49,408 and T5's 32,128 ids fit: half of int32, a quarter of int64
-TOKENS_KEY = "captions"
 GEOMETRY_DTYPE = "int32"  # a micro-conditioned family's (SDXL) original size and crop, two each
 # latents.py --aspect_buckets: each sample's bucket (height, width in pixels), int32, beside latents of
 # that bucket's shape (their columns then have no fixed shape: MDS stores each sample's).

@@ -12,9 +12,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from t2ibench.datasets.buckets import Bucket, synthetic_bucket
 from t2ibench.families import ModelFamily
+from t2ibench.families.family import TEXT_STATES_KEY
 from t2ibench.families.sd2 import LATENT_SCALE as SD2_LATENT_SCALE
 from t2ibench.core.images import CROP_KEY, ORIGINAL_SIZE_KEY, ImageGeometry
-from t2ibench.datasets.precomputed import DEFAULT_FAMILY, TEXT_FORMATS, TEXT_STATES, TEXT_STATES_KEY, TOKENS
+from t2ibench.datasets.precomputed import DEFAULT_FAMILY, TEXT_FORMATS, TEXT_STATES, TOKENS
 from t2ibench.core.tokenizer import MAX_LENGTH
 
 

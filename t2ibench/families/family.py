@@ -27,6 +27,11 @@ from t2ibench.families.objectives import Objective
 
 TextInputs = dict[str, torch.Tensor]  # tokenized captions by batch key, e.g. {"captions": (B, 77) ids}
 Conditioning = dict[str, torch.Tensor]  # what the denoiser is conditioned on, e.g. {"text_states": (B, 77, D)}
+# The batch keys of SD2's and SDXL's text, defined once here: the families and the precomputed format, which
+# stores and yields them as they are, import them (Flux.1 names its own).
+TOKENS_KEY = "captions"  # a caption's token ids (the 2023 benchmark's batch key)
+TEXT_STATES_KEY = "text_states"  # the text encoders' states the denoiser attends to (encoded, or precomputed)
+TOKEN_IDS_COLUMN = "token_ids"  # the precomputed column of TOKENS_KEY's ids (the format's first release)
 
 
 @dataclass

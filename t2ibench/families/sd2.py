@@ -11,7 +11,8 @@ from diffusers import (DDIMScheduler, DDPMScheduler, EulerDiscreteScheduler, Sta
                        UNet2DConditionModel)
 from transformers import CLIPTextModel, CLIPTokenizer
 
-from t2ibench.families.family import TINY_VAE_LOGVAR_BIAS, ModelFamily, Parts, load_pretrained
+from t2ibench.families.family import (TEXT_STATES_KEY, TINY_VAE_LOGVAR_BIAS, TOKEN_IDS_COLUMN, TOKENS_KEY, ModelFamily,
+                                      Parts, load_pretrained)
 from t2ibench.families.objectives import DDPMObjective
 from t2ibench.core.tokenizer import MAX_LENGTH, VOCAB_SIZE, bundled_tokenizer, tokenize
 
@@ -77,10 +78,10 @@ class SD2(ModelFamily):
     pipeline_class = "StableDiffusionPipeline"
     pipeline_parts = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
     parallelism = "ddp"
-    text_input_keys = ("captions",)
-    conditioning_keys = ("text_states",)
+    text_input_keys = (TOKENS_KEY,)
+    conditioning_keys = (TEXT_STATES_KEY,)
     samplers = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler}
-    token_columns = {"captions": "token_ids"}  # the column name of the format's first release
+    token_columns = {TOKENS_KEY: TOKEN_IDS_COLUMN}  # the column name of the format's first release
     refused_flags = {"aspect_buckets": "SD2 trains on squares, as its 2023 recipe did; buckets are for the families "
                                        "with size conditioning or patch tokens (SDXL, Flux.1)"}
 
@@ -93,22 +94,22 @@ class SD2(ModelFamily):
         return {"tokenizer": tokenizer}, ["tokenizer"]
 
     def conditioning_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
-        return {"text_states": (MAX_LENGTH, self.architectures[config]["text_encoder"]["hidden_size"])}
+        return {TEXT_STATES_KEY: (MAX_LENGTH, self.architectures[config]["text_encoder"]["hidden_size"])}
 
     def text_input_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
-        return {"captions": (MAX_LENGTH,)}
+        return {TOKENS_KEY: (MAX_LENGTH,)}
 
     def vocabulary_sizes(self, config: str) -> dict[str, int]:
-        return {"captions": VOCAB_SIZE}
+        return {TOKENS_KEY: VOCAB_SIZE}
 
     # -- conditioning ------------------------------------------------------------------------------
     def tokenize(self, tokenizers: dict[str, Any], captions: list[str]) -> dict[str, torch.Tensor]:
-        return {"captions": tokenize(tokenizers["tokenizer"], captions)}
+        return {TOKENS_KEY: tokenize(tokenizers["tokenizer"], captions)}
 
     def encode_text(self, text_encoders: dict[str, torch.nn.Module],
                     text_inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # The last hidden states (SD2 does not use the pooled output).
-        return {"text_states": text_encoders["text_encoder"](text_inputs["captions"])[0]}
+        return {TEXT_STATES_KEY: text_encoders["text_encoder"](text_inputs[TOKENS_KEY])[0]}
 
     # -- training ----------------------------------------------------------------------------------
     def objective(self, noise_scheduler: Any, timestep_sampling: str = "uniform") -> DDPMObjective:
@@ -116,7 +117,7 @@ class SD2(ModelFamily):
 
     def predict(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: dict[str, torch.Tensor]) -> torch.Tensor:
-        return denoiser(noisy, timesteps, conditioning["text_states"]).sample
+        return denoiser(noisy, timesteps, conditioning[TEXT_STATES_KEY]).sample
 
     # -- use ---------------------------------------------------------------------------------------
     def make_pipeline(self, parts: Parts, sampler: Any) -> StableDiffusionPipeline:

@@ -12,7 +12,7 @@ from diffusers import (DDIMScheduler, DDPMScheduler, EulerDiscreteScheduler, Sta
                        UNet2DConditionModel)
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from t2ibench.families.family import ModelFamily, Parts, load_pretrained
+from t2ibench.families.family import TEXT_STATES_KEY, TOKEN_IDS_COLUMN, TOKENS_KEY, ModelFamily, Parts, load_pretrained
 from t2ibench.families.sd2 import SCHEDULER_CONFIG, TINY
 from t2ibench.core.images import CROP_KEY, ORIGINAL_SIZE_KEY
 from t2ibench.families.objectives import DDPMObjective
@@ -22,8 +22,7 @@ MODEL_NAME = "stabilityai/stable-diffusion-xl-base-1.0"
 VAE_SCALING_FACTOR = 0.13025  # SDXL VAE's: latents x 0.13025 have roughly unit variance
 END_TOKEN_ID = 49407  # <|endoftext|> of CLIP's BPE vocabulary: ViT-L's padding
 TIME_IDS = ("original_height", "original_width", "crop_top", "crop_left", "target_height", "target_width")
-TOKENS_KEY = "captions"  # batch key of the token ids (bigG's padding), as SD2's
-TEXT_STATES_KEY = "text_states"  # (B, 77, 2048): what the UNet attends to
+# TOKENS_KEY: bigG's padding of the token ids, as SD2's; TEXT_STATES_KEY: (B, 77, 2048), what the UNet attends to.
 POOLED_KEY = "pooled_text_states"  # (B, 1280): bigG's projected end-of-text embedding
 
 _TEXT_ENCODER_IDS = dict(bos_token_id=0, eos_token_id=2, pad_token_id=1)  # as the hub configs (transformers
@@ -147,7 +146,7 @@ class SDXL(ModelFamily):
     parallelism = "ddp"
     text_input_keys = (TOKENS_KEY,)
     conditioning_keys = (TEXT_STATES_KEY, POOLED_KEY)
-    token_columns = {TOKENS_KEY: "token_ids"}  # stored as SD2's, so the tokens format reads alike
+    token_columns = {TOKENS_KEY: TOKEN_IDS_COLUMN}  # stored as SD2's, so the tokens format reads alike
     micro_conditioning = True
     # Euler first: the scheduler of SDXL's own pipeline (model_index.json of sdxl-base-1.0).
     samplers = {"euler": EulerDiscreteScheduler, "ddim": DDIMScheduler}
