@@ -1,2 +1,4 @@
 """The Composer callbacks of a benchmark run, one per module; what each logs: docs/metrics.md.
+
+May import: `core/`, `families/`, `datasets/`, `eval/`, `train/`.
 """

@@ -2,6 +2,10 @@
 
 A family is one module here with a `ModelFamily` subclass (families/family.py) and one entry in
 `FAMILIES`; its configurations then work in every command, in the FLOPs and memory figures, and in export.
+Beside the families, what they are built on: `family.py` (the interface every family shares), `objectives.py`
+(noising and target) and `flops.py` (FLOP counting).
+
+May import: `core/`.
 """
 from __future__ import annotations
 

@@ -1,9 +1,12 @@
 """GPU memory of a training step, counted for any model family on the meta device: bytes saved for
 backward, fixed bytes per GPU, and the largest microbatch that fits (`plan`). One module per job:
 `autocast` (CUDA autocast's rules without a GPU), `saved` (counting what a step keeps), `step` (the
-step measured), `planning` (the microbatch). The method and its checks: docs/gpu-runs.md, "The memory model".
+step measured), `planning` (the microbatch); and `kernels`, the CUDA kernels a step launches, counted on the
+same meta-device step. The method and its checks: docs/gpu-runs.md, "The memory model".
 
     python bench/memory.py --model_config sd2-base --image_size 512 --gpu_memory_gib 80 --json
+
+May import: `core/`, `families/`, `datasets/`, `eval/`, `train/`.
 """
 from t2ibench.memory.autocast import (CUDA_AUTOCAST, AutocastPolicy, AutocastRules, autocast_dtype,
                                       probe_cpu_autocast)
