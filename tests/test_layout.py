@@ -23,7 +23,7 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "train": {"core", "families", "datasets", "eval"},
     "memory": {"core", "families", "datasets", "eval", "train"},
     "costs": {"core", "families", "datasets"},
-    "callbacks": {"core", "families", "datasets", "eval", "train"},
+    "callbacks": {"core", "families", "datasets", "eval", "train", "costs"},
     "commands": {"core", "families", "datasets", "eval", "train", "memory", "costs", "callbacks"},
 }
 # Folders of tests/ that are not a folder of t2ibench/: bench/'s tests (tests/data/ holds a record, no tests).

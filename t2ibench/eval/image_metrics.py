@@ -285,9 +285,9 @@ class ImageQuality:
         must still call it."""
         from torch.distributed.fsdp import FSDPModule
 
-        from t2ibench.train.model import unwrap_model  # it imports the model; image_metrics is imported by checks
-
-        if any(isinstance(module, FSDPModule) for module in unwrap_model(state.model).denoiser.modules()):
+        # --fsdp shards only the denoiser, so any FSDP module in the model is the denoiser's (read from the
+        # whole model: eval/ may not import train/'s unwrap_model).
+        if any(isinstance(module, FSDPModule) for module in state.model.modules()):
             yield self._mine, self.drawer.draw(state, self._mine)
             return
         for begin in range(0, len(self._mine), DRAWN_PER_ROUND):
