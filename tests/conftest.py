@@ -38,9 +38,9 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # test makes Streaming scan about a thousand shared-memory names, which once hit the 20,000-descriptor limit
 # (EMFILE) late in a worker, before `streaming_shared_memory_closed` closed each file's segments.
 SLOW_FILES = ("test_shared_memory.py", "test_readme.py", "test_compile.py", "test_gpu_path.py", "test_fsdp.py",
-              "test_input_faults.py", "test_resume.py", "test_bucket_runs.py", "test_latents.py", "test_benchmark.py",
+              "test_input_faults.py", "test_resume.py", "test_image_metrics.py", "test_bucket_runs.py", "test_latents.py", "test_benchmark.py",
               "test_sdxl_runs.py", "test_fp8.py", "test_gpu_setup.py", "test_flux_runs.py", "test_validation.py",
-              "test_gpu_report.py", "test_time_to_target.py", "test_blocks.py", "test_bad_input.py", "test_data.py",
+              "test_gpu_report.py", "test_time_to_target.py", "test_mlperf.py", "test_blocks.py", "test_bad_input.py", "test_data.py",
               "test_weight_casts.py", "test_bench_scripts.py", "test_memory.py")
 
 

@@ -52,7 +52,7 @@ class Device:
 _NVIDIA_H100 = ("NVIDIA H100 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h100/ "
                 "(H100 SXM / H100 PCIe columns; bf16 1,979 and 1,513, fp8 3,958 and 3,026 TFLOP/s with sparsity)")
 DEVICES: dict[str, Device] = {d.key: d for d in (
-    # torch reports 79.18 GiB on the H100 SXM of results/h100-2026-11-25..27 (its OOM message); NVLink 4:
+    # torch reports 79.18 GiB on the H100 SXM of the results/h100-2026-11-25 to 11-27 runs (its OOM message); NVLink 4:
     # 900 GB/s both directions.
     Device("h100-sxm", "H100 80GB", ("h100 80gb hbm3", "h100 sxm", "h100"), 80e9, 79.1, True, 3.35e12,
            989.4e12, 1978.9e12, 450e9, _NVIDIA_H100, measured=True),

@@ -285,16 +285,17 @@ def test_smoke_two_rows_end_to_end_with_their_files_and_the_earlier_ratio(tmp_pa
     run_line = next(line for line in readme.splitlines() if line.startswith("| sd2-512-precomputed |"))
     cells = [cell.strip() for cell in run_line.split("|")[1:-1]]
     assert cells[2] == "ok" and cells[3] == f"{result['images_per_sec']:.1f}"
-    assert cells[6] == f"{result['memory_model']['predicted_bytes_at_microbatch'] / 2**30:.1f}" and cells[7] == "-"
-    assert cells[9] == "1.00 (cpu-old/run.json; it had global_batch_size 8)"
-    assert cells[10] == f"{result['images_per_sec'] / 1.0:.2f}"
+    # Columns 4 and 5: the prediction made before this measurement and the ratio (none here: no prediction given).
+    assert cells[8] == f"{result['memory_model']['predicted_bytes_at_microbatch'] / 2**30:.1f}" and cells[9] == "-"
+    assert cells[11] == "1.00 (cpu-old/run.json; it had global_batch_size 8)"
+    assert cells[12] == f"{result['images_per_sec'] / 1.0:.2f}"
     blocks_cells = [c.strip() for c in next(line for line in readme.splitlines()
                                             if line.startswith("| blocks-sd2 |")).split("|")[1:-1]]
     mine = predicted["predicted"][0]["samples_per_sec_per_gpu"]
     assert blocks_cells[3] == f"{mine:.2f} on 1 (none)"
-    assert blocks_cells[4] == (f"{predicted['comparison']['measured_images_per_sec_per_device']:.2f}, "
+    assert blocks_cells[6] == (f"{predicted['comparison']['measured_images_per_sec_per_device']:.2f}, "
                                f"{predicted['comparison']['ratio']:.2f}")
-    assert blocks_cells[7] == "2.00 (cpu-old/blocks.log)" and blocks_cells[8] == f"{mine / 2.0:.2f}"
+    assert blocks_cells[9] == "2.00 (cpu-old/blocks.log)" and blocks_cells[10] == f"{mine / 2.0:.2f}"
     summary = json.loads((out / "report.json").read_text())
     assert [r["earlier"]["path"] for r in summary["rows"]] == ["cpu-old/run.json", "cpu-old/blocks.log"]
     env = json.loads((out / "environment.json").read_text())
