@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import subprocess
 
 # A CPU run takes the machine's cores for its intra-op threads (t2ibench.train.cpu_threads' rule, shared among
 # a node's ranks): beside the suite's other worker that oversubscribes the cores, a step many times
@@ -11,10 +12,14 @@ import os
 # against another, across machines) keep one count. The user's count wins over the rule, so the suite,
 # and every command it starts, sets one; the tests of the rule itself remove it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Offline, as every test is, before huggingface_hub reads it at its import: the commands the tests start run
+# in forks of this process (tests/preloaded.py), which see what this process imported with.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests import preloaded
 from tests.helpers import free_port
 
 # pytest.ini gives every test `timeout` seconds (pytest-timeout: a hang fails that test, not the whole run);
@@ -103,6 +108,14 @@ def streaming_shared_memory_closed():
             except BufferError:
                 continue
             atexit.unregister(segment.cleanup)
+
+
+@pytest.fixture
+def preloaded_commands(monkeypatch):
+    """The Python commands that a command run in this process starts (gpu_report.py's rows, time_to_target.py's
+    runs, a benchmark's timed runs) run in forks of this process, which has imported the stack already
+    (tests/preloaded.py), instead of importing it again each."""
+    monkeypatch.setattr(subprocess, "Popen", preloaded.PreloadedPopen)
 
 
 @pytest.fixture(scope="module")

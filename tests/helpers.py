@@ -20,6 +20,8 @@ import pytest
 import torch
 from PIL import Image
 
+from tests import preloaded
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The tiny SD2 model on 32x32 images, 4 a batch: the base of most runs here.
@@ -81,7 +83,7 @@ def run_cli(args: list[str], launcher: list[str] | None = None, env: dict[str, s
             timeout: float = 300) -> subprocess.CompletedProcess:
     """benchmark.py's command line, in a subprocess (in this Python, or under `launcher`)."""
     cmd = [*(launcher or [sys.executable]), str(ROOT / "benchmark.py"), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env or offline_env(), capture_output=True, text=True, timeout=timeout)
+    return preloaded.run(cmd, cwd=ROOT, env=env or offline_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def error_of(main: Callable, argv: list[str], prog: str | None = None) -> str:
@@ -121,7 +123,7 @@ class Launch:
     def start(self) -> "Launch":
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+            self.proc = preloaded.PreloadedPopen(self.cmd, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         self.started = time.monotonic()
         return self

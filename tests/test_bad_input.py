@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import os
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -21,6 +20,7 @@ import benchmark
 import data
 from t2ibench.datasets import precomputed
 from t2ibench.datasets.sources import Source, record_cache
+from tests import preloaded
 from tests.helpers import REAL_2BA, ROOT, TINY_2BA, error_of, free_port, offline_env, run_cli, write_images, write_latents
 
 
@@ -234,8 +234,8 @@ def test_counting_the_flops_of_many_buckets_says_how_far_it_is(tmp_path, capsys,
     (["-m", "t2ibench.datasets.buckets", "60", "8"], "image_size 60 must be a multiple of patch_px 8"),
 ])
 def test_bounded_reads_and_the_bucket_picture_are_one_line_on_the_command_line(argv, expect):
-    result = subprocess.run([sys.executable, *argv], cwd=ROOT, env=offline_env(), capture_output=True, text=True,
-                            timeout=300)
+    result = preloaded.run([sys.executable, *argv], cwd=ROOT, env=offline_env(), capture_output=True, text=True,
+                           timeout=300)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1 and ": error: " in lines[0] and expect in lines[0], result.stderr
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +14,7 @@ from t2ibench.callbacks.resume_threads import saved_count
 from t2ibench.families import MODEL_CONFIGS
 from t2ibench.train.model import DiffusionModel, count_parameters
 from t2ibench.core.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize
+from tests import preloaded
 from tests.helpers import ROOT, TINY_2BA, TINY_SYNTH, composer_launcher, error_of, offline_env, run_cli
 
 SD2 = MODEL_CONFIGS["sd2-base"]
@@ -299,8 +299,8 @@ def test_pretrained_parts_load_from_a_local_diffusers_folder(tmp_path):
 
 def test_fast_step_settings_match_the_fp32_step():
     # Same weights, batch, noise and timesteps: channels-last and bf16 autocast must agree with fp32.
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "check_step.py"), "--settings", "fp32-cl", "bf16-cl"],
-                            cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=300)
+    result = preloaded.run([sys.executable, str(ROOT / "bench" / "check_step.py"), "--settings", "fp32-cl", "bf16-cl"],
+                           cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()[1:]}
     assert float(rows["fp32-cl"][1]) < 1e-5  # layout alone changes nothing but rounding

@@ -29,6 +29,7 @@ import data
 from t2ibench.datasets import convert_inputs
 from t2ibench.train.model import scale_images
 from t2ibench.core.tokenizer import MAX_LENGTH, bundled_tokenizer, tokenize
+from tests import preloaded
 from tests.helpers import ROOT, free_port, offline_env
 
 SIZE = 64  # training resolution in these tests
@@ -468,7 +469,7 @@ def test_two_ranks_get_disjoint_samples_covering_the_epoch(shards, tmp_path, tok
     for rank in range(2):
         env = offline_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", NODE_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(
+        procs.append(preloaded.PreloadedPopen(
             [sys.executable, __file__, "--rank-worker", str(shards), str(cache), str(tmp_path / f"rank{rank}.json")],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
@@ -490,7 +491,7 @@ def test_benchmark_trains_on_converted_shards(shards, tmp_path):
     command = [sys.executable, str(ROOT / "benchmark.py"), "--model_config", "tiny", "--remote", str(shards),
                "--local", str(tmp_path / "cache"), "--batch_size", "4", "--image_size", str(SIZE),
                "--max_duration", "2ba", "--num_workers", "0", "--results_json", str(results)]
-    run = subprocess.run(command, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True,
+    run = preloaded.run(command, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(results.read_text())

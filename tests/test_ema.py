@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ema as ema_module
 from ema import EMA
+from tests import preloaded
 from tests.helpers import composer_launcher, rank_env
 
 EPS32 = 2.0 ** -24  # unit roundoff of fp32
@@ -358,7 +358,7 @@ def two_ranks(tmp_path_factory):
     env = rank_env()
     cmd = [*composer_launcher(2), "--stdout", str(out / "rank{rank}.out"), "--stderr", str(out / "rank{rank}.err"),
            str(Path(__file__).resolve()), "--dist-worker", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = preloaded.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     logs = "".join(p.read_text() for p in out.glob("rank*.err"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs[-3000:]
     return out

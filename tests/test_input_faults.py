@@ -29,6 +29,7 @@ import cost
 import export
 import latents
 from t2ibench.datasets import convert_inputs
+from tests import preloaded
 from tests.helpers import ROOT, TINY_MODEL, error_of, jpeg, killed_in_child, write_images
 
 # A run that must end in one line within this many seconds, or it hangs (it hung until killed).
@@ -52,8 +53,8 @@ def corrupt(path: Path) -> None:
 def run_command(*argv: str, timeout: float = COMMAND_TIMEOUT_SECONDS,
                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """A command line of this repository, killed (and the test failed) if it outlives `timeout`."""
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+    return preloaded.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
 
 
 def one_line_error(result: subprocess.CompletedProcess, prog: str) -> str:
@@ -91,7 +92,7 @@ def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 1
 def test_a_second_convert_into_the_same_out_is_refused_and_the_first_completes(tmp_path):
     photos = write_photos(tmp_path / "photos", 300)
     out = tmp_path / "out"
-    first = subprocess.Popen([sys.executable, "convert.py", str(photos), "--out", str(out), "--workers", "1",
+    first = preloaded.PreloadedPopen([sys.executable, "convert.py", str(photos), "--out", str(out), "--workers", "1",
                               "--no_progress", "--size_limit", "2kb"], cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     staging = out / convert_inputs.STAGING

@@ -11,7 +11,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -23,6 +22,7 @@ import convert
 import latents
 from t2ibench.datasets import convert_inputs
 from t2ibench.datasets.precomputed import RECORD_FILE
+from tests import preloaded
 from tests.helpers import ROOT, error_of, offline_env
 
 TINY = ["--model_config", "tiny", "--image_size", "64", "--batch_size", "2", "--chunk_size", "2",
@@ -443,8 +443,8 @@ def test_latents_wrong_column_is_one_line(source, tmp_path):
 ])
 def test_command_line_errors_exit_nonzero_without_traceback(tmp_path, script, argv, expected):
     write_photos(tmp_path, 1)
-    result = subprocess.run([sys.executable, str(ROOT / script), *[a.format(tmp=tmp_path) for a in argv]],
-                            cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=120)
+    result = preloaded.run([sys.executable, str(ROOT / script), *[a.format(tmp=tmp_path) for a in argv]],
+                           cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{script}: error: ") and expected in lines[0], result.stderr

@@ -22,6 +22,7 @@ from t2ibench.core.locations import cache_folder
 from t2ibench.train.model import scale_images
 from t2ibench.datasets.sources import parse_sources
 import latents
+from tests import preloaded
 from tests.helpers import ROOT, composer_launcher, offline_env
 
 NUM_SAMPLES, BAD_INDEX, IMAGE_SIZE, CHUNK, SEED = 20, 7, 64, 6, 17
@@ -32,7 +33,7 @@ PRECOMPUTE = ["--model_config", "tiny", "--image_size", str(IMAGE_SIZE), "--batc
 
 
 def run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run(cmd, cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=timeout)
+    result = preloaded.run(cmd, cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 

@@ -2,16 +2,19 @@
 reference is the commands' own --help, so the documentation cannot go stale.
 
 A fenced `bash` block that follows the line `<!-- cpu-test -->` in README.md or docs/*.md is one
-test: its lines run in order under `bash -euo pipefail`, in a fresh copy of the repository (so
-relative paths such as `results/` or `photos/` land there, not in the checkout), offline. The one
-exception is the install step of the quick start (`pip install -r requirements.txt && `): the suite
-already runs on the installed requirements, and CI installs them with the same file first.
+test: its lines run in order, stopping at the first that fails, in a fresh copy of the repository (so
+relative paths such as `results/` or `photos/` land there, not in the checkout), offline. A plain
+`python ...` line runs in a fork of the test process (tests/preloaded.py: the stack is imported once, not
+once a line), any other line under `bash -euo pipefail`. The one exception is the install step of the
+quick start (`pip install -r requirements.txt && `): the suite already runs on the installed
+requirements, and CI installs them with the same file first.
 """
 from __future__ import annotations
 
 import fnmatch
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -20,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from flag_reference import COMMANDS, reference
+from tests import preloaded
 from tests.helpers import INTERPRETER_BIN, ROOT
 
 MARKER = "<!-- cpu-test -->"
@@ -62,20 +66,44 @@ def cpu_block_params() -> list:
             for document, block in cpu_blocks()]
 
 
+SHELL_SYNTAX = re.compile(r"[|&;<>$`(){}*?]")
+
+
+def block_commands(block: str) -> list[list[str] | str]:
+    """The block's lines in order: a plain `python ...` line as its argv (run by this interpreter), any other
+    line (shell syntax, another program) as text for bash."""
+    commands: list[list[str] | str] = []
+    for line in block.replace(INSTALL, "").splitlines():
+        words = shlex.split(line, comments=True)
+        if not words:
+            continue
+        code = line.split(" #", 1)[0]
+        plain = words[0] == "python" and not SHELL_SYNTAX.search(code.replace(words[-1], "") if words[1:2] == ["-c"]
+                                                                 else code)
+        commands.append([sys.executable, *words[1:]] if plain else line)
+    return commands
+
+
 @pytest.mark.parametrize("document, block", cpu_block_params())
 def test_documented_cpu_command_runs(document: str, block: str, tmp_path: Path):
     work = tmp_path / "repo"
     shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", "results",
                                                               "wandb", "*.egg-info"))
-    script = block.replace(INSTALL, "").replace("python ", f"{sys.executable} ")
     # `composer` in a block is this interpreter's (its folder first on PATH), as `python` is.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(work),
            "PATH": os.pathsep.join([INTERPRETER_BIN, os.environ["PATH"]])}
-    result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=work, env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, f"{document} block failed:\n{block}\n--- stdout\n{result.stdout[-3000:]}\n" \
-                                   f"--- stderr\n{result.stderr[-3000:]}"
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    # Line by line, in order, stopping at the first that fails (as `bash -e` would): a `python` line in a fork of
+    # this process, which has imported the stack already (tests/preloaded.py), anything else under bash.
+    for command in block_commands(block):
+        if isinstance(command, str):
+            result = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=work, env=env,
+                                    capture_output=True, text=True, timeout=600)
+        else:
+            result = preloaded.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=600,
+                                   path_copies_loaded_code=True)
+        assert result.returncode == 0, f"{document} block failed at:\n{command}\n--- stdout\n" \
+                                       f"{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
 def test_flag_reference_is_the_commands_help():

@@ -8,6 +8,8 @@ import pytest
 
 from tests.helpers import bench_script
 
+pytestmark = pytest.mark.usefixtures("preloaded_commands")  # the commands they start: forks (conftest)
+
 
 def test_value_check_times_reads_with_and_without_the_check():
     figures = bench_script("value_check").main(["--samples", "32", "--repeats", "1"])

@@ -31,6 +31,8 @@ from t2ibench import memory
 from t2ibench.commands.gpu_setup import choose_setup
 from tests.helpers import ROOT, error_of
 
+pytestmark = pytest.mark.usefixtures("preloaded_commands")  # the commands they start: forks (conftest)
+
 H100 = "NVIDIA H100 80GB HBM3"
 
 

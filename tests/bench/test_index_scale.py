@@ -8,6 +8,8 @@ import pytest
 
 import index_scale
 
+pytestmark = pytest.mark.usefixtures("preloaded_commands")  # the commands they start: forks (conftest)
+
 
 def test_written_index_opens_as_an_mds_dataset(tmp_path):
     from streaming import StreamingDataset

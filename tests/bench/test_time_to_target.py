@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests import preloaded
 from tests.helpers import ROOT, bench_script, error_of, mlperf_ruleset_copy
+
+pytestmark = pytest.mark.usefixtures("preloaded_commands")  # the commands they start: forks (conftest)
 
 ttt = bench_script("time_to_target")
 
@@ -73,7 +76,7 @@ def test_cpu_default_killed_after_a_run_continues_and_mlperfs_scorer_gives_its_s
     out = tmp_path / "out"
     argv = ["--runs", "2", "--out", str(out), "--target", "100", "--max_batches", "3", "--eval_interval_batches", "2"]
     # Killed (the whole process group, as a terminal's Ctrl-\ or an OOM killer would) once run 1 finished.
-    first = subprocess.Popen([sys.executable, str(ROOT / "bench" / "time_to_target.py"), *argv], cwd=ROOT,
+    first = preloaded.PreloadedPopen([sys.executable, str(ROOT / "bench" / "time_to_target.py"), *argv], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
     finished = out / "runs" / "seed-1.outcome.json"

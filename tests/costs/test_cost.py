@@ -14,6 +14,7 @@ from t2ibench.costs import scaling as cost_scaling, table as cost_table
 from t2ibench.core import devices
 from t2ibench.datasets.buckets import parse_bucket
 from t2ibench.costs.mlperf import newest_rcp_round, reference_samples_to_target, round_label
+from tests import preloaded
 from tests.helpers import ROOT, TINY_SYNTH, error_of
 
 # MLPerf's reference convergence points of the newest round with Flux.1, as the installed package has them.
@@ -112,8 +113,8 @@ def write_json(path: Path, **fields) -> str:
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "cost.py"), *map(str, args)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return preloaded.run([sys.executable, str(ROOT / "cost.py"), *map(str, args)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
 def test_cli_writes_plot_csv_markdown(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 from filelock import FileLock
 
 from t2ibench.datasets.streaming import SHM_PREFIX_LOCK_NAME
+from tests import preloaded
 from tests.helpers import ROOT, offline_env, write_images
 
 # A process that builds the image dataset of a folder of shards, saying when it is about to and when it has.
@@ -33,7 +34,7 @@ def test_a_dataset_is_registered_only_while_its_job_holds_the_nodes_lock(tmp_pat
     shards = write_images(tmp_path / "mds", 4)
     lock = FileLock(os.path.join(tempfile.gettempdir(), SHM_PREFIX_LOCK_NAME))
     with lock:  # another job registering its dataset
-        job = subprocess.Popen([sys.executable, "-c", BUILD, str(shards)], cwd=ROOT, env=offline_env(),
+        job = preloaded.PreloadedPopen([sys.executable, "-c", BUILD, str(shards)], cwd=ROOT, env=offline_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert job.stdout.readline().strip() == "ready", job.stderr.read()
         time.sleep(2.0)  # a local dataset builds in a fraction of that
