@@ -189,6 +189,16 @@ def _run_in_child(kind: str, target: str, argv: list[str], cwd, env, stdio: tupl
     return code
 
 
+def _print_warning(message: warnings.WarningMessage) -> None:
+    """What the warnings module does with a warning to show (warnings._showwarnmsg_impl)."""
+    out = message.file or sys.stderr
+    if out is not None:
+        try:
+            out.write(warnings._formatwarnmsg(message))
+        except OSError:
+            pass
+
+
 def _exit_status(code) -> int:
     if code is None:
         return 0
@@ -207,6 +217,12 @@ def _as_a_new_interpreter(kind: str, target: str) -> None:
     sys.path[:] = [first, *from_env, *_interpreter_path()]
     logging.root.handlers.clear()
     logging.root.setLevel(logging.WARNING)
+    # pytest records warnings, unraisable exceptions and thread exceptions in lists while a test runs: a new
+    # interpreter prints them.
+    warnings.showwarning = warnings._showwarning_orig
+    warnings._showwarnmsg_impl = _print_warning
+    sys.unraisablehook = sys.__unraisablehook__
+    threading.excepthook = threading.__excepthook__
     warnings.resetwarnings()
     for action, category in (("ignore", ImportWarning), ("ignore", ResourceWarning),
                              ("ignore", PendingDeprecationWarning), ("ignore", DeprecationWarning)):
