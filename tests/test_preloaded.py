@@ -1,0 +1,66 @@
+"""tests/preloaded.py: a command run in a fork of the test process behaves as in a new interpreter (argv,
+`__main__`, working directory, environment, streams, warnings, atexit, exit status), a fork is used only where
+it may be, and the test process's own loader workers survive the fork."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from tests import preloaded
+
+PROBE = """
+import atexit, json, os, sys, warnings
+atexit.register(lambda: print("atexit ran", file=sys.stderr))
+warnings.warn("a warning the command shows")
+print(json.dumps({"argv": sys.argv, "name": __name__, "cwd": os.getcwd(), "probe": os.environ.get("PROBE"),
+                  "path0": sys.path[0], "forked": "torch" in sys.modules}))
+if sys.argv[1] == "raise":
+    raise ValueError("uncaught")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def run_probe(runner, tmp_path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    done = runner([sys.executable, str(script), *args], cwd=tmp_path, env={**os.environ, "PROBE": "x", **env},
+                  capture_output=True, text=True, timeout=120)
+    return done, json.loads(done.stdout.splitlines()[0])
+
+
+def test_a_forked_command_sees_and_ends_as_in_a_new_interpreter(tmp_path):
+    for status in ("0", "3", "raise"):
+        fresh, fresh_seen = run_probe(subprocess.run, tmp_path, status)
+        forked, forked_seen = run_probe(preloaded.run, tmp_path, status)
+        assert not fresh_seen.pop("forked") and forked_seen.pop("forked")  # the stack was imported: a fork
+        assert forked_seen == fresh_seen and forked.returncode == fresh.returncode == (1 if status == "raise" else
+                                                                                       int(status))
+        for done in (fresh, forked):
+            assert "UserWarning: a warning the command shows" in done.stderr
+            assert done.stderr.rstrip().endswith("atexit ran")
+            assert ("ValueError: uncaught" in done.stderr) is (status == "raise")
+
+
+def test_an_environment_read_at_import_or_a_thread_get_a_new_interpreter(tmp_path):
+    _, seen = run_probe(preloaded.run, tmp_path, "0", OMP_NUM_THREADS="7")
+    assert not seen["forked"]
+    assert preloaded.fresh_reason([sys.executable, "x.py"], {**os.environ, "HF_HUB_OFFLINE": "0"}, False)
+    assert preloaded.fresh_reason([sys.executable, "-u", "x.py"], None, False)  # an option it does not parse
+    assert preloaded.fresh_reason(["bash", "x.sh"], None, False)
+    copy = tmp_path / "copy"
+    (copy / "tests").mkdir(parents=True)  # a package this process imported, found first elsewhere
+    why = preloaded.fresh_reason([sys.executable, "x.py"], {**os.environ, "PYTHONPATH": str(copy)}, False)
+    assert why and "tests" in why
+    assert preloaded.fresh_reason([sys.executable, "x.py"], {**os.environ}, False) is None
+
+
+def test_the_test_processs_loader_workers_survive_a_forked_command(tmp_path):
+    loader = iter(torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=1))
+    first = next(loader)
+    done, seen = run_probe(preloaded.run, tmp_path, "0")
+    assert seen["forked"] and done.returncode == 0
+    assert [first.tolist(), *[batch.tolist() for batch in loader]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
