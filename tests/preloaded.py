@@ -168,7 +168,10 @@ def _run_in_child(kind: str, target: str, argv: list[str], cwd, env, stdio: tupl
         if kind == "path":
             runpy.run_path(target, run_name="__main__")
         elif kind == "module":
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
+            with warnings.catch_warnings():  # a new interpreter had not imported it: here it is, and stays
+                warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package",
+                                        RuntimeWarning)
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             exec(compile(target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     except SystemExit as stop:

@@ -8,8 +8,6 @@ import pytest
 
 from tests.helpers import bench_script
 
-pytestmark = pytest.mark.usefixtures("preloaded_commands")  # the commands they start: forks (conftest)
-
 
 def test_value_check_times_reads_with_and_without_the_check():
     figures = bench_script("value_check").main(["--samples", "32", "--repeats", "1"])
@@ -29,6 +27,7 @@ def test_bench_ema_our_ema_holds_one_copy_composers_two(tmp_path: Path):
 
 
 @pytest.mark.multirank  # one training process per run
+@pytest.mark.usefixtures("preloaded_commands")  # its runs: forks (conftest); bench_ema's measure a new process
 def test_cpu_speed_times_every_batch_of_each_run(tmp_path: Path):
     out = tmp_path / "speed.json"
     report = bench_script("cpu_speed").main(["--batches", "4", "--window", "2", "--settings", "default",
