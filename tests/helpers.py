@@ -194,6 +194,23 @@ def kill_at(launch: Launch, folder: Path, checkpoint: str, then: Callable[[], La
     return step
 
 
+def kill_and_resume(launch: Callable[[str, str], Launch], killed_folder: Path, kill_after: str,
+                    *others: Launch) -> dict[str, Launch]:
+    """The sequence every resume test runs: `launch(name, save folder name)` for "reference" and "killed" side by
+    side (with `others`), the killed one SIGKILLed, launcher and ranks, once `kill_after` is the latest checkpoint
+    in `killed_folder`, then `launch("resumed", "killed")` (its --autoresume finds that checkpoint). Started from
+    the main thread, so that each launch is a fork of this process (tests/preloaded.py). Returns the three
+    launches once every launch has exited."""
+    runs = {"reference": launch("reference", "reference"), "killed": launch("killed", "killed")}
+
+    def resume() -> Launch:
+        runs["resumed"] = launch("resumed", "killed")
+        return runs["resumed"]
+
+    supervise([runs["reference"], runs["killed"], *others], kill_at(runs["killed"], killed_folder, kill_after, resume))
+    return runs
+
+
 def after_exit(launch: Launch, then: Callable[[], Launch]) -> Step:
     """A step: start `then()` once `launch` has exited."""
     return lambda: None if launch.running() else then()

@@ -11,9 +11,9 @@ import json
 import os
 import shutil
 import signal
-import threading
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,8 +27,8 @@ import latents
 import sort_buckets
 from t2ibench.datasets.bucket_folders import RECORD_FILE, read_record
 from t2ibench.datasets.buckets import Bucket, default_buckets, nearest_bucket, read_buckets
-from tests.helpers import (MIXED_ASPECT_PHOTOS, Launch, error_of, kill_at, killed_in_child, mixed_aspect_folder,
-                           supervise, two_ranks)
+from tests.helpers import (MIXED_ASPECT_PHOTOS, Launch, error_of, kill_and_resume, killed_in_child,
+                           mixed_aspect_folder, two_ranks)
 
 NUM_PHOTOS = 64
 NUM_KINDS = len(MIXED_ASPECT_PHOTOS)
@@ -65,8 +65,7 @@ def copy_of(shards: Path, where: Path) -> Path:
 
 
 # -----------------------------------------------------------------------------------------------
-# Two ranks of two loader workers, one run killed mid-epoch and resumed (started first, watched by a
-# thread: they run while the in-process tests do).
+# Two ranks of two loader workers, one run killed mid-epoch and resumed.
 # -----------------------------------------------------------------------------------------------
 
 # 64 photos in 8 buckets of 8, 2 a rank: an epoch of 16 steps; killed after batch 3 of 6, so that the next
@@ -76,50 +75,22 @@ RESUME = XL + ["--batch_size", "4", "--num_workers", "2", "--max_duration", "6ba
 KILL_AFTER = "ep0-ba3-rank0.pt"
 
 
-class TwoRankRuns:
-    """A reference run and a run SIGKILLed after its batch-4 checkpoint, then relaunched with --autoresume."""
-
-    def __init__(self, shards: Path, tmp: Path):
-        self.shards, self.tmp = shards, tmp
-        self.reference, self.killed = self.launch("reference", "reference"), self.launch("killed", "killed")
-        self.resumed: Launch | None = None
-        self.problem: str | None = None
-        self.thread = threading.Thread(target=self.watch, daemon=True)
-        self.thread.start()
-
-    def launch(self, name: str, folder: str) -> Launch:
-        data_dir = self.tmp / f"{folder}-data"
-        if not data_dir.exists():
-            copy_of(self.shards, data_dir)
-        args = RESUME + ["--local", str(data_dir), "--save_folder", str(self.tmp / folder),
-                         "--results_json", str(self.tmp / f"{name}.json")]
-        if name == "reference":  # each rank's batch shapes (tests/fault_run.py's report)
-            return Launch(two_ranks("tests/fault_run.py", "--report", str(self.tmp / "report"), *args),
-                          self.tmp / f"{name}.log")
-        return Launch(two_ranks("benchmark.py", *args), self.tmp / f"{name}.log")
-
-    def resume(self) -> Launch:
-        self.resumed = self.launch("resumed", "killed")
-        return self.resumed
-
-    def watch(self) -> None:
-        try:
-            supervise([self.reference, self.killed], kill_at(self.killed, self.tmp / "killed", KILL_AFTER, self.resume))
-        except BaseException as problem:  # pytest.fail's exception too: wait() fails the test with it
-            self.problem = f"{problem}"
-
-    def wait(self) -> "TwoRankRuns":
-        self.thread.join()
-        if self.problem:
-            pytest.fail(self.problem)
-        return self
-
-
 @pytest.fixture(scope="module")
-def two_rank_runs(shards, tmp_path_factory):
-    runs = TwoRankRuns(shards, tmp_path_factory.mktemp("bucket-resume"))
-    yield runs
-    runs.thread.join()  # supervise leaves nothing running when it returns
+def two_rank_runs(shards, tmp_path_factory) -> SimpleNamespace:
+    """A reference run and a run SIGKILLed after its batch-3 checkpoint, then relaunched with --autoresume."""
+    tmp = tmp_path_factory.mktemp("bucket-resume")
+
+    def launch(name: str, folder: str) -> Launch:
+        data_dir = tmp / f"{folder}-data"
+        if not data_dir.exists():
+            copy_of(shards, data_dir)
+        args = RESUME + ["--local", str(data_dir), "--save_folder", str(tmp / folder),
+                         "--results_json", str(tmp / f"{name}.json")]
+        if name == "reference":  # each rank's batch shapes (tests/fault_run.py's report)
+            return Launch(two_ranks("tests/fault_run.py", "--report", str(tmp / "report"), *args), tmp / f"{name}.log")
+        return Launch(two_ranks("benchmark.py", *args), tmp / f"{name}.log")
+
+    return SimpleNamespace(tmp=tmp, **kill_and_resume(launch, tmp / "killed", KILL_AFTER))
 
 
 # -----------------------------------------------------------------------------------------------
@@ -149,10 +120,8 @@ class Batches(EpochLength):
 
 
 @pytest.fixture(scope="module")
-def one_rank_epoch(shards, tmp_path_factory, request):
+def one_rank_epoch(shards, tmp_path_factory):
     """One epoch of 64 photos, 4 a batch, on two loader workers: its batches and results."""
-    if any("two_rank_runs" in item.fixturenames for item in request.session.items):
-        request.getfixturevalue("two_rank_runs")  # started first: the launches import while this trains
     tmp = tmp_path_factory.mktemp("bucket-epoch")
     batches = Batches()
     results = benchmark.main(XL + ["--local", str(copy_of(shards, tmp / "mds")), "--batch_size", "4",
@@ -357,7 +326,7 @@ def test_a_users_list_is_what_the_run_trains_on(shards, tmp_path):
 
 @pytest.mark.multirank
 def test_two_ranks_resume_mid_epoch_after_sigkill_to_the_uninterrupted_weights_and_ema(two_rank_runs):
-    runs = two_rank_runs.wait()
+    runs = two_rank_runs
     reference, killed, resumed = runs.reference, runs.killed, runs.resumed
     assert reference.proc.returncode == 0, reference.output()[-4000:]
     assert killed.proc.returncode == -signal.SIGKILL
@@ -389,9 +358,7 @@ THREE = "96x40\n64x64\n40x96\n"  # tall, square, wide: few buckets, so that each
 
 
 @pytest.fixture(scope="module")
-def bucketed_latents(flat_shards, tmp_path_factory, request):
-    if any("two_rank_runs" in item.fixturenames for item in request.session.items):
-        request.getfixturevalue("two_rank_runs")
+def bucketed_latents(flat_shards, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bucket-latents")
     listed = tmp / "three.txt"
     listed.write_text(THREE)

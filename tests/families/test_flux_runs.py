@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-from pathlib import Path
 
 import pytest
 from composer.core import Callback, State
@@ -19,7 +18,7 @@ from diffusers import FluxPipeline
 import benchmark
 from t2ibench.callbacks.throughput import Throughput
 from t2ibench.callbacks.validation import ValidationLog
-from tests.helpers import Launch, assert_tensors_equal, ema_state, kill_at, load, supervise, two_ranks
+from tests.helpers import Launch, assert_tensors_equal, ema_state, kill_and_resume, load, two_ranks
 
 FLUX_TINY = ["--model_config", "flux1-tiny", "--precomputed", "--use_synth_data", "--image_size", "32",
              "--num_workers", "0", "--seed", "17", "--warmup_batches", "1", "--log_interval", "1ba"]
@@ -72,19 +71,11 @@ def runs(tmp_path_factory):
     """An uninterrupted two-rank run and the same run SIGKILLed after its batch-4 checkpoint, resumed."""
     tmp = tmp_path_factory.mktemp("flux-resume")
 
-    def launch(folder: Path, name: str) -> Launch:
-        args = RESUME_RUN + ["--save_folder", str(folder), "--results_json", str(tmp / f"{name}.json")]
+    def launch(name: str, folder: str) -> Launch:
+        args = RESUME_RUN + ["--save_folder", str(tmp / folder), "--results_json", str(tmp / f"{name}.json")]
         return Launch(two_ranks("benchmark.py", *args), tmp / f"{name}.log")
 
-    reference, killed = launch(tmp / "reference", "reference"), launch(tmp / "killed", "killed")
-    found: dict = {}
-
-    def resume() -> Launch:
-        found["resumed"] = launch(tmp / "killed", "resumed")  # a port of its own, picked now
-        return found["resumed"]
-
-    supervise([reference, killed], kill_at(killed, tmp / "killed", KILL_AFTER, resume))
-    return dict(tmp=tmp, reference=reference, killed=killed, **found)
+    return dict(tmp=tmp, **kill_and_resume(launch, tmp / "killed", KILL_AFTER))
 
 
 @pytest.mark.multirank

@@ -10,8 +10,8 @@ import json
 import os
 import shutil
 import signal
-import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,7 +23,7 @@ import export
 import latents
 from t2ibench.families import MODEL_CONFIGS
 from t2ibench.datasets.precomputed import mds_columns
-from tests.helpers import Launch, kill_at, supervise, two_ranks
+from tests.helpers import Launch, kill_and_resume, two_ranks
 
 FAMILY = MODEL_CONFIGS["sdxl-tiny"]
 SIZES = [(96, 64), (64, 96), (80, 80), (200, 120)]  # (width, height): landscape, portrait, square, wide
@@ -56,7 +56,7 @@ def copy_of(shards: Path, where: Path) -> Path:
 
 
 # -----------------------------------------------------------------------------------------------
-# Two ranks, one killed and resumed (started first: they run while the in-process tests do).
+# Two ranks, one killed and resumed.
 # -----------------------------------------------------------------------------------------------
 
 RESUME = XL + ["--batch_size", "4", "--max_duration", "4ba", "--save_interval", "2ba", "--use_ema",
@@ -65,56 +65,24 @@ RESUME = XL + ["--batch_size", "4", "--max_duration", "4ba", "--save_interval", 
 KILL_AFTER = "ep0-ba2-rank0.pt"
 
 
-class TwoRankRuns:
-    """A reference run and a run SIGKILLed after its batch-2 checkpoint, then relaunched with --autoresume.
+@pytest.fixture(scope="module")
+def two_rank_runs(shards, tmp_path_factory) -> SimpleNamespace:
+    """A reference run and a run SIGKILLed after its batch-2 checkpoint, then relaunched with --autoresume."""
+    tmp = tmp_path_factory.mktemp("xl-resume")
 
-    Watched by a thread, so that the in-process tests below run meanwhile (each launch spends much of
-    its time starting up); `wait()` returns once all have exited.
-    """
-
-    def __init__(self, shards: Path, tmp: Path):
-        self.shards, self.tmp = shards, tmp
-        self.reference, self.killed = self.launch("reference", "reference"), self.launch("killed", "killed")
-        self.resumed: Launch | None = None
-        self.problem: str | None = None
-        self.thread = threading.Thread(target=self.watch, daemon=True)
-        self.thread.start()
-
-    def launch(self, name: str, folder: str) -> Launch:
-        data_dir = self.tmp / f"{folder}-data"
+    def launch(name: str, folder: str) -> Launch:
+        data_dir = tmp / f"{folder}-data"
         if not data_dir.exists():
-            copy_of(self.shards, data_dir)
+            copy_of(shards, data_dir)
         # The reference also draws a sample grid and exports its EMA as a pipeline at the end: what
         # the run without them computes must not change (the resumed run's weights are compared).
         extra = ["--sample_prompts", "shapes", "--sample_steps", "2", "--sample_interval", "4ba",
-                 "--ema_export_dir", str(self.tmp / "ema-pipeline")] if name == "reference" else []
-        args = RESUME + extra + ["--local", str(data_dir), "--save_folder", str(self.tmp / folder),
-                                 "--results_json", str(self.tmp / f"{name}.json")]
-        return Launch(two_ranks("benchmark.py", *args), self.tmp / f"{name}.log")
+                 "--ema_export_dir", str(tmp / "ema-pipeline")] if name == "reference" else []
+        args = RESUME + extra + ["--local", str(data_dir), "--save_folder", str(tmp / folder),
+                                 "--results_json", str(tmp / f"{name}.json")]
+        return Launch(two_ranks("benchmark.py", *args), tmp / f"{name}.log")
 
-    def resume(self) -> Launch:
-        self.resumed = self.launch("resumed", "killed")
-        return self.resumed
-
-    def watch(self) -> None:
-        try:
-            supervise([self.reference, self.killed],
-                      kill_at(self.killed, self.tmp / "killed", KILL_AFTER, self.resume))
-        except BaseException as problem:  # pytest.fail's exception too: wait() fails the test with it
-            self.problem = f"{problem}"
-
-    def wait(self) -> "TwoRankRuns":
-        self.thread.join()
-        if self.problem:
-            pytest.fail(self.problem)
-        return self
-
-
-@pytest.fixture(scope="module")
-def two_rank_runs(shards, tmp_path_factory):
-    runs = TwoRankRuns(shards, tmp_path_factory.mktemp("xl-resume"))
-    yield runs
-    runs.thread.join()  # supervise leaves nothing running when it returns
+    return SimpleNamespace(tmp=tmp, **kill_and_resume(launch, tmp / "killed", KILL_AFTER))
 
 
 # -----------------------------------------------------------------------------------------------
@@ -122,11 +90,8 @@ def two_rank_runs(shards, tmp_path_factory):
 # -----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def precomputed(shards, tmp_path_factory, request):
-    """latents.py over the shards for sdxl-tiny, in the tokens and the text_states formats (the
-    two-rank runs, where a selected test needs them, are started first: they run meanwhile)."""
-    if any("two_rank_runs" in item.fixturenames for item in request.session.items):
-        request.getfixturevalue("two_rank_runs")
+def precomputed(shards, tmp_path_factory):
+    """latents.py over the shards for sdxl-tiny, in the tokens and the text_states formats."""
     tmp = tmp_path_factory.mktemp("xl-latents")
     common = ["--model_config", "sdxl-tiny", "--batch_size", "4", "--chunk_size", "8", "--num_workers", "0",
               "--seed", "17", "--no_progress"]
@@ -191,7 +156,7 @@ def test_precomputed_sd2_latents_are_refused_for_sdxl(tmp_path):
 
 @pytest.mark.multirank
 def test_two_ranks_resume_after_sigkill_to_the_uninterrupted_weights_ema_and_loss(two_rank_runs):
-    runs = two_rank_runs.wait()
+    runs = two_rank_runs
     reference, killed, resumed = runs.reference, runs.killed, runs.resumed
     assert reference.proc.returncode == 0, reference.output()[-4000:]
     assert killed.proc.returncode == -signal.SIGKILL
@@ -215,7 +180,7 @@ def test_reference_run_samples_and_its_ema_loads_as_an_sdxl_pipeline(two_rank_ru
     from diffusers import StableDiffusionXLPipeline
     from PIL import Image
 
-    runs = two_rank_runs.wait()
+    runs = two_rank_runs
     results = json.loads((runs.tmp / "reference.json").read_text())
     assert results["model_config"] == "sdxl-tiny" and results["image_size"] == 64  # sdxl-tiny's default size
     assert results["flops_per_image"] == pytest.approx(FAMILY.flops_per_image("sdxl-tiny", 64)["total"])
