@@ -36,17 +36,20 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), MAX_TEST_WORKERS))
 
 
-# The files that take longest (pytest --durations=0 summed per file, a full run of 2026-11-27), longest
-# first: each file runs on one worker, and a long one handed out last leaves the other worker idle while it
-# runs (the first two-worker run took 19.4 min, test_fsdp.py starting in its last two minutes). Files not
-# listed follow, those with a multirank test first. test_shared_memory.py goes first of all: its in-process
-# test makes Streaming scan about a thousand shared-memory names, which once hit the 20,000-descriptor limit
-# (EMFILE) late in a worker, before `streaming_shared_memory_closed` closed each file's segments.
-SLOW_FILES = ("test_shared_memory.py", "test_readme.py", "test_compile.py", "test_gpu_path.py", "test_fsdp.py",
-              "test_input_faults.py", "test_resume.py", "test_image_metrics.py", "test_bucket_runs.py", "test_latents.py", "test_benchmark.py",
-              "test_sdxl_runs.py", "test_fp8.py", "test_gpu_setup.py", "test_flux_runs.py", "test_validation.py",
-              "test_gpu_report.py", "test_time_to_target.py", "test_mlperf.py", "test_blocks.py", "test_bad_input.py", "test_data.py",
-              "test_weight_casts.py", "test_bench_scripts.py", "test_memory.py")
+# The files that take longest (pytest --durations summed per file, a full run of 2026-11-29 with the commands
+# forked, tests/preloaded.py), longest first: each file runs on one worker, and a long one handed out last
+# leaves the other worker idle while it runs (the first two-worker run took 19.4 min, test_fsdp.py starting in
+# its last two minutes). Files not listed follow, those with a multirank test first. test_shared_memory.py goes
+# first of all: its in-process test makes Streaming scan about a thousand shared-memory names, which once hit
+# the 20,000-descriptor limit (EMFILE) late in a worker, before `streaming_shared_memory_closed` closed each
+# file's segments.
+SLOW_FILES = ("test_shared_memory.py", "test_gpu_report.py", "test_bucket_runs.py", "test_gpu_setup.py", "test_fp8.py",
+              "test_sdxl_runs.py", "test_blocks.py", "test_compile.py", "test_resume.py", "test_gpu_path.py",
+              "test_benchmark.py", "test_weight_casts.py", "test_fsdp.py", "test_image_metrics.py", "test_readme.py",
+              "test_memory.py", "test_bad_input.py", "test_oom_fallback.py", "test_index_scale.py", "test_flux_runs.py",
+              "test_stack.py", "test_recipe.py", "test_input_classes.py", "test_throughput.py", "test_validation.py",
+              "test_bucket_flops.py", "test_time_to_target.py", "test_input_faults.py", "test_latents.py",
+              "test_data.py", "test_mlperf.py", "test_bench_scripts.py")
 
 
 def pytest_unconfigure(config) -> None:

@@ -1,8 +1,8 @@
 """Python commands the tests start, run in a fork of the test process instead of a fresh interpreter.
 
 A fresh `python benchmark.py ...` spends most of a tiny run importing the stack (torch, Composer,
-diffusers, transformers, Streaming): about 7 s of CPU on an idle 2-core machine, 30 s beside the suite's
-other worker, against 2 s of training. The test process has imported all of it already, so
+diffusers, transformers, Streaming): beside the suite's two workers a two-batch tiny run took 34 s as a new
+process and 6 s as a fork of a process that had imported them. The test process has imported all of it, so
 `PreloadedPopen` forks it and runs the command in the child as the interpreter would have run it: the
 same argv, `__main__`, working directory, environment, standard streams, exit status, and atexit handlers
 of the command's own. A command the child starts the same way (Composer's launcher starting its ranks,
@@ -13,8 +13,8 @@ that is not `python SCRIPT|-m MODULE|-c CODE`, an environment that changes what 
 (`IMPORT_TIME_ENV`), a start from another thread than the main one (a fork copies one thread; a lock
 another thread held, inside torch say, would stay held in the child forever), and `T2IBENCH_TEST_FRESH=1`
 in the environment (every command exec'd, as before: the way to tell a fork's difference from a bug).
-Modules stay as the test process imported them, so a test whose subject is what a fresh process
-imports (tests/test_layout.py, tests/commands/test_stack.py) starts its processes with subprocess.
+Modules stay as the test process imported them, so a test whose subject is a new process (what it imports,
+tests/commands/test_stack.py; its memory, bench/bench_ema.py's figures) starts it with subprocess.
 """
 from __future__ import annotations
 
