@@ -138,7 +138,7 @@ class Launch:
 
     def kill(self) -> None:
         if self.running():
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher and every rank, no chance to clean up
+            kill_group(self.proc.pid)  # the launcher and every rank, no chance to clean up
             self.proc.wait()
 
     def output(self) -> str:
@@ -146,6 +146,29 @@ class Launch:
 
     def tail(self, chars: int = 6000) -> str:
         return self.output()[-chars:]
+
+
+def kill_group(pgid: int, timeout_s: float = 60) -> None:
+    """SIGKILL process group `pgid` and return once none of its processes runs on: a killed rank closes its files
+    (and so releases its output folder's lock) as it exits, after the signal, and a run restarted at once (a
+    forked one starts within a second) would find the folder still held."""
+    os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(state != "Z" for state in group_states(pgid)):
+        time.sleep(0.05)
+
+
+def group_states(pgid: int) -> list[str]:
+    """The state letter (/proc/PID/stat) of every process in group `pgid`; an exited one not yet reaped is "Z"."""
+    states = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command's name: state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:
+            states.append(fields[0])
+    return states
 
 
 # A step of `supervise`: polled until it returns the next launch to start (then it is done).

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import pytest
 from PIL import Image
 
 from tests import preloaded
-from tests.helpers import ROOT, bench_script, error_of, mlperf_ruleset_copy
+from tests.helpers import ROOT, bench_script, error_of, kill_group, mlperf_ruleset_copy
 
 pytestmark = pytest.mark.usefixtures("preloaded_commands")  # the commands they start: forks (conftest)
 
@@ -83,7 +82,7 @@ def test_cpu_default_killed_after_a_run_continues_and_mlperfs_scorer_gives_its_s
     deadline = time.monotonic() + 600
     while not finished.exists() and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    os.killpg(first.pid, signal.SIGKILL)
+    kill_group(first.pid)
     first.wait()
     assert finished.exists() and not (out / "time_to_target.json").exists()
     kept = finished.read_text()
