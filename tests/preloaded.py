@@ -106,8 +106,9 @@ class PreloadedPopen(subprocess.Popen):
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
                        restore_signals, gid, gids, uid, umask, start_new_session, process_group):
-        if (fresh_reason(args, env, shell, getattr(self, "path_copies_loaded_code", False)) or executable is not None or preexec_fn is not None or gid is not None
-                or gids is not None or uid is not None or process_group != -1):
+        if (fresh_reason(args, env, shell, self.path_copies_loaded_code) or executable is not None
+                or preexec_fn is not None or gid is not None or gids is not None or uid is not None
+                or process_group != -1):
             return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                                           creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,
                                           errwrite, restore_signals, gid, gids, uid, umask, start_new_session,
