@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
+import json
 import os
 import subprocess
+from pathlib import Path
 
 # A CPU run takes the machine's cores for its intra-op threads (t2ibench.train.cpu_threads' rule, shared among
 # a node's ranks): beside the suite's other worker that oversubscribes the cores, a step many times
@@ -67,8 +70,10 @@ def pytest_unconfigure(config) -> None:
 
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        if item.get_closest_marker("multirank") and not item.get_closest_marker("timeout"):
-            item.add_marker(pytest.mark.timeout(MULTIRANK_TIMEOUT_S))
+        if item.get_closest_marker("multirank"):
+            item.add_marker(pytest.mark.slow)  # the quick suite (-m "not slow") leaves out every launch
+            if not item.get_closest_marker("timeout"):
+                item.add_marker(pytest.mark.timeout(MULTIRANK_TIMEOUT_S))
     launching = {item.path.name for item in items if item.get_closest_marker("multirank")}
 
     def start(item) -> int:
@@ -78,6 +83,56 @@ def pytest_collection_modifyitems(config, items) -> None:
         return len(SLOW_FILES) + (0 if name in launching else 1)
 
     items.sort(key=start)  # stable: a file's tests keep their order
+
+
+@pytest.fixture(scope="session", autouse=True)
+def commands_share_what_they_count(tmp_path_factory):
+    """Work every command of the session would repeat, done once: the CPU's name and the FLOP counts.
+
+    Composer's Trainer asks py-cpuinfo for the CPU's name each time one is built, to log it, and py-cpuinfo
+    reads it in a new interpreter it starts (1.3 s a Trainer; the suite builds hundreds): asked once here, and
+    the forked commands (tests/preloaded.py) inherit the answer. A forked benchmark.py counts the FLOPs of its
+    model on the meta device (3 s of a 5.5 s tiny run), in a copy of this process whose lru_cache dies with it:
+    each count is kept in a folder of the session, shared by the workers, and read back by the forks after.
+    """
+    import cpuinfo
+
+    cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+    cpuinfo.get_cpu_info()
+    # A worker's temporary folder is gw0, gw1, ... in one folder of the session; without xdist, the session's own.
+    session = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        session = session.parent
+    folder = session / "flop-counts"
+    folder.mkdir(exist_ok=True)
+    setup = functools.partial(_flop_counts_kept_in, folder)
+    preloaded.CHILD_SETUP.append(setup)
+    yield
+    preloaded.CHILD_SETUP.remove(setup)
+
+
+def _flop_counts_kept_in(folder: Path) -> None:
+    """In a forked command: each family's `flops_per_image` reads a count made before in the session, or makes
+    it and keeps it (written whole, then renamed: a reader never sees half of one)."""
+    from t2ibench.families import FAMILIES
+
+    for family in FAMILIES:
+        family.flops_per_image = _kept(family.flops_per_image, type(family).__name__, folder)
+
+
+def _kept(count, family_name: str, folder: Path):
+    def flops_per_image(config, image_size, *, vae=True, text_encoders=True) -> dict[str, float]:
+        key = repr((family_name, config, image_size, vae, text_encoders))
+        path = folder / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            flops = count(config, image_size, vae=vae, text_encoders=text_encoders)
+            partial = path.with_name(f"{path.name}.{os.getpid()}")
+            partial.write_text(json.dumps(flops))
+            os.replace(partial, path)
+            return flops
+    return flops_per_image
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -214,6 +214,7 @@ def test_bucket_weights_whose_sum_overflows_are_shares_of_their_largest():
     assert shares["64x64"] == shares["40x96"] == 0.5 and sum(settings.bucket_weights) == 1.0
 
 
+@pytest.mark.slow
 def test_counting_the_flops_of_many_buckets_says_how_far_it_is(tmp_path, capsys, monkeypatch):
     from t2ibench.callbacks import buckets as bucket_callbacks
 
@@ -396,6 +397,7 @@ def s3_env(monkeypatch, endpoint: str, credentials: bool) -> None:
     ("missing_dataset", "not found"),
     ("image_key", "--image_key"),  # checked against the remote's index.json before anything is built
 ])
+@pytest.mark.slow
 def test_s3_problems_are_one_line_naming_remote(s3_endpoint, images, tmp_path, monkeypatch, case, expect):
     import boto3
     s3_env(monkeypatch, s3_endpoint, credentials=True)
@@ -439,6 +441,7 @@ def test_s3_without_credentials_on_the_command_line(s3_endpoint, tmp_path, monke
 # The command line: exit codes, no traceback, no hang; a finished --autoresume job; W&B offline.
 # -----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_rerun_of_a_finished_autoresume_job_exits_0_with_its_summary(tmp_path, capsys):
     run = TINY_2BA + ["--save_folder", str(tmp_path / "ckpt"), "--run_name", "done", "--autoresume",
                   "--save_interval", "1ba", "--use_ema", "--ema_export_dir", str(tmp_path / "ema")]
@@ -493,6 +496,7 @@ def wandb_records(run_file: Path) -> dict[str, str]:
     return values
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_records_the_benchmark_metrics(tmp_path):
     results = tmp_path / "results.json"
     env = offline_env(WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")

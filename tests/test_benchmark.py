@@ -44,6 +44,7 @@ def test_tokenizer_offline_77_ids_with_start_and_end():
 
 
 @pytest.mark.parametrize("use_ema", [False, True])
+@pytest.mark.slow
 def test_tiny_synthetic_run_writes_results(tmp_path, use_ema):
     out = tmp_path / "results.json"
     result = run_cli(TINY_RUN + ["--results_json", str(out)] + (["--use_ema"] if use_ema else []))
@@ -73,6 +74,7 @@ def test_the_cpu_thread_rule_is_the_machines_cores_per_rank_less_loader_workers(
         cpu_threads.CpuThreads(5, "17 cores / 2 ranks, 3 loader workers"), None)
 
 
+@pytest.mark.slow
 def test_cpu_threads_follow_the_rule_the_flag_or_the_users_count(tmp_path, monkeypatch, capsys):
     import benchmark
 
@@ -109,6 +111,7 @@ def test_cpu_threads_follow_the_rule_the_flag_or_the_users_count(tmp_path, monke
 
 
 @pytest.mark.parametrize("value, command", [("abc", True), ("0", False), ("", False)])
+@pytest.mark.slow
 def test_a_thread_variable_that_is_no_count_is_ignored_in_one_warning(tmp_path, monkeypatch, capsys, value, command):
     # libgomp and torch ignore such a value and take every core: it is no count of the user's, and the
     # run takes the machine's rule, saying why. "abc" as a user starts the command; "0" (digits, not
@@ -144,6 +147,7 @@ def test_a_bad_cpu_thread_count_is_refused_in_one_line(value):
     assert "--cpu_threads" in error_of(benchmark.main, [*TINY_2BA, "--cpu_threads", value])
 
 
+@pytest.mark.slow
 def test_a_resumed_cpu_run_takes_the_thread_count_of_the_run_it_resumes(tmp_path, monkeypatch, capsys):
     import benchmark
 
@@ -252,6 +256,7 @@ def test_real_data_without_pretrained_encoders_names_the_flag(tmp_path):
     assert "--allow_random_encoders" in result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_overfitting_one_batch_lowers_the_loss():
     from composer import Trainer
 

@@ -549,6 +549,7 @@ def test_samples_larger_than_size_limit_get_shards_of_their_own_and_the_dataset_
     assert results["measured_batches"] == 1 and np.isfinite(results["final_loss"])
 
 
+@pytest.mark.slow
 def test_latents_of_oversized_samples_train_with_precomputed(tmp_path):
     """latents.py with a --size_limit below one sample's size (every sample over it), from a convert.py
     dataset with an oversized first photo, then benchmark.py --precomputed on what it wrote."""

@@ -133,6 +133,7 @@ class ModulesAtFitStart(Exception):
     """Raised by a callback at FIT_START, carrying the model: nothing has been compiled or trained yet."""
 
 
+@pytest.mark.slow
 def test_compile_compiles_every_module_that_runs_per_step():
     from composer.core import Callback
 

@@ -205,6 +205,7 @@ def test_ranges_that_depend_on_the_run_or_the_machine(tmp_path, args, expect):
     assert not (tmp_path / "ema").exists()
 
 
+@pytest.mark.slow
 def test_values_at_the_edges_of_their_ranges_still_run(tmp_path):
     # The EMA may start at the run's last batch, the warm-up may take the whole constant-rate run.
     results = benchmark.main(TINY_2BA + ["--use_ema", "--ema_start", "2ba", "--ema_export_dir", str(tmp_path / "ema"),
@@ -304,6 +305,7 @@ def test_other_commands_probe_their_outputs(tmp_path):
 # Recorded settings: the checkpoint's, precompute.json's.
 # -----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_export_follows_the_seed_recorded_in_the_checkpoint(tmp_path):
     save = tmp_path / "run"
     benchmark.main(TINY_2BA + ["--max_duration", "1ba", "--seed", "5", "--save_folder", str(save)])
@@ -331,6 +333,7 @@ def foreign(checkpoint: Path, to: Path) -> Path:
     return to
 
 
+@pytest.mark.slow
 def test_a_resume_from_a_checkpoint_without_its_run_record_says_what_it_cannot_compare(tmp_path, capsys):
     # Its own runs (no fixture here saves at an epoch's end and mid-epoch): epochs of 4 batches. Composer loads a
     # checkpoint without RunRecord's state with a warning; the run goes on and names what it cannot check.
@@ -537,6 +540,7 @@ def test_a_shard_that_fails_while_training_is_named_in_one_line(tmp_path):
     assert shard.name in message and "truncated or corrupted" in message
 
 
+@pytest.mark.slow
 def test_unwritable_home_still_builds_the_tokenizer(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XDG_CACHE_HOME"}
     result = subprocess.run([sys.executable, "-c", "from t2ibench.core.tokenizer import bundled_tokenizer, tokenize; "
@@ -571,6 +575,7 @@ def test_cost_does_not_fit_another_model_with_the_2023_figures(tmp_path):
 # Waits: an unreachable hub; sampling many prompts.
 # -----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_unreachable_hub_without_hf_hub_offline_fails_in_one_line(images, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(PYTHONPATH=str(ROOT), HF_ENDPOINT=f"http://127.0.0.1:{free_port()}", HF_HOME=str(tmp_path / "hf"))

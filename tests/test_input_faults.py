@@ -185,6 +185,7 @@ def test_corrupt_zstd_shard_in_latents_with_two_workers_ends_naming_it(corrupt_s
 # 6. --autoresume with the latest checkpoint cut short: resumed from the newest complete one.
 # -----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_autoresume_from_a_truncated_latest_checkpoint_resumes_from_the_one_before(tmp_path, capsys):
     run = tmp_path / "run"
     argv = [*SYNTH, "--save_folder", str(run), "--save_interval", "1ba", "--autoresume", "--run_name", "cut"]
@@ -242,6 +243,7 @@ def s3(monkeypatch, s3_endpoint):
     return client
 
 
+@pytest.mark.slow
 def test_a_remote_converted_again_is_not_trained_from_its_old_cache(tmp_path, s3):
     first, second = write_photos(tmp_path / "first", 8), write_photos(tmp_path / "second", 12)
     (second / "p000.jpg").write_bytes(jpeg(99))  # other pixels, as well as other samples

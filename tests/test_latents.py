@@ -262,6 +262,7 @@ def test_synthetic_latents_are_deterministic_and_shaped_like_the_shards():
 @pytest.mark.parametrize("data_source, ranks", [("synthetic", 1), ("tokens", 1),
                                                  pytest.param("tokens", 2, marks=pytest.mark.multirank),
                                                  ("text_states", 1)])
+@pytest.mark.slow
 def test_benchmark_trains_on_precomputed_latents(single, states, tmp_path, data_source, ranks):
     from t2ibench.families import MODEL_CONFIGS
 

@@ -53,6 +53,7 @@ def check(log: Path, env: dict[str, str] | None, tmp_path: Path) -> subprocess.C
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
 
 
+@pytest.mark.slow
 def test_the_recipe_runs_log_passes_mlperfs_checker_with_only_the_target_and_frequency_the_runs(
         recipe_run, checker_env, tmp_path):
     results, log = recipe_run

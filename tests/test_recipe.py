@@ -58,6 +58,7 @@ def _weights(checkpoint: Path) -> dict:
             **{"ema." + k: v for k, v in ema["shadow"].items()}}
 
 
+@pytest.mark.slow
 def test_recipe_run_resumes_bit_for_bit(tmp_path):
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     common = TINY + RECIPE + ["--max_duration", "4ba", "--save_interval", "2ba", "--run_name", "r", "--autoresume"]
@@ -178,6 +179,7 @@ def test_tiny_vae_is_a_miniature_of_a_trained_one():
     assert 0.5 < rms < 2.0  # scaled latents of roughly unit size
 
 
+@pytest.mark.slow
 def test_samples_ema_export_and_export_py_give_pipelines_diffusers_samples(tmp_path):
     from diffusers import StableDiffusionPipeline
 
@@ -216,6 +218,7 @@ def test_samples_ema_export_and_export_py_give_pipelines_diffusers_samples(tmp_p
     assert any(not torch.equal(v, unets["trained_export"][k]) for k, v in unets["ema_pipe"].items())
 
 
+@pytest.mark.slow
 def test_learns_script_end_to_end_short(tmp_path, capsys):
     """bench/learns.py's whole path, briefly: pictures -> convert.py -> benchmark.py -> scores.
 
@@ -236,6 +239,7 @@ def test_learns_script_end_to_end_short(tmp_path, capsys):
     assert "chance 50.0%" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_precomputed_text_states_run_with_dropout_samples_and_export(tmp_path):
     """Precomputed batches (stored text states, no encoders in the model): the empty caption's states,
     the sampler's encoders and the exported pipeline's come from encoders built aside under --seed."""

@@ -37,6 +37,7 @@ def test_cpu_speed_times_every_batch_of_each_run(tmp_path: Path):
     assert report["default"]["s_per_batch"] > 0 and len(report["default"]["windows"]) == 2
 
 
+@pytest.mark.slow
 def test_bench_data_times_the_loader_on_generated_photos(capsys):
     rows = bench_script("bench_data").main(["--num_samples", "24", "--source_size", "160x120", "--image_size", "64",
                                             "--batch_size", "4", "--num_workers", "0", "--image_dtype", "uint8,float32"])

@@ -69,6 +69,7 @@ class ModuleCalls:
         return {n for key, n in self.calls.items() if self.kinds[key] == kind}
 
 
+@pytest.mark.slow
 def test_prediction_is_the_sum_of_its_timed_parts_and_compares_with_the_run(measured_run, tmp_path, capsys):
     result = blocks.main(SETTINGS + TIMING + ["--global_batch", "8", "--microbatch", "4", "--gpus", "1", "2",
                                              "--compare_results_json", str(measured_run), "--json"])
@@ -138,6 +139,7 @@ def test_prediction_is_the_sum_of_its_timed_parts_and_compares_with_the_run(meas
         assert row == pytest.approx(before)
 
 
+@pytest.mark.slow
 def test_compiled_blocks_are_timed_apart_from_their_compile_and_compared_with_a_compiled_run(measured_run, dynamo_eager,
                                                                                             tmp_path, capsys):
     # --compile compiles each part as the run's --compile compiles the model (t2ibench.train.compiling; dynamo's
@@ -280,6 +282,7 @@ def test_a_saved_h100_line_predicts_the_chosen_flux_set_up_without_a_gpu():
 
 
 @pytest.mark.parametrize("device", ["h200", "b200"])
+@pytest.mark.slow
 def test_a_saved_h100_line_predicts_another_gpu_each_part_scaled_by_its_roofline(device):
     # Each part's time less its launches scales by the roofline of its counted work: never slower on a GPU
     # with more of both bandwidth and FLOP/s, never faster than the larger of the two ratios; the updates by
@@ -388,6 +391,7 @@ def test_a_unets_blocks_are_timed_one_per_level_and_the_rest_runs_around_stand_i
     ("sdxl-tiny", ("CrossAttnUpBlock2D", "UNetMidBlock2DCrossAttn", "ResnetBlock2D", "BasicTransformerBlock")),
     ("flux1-tiny", ("FluxTransformerBlock", "FluxSingleTransformerBlock", "FluxAttention")),
 ])
+@pytest.mark.slow
 def test_each_layer_runs_as_often_as_in_the_run_and_inputs_carry_no_summed_gradient(model_config, classes):
     checkpointing = True  # without it every layer runs once per step in both (the other tests' runs)
     flags = ["--model_config", model_config, "--image_size", "32", "--precomputed", "--precision", "amp_bf16",
@@ -433,6 +437,7 @@ def test_one_device_casts_weights_once_per_step_as_the_run_does():
     assert auto.setups[1].weight_casts == "microbatch"  # auto on a CPU: as benchmark.py resolves it
 
 
+@pytest.mark.slow
 def test_each_part_fits_far_inside_what_the_run_holds_sdxl_checkpointed_at_microbatch_32():
     # The case that ran out of memory on an H100 where benchmark.py peaked at 70 GiB: every part of
     # SDXL's step, counted on the meta device for CUDA, needs well under the bytes a one-GPU run holds

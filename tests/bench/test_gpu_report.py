@@ -121,6 +121,7 @@ def test_a_budget_that_holds_no_row_starts_none_and_still_writes_the_report(tmp_
     assert env["commit"] is None or len(env["commit"].split("+")[0]) == 40
 
 
+@pytest.mark.slow
 def test_the_budget_rule_learns_from_the_rows_before():
     estimator = gpu_budget.Estimator(first_flops_per_second=1e12)
     # --smoke's set-ups resolve checkpointing as their CPU run does (`auto`: off); left to `auto` (a GPU's
@@ -157,6 +158,7 @@ def test_the_budget_rule_learns_from_the_rows_before():
 
 
 @pytest.mark.parametrize("smoke", [False, True])
+@pytest.mark.slow
 def test_blocks_rows_are_commands_blocks_py_accepts(tmp_path, smoke):
     import argparse
 
@@ -412,6 +414,7 @@ def _check_planned(rows: list[dict], printed: str) -> None:
         assert row["estimated_seconds"] > gpu_budget.FIRST_STARTUP_SECONDS
 
 
+@pytest.mark.slow
 def test_dry_run_plans_every_sd2_row_of_an_8_x_80gb_node_at_batch_2048(tmp_path, capsys):
     out = tmp_path / "matrix"
     rows = gpu_report.main(["--dry_run", "--gpus", "8", "--gpu_memory_gib", "79.1", "--out", str(out),
@@ -425,6 +428,7 @@ def test_dry_run_plans_every_sd2_row_of_an_8_x_80gb_node_at_batch_2048(tmp_path,
     assert online["online-bf16"] == online["precomputed-bf16"]  # the same UNet activations (no doubling)
 
 
+@pytest.mark.slow
 def test_dry_run_plans_flux_sharded_from_the_memory_model(capsys):
     # Flux.1-schnell's 11.9B parameters only train sharded; checkpointing its blocks fits more images.
     names = ["flux-precomputed-states-bf16-fsdp", "flux-precomputed-states-bf16-fsdp-ckpt",
@@ -441,6 +445,7 @@ def test_dry_run_plans_flux_sharded_from_the_memory_model(capsys):
     assert default["microbatch"] == 64 and default["plan"]["fsdp"] == "shard_grad_op"
 
 
+@pytest.mark.slow
 def test_fp8_goes_to_every_training_row_and_into_its_memory_plan(capsys):
     # MLPerf's set-up with float8 on 8 x 80 GB: the command takes --fp8 and --compile, the microbatch is
     # counted with float8.
@@ -566,6 +571,7 @@ def test_dry_run_of_a_named_gpu_plans_its_memory_and_says_whether_the_budget_hol
     assert row["estimated_seconds"] < 480
 
 
+@pytest.mark.slow
 def test_predictions_of_a_gpu_not_here_rest_on_the_h100s_measurement_and_reproduce_it_on_an_h100(tmp_path, capsys):
     written = tmp_path / "h200.json"
     gpu_report.main(["--dry_run", "--device", "h200", "--rows", "sd2-512-precomputed", "--predictions", str(written)])

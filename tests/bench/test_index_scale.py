@@ -40,6 +40,7 @@ def test_bucket_epoch_counts_what_an_epoch_trains(capsys):
     assert "photos trained" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_data_times_the_bucketed_loader_beside_the_square_one(capsys):
     from tests.helpers import bench_script
 
@@ -165,6 +166,7 @@ def read_before_the_first_step(s3_endpoint, folder, key: str, cache, argv: list[
     return seen
 
 
+@pytest.mark.slow
 def test_a_bucketed_run_reads_only_index_files_before_its_first_step_as_a_square_one(s3_endpoint, tmp_path,
                                                                                       monkeypatch):
     import convert

@@ -53,6 +53,7 @@ def reference():
     return benchmark.main([*RUN, "--device_train_microbatch_size", "2"])
 
 
+@pytest.mark.slow
 def test_an_oom_in_the_first_batch_goes_on_at_half_the_microbatch(reference, capsys):
     injected = InjectOom(fits=2, at_batches={1})
     results = benchmark.main([*RUN, "--device_train_microbatch_size", "8"], extra_callbacks=[injected])
@@ -71,6 +72,7 @@ def test_an_oom_in_the_first_batch_goes_on_at_half_the_microbatch(reference, cap
     assert reference["microbatch_fallbacks"] == []
 
 
+@pytest.mark.slow
 def test_an_oom_after_the_warm_up_stops_the_run_in_one_line():
     # The search ends with the warm-up (2 batches): the measured batches pay no host sync for it, and an
     # OOM there is the one line benchmark.py's command gives (as benchmark.cli wraps main).
@@ -105,6 +107,7 @@ class ClimbingAllocRetries(Callback):
         self.monkeypatch.undo()
 
 
+@pytest.mark.slow
 def test_allocation_retries_in_two_batches_halve_the_next_batch_and_train_none_twice(monkeypatch, capsys):
     # Composer 0.32.1 halves on this by running batch 2 again after its optimizer step: 4 steps for 3 batches.
     climbing = ClimbingAllocRetries(monkeypatch)
@@ -117,6 +120,7 @@ def test_allocation_retries_in_two_batches_halve_the_next_batch_and_train_none_t
     assert sum(b["samples"] for b in results["loss_by_timestep_bin"]) == 3 * 8  # each batch's samples once
 
 
+@pytest.mark.slow
 def test_the_search_covers_the_first_step_with_the_ema_started_late_even_without_warm_up():
     # --warmup_batches 0 searches batch 1 alone; the average, started at the end of batch 2, holds an fp32 copy of
     # the weights from batch 3 on, whose OOM goes on at half the microbatch instead of stopping the run.

@@ -170,6 +170,7 @@ def test_records_keep_annotations_and_profiler_records_out_of_the_ops():
 
 # -- Through benchmark.py ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_real_cpu_profile_adds_up(tmp_path, capsys):
     results = benchmark.main([*TINY_SYNTH, "--max_duration", "4ba", "--warmup_batches", "1", "--profile_batches", "1",
                               "--profile_dir", str(tmp_path / "prof")])
@@ -211,6 +212,7 @@ class CutAfter(Callback):
             raise KeyboardInterrupt(f"cut after batch {self.batch}")
 
 
+@pytest.mark.slow
 def test_a_resumed_run_profiles_the_batches_it_trains_or_says_why_none(tmp_path, capsys):
     run = [*TINY_SYNTH, "--save_folder", str(tmp_path / "run"), "--save_interval", "1ba", "--run_name", "p",
            "--autoresume", "--warmup_batches", "1"]

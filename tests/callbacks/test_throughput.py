@@ -25,6 +25,7 @@ from t2ibench.families import MODEL_CONFIGS
 from tests.helpers import ROOT, Launch, composer_launcher, supervise
 
 
+@pytest.mark.slow
 def test_sd2_base_flops_per_512_image_match_the_reference():
     family = MODEL_CONFIGS["sd2-base"]
     flops = family.flops_per_image("sd2-base", image_size=512)
@@ -61,6 +62,7 @@ def fit(loader: SlowLoader, callback: Throughput) -> dict:
     return callback.summary
 
 
+@pytest.mark.slow
 def test_warmup_batches_are_left_out():
     # 3 slow warm-up batches (2 s each), then 10 fast ones: the figure must be the fast rate. (A fast batch
     # took up to ~50 ms on a loaded 2-core CI machine: 2 s leaves a margin of 4.)
@@ -91,6 +93,7 @@ def test_short_run_excludes_only_the_first_batch():
     assert summary["measured_seconds"] < 1.0
 
 
+@pytest.mark.slow
 def test_pauses_recorded_inside_the_window_are_left_out():
     # A callback that draws samples (here: sleeps 2 s) at batch 6 records the pause in the run's
     # Pauses; Throughput leaves it out of the measured seconds. A pause before the window does not count.

@@ -78,6 +78,7 @@ def _plans(per_device_batch: int = 1024) -> tuple[dict, dict]:
                              activation_checkpointing=checkpointing, **TINY_STEP) for checkpointing in (False, True))
 
 
+@pytest.mark.slow
 def test_auto_weighs_the_largest_microbatch_without_and_with_checkpointing():
     plain, checkpointed = _plans()
     assert checkpointed["microbatch"] > plain["microbatch"] >= 1
@@ -130,6 +131,7 @@ def _step_cost(candidate, sent: float, per_device_batch: int, link_gb_per_sec: f
 
 
 @pytest.mark.parametrize("fsdp", ["none", "shard_grad_op", "full_shard"])
+@pytest.mark.slow
 def test_several_gpus_weigh_the_collectives_each_step_sends(fsdp):
     setup = choose_setup("tiny", 64, TINY_GPU_BYTES, 1024, precision="amp_bf16", fsdp=fsdp, num_gpus=8)
     assert setup.candidates
@@ -148,6 +150,7 @@ def test_several_gpus_weigh_the_collectives_each_step_sends(fsdp):
         assert len({c.traffic_bytes_per_step for c in setup.candidates}) == 1
 
 
+@pytest.mark.slow
 def test_the_collectives_decide_where_fewer_microbatches_send_less_over_a_slow_link():
     # flux1-tiny at 2048x2048 is arithmetic-bound (1.9 TFLOP per image, 87 launches at microbatch 16):
     # a GPU of 10 GiB beside the context fits 16 images without checkpointing, 64 (the per-GPU batch,
@@ -245,6 +248,7 @@ def sdxl_step_ops() -> dict:
     return _printed_json(step_ops.main, SDXL_DEFAULT)
 
 
+@pytest.mark.slow
 def test_defaults_on_an_80gb_h100_checkpoint_sdxl_and_flux_and_not_sd2(sdxl_step_ops):
     # Counted on the meta device for a GPU of 79.1 GiB (an 80 GB H100 as torch reports it), as the
     # bench scripts do: the issue's targets and the set-up keys of both scripts' --json.
@@ -279,6 +283,7 @@ def test_defaults_on_an_80gb_h100_checkpoint_sdxl_and_flux_and_not_sd2(sdxl_step
     assert "the collectives decided it" in flux["activation_checkpointing_reason"]
 
 
+@pytest.mark.slow
 def test_step_ops_json_and_the_sdxl_default_casts_once_per_step(sdxl_step_ops):
     result = sdxl_step_ops
     assert result["weight_casts"] == "step" and result["microbatch"] >= 1

@@ -55,6 +55,7 @@ def run_stack(extra_path: Path | None = None) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_stack_reports_the_torch_it_runs_on():
     done = run_stack()
     assert done.returncode == 0, done.stderr
@@ -161,6 +162,7 @@ def test_metadata_without_a_version_or_with_an_invalid_one_is_named_as_such(tmp_
 
 
 @pytest.mark.parametrize("package, imported", [("transformers", "transformers"), ("coolname", "composer")])
+@pytest.mark.slow
 def test_an_import_that_fails_names_the_package_it_failed_in(tmp_path, package, imported):
     """A broken package, at the pinned version: named, not the module that imported it (coolname is
     imported by Composer alone)."""

@@ -25,6 +25,7 @@ class Recorded:
 
 
 @pytest.mark.parametrize("model_config", ["sdxl-tiny", "flux1-tiny"])
+@pytest.mark.slow
 def test_the_fitted_buckets_flops_are_those_counted_directly(model_config, tmp_path, capsys):
     # The run's own counter (benchmark.bucket_flops) on a list of sides the family divides evenly at
     # every level: pixel counts from 1 to 16 times the smallest's, two buckets of the same count.

@@ -129,6 +129,7 @@ def one_rank_epoch(shards, tmp_path_factory):
     return batches.seen, results, batches.dataloader_len
 
 
+@pytest.mark.slow
 def test_every_batch_holds_one_bucket_with_each_images_own_size_and_crop(one_rank_epoch):
     seen, results, dataloader_len = one_rank_epoch
     assert len(seen) == NUM_PHOTOS // 4 == dataloader_len  # 8 buckets of 8: nothing lost; the length Composer read
@@ -162,6 +163,7 @@ def test_the_results_count_the_images_of_each_bucket(one_rank_epoch):
 
 
 @pytest.mark.parametrize("model_config", ["sdxl-tiny", "flux1-tiny"])
+@pytest.mark.slow
 def test_synthetic_batches_are_drawn_from_the_bucket_weights(model_config):
     batches = Batches()
     weights = "32x128=3,64x64=1"
@@ -185,6 +187,7 @@ SYNTHETIC = ["--image_size", "64", "--use_synth_data", "--batch_size", "2", "--n
 
 
 @pytest.mark.parametrize("model_config", ["sdxl-tiny", "flux1-tiny"])
+@pytest.mark.slow
 def test_flops_per_image_and_mfu_are_those_of_the_buckets_the_window_trained(model_config, tmp_path):
     from t2ibench.families import MODEL_CONFIGS
 
@@ -212,6 +215,7 @@ def test_flops_per_image_and_mfu_are_those_of_the_buckets_the_window_trained(mod
     assert results["flops_per_image_breakdown"] == counted["64x64"]  # the square's (--image_size), as before
 
 
+@pytest.mark.slow
 def test_a_square_runs_flops_per_image_and_mfu_are_the_squares():
     from t2ibench.families import MODEL_CONFIGS
 
@@ -263,6 +267,7 @@ SAMPLING = ["--sample_steps", "2", "--sample_interval", "2ba"]  # + --sample_pro
 
 
 @pytest.mark.parametrize("model_config", ["sdxl-tiny", "flux1-tiny"])
+@pytest.mark.slow
 def test_samples_at_sample_size_and_exported_pipelines_generate_at_a_bucket(model_config, tmp_path, monkeypatch):
     from diffusers import DiffusionPipeline
 
@@ -369,6 +374,7 @@ def bucketed_latents(flat_shards, tmp_path_factory):
     return tmp, listed
 
 
+@pytest.mark.slow
 def test_latents_are_stored_in_one_folder_per_bucket_and_train_one_bucket_a_batch(bucketed_latents, tmp_path):
     from streaming import StreamingDataset
 
@@ -497,6 +503,7 @@ def saved_mid_epoch(shards, tmp_path_factory) -> tuple[list[str], Path]:
      "--batch_size 4 then, 8 now; --image_size 64 then, 72 now; --bucket_crop random then, center now"),
     (["--aspect_buckets"], "--aspect_buckets 96x40,64x64,40x96 then, 11 buckets, 128x32 ... 32x128 now"),
 ])  # the flag left out: the bucket folders are refused first (test_latents_of_other_buckets_..._refused)
+@pytest.mark.slow
 def test_a_mid_epoch_resume_that_would_change_the_samples_of_a_step_is_refused_in_one_line(saved_mid_epoch, change,
                                                                                             expected):
     run, tmp = saved_mid_epoch
@@ -530,6 +537,7 @@ def saved_at_an_epochs_start(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_synthetic_bucket_weights_change_at_an_epochs_start_saying_so_and_are_refused_mid_epoch(
         saved_at_an_epochs_start, tmp_path, capsys):
     run = SYNTHETIC_DEFAULT_LIST

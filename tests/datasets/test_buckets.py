@@ -268,6 +268,7 @@ def test_the_node_layout_is_part_of_the_order_the_resume_check_compares(bucket_f
     assert data_order(settings, 8, 1)["nodes"] == 1 and "--num_workers" not in data_order(settings, 8, 1)
 
 
+@pytest.mark.slow
 def test_the_memory_model_counts_the_largest_bucket_in_tokens_for_flux_and_pixels_for_sdxl():
     from t2ibench import memory
     from t2ibench.families import MODEL_CONFIGS

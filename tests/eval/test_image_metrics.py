@@ -111,6 +111,7 @@ def grid_images(path: Path, count: int, size: int = 32) -> torch.Tensor:
     return torch.from_numpy(np.stack(tiles)).permute(0, 3, 1, 2).contiguous()
 
 
+@pytest.mark.slow
 def test_fid_and_clip_score_at_each_evaluation_are_torchmetrics_on_the_drawn_images(run, files):
     results, out, progress = run
     history = results["eval_history"]
@@ -142,6 +143,7 @@ def test_fid_and_clip_score_at_each_evaluation_are_torchmetrics_on_the_drawn_ima
 
 
 @pytest.mark.parametrize("target, converged", [("1e9", True), ("1e-9", False)])
+@pytest.mark.slow
 def test_fid_target_stops_the_run_at_the_first_evaluation_under_it_or_reports_it_unreached(files, target, converged,
                                                                                             capsys):
     results = benchmark.main(args(files, "--fid_target", target))
@@ -159,6 +161,7 @@ def test_fid_target_stops_the_run_at_the_first_evaluation_under_it_or_reports_it
         assert "best loss" not in out
 
 
+@pytest.mark.slow
 def test_inception_fid_weights_load_from_a_file_and_score(tmp_path):
     # torch-fidelity's InceptionV3 with random weights, saved as a user's weights file would be: the
     # path torchmetrics runs with the real file, at 299 px, on a few images.
@@ -184,6 +187,7 @@ def test_inception_fid_weights_load_from_a_file_and_score(tmp_path):
         image_metrics.load_fid(str(tmp_path / "truncated.pth"), 32)
 
 
+@pytest.mark.slow
 def test_missing_and_wrong_files_and_flags_without_what_they_need_fail_in_one_line(files, tmp_path):
     (tmp_path / "notes.txt").write_text("not weights")
     torch.save({"conv.weight": torch.zeros(1)}, tmp_path / "other.pth")
@@ -243,6 +247,7 @@ def test_two_ranks_score_every_ranks_images_as_one_set(files):
     assert entry["clip_score"] == pytest.approx(float(expected), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_clip_model_is_read_from_the_local_hub_cache_by_its_hub_id(files, tmp_path):
     # A hub id already downloaded (the cache's layout: models--ORG--NAME/snapshots/REV, refs/main) is taken
     # without a network; an id the cache lacks is one line.

@@ -75,6 +75,7 @@ class Renamed(SD2):
     denoiser_name = "transformer"
 
 
+@pytest.mark.slow
 def test_a_second_family_is_a_module_and_a_registration(tmp_path, monkeypatch):
     # The registration (families.MODEL_CONFIGS); everything else in the run goes through the interface.
     monkeypatch.setitem(MODEL_CONFIGS, "renamed-tiny", Renamed())

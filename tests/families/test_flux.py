@@ -61,6 +61,7 @@ def test_flux1_tiny_keeps_the_structure_at_a_few_million_parameters(tiny):
     assert {k: tuple(v.shape[1:]) for k, v in conditioning.items()} == FLUX.conditioning_shapes("flux1-tiny")
 
 
+@pytest.mark.slow
 def test_flux1_schnell_flops_per_256px_sample_against_an_independent_count():
     flops = FLUX.flops_per_image("flux1-schnell", 256, vae=False, text_encoders=False)
     analytic = flux.analytic_transformer_flops("flux1-schnell", 256)

@@ -82,6 +82,7 @@ def test_sdxl_tiny_is_a_miniature_of_a_few_million_parameters():
 # FLOPs: flop_counter on meta tensors against a count by hand from the config.
 # -----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_sdxl_base_flops_per_1024_image_equal_a_count_by_hand():
     from t2ibench.costs.scale import PRICED_MODELS
 

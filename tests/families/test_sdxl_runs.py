@@ -125,6 +125,7 @@ def test_latents_store_each_image_size_and_crop_and_both_encoders_outputs(precom
 
 
 @pytest.mark.parametrize("fmt", ["tokens", "text_states"])
+@pytest.mark.slow
 def test_benchmark_trains_sdxl_on_precomputed_latents(precomputed, tmp_path, fmt):
     tmp, _ = precomputed
     save = ["--save_folder", str(tmp_path / "run"), "--save_interval", "1ba"] if fmt == "text_states" else []

@@ -34,6 +34,7 @@ REQUIRED_KEYS = {"activation_bytes_per_image", "fixed_bytes", "microbatch", "tra
     ("tiny", "fp32", "fp32"), ("tiny", "amp_bf16", "autocast"), ("tiny", "amp_bf16", "fp32"),
     ("sdxl-tiny", "amp_bf16", "autocast"), ("flux1-tiny", "amp_bf16", "autocast"), ("flux1-tiny", "fp32", "fp32"),
 ])
+@pytest.mark.slow
 def test_count_matches_a_real_cpu_step(model_config, precision, norm_precision):
     # The same step counted on the meta device (CPU autocast's rules, the CPU's attention kernel)
     # and run for real: what is alive when backward starts is what was saved for backward (measured
@@ -55,6 +56,7 @@ def test_count_matches_a_real_cpu_step(model_config, precision, norm_precision):
     assert measured["op_peak_bytes"] == pytest.approx(counted.backward_peak_bytes, rel=0.01)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_count_matches_a_real_cpu_step():
     # Flux.1's transformer on precomputed text states (no VAE: its convolutions' CPU scratch would
     # be the peak), every block checkpointed: the run keeps each block's inputs, the count too. On
@@ -76,6 +78,7 @@ def test_activation_checkpointing_count_matches_a_real_cpu_step():
 
 
 @pytest.mark.parametrize("model_config", ["tiny", "sdxl-tiny", "flux1-tiny"])
+@pytest.mark.slow
 def test_activation_checkpointing_keeps_less_for_every_family(model_config):
     plain = memory.activation_model(model_config, 64)
     checkpointed = memory.activation_model(model_config, 64, activation_checkpointing=True)
@@ -132,6 +135,7 @@ def test_memory_and_kernel_counts_share_one_meta_step():
     assert counted.microbatch == 2 and counted.saved_bytes > 0
 
 
+@pytest.mark.slow
 def test_json_contract_and_the_microbatch_fits(capsys):
     gib = 2.0  # the tiny model: a microbatch in the hundreds fits in 2 GiB beside the CUDA context
     result = BENCH.main(["--model_config", "tiny", "--image_size", "64", "--gpu_memory_gib", str(gib), "--json"])
@@ -154,6 +158,7 @@ def test_json_contract_and_the_microbatch_fits(capsys):
     assert (figures["family"], figures["fsdp"], figures["precomputed_format"]) == ("sd2", "none", None)
 
 
+@pytest.mark.slow
 def test_flux_defaults_follow_benchmark_flags(capsys):
     # Flux.1 without --fsdp or --precomputed_format: full_shard over the GPUs and stored text
     # states, as benchmark.py resolves them; the encoders are not on the GPU then.
@@ -183,6 +188,7 @@ def test_batches_have_each_familys_keys():
     assert keys["tiny", "tokens"] == {"latent_mean", "latent_logvar", "captions"}
 
 
+@pytest.mark.slow
 def test_encoders_keep_nothing_for_backward():
     # Online and on precomputed latents with token ids, the UNet sees the same inputs and the VAE and
     # text encoder run without gradients: the same bytes per image are saved for backward.
@@ -243,6 +249,7 @@ def _run_args(**overrides) -> argparse.Namespace:
     return argparse.Namespace(**{**flags, **overrides})
 
 
+@pytest.mark.slow
 def test_safe_auto_microbatch_is_the_count_for_the_runs_settings():
     memory_bytes = memory.CUDA_CONTEXT_BYTES + 200 * 2**20  # room for tens of tiny images, not the 1024
     family = family_of("tiny")
@@ -302,6 +309,7 @@ class HostToDevice(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+@pytest.mark.slow
 def test_steady_state_step_copies_nothing_from_host_but_the_batch():
     # The model on the meta device stands in for a GPU: a host tensor used with its tensors must be
     # copied over, and the copy shows as an op from cpu to meta. Every per-microbatch option is on

@@ -58,6 +58,7 @@ class Batches(Callback):
 
 
 @pytest.mark.parametrize("config", list(CASES))
+@pytest.mark.slow
 def test_compiled_blocks_train_as_eager_with_one_graph_per_distinct_block(config, aot_eager, one_thread, tmp_path,
                                                                           capsys):
     extra, text_format = CASES[config]
@@ -99,6 +100,7 @@ class CompileInBatch(Callback):
         self.ends.append(time.perf_counter())
 
 
+@pytest.mark.slow
 def test_seconds_compiling_inside_the_window_are_left_out_of_it(one_thread):
     probe = CompileInBatch(batch=3, seconds=1.0)
     results = benchmark.main([*TINY_2BA, "--max_duration", "4ba"], extra_callbacks=[probe])
@@ -123,6 +125,7 @@ def first_batches(buckets_file: str, image_size: int, num_batches: int, seed: in
     return first
 
 
+@pytest.mark.slow
 def test_bucketed_run_compiles_each_block_once_for_every_bucket(dynamo_eager, one_thread, tmp_path, capsys, monkeypatch):
     # The run turns duck sizing off for the process (t2ibench.train.compiling): on again after this test.
     monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", torch.fx.experimental._config.use_duck_shape)
@@ -167,6 +170,7 @@ class CompileAndLimitInBatch(CompileInBatch):
             double(torch.ones(4))
 
 
+@pytest.mark.slow
 def test_a_buckets_images_per_sec_leave_compiling_out_and_a_limit_reached_is_said(one_thread, tmp_path, monkeypatch,
                                                                                    capsys):
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)

@@ -39,6 +39,7 @@ def run(argv: list[str]) -> tuple[dict, list[float]]:
     return results, losses.values
 
 
+@pytest.mark.slow
 def test_fp8_tensorwise_trains_flux_tiny_to_the_loss_of_the_same_run_without_it(aot_eager):
     plain, plain_losses = run(["--max_duration", "30ba"])
     float8, float8_losses = run(["--max_duration", "30ba", "--fp8", "tensorwise", "--compile"])
@@ -91,6 +92,7 @@ CASES = [(TINY_CONFIGS[i % len(TINY_CONFIGS)], *FLOAT8_CASES[i % len(FLOAT8_CASE
 
 
 @pytest.mark.parametrize("model_config, mode, precision", CASES)
+@pytest.mark.slow
 def test_every_family_trains_in_float8(model_config, mode, precision, capsys, one_thread, dynamo_eager):
     inputs, losses = Float8Inputs(), Losses()
     casts = ["--weight_casts", "step"] if mode == "rowwise" and precision != "fp32" else []
@@ -110,6 +112,7 @@ def test_every_family_trains_in_float8(model_config, mode, precision, capsys, on
     assert results["compile"] and results["compiled_graphs"] > 0
 
 
+@pytest.mark.slow
 def test_blocks_py_times_sdxl_in_rowwise_float8_compiled(dynamo_eager):
     # bench/blocks.py converts with the same t2ibench.train.fp8 and compiles as the run: its UNet levels' blocks,
     # proj_in included, run compiled in float8, each level's compile seconds apart from its timed runs.
@@ -211,6 +214,7 @@ def test_fp8_with_fp16_is_refused_in_one_line():
     assert "--fp8 rowwise with --precision amp_fp16" in str(exit_info.value.code)
 
 
+@pytest.mark.slow
 def test_memory_model_counts_the_float8_weights_kept_for_backward():
     rows = memory.linear_rows_per_sample("flux1-tiny", 64, "text_states")
     model = memory.build_meta_model("flux1-tiny", precomputed=True)

@@ -39,6 +39,7 @@ def _run(tmp_path: Path, *flags: str, callbacks: list[Callback] | None = None) -
     return benchmark.main([*TINY, "--results_json", str(out), *flags], extra_callbacks=callbacks)
 
 
+@pytest.mark.slow
 def test_one_microbatch_per_step_trains_bit_for_bit_as_autocast(tmp_path):
     # A cast is a cast whichever kernel makes it: with one microbatch per step the bf16 copies give
     # the same forward, the same bf16 gradients, the same fp32 gradients after the upcast.
@@ -51,6 +52,7 @@ def test_one_microbatch_per_step_trains_bit_for_bit_as_autocast(tmp_path):
     assert per_step["grad_norm"] == per_microbatch["grad_norm"] > 0
 
 
+@pytest.mark.slow
 def test_several_microbatches_checkpointing_and_clipping_train_bit_for_bit_as_autocast(tmp_path):
     # Autocast adds each microbatch's bf16 weight gradient, upcast, into the fp32 .grad; the copies'
     # hooks add the same bf16 gradient into the same fp32 sum: the same numbers for any number of
@@ -133,6 +135,7 @@ class IndependentNorm(Callback):
 
 
 @pytest.mark.parametrize("weight_casts", ["microbatch", "step"])
+@pytest.mark.slow
 def test_grad_norm_is_the_last_steps_norm_before_clipping(tmp_path, capsys, weight_casts):
     clip = 1e-3  # far below the tiny model's gradient norms: every step is clipped
     independent = IndependentNorm(microbatches_per_step=4)
@@ -286,6 +289,7 @@ def test_weight_casts_step_refused_where_it_cannot_run(flags, expect):
     assert message.startswith("benchmark.py: error: ") and expect in message and "\n" not in message
 
 
+@pytest.mark.slow
 def test_memory_model_counts_the_copies_within_a_real_cpu_step():
     bench_memory = bench_script("memory")
     counted = bench_memory.count_cpu_step("tiny", 64, 2, "amp_bf16", "autocast", weight_casts="step")
@@ -322,6 +326,7 @@ def test_multi_tensor_launches_follow_cudas_chunking():
     assert kernels.multi_tensor_launches([], 2) == 0
 
 
+@pytest.mark.slow
 def test_counted_kernels_are_what_real_cpu_autocast_dispatches():
     # The meta-device count (autocast's rules applied by the memory model's emulation) against the
     # same step run for real under CPU autocast, every op seen below autograd by the same counter.
@@ -358,6 +363,7 @@ def test_counted_kernels_are_what_real_cpu_autocast_dispatches():
     assert sum(counted.kernels.values()) == pytest.approx(sum(real.kernels.values()), rel=0.02)
 
 
+@pytest.mark.slow
 def test_profile_writes_a_trace_and_leaves_the_window(tmp_path):
     result = _run(tmp_path, "--batch_size", "4", "--max_duration", "5ba", "--profile_batches", "2",
                   "--profile_dir", str(tmp_path / "prof"))
