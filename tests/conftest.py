@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 # A CPU run takes the machine's cores for its intra-op threads (t2ibench.train.cpu_threads' rule, shared among
@@ -113,10 +114,12 @@ def commands_share_what_they_count(tmp_path_factory):
 
 def _flop_counts_kept_in(folder: Path) -> None:
     """In a forked command: each family's `flops_per_image` reads a count made before in the session, or makes
-    it and keeps it (written whole, then renamed: a reader never sees half of one)."""
-    from t2ibench.families import FAMILIES
-
-    for family in FAMILIES:
+    it and keeps it (written whole, then renamed: a reader never sees half of one). Only where this process had
+    imported the families: the fork's sys.path is the command's now, which need not reach t2ibench."""
+    families = sys.modules.get("t2ibench.families")
+    if families is None:
+        return
+    for family in families.FAMILIES:
         family.flops_per_image = _kept(family.flops_per_image, type(family).__name__, folder)
 
 
