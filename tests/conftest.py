@@ -120,7 +120,8 @@ def _flop_counts_kept_in(folder: Path) -> None:
     if families is None:
         return
     for family in families.FAMILIES:
-        family.flops_per_image = _kept(family.flops_per_image, type(family).__name__, folder)
+        if getattr(family.flops_per_image, "kept_in", None) != folder:  # a fork of a fork (a rank) has it already
+            family.flops_per_image = _kept(family.flops_per_image, type(family).__name__, folder)
 
 
 def _kept(count, family_name: str, folder: Path):
@@ -135,6 +136,7 @@ def _kept(count, family_name: str, folder: Path):
             partial.write_text(json.dumps(flops))
             os.replace(partial, path)
             return flops
+    flops_per_image.kept_in = folder
     return flops_per_image
 
 
