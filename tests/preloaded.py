@@ -11,7 +11,8 @@ gpu_report.py starting its rows) forks too, so a two-rank launch imports nothing
 What a fork does not give, and where the real interpreter is used instead (`fresh_reason`): a command
 that is not `python SCRIPT|-m MODULE|-c CODE`, an environment that changes what an import reads
 (`IMPORT_TIME_ENV`), a start from another thread than the main one (a fork copies one thread; a lock
-another thread held, inside torch say, would stay held in the child forever), and `T2IBENCH_TEST_FRESH=1`
+another thread held, inside torch say, would stay held in the child forever), a test process in which autograd
+has started its device threads (torch refuses a backward in any fork of it), and `T2IBENCH_TEST_FRESH=1`
 in the environment (every command exec'd, as before: the way to tell a fork's difference from a bug).
 Modules stay as the test process imported them, so a test whose subject is a new process (what it imports,
 tests/commands/test_stack.py; its memory, bench/bench_ema.py's figures) starts it with subprocess.
@@ -87,6 +88,8 @@ def fresh_reason(args, env: dict | None, shell: bool, path_copies_loaded_code: b
         return f"{FRESH}=1"
     if threading.current_thread() is not threading.main_thread():
         return "started from another thread than the main one"
+    if _autograd_threads_started():
+        return "autograd's device threads run in the test process"
     if env is not None:
         changed = [name for name in IMPORT_TIME_ENV if env.get(name) != os.environ.get(name)]
         if changed:
@@ -95,6 +98,25 @@ def fresh_reason(args, env: dict | None, shell: bool, path_copies_loaded_code: b
         if shadowed:
             return f"PYTHONPATH finds {', '.join(shadowed[:3])} elsewhere"
     return None
+
+
+def _autograd_threads_started() -> bool:
+    """Whether autograd has started its device threads in this process (threads named pt_autograd_N). torch then
+    marks every fork of it, and a backward in the fork refuses to run ("Unable to handle autograd's threading in
+    combination with fork-based multiprocessing"). torch 2.14's FSDP2 starts them on a CPU (tests/train/test_fsdp.py's
+    in-process steps); torch 2.7's does not."""
+    try:
+        threads = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for thread in threads:
+        try:
+            with open(f"/proc/self/task/{thread}/comm") as name:
+                if name.read().startswith("pt_autograd_"):
+                    return True
+        except OSError:  # the thread ended meanwhile
+            continue
+    return False
 
 
 class PreloadedPopen(subprocess.Popen):

@@ -3,10 +3,12 @@
 it may be, and the test process's own loader workers survive the fork."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
 import sys
+import threading
 
 import torch
 
@@ -56,6 +58,29 @@ def test_an_environment_read_at_import_or_a_thread_get_a_new_interpreter(tmp_pat
     why = preloaded.fresh_reason([sys.executable, "x.py"], {**os.environ, "PYTHONPATH": str(copy)}, False)
     assert why and "tests" in why
     assert preloaded.fresh_reason([sys.executable, "x.py"], {**os.environ}, False) is None
+
+
+def test_once_autograd_runs_its_device_threads_commands_get_a_new_interpreter(tmp_path):
+    # torch marks every fork of a process whose autograd started its device threads, and a backward there fails
+    # (torch 2.14's FSDP2 starts them on a CPU). A thread named as autograd names them stands in, on any torch.
+    named, release = threading.Event(), threading.Event()
+
+    def autograd_like() -> None:
+        ctypes.CDLL(None).prctl(15, b"pt_autograd_0", 0, 0, 0)  # 15: PR_SET_NAME, this thread's name
+        named.set()
+        release.wait()
+
+    thread = threading.Thread(target=autograd_like, daemon=True)
+    thread.start()
+    named.wait()
+    try:
+        assert "autograd" in preloaded.fresh_reason([sys.executable, "x.py"], None, False)
+        done, seen = run_probe(preloaded.run, tmp_path, "0")
+        assert not seen["forked"] and done.returncode == 0
+    finally:
+        release.set()
+        thread.join()
+    assert preloaded.fresh_reason([sys.executable, "x.py"], None, False) is None
 
 
 def test_the_test_processs_loader_workers_survive_a_forked_command(tmp_path):
