@@ -2,6 +2,7 @@
 through Composer's launcher that a test kills and resumes, and small datasets written by MDSWriter."""
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import io
 import os
@@ -149,9 +150,9 @@ class Launch:
 
 
 def kill_group(pgid: int, timeout_s: float = 60) -> None:
-    """SIGKILL process group `pgid` and return once none of its processes runs on: a killed rank closes its files
-    (and so releases its output folder's lock) as it exits, after the signal, and a run restarted at once (a
-    forked one starts within a second) would find the folder still held."""
+    """SIGKILL process group `pgid` and return once none of its threads runs on: a killed rank closes its files
+    (and so releases its output folder's lock) as its last thread exits, after the signal, and a run restarted at
+    once (a forked one starts within a second) would find the folder still held."""
     os.killpg(pgid, signal.SIGKILL)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(state != "Z" for state in group_states(pgid)):
@@ -159,15 +160,22 @@ def kill_group(pgid: int, timeout_s: float = 60) -> None:
 
 
 def group_states(pgid: int) -> list[str]:
-    """The state letter (/proc/PID/stat) of every process in group `pgid`; an exited one not yet reaped is "Z"."""
+    """The state letter (/proc/PID/task/TID/stat) of every thread of every process in group `pgid`; an exited one
+    is "Z". Every thread, not the process alone: a killed process's first thread shows "Z" while another (one
+    writing a checkpoint, say) is still exiting, and the files they share stay open until the last one has."""
     states = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command's name: state, ppid, pgrp, ...
         except (OSError, IndexError):
             continue
-        if int(fields[2]) == pgid:
-            states.append(fields[0])
+        if int(fields[2]) != pgid:
+            continue
+        for task in stat.parent.glob("task/[0-9]*/stat"):
+            try:
+                states.append(task.read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):  # a thread gone meanwhile
+                continue
     return states
 
 
@@ -209,12 +217,47 @@ def kill_at(launch: Launch, folder: Path, checkpoint: str, then: Callable[[], La
     def step() -> Launch | None:
         if latest(folder) == checkpoint:
             launch.kill()
+            wait_until_unlocked(folder)
             return then()
         if not launch.running():
             pytest.fail(f"the run to kill exited ({launch.proc.returncode}) before writing {checkpoint}:\n"
                         f"{launch.tail()}")
         return None
     return step
+
+
+def wait_until_unlocked(folder: Path, timeout_s: float = 60) -> None:
+    """Return once no process holds `folder`'s output lock (t2ibench's --save_folder flock), as a user would wait for
+    a killed job to be gone before starting it again; fail naming the holders after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{folder} still locked {timeout_s:.0f} s after the kill, held by {holders(folder)}")
+                time.sleep(0.05)
+            else:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return
+    finally:
+        os.close(fd)
+
+
+def holders(folder: Path) -> list[str]:
+    """'PID command' of every process with a descriptor open on `folder`."""
+    found = []
+    for link in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if os.readlink(link) == str(folder):
+                pid = link.parent.parent.name
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{pid} {command[:200]}")
+        except OSError:
+            continue
+    return sorted(set(found))
 
 
 def kill_and_resume(launch: Callable[[str, str], Launch], killed_folder: Path, kill_after: str,
