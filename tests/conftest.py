@@ -4,11 +4,11 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
-import json
 import os
+import pickle
 import subprocess
-import sys
 from pathlib import Path
+from typing import Callable
 
 # A CPU run takes the machine's cores for its intra-op threads (t2ibench.train.cpu_threads' rule, shared among
 # a node's ranks): beside the suite's other worker that oversubscribes the cores, a step many times
@@ -87,16 +87,23 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def commands_share_what_they_count(tmp_path_factory):
-    """Work every command of the session would repeat, done once: the CPU's name and the FLOP counts.
+def counted_once_per_session(tmp_path_factory):
+    """Work the session's tests and commands would repeat, done once: the CPU's name and the meta-device counts.
 
     Composer's Trainer asks py-cpuinfo for the CPU's name each time one is built, to log it, and py-cpuinfo
     reads it in a new interpreter it starts (1.3 s a Trainer; the suite builds hundreds): asked once here, and
-    the forked commands (tests/preloaded.py) inherit the answer. A forked benchmark.py counts the FLOPs of its
-    model on the meta device (3 s of a 5.5 s tiny run), in a copy of this process whose lru_cache dies with it:
-    each count is kept in a folder of the session, shared by the workers, and read back by the forks after.
+    the forked commands (tests/preloaded.py) inherit the answer.
+
+    The counts on the meta device (each family's FLOPs per image, the memory model's activations, a step's
+    kernels) take seconds each, a minute at real size, and depend on their arguments alone. Their lru_caches
+    last one process: each worker counted again what the other had, and a forked command (benchmark.py's FLOPs:
+    3 s of a 5.5 s tiny run) counted in a copy whose cache died with it. Each count is kept in a folder of the
+    session, shared by the workers and the forks; the first to ask makes it, with the project's own code.
     """
     import cpuinfo
+
+    from t2ibench import families
+    from t2ibench.memory import kernels, planning
 
     cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
     cpuinfo.get_cpu_info()
@@ -104,40 +111,36 @@ def commands_share_what_they_count(tmp_path_factory):
     session = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         session = session.parent
-    folder = session / "flop-counts"
+    folder = session / "counts"
     folder.mkdir(exist_ok=True)
-    setup = functools.partial(_flop_counts_kept_in, folder)
-    preloaded.CHILD_SETUP.append(setup)
+    counts = [(planning, "_count_activations", "planning"), (kernels, "count_step_kernels", "kernels"),
+              *((family, "flops_per_image", type(family).__name__) for family in families.FAMILIES)]
+    for owner, name, label in counts:
+        setattr(owner, name, _kept(getattr(owner, name), f"{label}.{name}", folder))
     yield
-    preloaded.CHILD_SETUP.remove(setup)
+    for owner, name, _ in counts:
+        if isinstance(owner, families.ModelFamily):
+            delattr(owner, name)  # the class's method again
+        else:
+            setattr(owner, name, getattr(owner, name).__wrapped__)
 
 
-def _flop_counts_kept_in(folder: Path) -> None:
-    """In a forked command: each family's `flops_per_image` reads a count made before in the session, or makes
-    it and keeps it (written whole, then renamed: a reader never sees half of one). Only where this process had
-    imported the families: the fork's sys.path is the command's now, which need not reach t2ibench."""
-    families = sys.modules.get("t2ibench.families")
-    if families is None:
-        return
-    for family in families.FAMILIES:
-        if getattr(family.flops_per_image, "kept_in", None) != folder:  # a fork of a fork (a rank) has it already
-            family.flops_per_image = _kept(family.flops_per_image, type(family).__name__, folder)
-
-
-def _kept(count, family_name: str, folder: Path):
-    def flops_per_image(config, image_size, *, vae=True, text_encoders=True) -> dict[str, float]:
-        key = repr((family_name, config, image_size, vae, text_encoders))
-        path = folder / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+def _kept(count: Callable, name: str, folder: Path) -> Callable:
+    """`count`, reading a result made before in the session from `folder` or making it and keeping it there
+    (written whole, then renamed: a reader never sees half of one). A count that raises keeps nothing."""
+    @functools.wraps(count)
+    def kept(*args, **kwargs):
+        key = repr((name, args, sorted(kwargs.items())))
+        path = folder / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pickle"
         try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            flops = count(config, image_size, vae=vae, text_encoders=text_encoders)
+            return pickle.loads(path.read_bytes())
+        except (OSError, pickle.UnpicklingError, EOFError):
+            result = count(*args, **kwargs)
             partial = path.with_name(f"{path.name}.{os.getpid()}")
-            partial.write_text(json.dumps(flops))
+            partial.write_bytes(pickle.dumps(result))
             os.replace(partial, path)
-            return flops
-    flops_per_image.kept_in = folder
-    return flops_per_image
+            return result
+    return kept
 
 
 @pytest.fixture(scope="module", autouse=True)

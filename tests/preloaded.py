@@ -42,9 +42,6 @@ IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HF_HUB_OFFLINE", "TRAN
                    "PYTHONSAFEPATH", "COVERAGE_PROCESS_START")
 FRESH = "T2IBENCH_TEST_FRESH"
 TORCH_DEFAULT_SEED = 67280421310721  # the seed of torch's default generator in a new process
-# Called in each forked command after it is set up as a new interpreter, before the command runs: what the test
-# session lets its commands share (tests/conftest.py's FLOP counts).
-CHILD_SETUP: list = []
 
 
 def command_of(args: list[str]) -> tuple[str, str, list[str]] | None:
@@ -188,8 +185,6 @@ def _run_in_child(kind: str, target: str, argv: list[str], cwd, env, stdio: tupl
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
                                                    errors="backslashreplace", write_through=True)
     _as_a_new_interpreter(kind, target)
-    for setup in CHILD_SETUP:
-        setup()
     sys.argv = argv
     code = 0
     try:
