@@ -34,6 +34,10 @@ TEXT_STATES_KEY = "text_states"  # the text encoders' states the denoiser attend
 TOKEN_IDS_COLUMN = "token_ids"  # the precomputed column of TOKENS_KEY's ids (the format's first release)
 
 
+# ModelFamily.counted_once's counts (FLOPs: floats), by family, part, configuration and image shape.
+_PART_FLOPS: dict[tuple, Any] = {}
+
+
 @dataclass
 class Parts:
     """A family's modules (diffusers' pipeline names), and which were loaded pretrained.
@@ -316,28 +320,46 @@ class ModelFamily(ABC):
         """FLOPs of one training image, counted on meta tensors: `denoiser_fwd`, `denoiser_fwd_bwd`,
         `vae_encoder`, `text_encoder` (all encoders) and `total` (the step: the denoiser's forward and
         backward and the encoders that run); a part left out (its outputs precomputed) costs 0.
-        `image_size`: the side of a square image, or (height, width) of a bucket."""
-        parts = self.meta_parts(config)
+        `image_size`: the side of a square image, or (height, width) of a bucket. Each part is counted once
+        per process (`counted_once`)."""
         height, width = image_shape(image_size)
-        latent_height, latent_width = height // self.latent_downsample, width // self.latent_downsample
-        noisy = torch.randn(1, self.latent_channels(config), latent_height, latent_width, device="meta")
-        timesteps = torch.full((1,), 500, device="meta")
-        conditioning = {key: torch.randn(1, *shape, device="meta")
-                        for key, shape in self.conditioning_shapes(config).items()}
-        forward, forward_backward = count_forward_backward(
-            lambda: self.predict(parts.denoiser, noisy, timesteps, conditioning))
-        flops = {"denoiser_fwd": forward, "denoiser_fwd_bwd": forward_backward, "vae_encoder": 0.0,
-                 "text_encoder": 0.0}
-        with torch.no_grad():
-            if vae:
-                images = torch.randn(1, 3, height, width, device="meta")
-                flops["vae_encoder"] = count_flops(lambda: parts.vae.encode(images))
-            if text_encoders:
-                ids = {key: torch.zeros(1, *shape, dtype=torch.long, device="meta")
-                       for key, shape in self.text_input_shapes(config).items()}
-                flops["text_encoder"] = count_flops(lambda: self.encode_text(parts.text_encoders, ids))
+        parts = functools.cache(lambda: self.meta_parts(config))  # built only if a part is not counted yet
+
+        def denoiser() -> tuple[float, float]:
+            latent_height, latent_width = height // self.latent_downsample, width // self.latent_downsample
+            noisy = torch.randn(1, self.latent_channels(config), latent_height, latent_width, device="meta")
+            timesteps = torch.full((1,), 500, device="meta")
+            conditioning = {key: torch.randn(1, *shape, device="meta")
+                            for key, shape in self.conditioning_shapes(config).items()}
+            return count_forward_backward(lambda: self.predict(parts().denoiser, noisy, timesteps, conditioning))
+
+        def vae_encoder() -> float:
+            images = torch.randn(1, 3, height, width, device="meta")
+            with torch.no_grad():
+                return count_flops(lambda: parts().vae.encode(images))
+
+        def text_encoder() -> float:
+            ids = {key: torch.zeros(1, *shape, dtype=torch.long, device="meta")
+                   for key, shape in self.text_input_shapes(config).items()}
+            with torch.no_grad():
+                return count_flops(lambda: self.encode_text(parts().text_encoders, ids))
+
+        forward, forward_backward = self.counted_once("denoiser", config, (height, width), denoiser)
+        flops = {"denoiser_fwd": forward, "denoiser_fwd_bwd": forward_backward,
+                 "vae_encoder": self.counted_once("vae_encoder", config, (height, width), vae_encoder) if vae else 0.0,
+                 "text_encoder": self.counted_once("text_encoder", config, None, text_encoder) if text_encoders
+                 else 0.0}
         flops["total"] = flops["denoiser_fwd_bwd"] + flops["vae_encoder"] + flops["text_encoder"]
         return flops
+
+    def counted_once(self, part: str, config: str, shape: tuple[int, int] | None, count: Callable[[], Any]):
+        """`count()` of this family's `part` at `config` and (height, width) `shape`, counted once per
+        process: a plan or a cost table asks for a count with and without each encoder, and the denoiser's
+        count, most of the time (tracing SDXL's ~2,000 modules or Flux.1's 11.9B parameters), is the same."""
+        key = (type(self).__name__, part, config, shape)
+        if key not in _PART_FLOPS:
+            _PART_FLOPS[key] = count()
+        return _PART_FLOPS[key]
 
     # -- use ---------------------------------------------------------------------------------------
     @abstractmethod

@@ -305,9 +305,11 @@ class Flux(ModelFamily):
         if text_encoders:  # each encoder counted once, on its own
             shapes = self.text_input_shapes(config)
             for key, name, ids in (("clip", "text_encoder", "clip_ids"), ("t5", "text_encoder_2", "t5_ids")):
-                with torch.device("meta"), torch.no_grad():
-                    encoder = new_text_encoder(self.text_encoder_classes[name], self.architectures[config][name])
-                    flops[key] = count_flops(lambda: encoder(torch.zeros(1, *shapes[ids], dtype=torch.long)))
+                def count(name: str = name, ids: str = ids) -> float:
+                    with torch.device("meta"), torch.no_grad():
+                        encoder = new_text_encoder(self.text_encoder_classes[name], self.architectures[config][name])
+                        return count_flops(lambda: encoder(torch.zeros(1, *shapes[ids], dtype=torch.long)))
+                flops[key] = self.counted_once(key, config, None, count)
             flops["text_encoder"] = flops["clip"] + flops["t5"]
             flops["total"] += flops["text_encoder"]
         return flops
