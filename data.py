@@ -110,6 +110,9 @@ class NamedShardErrors:
             super().prepare_shard(shard_id, blocking)
         except Exception as error:  # noqa: BLE001 - remembered, then raised as it was
             self._failed_shard = (self._shard_file(shard_id), error)
+            # Every failure, not the last alone: Streaming's download and ready threads can both fail, one
+            # shard each, and `on_exception` must know either thread's error as a shard's.
+            self._shard_errors = [*getattr(self, "_shard_errors", []), error]
             # Streaming 0.13 leaves the shard PREPARING in the state it shares with the other loader
             # workers, which then wait for it forever (a hang with --num_workers 2). Put the state back,
             # so that each worker tries the shard itself, fails the same way and says so.
@@ -129,8 +132,8 @@ class NamedShardErrors:
     def on_exception(self, future: Any) -> None:
         """Streaming's callback on its download threads: a shard failure is raised by the yield loop
         below, in one line; Streaming re-raises it here too, where concurrent.futures only logs a traceback."""
-        failed = getattr(self, "_failed_shard", None)
-        if failed is not None and future.exception() is failed[1]:
+        error = future.exception()
+        if error is not None and any(error is failed for failed in getattr(self, "_shard_errors", [])):
             self._event.set()  # what Streaming does, without the logged traceback
             return
         super().on_exception(future)

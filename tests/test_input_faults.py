@@ -165,6 +165,30 @@ def test_corrupt_zstd_shard_with_two_loader_workers_ends_naming_it(corrupt_shard
     assert "batch_size" not in line
 
 
+def test_a_shard_failure_in_either_of_streamings_threads_is_not_logged_as_a_traceback():
+    # Streaming's download and ready threads may both fail, on one shard each: the callback of the first to
+    # finish saw the other's error as the last one remembered, took its own for another and re-raised it, and
+    # concurrent.futures logged a traceback (seen once under a heavier load, three pytest workers on two cores).
+    from concurrent.futures import Future
+    from threading import Event
+
+    import data
+
+    dataset = object.__new__(data.StreamingImageCaptions)  # the callback's state alone: no shards needed
+    first, second = OSError("shard.00001.mds.zstd: the ready thread's read"), OSError("the download thread's read")
+    dataset._failed_shard, dataset._shard_errors = ("shard.00001.mds.zstd", second), [first, second]
+    dataset._event = Event()
+    for error in (first, second):
+        future = Future()
+        future.set_exception(error)
+        dataset.on_exception(future)  # no raise: the yield loop raises the shard's error, naming it
+        assert dataset._event.is_set()
+    other = Future()
+    other.set_exception(ValueError("not a shard's"))
+    with pytest.raises(ValueError):
+        dataset.on_exception(other)  # anything else, as Streaming does
+
+
 def test_corrupt_zstd_shard_without_workers_is_not_blamed_on_the_batch_size(corrupt_shards, capsys):
     message = error_of(benchmark.cli, [*TINY, "--max_duration", "4ba", "--num_workers", "0", "--local",
                                        str(corrupt_shards), "--allow_random_encoders"], "benchmark.py")
