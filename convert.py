@@ -21,10 +21,8 @@ import contextlib
 import functools
 import io
 import json
-import multiprocessing
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -45,6 +43,7 @@ from t2ibench.core.images import load_image, oriented_size, to_rgb
 from t2ibench.core.locations import (check_output, is_remote, missing_upload_credentials, normalise, scheme,
                                 upload_schemes)
 from t2ibench.core.files import Hold, acquire
+from t2ibench.core.workers import worker_pool
 from t2ibench.core.mds import INDEX_FILE, SHARD_NAME, MDSWriter, codec_problem, missing_shard_files, size_limit_problem
 
 COLUMNS = {"jpg": "bytes", "caption": "str", "key": "str"}  # the output's: what data.StreamingImageCaptions reads
@@ -84,13 +83,6 @@ def prepare(candidate: Candidate, min_size: int = 0, max_size: int = 0,
     buffer = io.BytesIO()
     image.save(buffer, format="JPEG", quality=quality)
     return Candidate(candidate.key, buffer.getvalue(), caption), None, True
-
-
-def _default_sigterm() -> None:
-    """Pool worker start: the default SIGTERM action (exit at once). Importing Composer (data.py
-    does) installs a handler that raises SystemExit instead; a forked worker inherits it and was
-    seen to outlive Pool.terminate(), which then waits for it forever."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _batches(items: Iterator[Candidate], size: int) -> Iterator[list[Candidate]]:
@@ -308,8 +300,7 @@ def _convert(inputs: list[str], out: str, hold: Hold | None, *, fmt: str, compre
     writer = None
     try:
         if workers > 1:
-            context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-            pool = context.Pool(workers, initializer=_default_sigterm)
+            pool = worker_pool(workers)
         writer_kwargs = dict(compression=compression or None, hashes=sorted(hashes), size_limit=size_limit)
         writer = (BucketWriters(output.writer_out, lambda bucket: COLUMNS, **writer_kwargs) if buckets
                   else MDSWriter(out=output.writer_out, columns=COLUMNS, **writer_kwargs))

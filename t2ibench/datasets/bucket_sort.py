@@ -8,10 +8,8 @@ sort_buckets.py is the command; latents.py --aspect_buckets sorts its own chunks
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ from t2ibench.datasets.buckets import Bucket, nearest_bucket
 from t2ibench.core.errors import fail
 from t2ibench.core.files import staged_folder
 from t2ibench.core.mds import INDEX_FILE
+from t2ibench.core.workers import worker_pool
 
 SORTING = ".sorting"  # OUT/.sorting: the sorted parts of the input shards done so far (a rerun resumes there)
 DONE = "done"  # OUT/.sorting/done/NNNNN.json: input shard NNNNN sorted (its samples per bucket)
@@ -122,10 +121,6 @@ def sort_shard(job: SortJob, folder: str, sorting: str, number: int, writer_kwar
     return counts
 
 
-def _worker_start() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as convert.py's pool: exit at once on terminate
-
-
 def _sort_one(task: tuple) -> tuple[int, dict[str, int]]:
     job, folder, sorting, number, writer_kwargs = task
     return number, sort_shard(job, folder, sorting, number, writer_kwargs)
@@ -187,8 +182,7 @@ def sort_dataset(job: SortJob, folder: str, out: str, workers: int, progress: bo
     tasks = [(job, folder, str(sorting), n, writer_kwargs) for n in todo]
     pool = None
     if workers > 1 and len(tasks) > 1:  # started before tqdm's thread, so forking is safe (as convert.py's)
-        context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        pool = context.Pool(min(workers, len(tasks)), initializer=_worker_start)
+        pool = worker_pool(min(workers, len(tasks)))
     bar = tqdm(total=samples, initial=sum(shards[n]["samples"] for n in done), unit=" sample", desc="sort",
                disable=not progress, mininterval=1.0, dynamic_ncols=True, file=sys.stderr)
     try:
