@@ -19,6 +19,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Offline, as every test is, before huggingface_hub reads it at its import: the commands the tests start run
 # in forks of this process (tests/preloaded.py), which see what this process imported with.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Inductor starts a pool of compile processes (a new interpreter importing torch, and its forks) in every
+# process that imports it, for Triton's kernels alone: a CPU's C++ kernels compile on threads whatever this
+# says. The suite's compiling processes (workers, forked runs and their ranks) started one each, 1.35% of the
+# suite's CPU samples (py-spy, 2026-11-29), compiling nothing.
+os.environ.setdefault("TORCH_WARM_POOL", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,18 +1,23 @@
 """tests/preloaded.py: a command run in a fork of the test process behaves as in a new interpreter (argv,
 `__main__`, working directory, environment, streams, warnings, atexit, exit status), a fork is used only where
-it may be, and the test process's own loader workers survive the fork."""
+it may be, and the test process's own loader workers survive the fork; and tests/fork_server.py's stand-ins,
+which a shell script starts by name, run their command as such a fork."""
 from __future__ import annotations
 
 import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import torch
 
 from tests import preloaded
+from tests.fork_server import ForkServer
+from tests.helpers import Launch
 
 PROBE = """
 import atexit, json, os, sys, warnings
@@ -89,3 +94,37 @@ def test_the_test_processs_loader_workers_survive_a_forked_command(tmp_path):
     done, seen = run_probe(preloaded.run, tmp_path, "0")
     assert seen["forked"] and done.returncode == 0
     assert [first.tolist(), *[batch.tolist() for batch in loader]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_a_stand_in_run_by_a_shell_script_is_a_fork_and_ends_as_its_command(tmp_path):
+    # tests/fork_server.py: a script that starts `probe` by name gets the probe's output, working directory and
+    # exit status, from a fork of this process; a script killed while it waits leaves nothing running.
+    (tmp_path / "probe.py").write_text(PROBE)
+    server = ForkServer(tmp_path, {"probe": [sys.executable, str(tmp_path / "probe.py")],
+                                   "sleeper": [sys.executable, "-c", "import sys, time; print(sys.argv, flush=True); "
+                                                                     "time.sleep(600)"]})
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "PROBE": "y"}
+    try:
+        script = Launch(["bash", "-c", "cd / && probe 3; echo status $?"], tmp_path / "probe.log", env=env).start()
+        while script.running():
+            server.poll()
+            time.sleep(0.05)
+        lines = script.output().splitlines()
+        seen = json.loads(next(line for line in lines if line.startswith("{")))  # stderr is in the log too
+        assert seen["forked"] and seen["cwd"] == "/" and seen["probe"] == "y" and seen["argv"][1:] == ["3"]
+        assert lines[-1] == "status 3"
+        assert not server.serving
+
+        waiting = Launch(["bash", "-c", "sleeper a"], tmp_path / "sleeper.log", env=env).start()
+        while not (tmp_path / "sleeper.log").read_text():
+            server.poll()
+            time.sleep(0.05)
+        (command,) = [process for _, process in server.serving]
+        waiting.kill()
+        while server.serving:
+            server.poll()
+            time.sleep(0.05)
+        assert command.poll() == -signal.SIGKILL
+        assert (tmp_path / "sleeper.log").read_text() == "['-c', 'a']\n"
+    finally:
+        server.kill()

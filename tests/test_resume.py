@@ -12,7 +12,10 @@ Every training run here goes through Composer's launcher with two CPU ranks and 
 * scripts/slurm.sbatch run as a job of 2 nodes x 1 process, with stand-ins for `srun` (one task
   per "node", SLURM_NODEID set) and `scontrol`: two Composer launchers on loopback, --world_size 2,
   --node_rank 0 and 1, sharing the save folder as nodes on a shared file system do. Its checkpoint
-  at batch 2 must equal the reference's.
+  at batch 2 must equal the reference's. The `composer` each task execs is a stand-in that runs
+  Composer's launcher (`python -m composer.cli.launcher`, what the console script runs) as a fork of the
+  test process (tests/fork_server.py): as new interpreters the two launchers and their ranks took 58 s of
+  CPU, importing, for two batches.
 
 The runs are started together by one module fixture (each spends most of its time importing, so
 running them side by side roughly halves the wall time) and the tests check their results.
@@ -25,12 +28,14 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.fork_server import ForkServer
 from tests.helpers import (INTERPRETER_BIN, ROOT, TINY_MODEL, TINY_RANKS, Launch, after_exit, assert_tensors_equal,
                            ema_state, free_port, kill_at, latest, load, rank_env, supervise, two_ranks, write_images)
 
@@ -63,10 +68,12 @@ if [[ $1 == show && $2 == hostnames ]]; then printf '127.0.0.1\\nlocalhost\\n'; 
 """
 
 
-def slurm_job(tmp: Path) -> Launch:
-    """scripts/slurm.sbatch as job 4242 on 2 "nodes" of 1 process each, with fake srun/scontrol on PATH."""
+def slurm_job(tmp: Path) -> tuple[Launch, ForkServer]:
+    """scripts/slurm.sbatch as job 4242 on 2 "nodes" of 1 process each, with fake srun/scontrol on PATH, and the
+    server of the `composer` stand-in it finds first there (its launchers and ranks: forks of this process)."""
     bin_dir = tmp / "fake-slurm-bin"
     bin_dir.mkdir()
+    server = ForkServer(bin_dir, {"composer": [sys.executable, "-m", "composer.cli.launcher"]})
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
@@ -74,7 +81,7 @@ def slurm_job(tmp: Path) -> Launch:
                    SLURM_JOB_NODELIST="node[1-2]", SLURM_CPUS_ON_NODE="1", GPUS_PER_NODE="1",
                    MASTER_PORT=str(free_port()), RUN_NAME=SLURM_RUN_NAME, SAVE_FOLDER=str(tmp / "slurm"))
     args = SLURM_RUN + ["--results_json", str(tmp / "slurm.json")]
-    return Launch(["bash", str(ROOT / "scripts" / "slurm.sbatch"), *args], tmp / "slurm.log", env=env)
+    return Launch(["bash", str(ROOT / "scripts" / "slurm.sbatch"), *args], tmp / "slurm.log", env=env), server
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +99,7 @@ def runs(tmp_path_factory):
         return Launch(two_ranks("tests/nan_run.py", *args), tmp / f"{name}.log")
 
     reference, killed = resume_run(ref_dir, "reference"), resume_run(killed_dir, "killed")
-    nan_first, slurm = nan_run("nan-first"), slurm_job(tmp)
+    nan_first, (slurm, composer_forks) = nan_run("nan-first"), slurm_job(tmp)
     found: dict = {}
 
     def resume() -> Launch:
@@ -106,7 +113,7 @@ def runs(tmp_path_factory):
         found["nan_again"] = nan_run("nan-again")
         return found["nan_again"]
 
-    supervise([reference, killed, nan_first, slurm], kill_at(killed, killed_dir, KILL_AFTER, resume),
+    supervise([reference, killed, nan_first, slurm, composer_forks], kill_at(killed, killed_dir, KILL_AFTER, resume),
               after_exit(nan_first, nan_again))
     return dict(tmp=tmp, reference=reference, killed=killed, ref_dir=ref_dir, killed_dir=killed_dir,
                 nan_first=nan_first, nan_dir=nan_dir, slurm=slurm, **found)
