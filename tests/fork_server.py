@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from tests import preloaded
@@ -46,6 +47,8 @@ class ForkServer:
 
     def __init__(self, bin_dir: Path, commands: dict[str, list[str]]):
         self.path = bin_dir / "fork-server.sock"
+        if len(os.fsencode(self.path)) > 100:  # a Unix socket's path holds at most 107 bytes
+            self.path = Path(tempfile.mkdtemp(prefix="fork-server-", dir="/tmp")) / "sock"
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(self.path))
         self.listener.listen()
@@ -125,3 +128,6 @@ class ForkServer:
             connection.close()
         self.serving.clear()
         self.listener.close()
+        self.path.unlink(missing_ok=True)
+        if self.path.parent.name.startswith("fork-server-"):
+            self.path.parent.rmdir()
