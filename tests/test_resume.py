@@ -230,6 +230,10 @@ def test_slurm_script_launches_two_nodes_that_compute_what_one_node_does(runs):
     out = slurm.output()
     assert slurm.proc.returncode == 0, slurm.tail()
     assert "job 4242 (restart 0): 2 nodes x 1 GPUs, master 127.0.0.1:" in out, out[:2000]
+    # The job ran the stand-in's fork of Composer's launcher: what the console script a user's job finds (this
+    # environment's, scripts/slurm.sbatch's `composer`) runs.
+    console_script = (Path(INTERPRETER_BIN) / "composer").read_text()
+    assert "from composer.cli.launcher import main" in console_script and "main()" in console_script
     result = json.loads((runs["tmp"] / "slurm.json").read_text())
     assert result["world_size"] == 2 and result["use_ema"] and result["device_train_microbatch_size"] == 2
     folder = runs["tmp"] / "slurm" / SLURM_RUN_NAME  # SAVE_FOLDER/RUN_NAME, where a requeued job resumes from
